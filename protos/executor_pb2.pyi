@@ -1,0 +1,93 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExecutorDescription(_message.Message):
+    __slots__ = ("model_name", "model_fingerprint", "vocab_size", "max_seq_len", "num_layers", "page_size", "pool_pages", "buckets", "slots", "row_columns", "block_span", "device", "dtype", "layer_begin", "layer_end")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ROW_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SPAN_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    model_fingerprint: str
+    vocab_size: int
+    max_seq_len: int
+    num_layers: int
+    page_size: int
+    pool_pages: int
+    buckets: _containers.RepeatedScalarFieldContainer[int]
+    slots: int
+    row_columns: int
+    block_span: int
+    device: str
+    dtype: str
+    layer_begin: int
+    layer_end: int
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., pool_pages: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., row_columns: _Optional[int] = ..., block_span: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
+class PrefillChunk(_message.Message):
+    __slots__ = ("token_ids", "start", "pages", "sample_slot")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SLOT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: bytes
+    start: int
+    pages: bytes
+    sample_slot: int
+    def __init__(self, token_ids: _Optional[bytes] = ..., start: _Optional[int] = ..., pages: _Optional[bytes] = ..., sample_slot: _Optional[int] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("seq", "bucket", "slots", "row_runs", "cells", "sampler_slots", "sampler_f32", "sampler_i32", "prefill", "mirror")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ROW_RUNS_FIELD_NUMBER: _ClassVar[int]
+    CELLS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_F32_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_I32_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    MIRROR_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    bucket: int
+    slots: bytes
+    row_runs: bytes
+    cells: bytes
+    sampler_slots: bytes
+    sampler_f32: bytes
+    sampler_i32: bytes
+    prefill: _containers.RepeatedCompositeFieldContainer[PrefillChunk]
+    mirror: bytes
+    def __init__(self, seq: _Optional[int] = ..., bucket: _Optional[int] = ..., slots: _Optional[bytes] = ..., row_runs: _Optional[bytes] = ..., cells: _Optional[bytes] = ..., sampler_slots: _Optional[bytes] = ..., sampler_f32: _Optional[bytes] = ..., sampler_i32: _Optional[bytes] = ..., prefill: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., mirror: _Optional[bytes] = ...) -> None: ...
+
+class StepOutput(_message.Message):
+    __slots__ = ("seq", "tokens", "prefill_tokens", "row_mismatches")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROW_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    tokens: bytes
+    prefill_tokens: bytes
+    row_mismatches: int
+    def __init__(self, seq: _Optional[int] = ..., tokens: _Optional[bytes] = ..., prefill_tokens: _Optional[bytes] = ..., row_mismatches: _Optional[int] = ...) -> None: ...
