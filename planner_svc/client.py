@@ -1,0 +1,188 @@
+"""Async client of the planner's API (deltaserve.v1.Planner), plus a health wait usable for any service."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import client_pb2, client_pb2_grpc
+from protos.wire import pack_i32, unpack_i32
+
+FINISH_REASONS = {
+    client_pb2.FINISH_REASON_STOP: "stop",
+    client_pb2.FINISH_REASON_LENGTH: "length",
+    client_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+# Statuses that mean "not up yet": keep polling.
+_NOT_YET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@dataclass(slots=True)
+class Generation:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # stop | length | abort
+    prompt_tokens: int
+
+
+async def wait_serving(
+    channel: grpc.aio.Channel, timeout: float, *, service: str = "", poll_s: float = 0.2
+) -> None:
+    """Polls the standard gRPC health service until it answers SERVING.
+
+    Raises TimeoutError (saying what was last seen) when `timeout` seconds pass first, and the
+    grpc.aio.AioRpcError itself for errors other than "not up yet" (UNIMPLEMENTED: no health service).
+    """
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    last_seen = "no answer"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"not serving after {timeout:g} s ({last_seen})")
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=min(remaining, 2.0))
+        except grpc.aio.AioRpcError as error:
+            if error.code() not in _NOT_YET:
+                raise
+            last_seen = f"{error.code().name}: {error.details()}"
+        else:
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            last_seen = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
+def _chat_messages(chat: Sequence[Mapping[str, str]]) -> client_pb2.ChatMessages:
+    messages = []
+    for i, message in enumerate(chat):
+        if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
+            raise ValueError(f"chat message {i} must be a dict with exactly 'role' and 'content', got {message!r}")
+        messages.append(client_pb2.ChatMessage(role=str(message["role"]), content=str(message["content"])))
+    return client_pb2.ChatMessages(messages=messages)
+
+
+def build_generate_request(
+    *,
+    text: str | None = None,
+    chat: Sequence[Mapping[str, str]] | None = None,
+    token_ids: Sequence[int] | None = None,
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop_token_ids: Iterable[int] = (),
+    ignore_eos: bool = False,
+    request_id: str = "",
+) -> client_pb2.GenerateRequest:
+    """The GenerateRequest for one prompt: exactly one of text, chat or token_ids."""
+    given = [name for name, value in (("text", text), ("chat", chat), ("token_ids", token_ids)) if value is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of text, chat or token_ids (got {', '.join(given) or 'none'})")
+    request = client_pb2.GenerateRequest(
+        request_id=request_id,
+        sampling=client_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+        max_tokens=max_tokens,
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+    )
+    if text is not None:
+        request.text = text
+    elif chat is not None:
+        request.chat.CopyFrom(_chat_messages(chat))
+    else:
+        request.token_ids = pack_i32(token_ids)
+    return request
+
+
+class PlannerClient:
+    """One channel to a planner; use as `async with PlannerClient("host:port") as client:`."""
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self._channel = grpc.aio.insecure_channel(addr)
+        self._stub = client_pb2_grpc.PlannerStub(self._channel)
+
+    async def __aenter__(self) -> PlannerClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def connected(self) -> bool:
+        """Whether the channel holds a live connection (False after a failed connect: the planner is not reachable)."""
+        return self._channel.get_state() == grpc.ChannelConnectivity.READY
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Returns once the planner's health service says SERVING; TimeoutError otherwise."""
+        await wait_serving(self._channel, timeout)
+
+    async def generate(
+        self,
+        *,
+        text: str | None = None,
+        chat: Sequence[Mapping[str, str]] | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        request_id: str = "",
+    ) -> AsyncIterator[client_pb2.GenerateResponse]:
+        """Streams the GenerateResponses of one request (exactly one of text, chat or token_ids).
+
+        Leaving the loop early cancels the call, which the planner treats as an abort.
+        """
+        request = build_generate_request(
+            text=text, chat=chat, token_ids=token_ids, max_tokens=max_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+            request_id=request_id,
+        )
+        call = self._stub.Generate(request)
+        try:
+            async for response in call:
+                yield response
+        finally:
+            call.cancel()
+
+    async def generate_all(self, **request_fields) -> Generation:
+        """Runs one request to its end and gathers what it streamed; takes generate's arguments."""
+        request_id = ""
+        token_ids: list[int] = []
+        text_parts: list[str] = []
+        finish_reason = ""
+        prompt_tokens = 0
+        async for response in self.generate(**request_fields):
+            request_id = request_id or response.request_id
+            prompt_tokens = prompt_tokens or response.prompt_tokens
+            token_ids.extend(unpack_i32(response.token_ids).tolist())
+            text_parts.append(response.text)
+            if response.finish_reason != client_pb2.FINISH_REASON_UNSPECIFIED:
+                finish_reason = FINISH_REASONS[response.finish_reason]
+        if not finish_reason:
+            raise RuntimeError(f"request {request_id!r}: the stream ended without a finish reason")
+        return Generation(request_id, token_ids, "".join(text_parts), finish_reason, prompt_tokens)
+
+    async def abort(self, request_id: str) -> bool:
+        """True when a running or waiting request was aborted; False when unknown or already finished."""
+        reply = await self._stub.Abort(client_pb2.AbortRequest(request_id=request_id))
+        return reply.aborted
+
+    async def model_info(self) -> client_pb2.ModelInfo:
+        return await self._stub.GetModelInfo(client_pb2.ModelInfoRequest())
+
+    async def server_info(self) -> client_pb2.ServerInfo:
+        return await self._stub.GetServerInfo(client_pb2.ServerInfoRequest())

@@ -1,0 +1,183 @@
+"""The step loop of one executor group: plan, send two deep, commit outputs, hand tokens to requests."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import structlog
+
+from planner_svc.link import ExecutorLink
+from planner_svc.requests import Finish, Request
+from planner_svc.scheduler import PlannedStep, Scheduler
+from protos import executor_pb2
+from protos.wire import unpack_i32
+
+log = structlog.get_logger("deltaserve.planner.engine")
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """Tokens for one request since its last event; `finish` set on its last."""
+
+    token_ids: list[int]
+    finish: Finish | None = None
+    error: str | None = None  # the executor was lost: the request ends with UNAVAILABLE
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Host microseconds spent per phase, summed over steps (for the benchmarks)."""
+
+    steps: int = 0
+    plan_us: float = 0.0
+    encode_us: float = 0.0
+    send_us: float = 0.0
+    wait_us: float = 0.0
+    commit_us: float = 0.0
+    plan_bytes: int = 0
+
+
+def to_proto(step: PlannedStep) -> executor_pb2.StepPlan:
+    plan = executor_pb2.StepPlan(seq=step.seq, bucket=step.bucket)
+    delta = step.delta
+    if delta.slots:
+        plan.slots = delta.slots
+    if delta.row_runs:
+        plan.row_runs = delta.row_runs
+    if delta.cells:
+        plan.cells = delta.cells
+    if step.sampler is not None:
+        plan.sampler_slots, plan.sampler_f32, plan.sampler_i32 = step.sampler.pack()
+    for chunk in step.prefill:
+        plan.prefill.add(
+            token_ids=chunk.token_ids, start=chunk.start, pages=chunk.pages, sample_slot=chunk.sample_slot
+        )
+    if step.mirror:
+        plan.mirror = step.mirror
+    return plan
+
+
+class Engine:
+    """Owns a scheduler and a link; one task runs the steps while requests come and go."""
+
+    def __init__(self, scheduler: Scheduler, link: ExecutorLink, inflight_plans: int = 2):
+        self.scheduler = scheduler
+        self.link = link
+        self.inflight_plans = inflight_plans
+        self.times = StepTimes()
+        self.steps = 0
+        self.row_mismatches = 0
+        self._queues: dict[Request, asyncio.Queue[TokenEvent]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._seq = 0
+        self._inflight: deque[int] = deque()
+        self.failure: str | None = None  # set when the executor was lost; new requests are refused
+
+    @property
+    def load(self) -> int:
+        return len(self._queues)
+
+    async def start(self) -> None:
+        await self.link.open()
+        self._task = asyncio.create_task(self._run(), name=f"engine {self.link.address}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.link.close()
+
+    def submit(self, request: Request) -> asyncio.Queue[TokenEvent]:
+        """Queue a request (checked by the scheduler first: ValueError / CapacityError change nothing)."""
+        if self.failure is not None:
+            raise ConnectionError(self.failure)
+        self.scheduler.add(request)
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queues[request] = queue
+        self._wake.set()
+        return queue
+
+    def abort(self, request: Request) -> bool:
+        aborted = self.scheduler.abort(request)
+        queue = self._queues.pop(request, None)
+        if aborted and queue is not None:
+            queue.put_nowait(TokenEvent([], Finish.ABORT))
+        self._wake.set()
+        return aborted
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if len(self._inflight) >= self.inflight_plans:
+                    await self._receive()
+                    continue
+                began = time.perf_counter()
+                step = self.scheduler.plan(self._seq)
+                planned = time.perf_counter()
+                if step is None:
+                    if self._inflight:
+                        await self._receive()
+                    else:
+                        self._wake.clear()
+                        await self._wake.wait()
+                    continue
+                plan = to_proto(step)
+                encoded = time.perf_counter()
+                await self.link.send(plan)
+                sent = time.perf_counter()
+                times = self.times
+                times.plan_us += (planned - began) * 1e6
+                times.encode_us += (encoded - planned) * 1e6
+                times.send_us += (sent - encoded) * 1e6
+                times.plan_bytes += plan.ByteSize()
+                self._inflight.append(self._seq)
+                self._seq += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # the executor is gone: end every request with a clear error
+            log.error("executor link failed", executor=self.link.address, error=repr(error))
+            self.failure = f"executor {self.link.address} failed: {error}"
+            self._fail_all(self.failure)
+
+    async def _receive(self) -> None:
+        began = time.perf_counter()
+        output = await self.link.recv()
+        received = time.perf_counter()
+        seq = self._inflight.popleft()
+        if output.seq != seq:
+            raise RuntimeError(f"executor answered step {output.seq}, expected {seq}")
+        produced = self.scheduler.commit(seq, unpack_i32(output.tokens), unpack_i32(output.prefill_tokens))
+        self.row_mismatches += output.row_mismatches
+        if output.row_mismatches:
+            log.error("row check failed", seq=seq, mismatches=output.row_mismatches)
+        events: dict[Request, TokenEvent] = {}
+        for request, token in produced:
+            event = events.get(request)
+            if event is None:
+                event = events[request] = TokenEvent([])
+            event.token_ids.append(token)
+            event.finish = request.finish
+        for request, event in events.items():
+            queue = self._queues.get(request)
+            if queue is None:
+                continue
+            queue.put_nowait(event)
+            if event.finish is not None:
+                del self._queues[request]
+        self.steps += 1
+        times = self.times
+        times.steps += 1
+        times.wait_us += (received - began) * 1e6
+        times.commit_us += (time.perf_counter() - received) * 1e6
+
+    def _fail_all(self, message: str) -> None:
+        for request, queue in list(self._queues.items()):
+            self.scheduler.abort(request)
+            queue.put_nowait(TokenEvent([], Finish.ABORT, error=message))
+        self._queues.clear()

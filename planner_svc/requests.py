@@ -1,0 +1,78 @@
+"""A request's host truth: prompt, sampling, pages, progress and the tokens it has produced."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Finish(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # queued, no pages yet
+    PREFILL = "prefill"  # pages held, prompt being read chunk by chunk
+    DECODE = "decode"  # prompt read, one token a step
+    DONE = "done"  # finished; pages and slot return once its last step commits
+
+
+@dataclass(slots=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:  # also refuses NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_ids: frozenset[int] = frozenset()
+
+    phase: Phase = Phase.WAITING
+    pages: list[int] = field(default_factory=list)
+    reserved_pages: int = 0  # pages promised at admission and not yet allocated
+    prefilled: int = 0  # prompt tokens written into the pool
+    kv_len: int = 0  # stored length, while the request holds no slot (the mirror has it otherwise)
+    stale: bool = True  # its device row must be written whole before a decode reads it
+    last_seq: int = -1  # the last step that read or wrote its pages or slot
+    output_ids: list[int] = field(default_factory=list)
+    finish: Finish | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def end_len(self) -> int:
+        """Stored length at which the request has been scheduled for all of its max_tokens.
+
+        The prompt's last chunk samples token 1; each decode step at stored length L samples one more,
+        so decode runs while L < prompt_len + max_tokens - 1.
+        """
+        return self.prompt_len + self.max_tokens - 1
+
+    def pages_needed(self, page_size: int) -> int:
+        """Pages for every position it can write: the prompt and all but its last sampled token."""
+        return -(-self.end_len // page_size)

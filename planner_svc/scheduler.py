@@ -1,0 +1,348 @@
+"""Admission against the page budget, chunked prefill, decode row choice and the plan of each step."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner_svc.pages import PagePool
+from planner_svc.requests import Finish, Phase, Request
+from planner_svc.rows import RowDelta, RowMirror
+from planner_svc.sampler_state import SamplerWrites
+from planner_svc.slots import SlotCache
+from protos.layout import RowLayout
+from protos.wire import I32
+
+
+class CapacityError(Exception):
+    """The request can never be served by this pool (RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    request: Request
+    start: int
+    token_ids: bytes  # int32 packed
+    pages: bytes  # int32 packed: the pages covering [0, start + n)
+    sample_slot: int  # 0 unless this chunk ends the prompt
+
+
+@dataclass(slots=True)
+class PlannedStep:
+    """One step as the executor receives it, plus who each row belongs to."""
+
+    seq: int
+    bucket: int = 0
+    rows: list[Request] = field(default_factory=list)  # the real decode rows, in slot order of the bucket
+    delta: RowDelta = field(default_factory=RowDelta)
+    sampler: SamplerWrites | None = None
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    mirror: bytes = b""  # row check: the rows read, as the planner holds them
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    page_size: int
+    pool_pages: int  # page 0 included
+    buckets: tuple[int, ...]
+    max_seq_len: int
+    vocab_size: int
+    prefill_token_budget: int = 2048
+    row_check: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefill_token_budget < 1:
+            raise ValueError(f"prefill_token_budget must be positive, got {self.prefill_token_budget}")
+        self.buckets = tuple(sorted(self.buckets))
+
+
+class Scheduler:
+    """The host truth of one executor group: requests, pages, slots and the row mirror."""
+
+    def __init__(self, config: SchedulerConfig, layout: RowLayout):
+        self.config = config
+        self.layout = layout
+        self.pages = PagePool(config.pool_pages)
+        self.slots = SlotCache(layout.widest_bucket)
+        self.mirror = RowMirror(layout)
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.decoding: list[Request] = []
+        self.committed = -1
+        self._reserved = 0  # pages promised to admitted requests, not yet allocated
+        self._pending_free: list[Request] = []  # done, waiting for the commit of their last step
+        self._steps: dict[int, PlannedStep] = {}  # uncommitted plans
+        self._steady: PlannedStep | None = None  # the last decode step, repeatable while nothing changes
+        self._steady_left = 0  # steps it can repeat before a row crosses a page or reaches its end
+        self._dirty = True
+        self._assigned_seq = -1  # the last step whose reads the slot cache knows
+
+    # --- requests in and out -------------------------------------------------------------------
+
+    def check(self, request: Request) -> None:
+        """Refuse what could never run (ValueError: bad input, CapacityError: too big), and clamp
+        max_tokens to the context. Changes nothing but the request."""
+        limit = self.config.max_seq_len
+        if request.prompt_len >= limit:
+            raise ValueError(f"the prompt has {request.prompt_len} tokens; the model's context is {limit}")
+        ids = np.asarray(request.prompt_ids)
+        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
+        request.max_tokens = min(request.max_tokens, limit - request.prompt_len + 1)
+        need, have = request.pages_needed(self.config.page_size), self.pages.total
+        if need > have:
+            raise CapacityError(f"the request needs {need} KV pages and the pool has {have}")
+
+    def add(self, request: Request) -> None:
+        self.check(request)
+        self.waiting.append(request)
+        self._dirty = True
+
+    def abort(self, request: Request) -> bool:
+        """Finish it as aborted; False if it had already finished."""
+        if request.finish is not None:
+            return False
+        if request.phase is Phase.WAITING:
+            self.waiting.remove(request)
+            request.phase = Phase.DONE
+        else:
+            self._retire(request)
+        request.finish = Finish.ABORT
+        self._dirty = True
+        return True
+
+    @property
+    def running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    # --- planning ------------------------------------------------------------------------------
+
+    def plan(self, seq: int) -> PlannedStep | None:
+        """Step `seq`, or None when nothing can run until an output arrives.
+
+        Call only after the commit of step `seq - 2` (two plans in flight at most).
+        """
+        if not self._dirty and self._steady_left > 0:
+            return self._repeat(seq)
+        self._sync_reads()
+        self._dirty = False
+        self._admit()
+        step = PlannedStep(seq)
+        finals = self._plan_prefill(step)
+        room = self.layout.widest_bucket - len(finals)
+        ready = [r for r in self.decoding if r not in finals and self._kv_len(r) < r.end_len]
+        if len(ready) > room:  # more rows than the widest bucket: the least recently run go first
+            ready.sort(key=lambda r: r.last_seq)
+            ready = ready[:room]
+            self._dirty = True  # the rows rotate, so the next step differs
+        if not (step.prefill or ready):
+            self._steady = None
+            return None
+        writes = SamplerWrites()
+        if finals or ready:
+            self._assign(seq, finals + ready)
+        for chunk in step.prefill:
+            if chunk.sample_slot < 0:  # the chunk that ends the prompt samples into its slot
+                chunk.sample_slot = self.slots.slot_of(chunk.request)
+                writes.add(chunk.sample_slot, chunk.request.sampling, last_token=-1)
+            chunk.request.last_seq = seq
+        self._plan_decode(step, ready, writes)
+        step.sampler = writes if writes else None
+        self._steps[seq] = step
+        self._steady = step if step.bucket and not step.prefill else None
+        self._assigned_seq = seq
+        self._steady_left = self._steady_steps(step) if self._steady is not None else 0
+        if self.prefilling or (self.waiting and self._can_admit(self.waiting[0])):
+            self._dirty = True
+        return step
+
+    def _repeat(self, seq: int) -> PlannedStep:
+        """A steady step: same rows, no crossing, nothing new. Only the seq and bucket travel."""
+        last = self._steady
+        self._steady_left -= 1
+        step = PlannedStep(seq, bucket=last.bucket, rows=last.rows)
+        if self.config.row_check:
+            step.mirror = self.mirror.read(self._slots_of(last)).tobytes()
+        self.mirror.advance()
+        for request in last.rows:
+            request.last_seq = seq
+        self._steps[seq] = step
+        self._steady = step
+        return step
+
+    def _sync_reads(self) -> None:
+        """Tell the slot cache about the reads of repeated steps, before it decides anything."""
+        steady = self._steady
+        if steady is not None and steady.seq > self._assigned_seq:
+            self.slots.assign(steady.seq, [r for r in steady.rows if self.slots.slot_of(r) is not None])
+            self._assigned_seq = steady.seq
+
+    def _assign(self, seq: int, requests: list[Request]) -> None:
+        slot_of = self.slots.slot_of
+        missing = sum(1 for r in requests if slot_of(r) is None)
+        # Displacement hands a victim's slot to another row this step: keep the victim's length first.
+        holders = (
+            {r: slot_of(r) for r in self.decoding if slot_of(r) is not None}
+            if missing > self.slots.free_count
+            else {}
+        )
+        assignment = self.slots.assign(seq, requests)
+        for victim in assignment.displaced:
+            if not victim.stale:
+                victim.kv_len = self.mirror.kv_len(holders[victim])
+            victim.stale = True
+        for request in assignment.fresh:
+            request.stale = True
+
+    def _plan_prefill(self, step: PlannedStep) -> list[Request]:
+        """Chunks of admitted prompts up to the token budget; returns the requests whose prompt ends."""
+        budget, finals = self.config.prefill_token_budget, []
+        page_size = self.config.page_size
+        for request in list(self.prefilling):
+            if budget == 0 or len(finals) == self.layout.widest_bucket:
+                break
+            start = request.prefilled
+            end = start + min(request.prompt_len - start, budget)
+            budget -= end - start
+            chunk = PrefillChunk(
+                request,
+                start,
+                np.asarray(request.prompt_ids[start:end], dtype=I32).tobytes(),
+                np.asarray(request.pages[: -(-end // page_size)], dtype=I32).tobytes(),
+                sample_slot=0,
+            )
+            request.prefilled = end
+            if end == request.prompt_len:
+                chunk.sample_slot = -1  # set from this step's slot assignment
+                finals.append(request)
+                self.prefilling.remove(request)
+                request.phase = Phase.DECODE
+                request.kv_len = request.prompt_len
+                request.stale = True
+                self.decoding.append(request)
+            step.prefill.append(chunk)
+        return finals
+
+    def _plan_decode(self, step: PlannedStep, ready: list[Request], writes: SamplerWrites) -> None:
+        if not ready:
+            return
+        page_size = self.config.page_size
+        slot_of = self.slots.slot_of
+        ready.sort(key=slot_of)
+        bucket = next(b for b in self.config.buckets if b >= len(ready))
+        slots = np.zeros(bucket, dtype=I32)
+        whole: list[tuple[int, np.ndarray]] = []
+        cells: list[tuple[int, int, int]] = []
+        for row, request in enumerate(ready):
+            slot = slot_of(request)
+            slots[row] = slot
+            kv_len = self._kv_len(request)
+            if kv_len // page_size == len(request.pages):  # the token lands on a page it lacks
+                request.pages += self._take_reserved(request, 1)
+                if not request.stale:
+                    cells.append((slot, RowLayout.BLOCK_TABLE + len(request.pages) - 1, request.pages[-1]))
+            if request.stale:
+                whole.append((slot, self.mirror.whole_row(kv_len, request.pages)))
+                last = request.output_ids[-1] if request.last_seq <= self.committed else -1
+                writes.add(slot, request.sampling, last_token=last)
+                request.stale = False
+            request.last_seq = step.seq
+        step.bucket = bucket
+        step.rows = ready
+        step.delta = self.mirror.encode(slots, whole, cells)
+        if self.config.row_check:
+            step.mirror = self.mirror.read(slots).tobytes()
+        self.mirror.advance()
+
+    def _steady_steps(self, step: PlannedStep) -> int:
+        """How many next steps can repeat this one: none reads a length that crosses a page or ends."""
+        real = self._slots_of(step)[: len(step.rows)]
+        lens = self.mirror.rows[real, RowLayout.KV_LEN].astype(np.int64)
+        ends = np.fromiter((r.end_len for r in step.rows), dtype=np.int64, count=len(step.rows))
+        return int(min(((-lens) % self.config.page_size).min(), (ends - lens).min()))
+
+    def _slots_of(self, step: PlannedStep) -> np.ndarray:
+        slots = np.zeros(step.bucket, dtype=I32)
+        slots[: len(step.rows)] = [self.slots.slot_of(r) for r in step.rows]
+        return slots
+
+    def _kv_len(self, request: Request) -> int:
+        slot = self.slots.slot_of(request)
+        return request.kv_len if slot is None or request.stale else self.mirror.kv_len(slot)
+
+    # --- admission -----------------------------------------------------------------------------
+
+    def _can_admit(self, request: Request) -> bool:
+        return self.pages.free_count - self._reserved >= request.pages_needed(self.config.page_size)
+
+    def _admit(self) -> None:
+        """First come, first served: the head of the queue waits until its pages are free."""
+        page_size = self.config.page_size
+        while self.waiting and self._can_admit(self.waiting[0]):
+            request = self.waiting.popleft()
+            prompt_pages = -(-request.prompt_len // page_size)
+            request.pages = self.pages.allocate(prompt_pages)
+            request.reserved_pages = request.pages_needed(page_size) - prompt_pages
+            self._reserved += request.reserved_pages
+            request.phase = Phase.PREFILL
+            self.prefilling.append(request)
+
+    def _take_reserved(self, request: Request, n: int) -> list[int]:
+        if request.reserved_pages < n:
+            raise RuntimeError(f"request {request.request_id} outgrew its reserved pages")
+        request.reserved_pages -= n
+        self._reserved -= n
+        return self.pages.allocate(n)
+
+    # --- outputs -------------------------------------------------------------------------------
+
+    def commit(self, seq: int, tokens: np.ndarray, prefill_tokens: np.ndarray) -> list[tuple[Request, int]]:
+        """Step `seq`'s sampled tokens arrived. Returns (request, token) for every token a client gets;
+        a request's `finish` is set on its last one. Tokens of rows that had already finished are dropped."""
+        self._sync_reads()
+        step = self._steps.pop(seq)
+        produced: list[tuple[Request, int]] = []
+        sampled = [(chunk.request, int(t)) for chunk, t in zip(step.prefill, prefill_tokens) if t >= 0]
+        sampled += zip(step.rows, tokens.tolist())
+        for request, token in sampled:
+            if request.finish is not None:
+                continue  # ran once more after its stop; the token is dropped
+            request.output_ids.append(token)
+            produced.append((request, token))
+            if token in request.stop_ids:
+                request.finish = Finish.STOP
+            elif len(request.output_ids) >= request.max_tokens:
+                request.finish = Finish.LENGTH
+            if request.finish is not None:
+                self._retire(request)
+                self._dirty = True
+        self.committed = seq
+        self.slots.commit(seq)
+        self._free_committed()
+        return produced
+
+    def _retire(self, request: Request) -> None:
+        """Leaves the schedule now; its slot cools and its pages return once its last step commits."""
+        self._sync_reads()
+        if request.phase is Phase.PREFILL:
+            self.prefilling.remove(request)
+        elif request.phase is Phase.DECODE:
+            self.decoding.remove(request)
+        request.phase = Phase.DONE
+        self.slots.release(request)
+        self._reserved -= request.reserved_pages
+        request.reserved_pages = 0
+        self._pending_free.append(request)
+        self._free_committed()
+
+    def _free_committed(self) -> None:
+        still = []
+        for request in self._pending_free:
+            if request.last_seq <= self.committed:
+                self.pages.free(request.pages)
+                request.pages = []
+            else:
+                still.append(request)
+        self._pending_free = still

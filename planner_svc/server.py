@@ -1,0 +1,226 @@
+"""The planner's client API over gRPC: Generate, Abort, model and server info, health and reflection."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from planner_svc.config import PlannerConfig
+from planner_svc.engine import Engine, TokenEvent
+from planner_svc.link import CHANNEL_OPTIONS, ExecutorLink, GrpcLink
+from planner_svc.requests import Finish, Request, Sampling
+from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
+from planner_svc.tokenizer import IncrementalDetokenizer, chat_ids, load_tokenizer, text_ids
+from protos import client_pb2, client_pb2_grpc, executor_pb2
+from protos.layout import RowLayout
+from protos.wire import pack_i32, unpack_i32
+
+log = structlog.get_logger("deltaserve.planner")
+
+VERSION = "0.1.0"
+_FINISH = {
+    Finish.STOP: client_pb2.FINISH_REASON_STOP,
+    Finish.LENGTH: client_pb2.FINISH_REASON_LENGTH,
+    Finish.ABORT: client_pb2.FINISH_REASON_ABORT,
+}
+
+
+def build_engine(description: executor_pb2.ExecutorDescription, link: ExecutorLink, config: PlannerConfig) -> Engine:
+    layout = RowLayout(slots=description.slots, block_span=description.block_span)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            page_size=description.page_size,
+            pool_pages=description.pool_pages,
+            buckets=tuple(description.buckets),
+            max_seq_len=description.max_seq_len,
+            vocab_size=description.vocab_size,
+            prefill_token_budget=config.prefill_token_budget,
+            row_check=config.row_check,
+        ),
+        layout,
+    )
+    return Engine(scheduler, link, inflight_plans=config.inflight_plans)
+
+
+class PlannerServicer(client_pb2_grpc.PlannerServicer):
+    def __init__(self, engines: list[Engine], descriptions: list[executor_pb2.ExecutorDescription], tokenizer):
+        self.engines = engines
+        self.description = descriptions[0]
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        self._requests: dict[str, tuple[Request, Engine]] = {}
+
+    def _prompt_ids(self, request: client_pb2.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return text_ids(self.tokenizer, request.text) if request.text else []
+        if kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages:
+                return []
+            if any(not m["role"] for m in messages):
+                raise ValueError("every chat message needs a role")
+            return chat_ids(self.tokenizer, messages)
+        if kind == "token_ids":
+            if len(request.token_ids) % 4:
+                raise ValueError("token_ids must be packed int32 (a multiple of 4 bytes)")
+            return unpack_i32(request.token_ids).tolist()
+        return []
+
+    def _make_request(self, request: client_pb2.GenerateRequest, request_id: str) -> Request:
+        prompt_ids = self._prompt_ids(request)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give text, chat messages or token ids")
+        params = request.sampling
+        sampling = Sampling(
+            temperature=params.temperature,
+            top_p=params.top_p if params.HasField("top_p") else 1.0,
+            top_k=params.top_k,
+            seed=params.seed,
+        )
+        stops = set(request.stop_token_ids)
+        if not request.ignore_eos and self.eos_token_id is not None:
+            stops.add(self.eos_token_id)
+        return Request(request_id, prompt_ids, request.max_tokens, sampling, frozenset(stops))
+
+    async def Generate(self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        request_id = request.request_id or uuid.uuid4().hex
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        try:
+            if request_id in self._requests:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already running")
+            try:
+                req = self._make_request(request, request_id)
+                engine = min(self.engines, key=lambda e: e.load)
+                queue = engine.submit(req)
+            except ValueError as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            except CapacityError as error:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            except ConnectionError as error:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            self._requests[request_id] = (req, engine)
+            log.info("request admitted", prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
+            try:
+                async for response in self._stream(req, queue, context):
+                    yield response
+            finally:
+                self._requests.pop(request_id, None)
+                if req.finish is None:  # the client went away: free its pages and slot
+                    engine.abort(req)
+                    log.info("client disconnected; request aborted")
+        finally:
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _stream(self, req: Request, queue: asyncio.Queue[TokenEvent], context: grpc.aio.ServicerContext):
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        first = True
+        while True:
+            event = await queue.get()
+            while event.finish is None and not queue.empty():  # join what piled up into one message
+                more = queue.get_nowait()
+                event = TokenEvent(event.token_ids + more.token_ids, more.finish, more.error)
+            if event.error is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
+            response = client_pb2.GenerateResponse(
+                request_id=req.request_id,
+                token_ids=pack_i32(event.token_ids),
+                text=detokenizer.add(event.token_ids),
+            )
+            if first:
+                response.prompt_tokens = req.prompt_len
+                first = False
+            if event.finish is not None:
+                response.finish_reason = _FINISH[event.finish]
+                log.info("request finished", finish=event.finish.value, tokens=len(req.output_ids))
+                yield response
+                return
+            yield response
+
+    async def Abort(self, request: client_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+        found = self._requests.get(request.request_id)
+        if found is None:
+            return client_pb2.AbortResponse(aborted=False)
+        req, engine = found
+        return client_pb2.AbortResponse(aborted=engine.abort(req))
+
+    async def GetModelInfo(self, request: client_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
+        d = self.description
+        return client_pb2.ModelInfo(
+            name=d.model_name,
+            vocab_size=d.vocab_size,
+            max_seq_len=d.max_seq_len,
+            eos_token_id=self.eos_token_id if self.eos_token_id is not None else -1,
+            dtype=d.dtype,
+        )
+
+    async def GetServerInfo(self, request: client_pb2.ServerInfoRequest, context: grpc.aio.ServicerContext):
+        d = self.description
+        schedulers = [e.scheduler for e in self.engines]
+        return client_pb2.ServerInfo(
+            version=VERSION,
+            executors=[e.link.address for e in self.engines],
+            page_size=d.page_size,
+            pool_pages=sum(s.pages.total for s in schedulers),
+            free_pages=sum(s.pages.free_count for s in schedulers),
+            slots=sum(s.slots.num_slots - 1 for s in schedulers),
+            free_slots=sum(s.slots.free_count for s in schedulers),
+            buckets=list(d.buckets),
+            running=sum(s.running for s in schedulers),
+            waiting=sum(len(s.waiting) for s in schedulers),
+            steps=sum(e.steps for e in self.engines),
+            device=d.device,
+        )
+
+
+async def start_planner_server(
+    config: PlannerConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    links: list[ExecutorLink] | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """Attach to the executors (waiting until they answer), then serve the client API.
+
+    Returns the started server and its bound port; `server.planner` is the servicer.
+    """
+    if links is None:
+        if not config.executors:
+            raise ValueError("the planner needs at least one executor address")
+        links = [GrpcLink(address) for address in config.executors]
+    descriptions = []
+    for link in links:
+        log.info("waiting for executor", executor=link.address)
+        descriptions.append(await link.describe())
+    fingerprints = {d.model_fingerprint for d in descriptions}
+    if len(fingerprints) > 1:
+        raise ValueError(f"the executors serve different models: {sorted(fingerprints)}")
+    tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
+    engines = [build_engine(d, link, config) for d, link in zip(descriptions, links)]
+    for engine in engines:
+        await engine.start()
+    servicer = PlannerServicer(engines, descriptions, tokenizer)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    client_pb2_grpc.add_PlannerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_names = (client_pb2.DESCRIPTOR.services_by_name["Planner"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection((*service_names, health.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(service_names[0], health_pb2.HealthCheckResponse.SERVING)
+    server.planner = servicer
+    original_stop = server.stop
+
+    async def stop(grace: float | None = None):
+        await original_stop(grace)
+        for engine in engines:
+            await engine.stop()
+
+    server.stop = stop
+    log.info("planner listening", address=f"{host}:{bound}", executors=[link.address for link in links])
+    return server, bound

@@ -1,0 +1,46 @@
+"""Prompts to token ids with the model's own tokenizer and chat template, and tokens back to text."""
+from __future__ import annotations
+
+import os
+
+from executor_svc.model_files import resolve_model_path
+
+
+def load_tokenizer(model: str | None):
+    """The tokenizer of a GGUF file (its vocabulary and chat template) or of a Hugging Face directory."""
+    from transformers import AutoTokenizer  # slow import: only when a planner starts
+
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    return list(ids)
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text)["input_ids"])
+
+
+class IncrementalDetokenizer:
+    """Text for each batch of new tokens, holding back bytes of a character not yet complete."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # tokens before this were emitted and need no context
+        self._read = 0  # tokens up to this have been emitted
+
+    def add(self, token_ids: list[int]) -> str:
+        self._ids.extend(token_ids)
+        decode = self._tokenizer.decode
+        emitted = decode(self._ids[self._prefix : self._read])
+        text = decode(self._ids[self._prefix :])
+        if len(text) <= len(emitted) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(emitted) :]

