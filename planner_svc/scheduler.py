@@ -113,6 +113,16 @@ class Scheduler:
         self._dirty = True
         return True
 
+    def mark_stale(self, requests: list[Request] | None = None) -> None:
+        """Their device rows are no longer trusted (a host-planned step, an executor restart): the next
+        decode that reads them writes them whole. None marks every decoding request."""
+        self._sync_reads()
+        for request in self.decoding if requests is None else requests:
+            if request.phase is Phase.DECODE and not request.stale:
+                request.kv_len = self._kv_len(request)
+                request.stale = True
+        self._dirty = True
+
     @property
     def running(self) -> int:
         return len(self.prefilling) + len(self.decoding)

@@ -1,0 +1,102 @@
+"""Host cost of planning and encoding one decode step, steady and with 10% of rows stale or crossing.
+
+    python bench/planner.py [--steps 2000] [--out docs/bench/planner.json]
+
+Prints one line per case and writes them as JSON (case, rows, plan_us_median, message_bytes, commit).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from planner_svc.engine import to_proto  # noqa: E402
+from planner_svc.requests import Request  # noqa: E402
+from planner_svc.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from protos.layout import RowLayout  # noqa: E402
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def commit_hash() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def measure(rows: int, case: str, steps: int) -> dict:
+    # Page size 10 with lengths staggered: exactly 10% of rows cross a page every step ("crossing").
+    page_size = 10 if case == "crossing" else 16
+    max_seq_len = 8192
+    pool_pages = rows * (max_seq_len // page_size) + 1
+    config = SchedulerConfig(page_size, pool_pages, BUCKETS, max_seq_len, vocab_size=49152,
+                             prefill_token_budget=1 << 20)
+    scheduler = Scheduler(config, RowLayout.build(list(BUCKETS), max_seq_len, page_size, pool_pages))
+    stagger = page_size if case == "crossing" else 1  # steady: every row crosses on the same step
+    requests = [Request(f"r{i}", [1] * (100 + i % stagger), 8000) for i in range(rows)]
+    for request in requests:
+        scheduler.add(request)
+    seq, pending, samples, sizes = 0, [], [], []
+    tokens = np.full(256, 7, dtype=np.int32)
+    rng = np.random.default_rng(0)
+    while seq < steps + 8:
+        if len(pending) >= 2:
+            done = pending.pop(0)
+            scheduler.commit(done.seq, tokens[: done.bucket], np.full(len(done.prefill), 7, np.int32))
+            if case == "stale" and seq > 8:  # 10% of rows lose their device row every step
+                picks = rng.choice(rows, size=max(1, rows // 10), replace=False)
+                scheduler.mark_stale([requests[i] for i in picks])
+        began = time.perf_counter_ns()
+        step = scheduler.plan(seq)
+        message = to_proto(step).SerializeToString()
+        elapsed = time.perf_counter_ns() - began
+        if seq >= 8:  # past the prefill and the first whole-row writes
+            samples.append(elapsed / 1000)
+            sizes.append(len(message))
+        pending.append(step)
+        seq += 1
+    return {
+        "case": case,
+        "rows": rows,
+        "plan_us_median": round(statistics.median(samples), 2),
+        "plan_us_p90": round(float(np.percentile(samples, 90)), 2),
+        "message_bytes": int(statistics.median(sizes)),
+        "message_bytes_max": int(max(sizes)),
+        "steps": len(samples),
+        "commit": commit_hash(),
+        "host": platform.node(),
+        "python": platform.python_version(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--out", default="docs/bench/planner.json")
+    args = parser.parse_args()
+    results = []
+    for case in ("steady", "crossing", "stale"):
+        for rows in (1, 16, 64, 256):
+            result = measure(rows, case, args.steps)
+            results.append(result)
+            print(f"{case:9s} rows={rows:4d}  plan+encode median {result['plan_us_median']:8.2f} us"
+                  f"  p90 {result['plan_us_p90']:8.2f} us  message {result['message_bytes']:6d} B"
+                  f" (max {result['message_bytes_max']})", flush=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
