@@ -1,0 +1,88 @@
+"""End-to-end decode tokens/s through the planner, over gRPC to the executor and over an in-process link.
+
+    python bench/serve_cpu.py [--device cpu] [--concurrency 1,8] [--max-tokens 64] [--out docs/bench/serve_cpu.json]
+
+Both arms serve the same model on the same runner, alternated, two rounds each, so the gRPC hop's cost
+is the difference. Greedy, ignore_eos, a short chat prompt per request.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from executor_svc.config import ExecutorConfig  # noqa: E402
+from executor_svc.runner import build_runner  # noqa: E402
+from executor_svc.server import start_executor_server  # noqa: E402
+from planner_svc.client import PlannerClient  # noqa: E402
+from planner_svc.config import PlannerConfig  # noqa: E402
+from planner_svc.link import GrpcLink, InProcessLink  # noqa: E402
+from planner_svc.server import start_planner_server  # noqa: E402
+
+PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}]
+
+
+async def run_arm(addr: str, concurrency: int, max_tokens: int) -> dict:
+    async with PlannerClient(addr) as client:
+        await client.generate_all(chat=PROMPT, max_tokens=4)  # warm-up
+        began = time.perf_counter()
+        results = await asyncio.gather(*(
+            client.generate_all(chat=PROMPT, max_tokens=max_tokens, ignore_eos=True) for _ in range(concurrency)
+        ))
+        elapsed = time.perf_counter() - began
+    tokens = sum(len(r.token_ids) for r in results)
+    return {"tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed}
+
+
+async def main_async(args) -> list[dict]:
+    runner = await asyncio.to_thread(build_runner, ExecutorConfig(device=args.device, pool_pages=1024,
+                                                                  buckets=(1, 2, 4, 8, 16)))
+    executor_server, executor_port = await start_executor_server(runner)
+    arms = {}
+    servers = [executor_server]
+    for arm, link in (("grpc", GrpcLink(f"127.0.0.1:{executor_port}")), ("in-process", InProcessLink(runner))):
+        server, port = await start_planner_server(PlannerConfig(), port=0, links=[link])
+        servers.append(server)
+        arms[arm] = f"127.0.0.1:{port}"
+    results = []
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    for concurrency in args.concurrency:
+        rounds: dict[str, list[float]] = {arm: [] for arm in arms}
+        for _ in range(2):  # alternated, two rounds each
+            for arm, addr in arms.items():
+                rounds[arm].append((await run_arm(addr, concurrency, args.max_tokens))["tok_s"])
+        for arm, values in rounds.items():
+            result = {"arm": arm, "concurrency": concurrency, "tok_s": round(statistics.mean(values), 1),
+                      "rounds": [round(v, 1) for v in values], "max_tokens": args.max_tokens,
+                      "device": args.device, "commit": commit, "host": platform.node()}
+            results.append(result)
+            print(f"{arm:10s} c={concurrency:3d}  {result['tok_s']:8.1f} tok/s  rounds {result['rounds']}", flush=True)
+    for server in reversed(servers):
+        await server.stop(None)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", default="docs/bench/serve_cpu.json")
+    args = parser.parse_args()
+    results = asyncio.run(main_async(args))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
