@@ -1,0 +1,207 @@
+"""Our Llama over a paged KV pool generates the same greedy tokens as Hugging Face on the same GGUF."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from executor_svc.kv_pool import KVPool
+from executor_svc.model_files import default_model_path
+from executor_svc.models.llama import LlamaModel
+from executor_svc.models.loader import load_model, model_fingerprint
+from tests.hf_reference import EOS_TOKEN_ID, chat_ids, chat_prompts, hf_greedy
+
+NEW_TOKENS = 24
+PAGE_SIZE = 16
+# Not a multiple of the page size, so chunks end mid-page and the next chunk continues that page.
+PREFILL_CHUNK = 300
+BATCH = 16
+
+
+def _prefill(model: LlamaModel, kv: KVPool, prompt: list[int], pages: torch.Tensor) -> int:
+    """Prefill in chunks; returns the first generated token."""
+    ids = torch.tensor(prompt)
+    for start in range(0, len(prompt), PREFILL_CHUNK):
+        logits = model.prefill(ids[start : start + PREFILL_CHUNK], start, pages, kv)
+    return int(logits.argmax())
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    return load_model(default_model_path(), "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, Hugging Face's greedy continuation) per chat prompt."""
+    prompts = [chat_ids(messages) for messages in chat_prompts()]
+    return [(prompt, hf_greedy(prompt, NEW_TOKENS)) for prompt in prompts]
+
+
+@pytest.fixture(scope="module")
+def prefilled(model, cases):
+    """All prompts prefilled into one small pool, each on shuffled (non-contiguous) pages.
+
+    Returns (pool, a copy of its K/V right after prefill, each prompt's pages, each first token).
+    """
+    needs = [math.ceil((len(prompt) + NEW_TOKENS) / PAGE_SIZE) for prompt, _ in cases]
+    kv = model.make_kv_pool(num_pages=1 + sum(needs) + 7, page_size=PAGE_SIZE)
+    free = list(range(1, kv.num_pages))  # page 0 is the sink
+    random.Random(0).shuffle(free)
+    pages = []
+    for need in needs:
+        pages.append(torch.tensor(free[:need], dtype=torch.int32))
+        del free[:need]
+    first_tokens = [_prefill(model, kv, prompt, p) for (prompt, _), p in zip(cases, pages, strict=True)]
+    return kv, (kv.k.clone(), kv.v.clone()), pages, first_tokens
+
+
+def _restore(kv: KVPool, snapshot: tuple[torch.Tensor, torch.Tensor]) -> None:
+    # Decode writes past each prompt; restoring keeps one test's writes from hiding another's misplaced ones.
+    kv.k.copy_(snapshot[0])
+    kv.v.copy_(snapshot[1])
+
+
+def test_prompts_cover_short_and_long(cases):
+    lengths = [len(prompt) for prompt, _ in cases]
+    assert len(lengths) == 8
+    assert all(n > 1000 for n in lengths[5:]) and all(n < 100 for n in lengths[:5])
+    assert min(lengths[5:]) > 3 * PREFILL_CHUNK, "each long prompt takes several prefill chunks"
+
+
+def test_single_row_decode_matches_hf(model, cases, prefilled):
+    kv, snapshot, pages, first_tokens = prefilled
+    _restore(kv, snapshot)
+    for (prompt, expected), row_pages, token in zip(cases, pages, first_tokens, strict=True):
+        block_table = row_pages[None, :]
+        generated = [token]
+        while token != EOS_TOKEN_ID and len(generated) < NEW_TOKENS:
+            kv_len = len(prompt) + len(generated) - 1  # the last token's K/V is not stored yet
+            logits = model.decode(
+                torch.tensor([token]),
+                torch.tensor([kv_len]),
+                torch.tensor([kv_len], dtype=torch.int32),
+                block_table,
+                kv,
+            )
+            token = int(logits[0].argmax())
+            generated.append(token)
+        assert generated == expected, f"prompt of {len(prompt)} tokens diverged"
+
+
+def test_batched_decode_with_padding_matches_hf(model, cases, prefilled):
+    kv, snapshot, pages, first_tokens = prefilled
+    _restore(kv, snapshot)
+    # Real rows scattered among padding rows, so a padding row sits before, between and after them.
+    real_rows = [1, 2, 4, 7, 8, 11, 13, 14]
+    width = max(len(p) for p in pages) + 3
+    block_tables = torch.zeros(BATCH, width, dtype=torch.int32)
+    for row, row_pages in zip(real_rows, pages, strict=True):
+        block_tables[row, : len(row_pages)] = row_pages
+    generated = [[token] for token in first_tokens]
+    active = [token != EOS_TOKEN_ID for token in first_tokens]
+    while any(active):
+        tokens = torch.zeros(BATCH, dtype=torch.long)
+        kv_lens = torch.zeros(BATCH, dtype=torch.int32)
+        tables = torch.zeros_like(block_tables)  # finished rows become padding: sink page, length 0
+        for i, row in enumerate(real_rows):
+            if active[i]:
+                tokens[row] = generated[i][-1]
+                kv_lens[row] = len(cases[i][0]) + len(generated[i]) - 1
+                tables[row] = block_tables[row]
+        logits = model.decode(tokens, kv_lens.long(), kv_lens, tables, kv)
+        assert not logits.isnan().any(), "padding rows must not produce NaN"
+        for i, row in enumerate(real_rows):
+            if active[i]:
+                generated[i].append(int(logits[row].argmax()))
+                active[i] = generated[i][-1] != EOS_TOKEN_ID and len(generated[i]) < NEW_TOKENS
+    for (prompt, expected), got in zip(cases, generated, strict=True):
+        assert got == expected, f"prompt of {len(prompt)} tokens diverged when batched"
+
+
+def test_chunked_prefill_equals_one_shot(model, cases):
+    prompt = cases[6][0]
+    kv = model.make_kv_pool(num_pages=2 + len(prompt) // PAGE_SIZE, page_size=PAGE_SIZE)
+    pages = torch.arange(kv.num_pages - 1, 0, -1, dtype=torch.int32)  # reversed: far from contiguous
+    ids = torch.tensor(prompt)
+    one_shot = model.prefill(ids, 0, pages, kv)
+    for start in range(0, len(prompt), PREFILL_CHUNK):
+        chunked = model.prefill(ids[start : start + PREFILL_CHUNK], start, pages, kv)
+    torch.testing.assert_close(chunked, one_shot, atol=2e-4, rtol=1e-4)
+
+
+def test_fingerprint_is_stable_and_cheap():
+    path = default_model_path()
+    assert model_fingerprint(path) == model_fingerprint(path)
+    assert len(model_fingerprint(path)) == 64
+
+
+def test_safetensors_directory_matches_hf(tmp_path):
+    """A small random Llama saved by transformers (untied head, GQA) loads and decodes as HF generates."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf_config = HFLlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        eos_token_id=319,
+        bos_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )
+    hf = LlamaForCausalLM(hf_config).eval()
+    hf.save_pretrained(tmp_path)
+    ours = load_model(str(tmp_path), "cpu", torch.float32)
+    assert ours.lm_head is not None and ours.config.num_kv_heads == 2 and ours.config.rope_theta == 500.0
+
+    prompt = [5, 17, 42, 99, 3, 250, 8, 61, 14, 77, 200]
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    expected = out[0, len(prompt) :].tolist()
+
+    kv = ours.make_kv_pool(num_pages=12, page_size=4)
+    pages = torch.tensor([9, 2, 7, 4, 11, 1, 5], dtype=torch.int32)
+    ids = torch.tensor(prompt)
+    ours.prefill(ids[:6], 0, pages, kv)
+    generated = [int(ours.prefill(ids[6:], 6, pages, kv).argmax())]
+    while len(generated) < len(expected):
+        kv_len = len(prompt) + len(generated) - 1
+        logits = ours.decode(
+            torch.tensor([generated[-1]]),
+            torch.tensor([kv_len]),
+            torch.tensor([kv_len], dtype=torch.int32),
+            pages[None, :],
+            kv,
+        )
+        generated.append(int(logits[0].argmax()))
+    assert generated == expected
+
+
+def test_unsupported_models_are_refused_clearly(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError, match="'gpt2' is not supported"):
+        load_model(str(tmp_path), "cpu", torch.float32)
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match="neither a .gguf file"):
+        load_model(str(weights), "cpu", torch.float32)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="config.json is missing"):
+        load_model(str(empty), "cpu", torch.float32)
