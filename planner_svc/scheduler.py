@@ -124,6 +124,11 @@ class Scheduler:
         self._dirty = True
 
     @property
+    def idle(self) -> bool:
+        """Nothing queued, running, or waiting for the commit of its last step."""
+        return not (self.waiting or self.prefilling or self.decoding or self._pending_free or self._steps)
+
+    @property
     def running(self) -> int:
         return len(self.prefilling) + len(self.decoding)
 

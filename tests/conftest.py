@@ -30,6 +30,13 @@ class Stack:
     def engine(self):
         return self.planner.engines[0]
 
+    async def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until every request has finished and its last step committed (pages and slots returned)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not self.scheduler.idle:
+            assert asyncio.get_running_loop().time() < deadline, "the planner did not go idle"
+            await asyncio.sleep(0.01)
+
 
 async def start_stack(executor: ExecutorConfig, planner: PlannerConfig | None = None):
     from executor_svc.runner import build_runner

@@ -32,7 +32,7 @@ async def test_one_at_a_time_equals_transformers(smol_stack, hf_answers):
 async def test_all_at_once_equals_transformers(smol_stack, hf_answers):
     """Batched decode in padded buckets, long prompts crossing many pages, chunked prefill."""
     scheduler = smol_stack.scheduler
-    free_pages, free_slots = scheduler.pages.free_count, scheduler.slots.free_count
+    await smol_stack.wait_idle()
     async with PlannerClient(smol_stack.addr) as client:
         results = await asyncio.gather(
             *(client.generate_all(chat=chat, max_tokens=PARITY_TOKENS) for chat, _ in hf_answers)
@@ -41,6 +41,6 @@ async def test_all_at_once_equals_transformers(smol_stack, hf_answers):
         assert got.token_ids == expected
     assert max(got.prompt_tokens for got in results) > 1000
     assert smol_stack.engine.row_mismatches == 0
-    await asyncio.sleep(0.2)  # the last step's commit frees the slots that cooled behind it
-    assert scheduler.pages.free_count == free_pages
-    assert scheduler.slots.free_count == free_slots == scheduler.slots.num_slots - 1
+    await smol_stack.wait_idle()  # the last step's commit frees the pages and slots behind it
+    assert scheduler.pages.free_count == scheduler.pages.total
+    assert scheduler.slots.free_count == scheduler.slots.num_slots - 1
