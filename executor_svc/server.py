@@ -1,0 +1,130 @@
+"""The executor's gRPC service: Describe, and the Steps stream run on one dedicated GPU-loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from executor_svc.runner import PlanError, StepRunner
+from protos import executor_pb2, executor_pb2_grpc
+
+log = structlog.get_logger("deltaserve.executor.server")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+PLANS_IN_FLIGHT = 2  # the step running and the next one (DESIGN §3)
+SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+
+
+class _StreamState:
+    """Shared by one stream's handler and the GPU loop: once set, the stream's queued plans are skipped."""
+
+    __slots__ = ("stopped",)
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+
+_SKIPPED = object()  # a plan queued behind a failed one, or behind the end of its stream
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    """Plans run in order on one worker thread; outputs return in order while later plans are read."""
+
+    def __init__(self, runner: StepRunner) -> None:
+        self._runner = runner
+        self._gpu_loop = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-loop")
+        self._stream_open = False
+
+    async def Describe(
+        self, request: executor_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.ExecutorDescription:
+        return self._runner.describe()
+
+    def _run_on_gpu_loop(self, stream: _StreamState, plan: executor_pb2.StepPlan):
+        """On the GPU-loop thread: run one plan unless its stream has already stopped."""
+        if stream.stopped:
+            return _SKIPPED
+        try:
+            return self._runner.run(plan)
+        except BaseException:
+            stream.stopped = True  # plans behind a failed one must not run on tables it left
+            raise
+
+    async def Steps(
+        self, request_iterator: AsyncIterator[executor_pb2.StepPlan], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[executor_pb2.StepOutput]:
+        if self._stream_open:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Steps stream is already open")
+        self._stream_open = True
+        loop = asyncio.get_running_loop()
+        stream = _StreamState()
+        in_flight = asyncio.Semaphore(PLANS_IN_FLIGHT)
+        results: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
+
+        async def read_plans() -> None:
+            # Reads plan N+1 while plan N runs; a plan is submitted once fewer than two await their output.
+            try:
+                async for plan in request_iterator:
+                    await in_flight.acquire()
+                    results.put_nowait(
+                        loop.run_in_executor(self._gpu_loop, self._run_on_gpu_loop, stream, plan)
+                    )
+            finally:
+                results.put_nowait(None)
+
+        reader = asyncio.create_task(read_plans())
+        log.info("steps stream opened", peer=context.peer())
+        try:
+            while (result := await results.get()) is not None:
+                try:
+                    output = await result
+                except PlanError as err:
+                    log.warning("plan refused", error=str(err))
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                except Exception as err:
+                    log.exception("step failed")
+                    await context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(err).__name__}: {err}")
+                in_flight.release()
+                yield output
+            await reader  # surfaces a broken request stream
+        finally:
+            stream.stopped = True
+            reader.cancel()
+            # A plan not started yet never starts; one running finishes and its result is dropped.
+            while not results.empty():
+                pending = results.get_nowait()
+                if pending is not None:
+                    pending.cancel()
+            self._stream_open = False
+            log.info("steps stream closed", peer=context.peer())
+
+
+async def start_executor_server(
+    runner: StepRunner, host: str = "127.0.0.1", port: int = 0
+) -> tuple[grpc.aio.Server, int]:
+    """Serve Executor, grpc.health.v1 (SERVING) and reflection on host:port (0 = any free port)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(runner), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

@@ -1,0 +1,110 @@
+"""The executor's gRPC service in-process on port 0: Describe, pipelined Steps, refusals, health."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from executor_svc.server import SERVICE_NAME, start_executor_server
+from protos import executor_pb2, executor_pb2_grpc
+from protos.wire import pack_i32
+from tests.test_runner import scripted_plans, tiny_model, tiny_runner
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def served(model):
+    runner = tiny_runner(model)
+    server, port = await start_executor_server(runner, port=0)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield runner, channel
+    await channel.close()
+    await server.stop(None)
+
+
+async def test_describe(served):
+    runner, channel = served
+    described = await executor_pb2_grpc.ExecutorStub(channel).Describe(executor_pb2.DescribeRequest())
+    assert described == runner.describe()
+    assert described.model_name == "tiny-llama"
+
+
+async def test_pipelined_plans_get_their_outputs_in_order(served, model):
+    _, channel = served
+    plans = scripted_plans([2, 0, 1, 0])
+    direct = tiny_runner(model)
+    expected = [direct.run(plan) for plan in plans]
+
+    call = executor_pb2_grpc.ExecutorStub(channel).Steps()
+    for plan in plans[:3]:  # three written before any output is read
+        await call.write(plan)
+    outputs = [await call.read() for _ in range(3)]
+    for plan in plans[3:]:  # then one in, one out
+        await call.write(plan)
+        outputs.append(await call.read())
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+    assert [o.seq for o in outputs] == [p.seq for p in plans]
+    assert outputs == expected
+    assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_a_bad_plan_ends_the_stream_with_invalid_argument(served):
+    runner, channel = served
+    stub = executor_pb2_grpc.ExecutorStub(channel)
+    plans = scripted_plans([1, 2])
+    call = stub.Steps()
+    await call.write(plans[0])
+    assert (await call.read()).seq == plans[0].seq
+    rows = runner.store.rows.clone()
+    await call.write(executor_pb2.StepPlan(seq=2, bucket=2, slots=pack_i32([1, 11])))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await call.read()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "slot 11 is outside [0, 9)" in refused.value.details()
+    assert (runner.store.rows == rows).all()
+
+    # A new stream picks up where the good plans left off.
+    call = stub.Steps()
+    for plan in plans[1:3]:
+        await call.write(plan)
+    assert [(await call.read()).seq for _ in range(2)] == [p.seq for p in plans[1:3]]
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_a_second_stream_is_refused_while_one_is_open(served):
+    _, channel = served
+    stub = executor_pb2_grpc.ExecutorStub(channel)
+    first = stub.Steps()
+    await first.write(scripted_plans([1])[0])
+    await first.read()  # the first stream is open on the server now
+    second = stub.Steps()
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await second.read()
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    await first.done_writing()
+    assert await first.code() == grpc.StatusCode.OK
+
+
+async def test_health_says_serving_and_reflection_lists_the_services(served):
+    _, channel = served
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", SERVICE_NAME):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo()
+    await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+    listed = {s.name for s in (await call.read()).list_services_response.service}
+    await call.done_writing()
+    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= listed

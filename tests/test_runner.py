@@ -1,0 +1,337 @@
+"""The step runner on a tiny random Llama: plans equal direct calls; padding and bad plans change nothing."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from executor_svc.device import resolve_device, resolve_dtype
+from executor_svc.models.llama import LlamaConfig, LlamaModel
+from executor_svc.runner import PlanError, StepRunner
+from executor_svc.sampler import sample
+from executor_svc.tables import SlotStore
+from protos import executor_pb2
+from protos.layout import RowLayout
+from protos.wire import pack_f32, pack_i32, unpack_i32
+
+PAGE = 4
+POOL_PAGES = 32
+BUCKETS = (1, 2, 4)
+TINY = LlamaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    rope_theta=10000.0,
+    rms_eps=1e-5,
+    max_seq_len=64,
+    tie_embeddings=True,
+    eos_token_id=2,
+    bos_token_id=1,
+    name="tiny-llama",
+)
+LAYOUT = RowLayout.build(list(BUCKETS), TINY.max_seq_len, PAGE, POOL_PAGES)  # 9 slots of 3 + 16 columns
+KV_LEN, BLOCK_TABLE = RowLayout.KV_LEN, RowLayout.BLOCK_TABLE
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def tiny_model(seed: int = 0, device: str = "cpu") -> LlamaModel:
+    """Random weights drawn on the CPU, so every device gets the same model."""
+    model = LlamaModel(TINY, device=device, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def tiny_runner(model: LlamaModel) -> StepRunner:
+    """A runner with the row check on, over a fresh KV pool and slot store."""
+    store = SlotStore(LAYOUT, model.device)
+    kv = model.make_kv_pool(POOL_PAGES, PAGE)
+    return StepRunner(model, kv, store, LAYOUT, True, buckets=BUCKETS, fingerprint="tiny")
+
+
+def whole_row(kv_len: int, pages: list[int]) -> list[int]:
+    return [kv_len, 0, 0, *pages]
+
+
+def as_i32(value: int) -> int:
+    """A uint32 as the int32 with the same bits."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def pack_runs(*rows: tuple[int, list[int]]) -> bytes:
+    return pack_i32([v for slot, cells in rows for v in (slot, 0, len(cells), *cells)])
+
+
+def sampler_fields(rows: list[tuple[int, float, float, int, int]]) -> dict[str, bytes]:
+    """rows: (slot, temperature, top_p, top_k, seed); the loop-back token is kept (-1)."""
+    return dict(
+        sampler_slots=pack_i32([r[0] for r in rows]),
+        sampler_f32=pack_f32([(r[1], r[2]) for r in rows]),
+        sampler_i32=pack_i32(
+            [(r[3], as_i32(r[4] & 0xFFFFFFFF), as_i32(r[4] >> 32 & 0xFFFFFFFF), -1) for r in rows]
+        ),
+    )
+
+
+def prefill_chunk(
+    ids: list[int], start: int, pages: list[int], sample_slot: int
+) -> executor_pb2.PrefillChunk:
+    return executor_pb2.PrefillChunk(
+        token_ids=pack_i32(ids), start=start, pages=pack_i32(pages), sample_slot=sample_slot
+    )
+
+
+# Two sequences: A (slot 1, greedy) prefills in one chunk; B (slot 2, seeded) in two chunks over two steps.
+PROMPT_A = [5, 17, 3, 40, 22, 9]
+PROMPT_B = [1, 33, 7, 7, 60, 12, 45, 2, 30]
+PAGES_A = [3, 4, 5, 6]
+PAGES_B = [10, 11, 12, 13, 14]
+SAMPLING_A = (1, 0.0, 1.0, 0, 0)
+SAMPLING_B = (2, 0.9, 0.95, 20, 1234)
+DECODE_STEPS = 5
+
+
+def decode_pages(kv_len: int, pages: list[int]) -> list[int]:
+    """The pages a row holds before decoding at kv_len: those covering [0, kv_len + 1)."""
+    return pages[: kv_len // PAGE + 1]
+
+
+def scripted_plans(slots: list[int]) -> list[executor_pb2.StepPlan]:
+    """Prefill A and B, then decode steps over `slots` (A at slot 1, B at slot 2, zeros pad).
+
+    Rows go whole at the first decode step, holding only the pages they need; each page crossing
+    after that is one cell, as the planner sends them.
+    """
+    bucket = len(slots)
+    plans = [
+        executor_pb2.StepPlan(
+            seq=1,
+            prefill=[
+                prefill_chunk(PROMPT_A, 0, PAGES_A[:2], 1),
+                prefill_chunk(PROMPT_B[:5], 0, PAGES_B[:2], 0),
+            ],
+            **sampler_fields([SAMPLING_A, SAMPLING_B]),
+        ),
+        executor_pb2.StepPlan(seq=2, prefill=[prefill_chunk(PROMPT_B[5:], 5, PAGES_B[:3], 2)]),
+    ]
+    lens = {1: len(PROMPT_A), 2: len(PROMPT_B)}
+    pages = {1: PAGES_A, 2: PAGES_B}
+    for step in range(DECODE_STEPS):
+        plan = executor_pb2.StepPlan(seq=3 + step, bucket=bucket)
+        if step == 0:
+            plan.slots = pack_i32(slots)
+            plan.row_runs = pack_runs(
+                *((s, whole_row(lens[s], decode_pages(lens[s], pages[s]))) for s in (1, 2))
+            )
+        else:
+            crossings = [
+                (s, BLOCK_TABLE + lens[s] // PAGE, pages[s][lens[s] // PAGE])
+                for s in (1, 2)
+                if lens[s] % PAGE == 0
+            ]
+            if crossings:
+                plan.cells = pack_i32(crossings)
+        mirror = np.zeros((bucket, LAYOUT.columns), dtype=np.int32)
+        for row, slot in enumerate(slots):
+            if slot:
+                held = decode_pages(lens[slot], pages[slot])
+                mirror[row, : RowLayout.NARROW + len(held)] = whole_row(lens[slot], held)
+        plan.mirror = mirror.tobytes()
+        plans.append(plan)
+        lens = {s: n + 1 for s, n in lens.items()}
+    return plans
+
+
+def reference_tokens(model: LlamaModel) -> dict[int, list[int]]:
+    """Each sequence on its own through the model and the sampler, batch of one."""
+    kv = model.make_kv_pool(POOL_PAGES, PAGE)
+    device = model.device
+    out = {}
+    for (slot, temperature, top_p, top_k, seed), prompt, pages in (
+        (SAMPLING_A, PROMPT_A, PAGES_A),
+        (SAMPLING_B, PROMPT_B, PAGES_B),
+    ):
+        params = (
+            torch.tensor([temperature], device=device),
+            torch.tensor([top_p], device=device),
+            torch.tensor([top_k], dtype=torch.int32, device=device),
+            torch.tensor([seed], device=device),
+        )
+        ids, page_ids = (
+            torch.tensor(prompt, device=device),
+            torch.tensor(pages, dtype=torch.int32, device=device),
+        )
+        logits = model.prefill(ids, 0, page_ids, kv)
+        tokens = [int(sample(logits[None], *params, torch.tensor([len(prompt)], device=device)))]
+        table = torch.zeros(1, LAYOUT.block_span, dtype=torch.int32, device=device)
+        table[0, : len(pages)] = page_ids
+        for step in range(DECODE_STEPS):
+            position = torch.tensor([len(prompt) + step], device=device)
+            logits = model.decode(
+                torch.tensor([tokens[-1]], device=device), position, position.to(torch.int32), table, kv
+            )
+            tokens.append(int(sample(logits, *params, position + 1)))
+        out[slot] = tokens
+    return out
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def model(request) -> LlamaModel:
+    return tiny_model(device=request.param)
+
+
+def run_script(runner: StepRunner, slots: list[int]) -> dict[int, list[int]]:
+    got: dict[int, list[int]] = {1: [], 2: []}
+    for plan in scripted_plans(slots):
+        output = runner.run(plan)
+        assert output.seq == plan.seq
+        assert output.row_mismatches == 0
+        for chunk, token in zip(plan.prefill, unpack_i32(output.prefill_tokens), strict=True):
+            if chunk.sample_slot:
+                got[chunk.sample_slot].append(int(token))
+            else:
+                assert token == -1
+        tokens = unpack_i32(output.tokens)
+        assert len(tokens) == plan.bucket
+        for row, slot in enumerate(slots if plan.bucket else []):
+            if slot:
+                got[slot].append(int(tokens[row]))
+    return got
+
+
+def test_plans_equal_calling_the_model_directly(model: LlamaModel):
+    runner = tiny_runner(model)
+    assert run_script(runner, [2, 0, 1, 0]) == reference_tokens(model)
+    assert runner.store.rows[1, KV_LEN] == len(PROMPT_A) + DECODE_STEPS
+    assert runner.store.rows[2, KV_LEN] == len(PROMPT_B) + DECODE_STEPS
+
+
+def test_padding_rows_change_nothing(model: LlamaModel):
+    narrow, padded = tiny_runner(model), tiny_runner(model)
+    assert run_script(narrow, [1, 2]) == run_script(padded, [0, 1, 0, 2])
+    for name in ("rows", "last_token", "temperature", "top_p", "top_k", "seed"):
+        assert torch.equal(getattr(narrow.store, name), getattr(padded.store, name)), name
+    assert not padded.store.rows[0].any() and padded.store.last_token[0] == 0
+    # Every page but the sink page (where padding rows write) holds the same K/V, up to the rounding
+    # a wider matmul brings.
+    torch.testing.assert_close(narrow.kv_pool.k[:, 1:], padded.kv_pool.k[:, 1:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(narrow.kv_pool.v[:, 1:], padded.kv_pool.v[:, 1:], rtol=1e-5, atol=1e-5)
+
+
+def test_row_check_counts_cells_that_differ_from_the_mirror(model: LlamaModel):
+    runner = tiny_runner(model)
+    plans = scripted_plans([1, 2])
+    for plan in plans[:2]:
+        runner.run(plan)
+    mirror = unpack_i32(plans[2].mirror).copy()
+    mirror[KV_LEN] += 1
+    mirror[-1] = 7
+    plans[2].mirror = mirror.tobytes()
+    assert runner.run(plans[2]).row_mismatches == 2
+
+
+def test_describe(model: LlamaModel):
+    described = tiny_runner(model).describe()
+    assert described.model_name == "tiny-llama" and described.model_fingerprint == "tiny"
+    assert (described.vocab_size, described.max_seq_len, described.num_layers) == (64, 64, 2)
+    assert (described.page_size, described.pool_pages, list(described.buckets)) == (
+        PAGE,
+        POOL_PAGES,
+        [1, 2, 4],
+    )
+    assert (described.slots, described.row_columns, described.block_span) == (9, 19, 16)
+    assert (described.dtype, described.layer_begin, described.layer_end) == ("float32", 0, 2)
+    assert described.device == str(model.device)
+
+
+def test_device_and_dtype_resolution():
+    auto = resolve_device("auto")
+    assert auto.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_dtype("auto", auto) == (torch.bfloat16 if auto.type == "cuda" else torch.float32)
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_device("tpu")
+    with pytest.raises(ValueError, match="dtype must be"):
+        resolve_dtype("int8", torch.device("cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            resolve_device("cuda:0")
+
+
+BAD_PLANS = [
+    (dict(bucket=3), "bucket 3 is not one of the buckets"),
+    (dict(bucket=2, slots=pack_i32([1])), "1 slots for bucket 2"),
+    (dict(bucket=2, slots=pack_i32([1, 9])), "slot 9 is outside [0, 9)"),
+    (dict(bucket=2, slots=pack_i32([3, 3])), "slot 3 appears more than once"),
+    (dict(bucket=1), "bucket 1 differs from the rows held (bucket 2)"),
+    (dict(slots=b"\x01\x00\x00"), "3 bytes is not a whole number of int32"),
+    (dict(row_runs=pack_runs((0, [0, 0, 0]))), "row_runs: slot 0 is outside [1, 9)"),
+    (dict(row_runs=pack_i32([1, 19, 1, 0])), "row_runs: column 19 is outside [0, 19)"),
+    (dict(row_runs=pack_i32([8, 5, 15, *[0] * 15])), "runs past the last row"),
+    (dict(row_runs=pack_i32([1, 0, 4, 0, 0])), "bytes end first"),
+    (dict(row_runs=pack_runs((1, [3, 0, 0, 32]))), "block-table page value 32 is outside [0, 32)"),
+    (dict(cells=pack_i32([1, 0])), "not a whole number of (slot, col, value) triples"),
+    (dict(cells=pack_i32([1, 25, 0])), "cells: column 25 is outside [0, 19)"),
+    (dict(cells=pack_i32([1, KV_LEN, 65])), "KV_LEN value 65 is outside [0, 65)"),
+    (
+        dict(sampler_slots=pack_i32([1]), sampler_f32=pack_f32([1.0]), sampler_i32=pack_i32([0, 0, 0, -1])),
+        "1 slots need 8 bytes of sampler_f32",
+    ),
+    (sampler_fields([(1, -0.5, 1.0, 0, 0)]), "temperature must be finite and >= 0"),
+    (sampler_fields([(1, 1.0, 0.0, 0, 0)]), "top_p must be in (0, 1]"),
+    (sampler_fields([(1, 1.0, 1.0, -2, 0)]), "top_k must be >= 0"),
+    (dict(prefill=[prefill_chunk([1, 64], 0, [1], 0)]), "token id 64 is outside the vocabulary"),
+    (dict(prefill=[prefill_chunk([1] * 5, 0, [1], 0)]), "need 2 pages of 4, got 1"),
+    (dict(prefill=[prefill_chunk([1], 0, [0], 0)]), "page 0 is outside [1, 32)"),
+    (
+        dict(prefill=[prefill_chunk([1], 63, [1] * 16, 0), prefill_chunk([1, 2], 63, [1] * 17, 0)]),
+        "prefill[1]: positions [63, 65) are outside [0, 64)",
+    ),
+    (dict(prefill=[prefill_chunk([1], 0, [1], 9)]), "sample_slot 9 is outside [0, 9)"),
+    (dict(bucket=1, slots=pack_i32([1]), mirror=pack_i32([0] * 18)), "mirror: 72 bytes, expected 76"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), BAD_PLANS, ids=[message for _, message in BAD_PLANS])
+def test_malformed_plans_are_refused_and_change_nothing(model: LlamaModel, fields: dict, message: str):
+    runner = tiny_runner(model)
+    for plan in scripted_plans([1, 2])[:3]:
+        runner.run(plan)
+    state = {
+        name: getattr(runner.store, name).clone()
+        for name in ("rows", "last_token", "temperature", "top_p", "top_k", "seed", "step_slots")
+    }
+    k, v = runner.kv_pool.k.clone(), runner.kv_pool.v.clone()
+    # Valid writes ride along with the bad field: none of them may land.
+    plan = executor_pb2.StepPlan(
+        seq=9,
+        row_runs=pack_runs((3, [5, 0, 0, 1, 2])),
+        cells=pack_i32([1, KV_LEN, 3]),
+        prefill=[prefill_chunk([4, 5], 0, [20], 4)],
+        **sampler_fields([(4, 0.5, 1.0, 0, 9)]),
+    )
+    if "sampler_slots" in fields or "sampler_f32" in fields:
+        plan.ClearField("sampler_slots"), plan.ClearField("sampler_f32"), plan.ClearField("sampler_i32")
+    if "prefill" in fields:
+        plan.ClearField("prefill")
+    plan.MergeFrom(executor_pb2.StepPlan(**fields))
+    with pytest.raises(PlanError, match=re.escape(message)):
+        runner.run(plan)
+    for name, before in state.items():
+        assert torch.equal(getattr(runner.store, name), before), name
+    assert torch.equal(runner.kv_pool.k, k) and torch.equal(runner.kv_pool.v, v)
+    # The runner still takes good plans afterwards: the next decode step of the script.
+    assert runner.run(scripted_plans([1, 2])[3]).row_mismatches == 0
