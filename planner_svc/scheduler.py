@@ -153,7 +153,7 @@ class Scheduler:
             ready = ready[:room]
             self._dirty = True  # the rows rotate, so the next step differs
         if not (step.prefill or ready):
-            self._steady = None
+            self._steady, self._steady_left = None, 0
             return None
         writes = SamplerWrites()
         if finals or ready:

@@ -1,0 +1,102 @@
+"""What a client sees over real gRPC: seeded sampling, bad input refused cleanly, aborts and disconnects."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from planner_svc.client import PlannerClient
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+CHAT = [{"role": "user", "content": "Write a short poem about autumn leaves."}]
+
+
+async def test_seeded_sampling_repeats_and_seeds_differ(smol_stack):
+    async with PlannerClient(smol_stack.addr) as client:
+        params = dict(chat=CHAT, max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, ignore_eos=True)
+        first, second, other = await asyncio.gather(
+            client.generate_all(seed=7, **params),
+            client.generate_all(seed=7, **params),
+            client.generate_all(seed=8, **params),
+        )
+        alone = await client.generate_all(seed=7, **params)  # a different batch: same tokens
+    assert first.token_ids == second.token_ids == alone.token_ids
+    assert other.token_ids != first.token_ids
+    assert len(first.token_ids) == 16 and first.finish_reason == "length"
+
+
+async def test_text_and_token_id_prompts(smol_stack):
+    async with PlannerClient(smol_stack.addr) as client:
+        by_text = await client.generate_all(text="The capital of France is", max_tokens=5)
+        ids = smol_stack.planner.tokenizer("The capital of France is")["input_ids"]
+        by_ids = await client.generate_all(token_ids=ids, max_tokens=5)
+        info = await client.model_info()
+        server = await client.server_info()
+    assert by_text.token_ids == by_ids.token_ids and by_text.prompt_tokens == len(ids)
+    assert info.vocab_size == 49152 and info.max_seq_len == 8192 and info.eos_token_id == 2
+    assert server.pool_pages == smol_stack.scheduler.pages.total and server.executors
+
+
+async def expect_status(coro, code: grpc.StatusCode, message: str):
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await coro
+    assert caught.value.code() == code, caught.value.details()
+    assert message in caught.value.details()
+
+
+@pytest.mark.parametrize(
+    "fields, code, message",
+    [
+        (dict(text="", max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+        (dict(chat=[], max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+        (dict(token_ids=[1] * 9000, max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "context is 8192"),
+        (dict(text="hi", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be positive"),
+        (dict(text="hi", max_tokens=-3), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be positive"),
+        (dict(text="hi", max_tokens=4, top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
+        (dict(text="hi", max_tokens=4, top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
+        (dict(text="hi", max_tokens=4, temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (dict(text="hi", max_tokens=4, top_k=-1), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+        (dict(token_ids=[5, 49152], max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "token id 49152"),
+        (dict(token_ids=[5, -1], max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "token id -1"),
+    ],
+)
+async def test_bad_input_is_refused_and_changes_nothing(smol_stack, fields, code, message):
+    await smol_stack.wait_idle()
+    pages = smol_stack.scheduler.pages.free_count
+    async with PlannerClient(smol_stack.addr) as client:
+        await expect_status(client.generate_all(**fields), code, message)
+    assert smol_stack.scheduler.idle and smol_stack.scheduler.pages.free_count == pages
+
+
+async def test_duplicate_request_id_and_unknown_abort(smol_stack):
+    async with PlannerClient(smol_stack.addr) as client:
+        stream = client.generate(text="Count to one hundred:", max_tokens=200, ignore_eos=True, request_id="dup")
+        first = await stream.__anext__()
+        assert first.request_id == "dup"
+        await expect_status(
+            client.generate_all(text="hello", max_tokens=2, request_id="dup"),
+            grpc.StatusCode.ALREADY_EXISTS, "already running",
+        )
+        assert await client.abort("no-such-request") is False  # idempotent, not an error
+        assert await client.abort("dup") is True
+        rest = [r async for r in stream]
+        assert rest[-1].finish_reason == 3  # FINISH_REASON_ABORT
+        assert await client.abort("dup") is False
+    await smol_stack.wait_idle()
+
+
+async def test_client_disconnect_frees_pages_and_slot(smol_stack):
+    await smol_stack.wait_idle()
+    scheduler = smol_stack.scheduler
+    pages, slots = scheduler.pages.free_count, scheduler.slots.free_count
+    async with PlannerClient(smol_stack.addr) as client:
+        stream = client.generate(text="Tell me everything about the ocean.", max_tokens=500, ignore_eos=True)
+        async for response in stream:
+            if len(response.token_ids) or scheduler.running:
+                break
+        assert scheduler.pages.free_count < pages
+        await stream.aclose()  # the client goes away mid-stream
+    await smol_stack.wait_idle()
+    assert scheduler.pages.free_count == pages and scheduler.slots.free_count == slots
