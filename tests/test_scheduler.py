@@ -202,3 +202,25 @@ def test_soak_kv_and_slot_pressure(seed, pool_pages):
             assert r.output_ids[-1] in r.stop_ids
     assert scheduler.pages.free_count == scheduler.pages.total
     assert scheduler.slots.free_count == scheduler.slots.num_slots - 1
+
+
+def test_steady_message_size_does_not_grow_with_the_batch():
+    from planner_svc.engine import to_proto
+
+    sizes = {}
+    for rows in (1, 16, 64):
+        scheduler = make_scheduler(pool_pages=rows * 20 + 1, buckets=(1, 16, 64), max_seq_len=80, budget=4096,
+                                   row_check=False)
+        for i in range(rows):
+            scheduler.add(req(i, prompt_len=5, max_tokens=60))
+        rng, pending, steady = random.Random(0), [], []
+        for seq in range(12):
+            if len(pending) >= 2:
+                commit(scheduler, pending.pop(0), rng)
+            step = scheduler.plan(seq)
+            pending.append(step)
+            message = to_proto(step)
+            if step.bucket and not (message.slots or message.row_runs or message.cells or message.prefill):
+                steady.append(message.ByteSize())
+        sizes[rows] = max(steady)
+    assert sizes[1] == sizes[16] == sizes[64] <= 8, sizes
