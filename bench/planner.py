@@ -19,10 +19,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planner_svc.engine import to_proto  # noqa: E402
-from planner_svc.requests import Request  # noqa: E402
-from planner_svc.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from protos.layout import RowLayout  # noqa: E402
+from planner_svc.engine import to_proto
+from planner_svc.requests import Request
+from planner_svc.scheduler import Scheduler, SchedulerConfig
+from protos.layout import RowLayout
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

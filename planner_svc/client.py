@@ -1,4 +1,5 @@
 """Async client of the planner's API (deltaserve.v1.Planner), plus a health wait usable for any service."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,7 +48,9 @@ async def wait_serving(
         if remaining <= 0:
             raise TimeoutError(f"not serving after {timeout:g} s ({last_seen})")
         try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=min(remaining, 2.0))
+            reply = await stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=min(remaining, 2.0)
+            )
         except grpc.aio.AioRpcError as error:
             if error.code() not in _NOT_YET:
                 raise
@@ -63,7 +66,9 @@ def _chat_messages(chat: Sequence[Mapping[str, str]]) -> client_pb2.ChatMessages
     messages = []
     for i, message in enumerate(chat):
         if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
-            raise ValueError(f"chat message {i} must be a dict with exactly 'role' and 'content', got {message!r}")
+            raise ValueError(
+                f"chat message {i} must be a dict with exactly 'role' and 'content', got {message!r}"
+            )
         messages.append(client_pb2.ChatMessage(role=str(message["role"]), content=str(message["content"])))
     return client_pb2.ChatMessages(messages=messages)
 
@@ -83,7 +88,11 @@ def build_generate_request(
     request_id: str = "",
 ) -> client_pb2.GenerateRequest:
     """The GenerateRequest for one prompt: exactly one of text, chat or token_ids."""
-    given = [name for name, value in (("text", text), ("chat", chat), ("token_ids", token_ids)) if value is not None]
+    given = [
+        name
+        for name, value in (("text", text), ("chat", chat), ("token_ids", token_ids))
+        if value is not None
+    ]
     if len(given) != 1:
         raise ValueError(f"give exactly one of text, chat or token_ids (got {', '.join(given) or 'none'})")
     request = client_pb2.GenerateRequest(
@@ -120,7 +129,7 @@ class PlannerClient:
         await self._channel.close()
 
     def connected(self) -> bool:
-        """Whether the channel holds a live connection (False after a failed connect: the planner is not reachable)."""
+        """Whether the channel holds a live connection (not after a failed connect: nothing answered)."""
         return self._channel.get_state() == grpc.ChannelConnectivity.READY
 
     async def wait_ready(self, timeout: float) -> None:
@@ -147,8 +156,16 @@ class PlannerClient:
         Leaving the loop early cancels the call, which the planner treats as an abort.
         """
         request = build_generate_request(
-            text=text, chat=chat, token_ids=token_ids, max_tokens=max_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+            text=text,
+            chat=chat,
+            token_ids=token_ids,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
             request_id=request_id,
         )
         call = self._stub.Generate(request)

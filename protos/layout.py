@@ -36,7 +36,7 @@ class RowLayout:
         return (self.slots - 1) // 2
 
     @classmethod
-    def build(cls, buckets: list[int], max_seq_len: int, page_size: int, pool_pages: int) -> "RowLayout":
+    def build(cls, buckets: list[int], max_seq_len: int, page_size: int, pool_pages: int) -> RowLayout:
         """S = 2*B + 1 for the widest bucket B; W = min(ceil(max_seq_len / page_size), pool_pages)."""
         span = min(-(-max_seq_len // page_size), pool_pages)
         return cls(slots=2 * max(buckets) + 1, block_span=span)

@@ -10,8 +10,8 @@ import pytest_asyncio
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from executor_svc.config import ExecutorConfig  # noqa: E402
-from planner_svc.config import PlannerConfig  # noqa: E402
+from executor_svc.config import ExecutorConfig
+from planner_svc.config import PlannerConfig
 
 SMOL_BUCKETS = (1, 2, 4, 8, 16)
 

@@ -13,7 +13,7 @@ from planner_svc.client import PlannerClient
 from planner_svc.config import PlannerConfig
 from planner_svc.link import GrpcLink
 from planner_svc.server import start_planner_server
-from tests.test_runner import BUCKETS, LAYOUT, PAGE, TINY, tiny_model
+from tests.test_runner import BUCKETS, PAGE, TINY, tiny_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
