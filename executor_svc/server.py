@@ -11,7 +11,8 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from executor_svc.runner import PlanError, StepRunner
+from executor_svc.plan_check import PlanError
+from executor_svc.runner import StepRunner
 from protos import executor_pb2, executor_pb2_grpc
 
 log = structlog.get_logger("deltaserve.executor.server")

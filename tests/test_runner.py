@@ -10,7 +10,8 @@ import torch
 
 from executor_svc.device import resolve_device, resolve_dtype
 from executor_svc.models.llama import LlamaConfig, LlamaModel
-from executor_svc.runner import PlanError, StepRunner
+from executor_svc.plan_check import PlanError
+from executor_svc.runner import StepRunner
 from executor_svc.sampler import sample
 from executor_svc.tables import SlotStore
 from protos import executor_pb2
