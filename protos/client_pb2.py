@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/client.proto\x12\rdeltaserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.deltaserve.v1.ChatMessage\"`\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x42\x08\n\x06_top_p\"\xf2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.deltaserve.v1.ChatMessagesH\x00\x12\x13\n\ttoken_ids\x18\x04 \x01(\x0cH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.deltaserve.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x08\n\x06prompt\"\x92\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.deltaserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"g\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x03 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\x13\n\x11ServerInfoRequest\"\xe0\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x11\n\texecutors\x18\x02 \x03(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npool_pages\x18\x04 \x01(\x05\x12\x12\n\nfree_pages\x18\x05 \x01(\x05\x12\r\n\x05slots\x18\x06 \x01(\x05\x12\x12\n\nfree_slots\x18\x07 \x01(\x05\x12\x0f\n\x07\x62uckets\x18\x08 \x03(\x05\x12\x0f\n\x07running\x18\t \x01(\x05\x12\x0f\n\x07waiting\x18\n \x01(\x05\x12\r\n\x05steps\x18\x0b \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xb5\x02\n\x07Planner\x12M\n\x08Generate\x12\x1e.deltaserve.v1.GenerateRequest\x1a\x1f.deltaserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.deltaserve.v1.AbortRequest\x1a\x1c.deltaserve.v1.AbortResponse\x12I\n\x0cGetModelInfo\x12\x1f.deltaserve.v1.ModelInfoRequest\x1a\x18.deltaserve.v1.ModelInfo\x12L\n\rGetServerInfo\x12 .deltaserve.v1.ServerInfoRequest\x1a\x19.deltaserve.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/client.proto\x12\rdeltaserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.deltaserve.v1.ChatMessage\"`\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x42\x08\n\x06_top_p\"\xcf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.deltaserve.v1.ChatMessagesH\x00\x12\x13\n\ttoken_ids\x18\x04 \x01(\x0cH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.deltaserve.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x17\n\x0f\x63onversation_id\x18\t \x01(\t\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x32\n\rshared_prefix\x18\x0b \x01(\x0b\x32\x1b.deltaserve.v1.SharedPrefixB\x08\n\x06prompt\"\xab\x01\n\x0cSharedPrefix\x12\x12\n\x08messages\x18\x01 \x01(\x05H\x00\x12;\n\x07message\x18\x02 \x01(\x0b\x32(.deltaserve.v1.SharedPrefix.MessageCharsH\x00\x12\x10\n\x06tokens\x18\x03 \x01(\x05H\x00\x1a.\n\x0cMessageChars\x12\x0f\n\x07message\x18\x01 \x01(\x05\x12\r\n\x05\x63hars\x18\x02 \x01(\x05\x42\x08\n\x06prefix\"\xe7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.deltaserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x15\n\rreused_tokens\x18\x06 \x01(\x05\x12\x13\n\x0bread_tokens\x18\x07 \x01(\x05\x12\x12\n\ncheckpoint\x18\x08 \x01(\t\x12\x13\n\x0b\x64iverged_at\x18\t \x01(\x05\"6\n\x0bParkRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"-\n\x0cParkResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\"8\n\rResumeRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"5\n\x0eResumeResponse\x12\x0e\n\x06tokens\x18\x01 \x01(\x05\x12\x13\n\x0b\x63heckpoints\x18\x02 \x03(\x05\"*\n\x18ListConversationsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\x82\x01\n\x0c\x43onversation\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\x12\x13\n\x0b\x63heckpoints\x18\x03 \x03(\x05\x12\x0e\n\x06parked\x18\x04 \x01(\x08\x12\r\n\x05pages\x18\x05 \x01(\x05\x12\x15\n\rpinned_prefix\x18\x06 \x01(\x05\"O\n\x19ListConversationsResponse\x12\x32\n\rconversations\x18\x01 \x03(\x0b\x32\x1b.deltaserve.v1.Conversation\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"g\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x03 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\x13\n\x11ServerInfoRequest\"\xe0\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x11\n\texecutors\x18\x02 \x03(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npool_pages\x18\x04 \x01(\x05\x12\x12\n\nfree_pages\x18\x05 \x01(\x05\x12\r\n\x05slots\x18\x06 \x01(\x05\x12\x12\n\nfree_slots\x18\x07 \x01(\x05\x12\x0f\n\x07\x62uckets\x18\x08 \x03(\x05\x12\x0f\n\x07running\x18\t \x01(\x05\x12\x0f\n\x07waiting\x18\n \x01(\x05\x12\r\n\x05steps\x18\x0b \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa5\x04\n\x07Planner\x12M\n\x08Generate\x12\x1e.deltaserve.v1.GenerateRequest\x1a\x1f.deltaserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.deltaserve.v1.AbortRequest\x1a\x1c.deltaserve.v1.AbortResponse\x12I\n\x0cGetModelInfo\x12\x1f.deltaserve.v1.ModelInfoRequest\x1a\x18.deltaserve.v1.ModelInfo\x12L\n\rGetServerInfo\x12 .deltaserve.v1.ServerInfoRequest\x1a\x19.deltaserve.v1.ServerInfo\x12?\n\x04Park\x12\x1a.deltaserve.v1.ParkRequest\x1a\x1b.deltaserve.v1.ParkResponse\x12\x45\n\x06Resume\x12\x1c.deltaserve.v1.ResumeRequest\x1a\x1d.deltaserve.v1.ResumeResponse\x12\x66\n\x11ListConversations\x12\'.deltaserve.v1.ListConversationsRequest\x1a(.deltaserve.v1.ListConversationsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.client_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1081
-  _globals['_FINISHREASON']._serialized_end=1201
+  _globals['_FINISHREASON']._serialized_start=1907
+  _globals['_FINISHREASON']._serialized_end=2027
   _globals['_CHATMESSAGE']._serialized_start=38
   _globals['_CHATMESSAGE']._serialized_end=82
   _globals['_CHATMESSAGES']._serialized_start=84
@@ -40,21 +40,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=146
   _globals['_SAMPLINGPARAMS']._serialized_end=242
   _globals['_GENERATEREQUEST']._serialized_start=245
-  _globals['_GENERATEREQUEST']._serialized_end=487
-  _globals['_GENERATERESPONSE']._serialized_start=490
-  _globals['_GENERATERESPONSE']._serialized_end=636
-  _globals['_ABORTREQUEST']._serialized_start=638
-  _globals['_ABORTREQUEST']._serialized_end=672
-  _globals['_ABORTRESPONSE']._serialized_start=674
-  _globals['_ABORTRESPONSE']._serialized_end=706
-  _globals['_MODELINFOREQUEST']._serialized_start=708
-  _globals['_MODELINFOREQUEST']._serialized_end=726
-  _globals['_MODELINFO']._serialized_start=728
-  _globals['_MODELINFO']._serialized_end=831
-  _globals['_SERVERINFOREQUEST']._serialized_start=833
-  _globals['_SERVERINFOREQUEST']._serialized_end=852
-  _globals['_SERVERINFO']._serialized_start=855
-  _globals['_SERVERINFO']._serialized_end=1079
-  _globals['_PLANNER']._serialized_start=1204
-  _globals['_PLANNER']._serialized_end=1513
+  _globals['_GENERATEREQUEST']._serialized_end=580
+  _globals['_SHAREDPREFIX']._serialized_start=583
+  _globals['_SHAREDPREFIX']._serialized_end=754
+  _globals['_SHAREDPREFIX_MESSAGECHARS']._serialized_start=698
+  _globals['_SHAREDPREFIX_MESSAGECHARS']._serialized_end=744
+  _globals['_GENERATERESPONSE']._serialized_start=757
+  _globals['_GENERATERESPONSE']._serialized_end=988
+  _globals['_PARKREQUEST']._serialized_start=990
+  _globals['_PARKREQUEST']._serialized_end=1044
+  _globals['_PARKRESPONSE']._serialized_start=1046
+  _globals['_PARKRESPONSE']._serialized_end=1091
+  _globals['_RESUMEREQUEST']._serialized_start=1093
+  _globals['_RESUMEREQUEST']._serialized_end=1149
+  _globals['_RESUMERESPONSE']._serialized_start=1151
+  _globals['_RESUMERESPONSE']._serialized_end=1204
+  _globals['_LISTCONVERSATIONSREQUEST']._serialized_start=1206
+  _globals['_LISTCONVERSATIONSREQUEST']._serialized_end=1248
+  _globals['_CONVERSATION']._serialized_start=1251
+  _globals['_CONVERSATION']._serialized_end=1381
+  _globals['_LISTCONVERSATIONSRESPONSE']._serialized_start=1383
+  _globals['_LISTCONVERSATIONSRESPONSE']._serialized_end=1462
+  _globals['_ABORTREQUEST']._serialized_start=1464
+  _globals['_ABORTREQUEST']._serialized_end=1498
+  _globals['_ABORTRESPONSE']._serialized_start=1500
+  _globals['_ABORTRESPONSE']._serialized_end=1532
+  _globals['_MODELINFOREQUEST']._serialized_start=1534
+  _globals['_MODELINFOREQUEST']._serialized_end=1552
+  _globals['_MODELINFO']._serialized_start=1554
+  _globals['_MODELINFO']._serialized_end=1657
+  _globals['_SERVERINFOREQUEST']._serialized_start=1659
+  _globals['_SERVERINFOREQUEST']._serialized_end=1678
+  _globals['_SERVERINFO']._serialized_start=1681
+  _globals['_SERVERINFO']._serialized_end=1905
+  _globals['_PLANNER']._serialized_start=2030
+  _globals['_PLANNER']._serialized_end=2579
 # @@protoc_insertion_point(module_scope)

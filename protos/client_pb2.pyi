@@ -45,7 +45,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos")
+    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "conversation_id", "tenant", "shared_prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,9 @@ class GenerateRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: ChatMessages
@@ -62,21 +65,109 @@ class GenerateRequest(_message.Message):
     max_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    conversation_id: str
+    tenant: str
+    shared_prefix: SharedPrefix
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., conversation_id: _Optional[str] = ..., tenant: _Optional[str] = ..., shared_prefix: _Optional[_Union[SharedPrefix, _Mapping]] = ...) -> None: ...
+
+class SharedPrefix(_message.Message):
+    __slots__ = ("messages", "message", "tokens")
+    class MessageChars(_message.Message):
+        __slots__ = ("message", "chars")
+        MESSAGE_FIELD_NUMBER: _ClassVar[int]
+        CHARS_FIELD_NUMBER: _ClassVar[int]
+        message: int
+        chars: int
+        def __init__(self, message: _Optional[int] = ..., chars: _Optional[int] = ...) -> None: ...
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    messages: int
+    message: SharedPrefix.MessageChars
+    tokens: int
+    def __init__(self, messages: _Optional[int] = ..., message: _Optional[_Union[SharedPrefix.MessageChars, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "prompt_tokens")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "prompt_tokens", "reused_tokens", "read_tokens", "checkpoint", "diverged_at")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    READ_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_AT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: bytes
     text: str
     finish_reason: FinishReason
     prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    reused_tokens: int
+    read_tokens: int
+    checkpoint: str
+    diverged_at: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., read_tokens: _Optional[int] = ..., checkpoint: _Optional[str] = ..., diverged_at: _Optional[int] = ...) -> None: ...
+
+class ParkRequest(_message.Message):
+    __slots__ = ("conversation_id", "tenant")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    tenant: str
+    def __init__(self, conversation_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class ParkResponse(_message.Message):
+    __slots__ = ("bytes", "tokens")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    tokens: int
+    def __init__(self, bytes: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("conversation_id", "tenant")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    tenant: str
+    def __init__(self, conversation_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("tokens", "checkpoints")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    checkpoints: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[int] = ..., checkpoints: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ListConversationsRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class Conversation(_message.Message):
+    __slots__ = ("conversation_id", "tokens", "checkpoints", "parked", "pages", "pinned_prefix")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    PARKED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    tokens: int
+    checkpoints: _containers.RepeatedScalarFieldContainer[int]
+    parked: bool
+    pages: int
+    pinned_prefix: int
+    def __init__(self, conversation_id: _Optional[str] = ..., tokens: _Optional[int] = ..., checkpoints: _Optional[_Iterable[int]] = ..., parked: _Optional[bool] = ..., pages: _Optional[int] = ..., pinned_prefix: _Optional[int] = ...) -> None: ...
+
+class ListConversationsResponse(_message.Message):
+    __slots__ = ("conversations",)
+    CONVERSATIONS_FIELD_NUMBER: _ClassVar[int]
+    conversations: _containers.RepeatedCompositeFieldContainer[Conversation]
+    def __init__(self, conversations: _Optional[_Iterable[_Union[Conversation, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -54,6 +54,21 @@ class PlannerStub:
                 request_serializer=protos_dot_client__pb2.ServerInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_client__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.Park = channel.unary_unary(
+                '/deltaserve.v1.Planner/Park',
+                request_serializer=protos_dot_client__pb2.ParkRequest.SerializeToString,
+                response_deserializer=protos_dot_client__pb2.ParkResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/deltaserve.v1.Planner/Resume',
+                request_serializer=protos_dot_client__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=protos_dot_client__pb2.ResumeResponse.FromString,
+                _registered_method=True)
+        self.ListConversations = channel.unary_unary(
+                '/deltaserve.v1.Planner/ListConversations',
+                request_serializer=protos_dot_client__pb2.ListConversationsRequest.SerializeToString,
+                response_deserializer=protos_dot_client__pb2.ListConversationsResponse.FromString,
+                _registered_method=True)
 
 
 class PlannerServicer:
@@ -86,6 +101,26 @@ class PlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Park(self, request, context):
+        """Moves an idle conversation's KV pages out of the pool into the cache service.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Restores a parked conversation's pages into the pool (the next Generate on it does this too).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListConversations(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlannerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +143,21 @@ def add_PlannerServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=protos_dot_client__pb2.ServerInfoRequest.FromString,
                     response_serializer=protos_dot_client__pb2.ServerInfo.SerializeToString,
+            ),
+            'Park': grpc.unary_unary_rpc_method_handler(
+                    servicer.Park,
+                    request_deserializer=protos_dot_client__pb2.ParkRequest.FromString,
+                    response_serializer=protos_dot_client__pb2.ParkResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=protos_dot_client__pb2.ResumeRequest.FromString,
+                    response_serializer=protos_dot_client__pb2.ResumeResponse.SerializeToString,
+            ),
+            'ListConversations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListConversations,
+                    request_deserializer=protos_dot_client__pb2.ListConversationsRequest.FromString,
+                    response_serializer=protos_dot_client__pb2.ListConversationsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +268,87 @@ class Planner:
             '/deltaserve.v1.Planner/GetServerInfo',
             protos_dot_client__pb2.ServerInfoRequest.SerializeToString,
             protos_dot_client__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Park(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Planner/Park',
+            protos_dot_client__pb2.ParkRequest.SerializeToString,
+            protos_dot_client__pb2.ParkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Planner/Resume',
+            protos_dot_client__pb2.ResumeRequest.SerializeToString,
+            protos_dot_client__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListConversations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Planner/ListConversations',
+            protos_dot_client__pb2.ListConversationsRequest.SerializeToString,
+            protos_dot_client__pb2.ListConversationsResponse.FromString,
             options,
             channel_credentials,
             insecure,
