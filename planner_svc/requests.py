@@ -54,6 +54,12 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     finish: Finish | None = None
 
+    # Reuse of KV already in the pool: a conversation's mounted pages, or a shared prefix.
+    conversation: object | None = None  # planner_svc.conversations.Conversation
+    reused: int = 0  # prompt tokens whose KV `pages` already hold at admission
+    root: int | None = None  # end of the system prompt: a checkpoint kept while the cap allows
+    pinned: int | None = None  # a shared read-only prefix: a checkpoint never evicted
+
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("the prompt is empty")
@@ -72,6 +78,12 @@ class Request:
         so decode runs while L < prompt_len + max_tokens - 1.
         """
         return self.prompt_len + self.max_tokens - 1
+
+    def kv_tokens(self) -> list[int]:
+        """The tokens whose KV its pages hold once its steps are done (the last sampled one has none)."""
+        if self.phase is Phase.DONE and self.output_ids and self.prefilled == self.prompt_len:
+            return self.prompt_ids + self.output_ids[:-1]
+        return self.prompt_ids[: self.prefilled]
 
     def pages_needed(self, page_size: int) -> int:
         """Pages for every position it can write: the prompt and all but its last sampled token."""

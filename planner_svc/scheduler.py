@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner_svc.pages import PagePool
+from planner_svc.conversations import Conversations
+from planner_svc.pages import PagePool, page_hashes
 from planner_svc.requests import Finish, Phase, Request
 from planner_svc.rows import RowDelta, RowMirror
 from planner_svc.sampler_state import SamplerWrites
@@ -50,6 +51,7 @@ class SchedulerConfig:
     vocab_size: int
     prefill_token_budget: int = 2048
     row_check: bool = False
+    prefix_cache: bool = True  # share full prompt pages across requests by a hash chain of their tokens
 
     def __post_init__(self) -> None:
         if self.prefill_token_budget < 1:
@@ -60,8 +62,9 @@ class SchedulerConfig:
 class Scheduler:
     """The host truth of one executor group: requests, pages, slots and the row mirror."""
 
-    def __init__(self, config: SchedulerConfig, layout: RowLayout):
+    def __init__(self, config: SchedulerConfig, layout: RowLayout, conversations: Conversations | None = None):
         self.config = config
+        self.conversations = conversations
         self.layout = layout
         self.pages = PagePool(config.pool_pages)
         self.slots = SlotCache(layout.widest_bucket)
@@ -107,6 +110,7 @@ class Scheduler:
         if request.phase is Phase.WAITING:
             self.waiting.remove(request)
             request.phase = Phase.DONE
+            self._release_pages(request)
         else:
             self._retire(request)
         request.finish = Finish.ABORT
@@ -229,6 +233,10 @@ class Scheduler:
                 sample_slot=0,
             )
             request.prefilled = end
+            if self.config.prefix_cache:
+                full = end // page_size
+                self.pages.register(page_hashes(request.prompt_ids[: full * page_size], page_size),
+                                    request.pages[:full])
             if end == request.prompt_len:
                 chunk.sample_slot = -1  # set from this step's slot assignment
                 finals.append(request)
@@ -290,19 +298,34 @@ class Scheduler:
     # --- admission -----------------------------------------------------------------------------
 
     def _can_admit(self, request: Request) -> bool:
-        return self.pages.free_count - self._reserved >= request.pages_needed(self.config.page_size)
+        need = request.pages_needed(self.config.page_size) - len(request.pages)
+        return self.pages.free_count - self._reserved >= need
+
+    def blocked(self) -> bool:
+        """The head of the queue waits for pages."""
+        return bool(self.waiting) and not self._can_admit(self.waiting[0])
 
     def _admit(self) -> None:
         """First come, first served: the head of the queue waits until its pages are free."""
         page_size = self.config.page_size
         while self.waiting and self._can_admit(self.waiting[0]):
             request = self.waiting.popleft()
+            if self.config.prefix_cache and not request.pages:
+                self._match_prefix(request)
             prompt_pages = -(-request.prompt_len // page_size)
-            request.pages = self.pages.allocate(prompt_pages)
+            request.pages += self.pages.allocate(prompt_pages - len(request.pages))
+            request.prefilled = request.reused
             request.reserved_pages = request.pages_needed(page_size) - prompt_pages
             self._reserved += request.reserved_pages
             request.phase = Phase.PREFILL
             self.prefilling.append(request)
+
+    def _match_prefix(self, request: Request) -> None:
+        """Take the indexed full pages of the prompt's start, leaving at least one token to read."""
+        usable = (request.prompt_len - 1) // self.config.page_size
+        hashes = page_hashes(request.prompt_ids[: usable * self.config.page_size], self.config.page_size)
+        request.pages = self.pages.match_prefix(hashes)
+        request.reused = len(request.pages) * self.config.page_size
 
     def _take_reserved(self, request: Request, n: int) -> list[int]:
         if request.reserved_pages < n:
@@ -356,8 +379,20 @@ class Scheduler:
         still = []
         for request in self._pending_free:
             if request.last_seq <= self.committed:
-                self.pages.free(request.pages)
-                request.pages = []
+                self._release_pages(request)
             else:
                 still.append(request)
         self._pending_free = still
+
+    def _release_pages(self, request: Request) -> None:
+        """Its steps are done: a conversation keeps the pages of its tokens, the rest return to the pool."""
+        pages, request.pages = request.pages, []
+        conversation = request.conversation
+        if conversation is not None and self.conversations is not None:
+            tokens = request.kv_tokens()
+            turn_end = [request.prompt_len] if request.prefilled == request.prompt_len else []
+            marks = [p for p in (request.root, request.pinned) if p is not None and p <= len(tokens)]
+            pages = self.conversations.finish_turn(
+                conversation, tokens, pages, turn_end + marks, root=request.root, pinned=request.pinned
+            )
+        self.pages.free(pages)
