@@ -1,0 +1,267 @@
+"""Paged decode attention that reads each row's length and block table off the slot-store rows, by slot."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from executor_svc.kernels import interpreting
+from protos.layout import RowLayout
+
+_LOG2E = 1.4426950408889634
+_MIN_TOKENS = 64  # tokens per inner step: several pages in flight when pages are small
+_MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows, so the query heads of a KV head are padded to 16
+_MIN_BLOCKS_PER_SPLIT = 4  # a split-K partition shorter than this costs more to combine than it saves
+_MAX_SPLITS = 64
+
+
+def _tokens_per_step(page_size: int) -> int:
+    return max(_MIN_TOKENS, page_size)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    rows_ptr,
+    slots_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    stride_ob,
+    stride_oh,
+    columns,
+    block_table_col,
+    span,
+    qk_scale,
+    KV_LEN: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    DOT_IN_F32: tl.constexpr,
+):
+    """One program per (row, KV head, split): the KV head's GROUP query heads at once, online softmax."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    table = rows_ptr + slot * columns
+    # The token just written counts; never past the span (a row the planner would not send).
+    length = tl.minimum(tl.load(table + KV_LEN) + 1, span * PAGE)
+    n_blocks = tl.cdiv(length, BLOCK_N)
+    per_split = tl.cdiv(n_blocks, SPLITS)
+    first = split * per_split
+    last = tl.minimum(first + per_split, n_blocks)
+
+    g = tl.arange(0, GROUP_ROWS)
+    d = tl.arange(0, HEAD_DIM)
+    n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + g
+    real_head = g < GROUP
+    # q: [GROUP_ROWS, HEAD_DIM], padding heads zero
+    q = tl.load(
+        q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=real_head[:, None], other=0.0
+    )
+    if DOT_IN_F32:
+        q = q.to(tl.float32)
+    # running max and sum of exp2(score - max) per head: the online softmax
+    top = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_ROWS], tl.float32)
+    acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
+    for block in range(first, last):
+        tokens = block * BLOCK_N + n
+        live = tokens < length
+        pages = tl.load(table + block_table_col + tokens // PAGE, mask=live, other=0).to(tl.int64)
+        within = (tokens % PAGE).to(tl.int64)
+        # k, v: [BLOCK_N, HEAD_DIM]
+        k = tl.load(
+            k_ptr
+            + pages[:, None] * stride_kp
+            + within[:, None] * stride_kt
+            + kv_head * stride_kh
+            + d[None, :],
+            mask=live[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr
+            + pages[:, None] * stride_vp
+            + within[:, None] * stride_vt
+            + kv_head * stride_vh
+            + d[None, :],
+            mask=live[:, None],
+            other=0.0,
+        )
+        if DOT_IN_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        # scores: [GROUP_ROWS, BLOCK_N] in log2 units; every block in range holds a live token, so top is finite
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        new_top = tl.maximum(top, tl.max(scores, 1))
+        rescale = tl.exp2(top - new_top)
+        p = tl.exp2(scores - new_top[:, None])
+        total = total * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        top = new_top
+
+    if SPLITS == 1:
+        out = acc / total[:, None]
+        out_at = out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=real_head[:, None])
+    else:
+        # An empty partition (a short row) stores lse -inf and zeros: it weighs nothing in the combine.
+        filled = total > 0
+        safe_total = tl.where(filled, total, 1.0)
+        lse = tl.where(filled, top + tl.log2(safe_total), float("-inf"))
+        part = (row * tl.num_programs(1) * GROUP + heads) * SPLITS + split
+        tl.store(part_lse_ptr + part, lse, mask=real_head)
+        tl.store(
+            part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+            acc / safe_total[:, None],
+            mask=real_head[:, None],
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """One program per (row, head): the partitions weighed by their softmax mass."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_POW2)
+    d = tl.arange(0, HEAD_DIM)
+    part = (row * tl.num_programs(1) + head) * SPLITS + s
+    lse = tl.load(part_lse_ptr + part, mask=s < SPLITS, other=float("-inf"))
+    # Partition 0 always holds the row's first block, so the top is finite.
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    # partial: [SPLITS_POW2, HEAD_DIM]
+    partial = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=(s < SPLITS)[:, None], other=0.0
+    )
+    out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_splits(batch: int, kv_heads: int, max_seq_len: int, page_size: int, sm_count: int) -> int:
+    """Split-K partitions for a captured bucket: 1 when the (row, KV head) programs already fill the
+    GPU, else enough to fill about two waves, each partition at least a few inner steps long."""
+    programs = batch * kv_heads
+    by_occupancy = (2 * sm_count) // programs
+    by_length = max_seq_len // (_MIN_BLOCKS_PER_SPLIT * _tokens_per_step(page_size))
+    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    rows: torch.Tensor,
+    step_slots: torch.Tensor,
+    block_table_col: int,
+    page_size: int,
+    scale: float,
+    splits: int = 1,
+) -> torch.Tensor:
+    """One query per row over its KV_LEN + 1 positions: q[B, H, D] -> [B, H, D] in q's dtype.
+
+    k_layer, v_layer: [pages, page_size, kv_heads, D]; rows: int32[S, C]; step_slots: [B] (0 = padding,
+    which attends over position 0 of the sink page). Lengths and pages are read on the device by slot;
+    `splits` > 1 partitions each row's pages (flash-decoding) and combines them in a second kernel.
+    """
+    batch, heads, head_dim = q.shape
+    _, page, kv_heads, kv_dim = k_layer.shape
+    if page != page_size or v_layer.shape != k_layer.shape:
+        raise ValueError(
+            f"k, v layers must both be [pages, {page_size}, kv_heads, D], got {tuple(k_layer.shape)}, "
+            f"{tuple(v_layer.shape)}"
+        )
+    if kv_dim != head_dim or heads % kv_heads:
+        raise ValueError(f"q [B, {heads}, {head_dim}] does not fit KV heads of {kv_heads} x {kv_dim}")
+    if not q.dtype == k_layer.dtype == v_layer.dtype:
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k_layer.dtype}, {v_layer.dtype}")
+    if head_dim & (head_dim - 1) or page_size & (page_size - 1):
+        raise ValueError(f"head_dim and page_size must be powers of two, got {head_dim}, {page_size}")
+    if q.stride(2) != 1 or k_layer.stride(3) != 1 or v_layer.stride(3) != 1:
+        raise ValueError("q, k and v must be contiguous along head_dim")
+    if rows.dtype != torch.int32 or not rows.is_contiguous() or step_slots.shape != (batch,):
+        raise ValueError(
+            f"rows must be a contiguous int32[S, C] and step_slots [{batch}], got {rows.dtype}, "
+            f"{tuple(step_slots.shape)}"
+        )
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    group = heads // kv_heads
+    out = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
+    if splits == 1:
+        part_out = part_lse = out  # unused by the kernel when SPLITS == 1
+    else:
+        part_out = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    columns = rows.shape[1]
+    _paged_decode_kernel[(batch, kv_heads, splits)](
+        q,
+        k_layer,
+        v_layer,
+        rows,
+        step_slots,
+        out,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        k_layer.stride(0),
+        k_layer.stride(1),
+        k_layer.stride(2),
+        v_layer.stride(0),
+        v_layer.stride(1),
+        v_layer.stride(2),
+        out.stride(0),
+        out.stride(1),
+        columns,
+        block_table_col,
+        columns - block_table_col,
+        scale * _LOG2E,
+        KV_LEN=RowLayout.KV_LEN,
+        GROUP=group,
+        GROUP_ROWS=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        PAGE=page_size,
+        BLOCK_N=_tokens_per_step(page_size),
+        SPLITS=splits,
+        # The interpreter multiplies bfloat16 dot operands as raw bits (triton-lang/triton#11584).
+        DOT_IN_F32=q.dtype == torch.bfloat16 and interpreting(),
+    )
+    if splits > 1:
+        _combine_splits_kernel[(batch, heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            SPLITS=splits,
+            SPLITS_POW2=triton.next_power_of_2(splits),
+            HEAD_DIM=head_dim,
+        )
+    return out

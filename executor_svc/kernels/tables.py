@@ -1,0 +1,156 @@
+"""Triton versions of the slot store's table work: scatter staged cells, gather a bucket's inputs, advance."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from protos.layout import RowLayout
+
+_ROWS_PER_PROGRAM = 128  # bucket rows per program of gather/advance (buckets go up to 256)
+_CELLS_PER_PROGRAM = 256
+
+
+class StepInputs(NamedTuple):
+    tokens: torch.Tensor  # i64[B]: each row's loop-back token
+    positions: torch.Tensor  # i64[B]: KV_LEN + POS_OFFSET
+    kv_lens: torch.Tensor  # i32[B]: stored length before the step
+    write_page: torch.Tensor  # i32[B]: the page the step's K/V goes to
+    write_offset: torch.Tensor  # i32[B]: its position in that page
+
+
+@triton.jit
+def _scatter_cells_kernel(rows_ptr, cells_ptr, count_ptr, capacity, slots, columns, BLOCK: tl.constexpr):
+    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = (index < tl.load(count_ptr)) & (index < capacity)
+    slot = tl.load(cells_ptr + index * 3, mask=live, other=0).to(tl.int64)
+    col = tl.load(cells_ptr + index * 3 + 1, mask=live, other=0)
+    value = tl.load(cells_ptr + index * 3 + 2, mask=live, other=0)
+    # The host checks every cell; this keeps a bad one off the sink row and off memory past the table.
+    inside = live & (slot > 0) & (slot < slots) & (col >= 0) & (col < columns)
+    tl.store(rows_ptr + slot * columns + col, value, mask=inside)
+
+
+@triton.jit
+def _gather_inputs_kernel(
+    rows_ptr,
+    slots_ptr,
+    last_token_ptr,
+    tokens_ptr,
+    positions_ptr,
+    kv_lens_ptr,
+    write_page_ptr,
+    write_offset_ptr,
+    batch,
+    columns,
+    block_table_col,
+    span,
+    KV_LEN: tl.constexpr,
+    POS_OFFSET: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = index < batch
+    slot = tl.load(slots_ptr + index, mask=live, other=0).to(tl.int64)
+    row = rows_ptr + slot * columns
+    kv_len = tl.load(row + KV_LEN, mask=live, other=0)
+    pos_offset = tl.load(row + POS_OFFSET, mask=live, other=0)
+    page_index = kv_len // PAGE
+    # A row already at its span's end (the planner never sends one) writes to the sink page, not past the row.
+    page = tl.load(row + block_table_col + page_index, mask=live & (page_index < span), other=0)
+    tl.store(tokens_ptr + index, tl.load(last_token_ptr + slot, mask=live, other=0).to(tl.int64), mask=live)
+    tl.store(positions_ptr + index, kv_len.to(tl.int64) + pos_offset.to(tl.int64), mask=live)
+    tl.store(kv_lens_ptr + index, kv_len, mask=live)
+    tl.store(write_page_ptr + index, page, mask=live)
+    tl.store(write_offset_ptr + index, kv_len % PAGE, mask=live)
+
+
+@triton.jit
+def _advance_kernel(rows_ptr, slots_ptr, batch, columns, KV_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = index < batch
+    slot = tl.load(slots_ptr + index, mask=live, other=0).to(tl.int64)
+    real = live & (slot != 0)
+    # Real slots of a bucket are distinct (the runner checks), so a plain read-modify-write is safe.
+    length = rows_ptr + slot * columns + KV_LEN
+    tl.store(length, tl.load(length, mask=real, other=0) + 1, mask=real)
+
+
+def _check_rows(rows: torch.Tensor) -> None:
+    if rows.dtype != torch.int32 or rows.dim() != 2 or not rows.is_contiguous():
+        raise ValueError(f"rows must be a contiguous int32[S, C], got {rows.dtype} {tuple(rows.shape)}")
+
+
+def scatter_cells(rows: torch.Tensor, cells: torch.Tensor, n_cells: torch.Tensor) -> None:
+    """rows[slot, col] = value for the first n_cells[0] triples of cells int32[capacity, 3] (slot, col, value).
+
+    The launch covers the whole capacity and masks by the count on the device, so it never depends on the
+    step. The triples must name distinct cells (SlotStore keeps the last of repeats before staging); cells
+    aimed at the sink row or outside the table are dropped.
+    """
+    _check_rows(rows)
+    if cells.dtype != torch.int32 or cells.dim() != 2 or cells.shape[1] != 3 or not cells.is_contiguous():
+        raise ValueError(
+            f"cells must be a contiguous int32[capacity, 3], got {cells.dtype} {tuple(cells.shape)}"
+        )
+    if n_cells.dtype != torch.int32 or n_cells.numel() != 1:
+        raise ValueError(f"n_cells must be one int32, got {n_cells.dtype} of {n_cells.numel()} elements")
+    capacity = cells.shape[0]
+    grid = (triton.cdiv(capacity, _CELLS_PER_PROGRAM),)
+    _scatter_cells_kernel[grid](
+        rows, cells, n_cells, capacity, rows.shape[0], rows.shape[1], _CELLS_PER_PROGRAM
+    )
+
+
+def gather_inputs(
+    rows: torch.Tensor,
+    step_slots: torch.Tensor,
+    last_token: torch.Tensor,
+    page_size: int,
+    block_table_col: int = RowLayout.BLOCK_TABLE,
+) -> StepInputs:
+    """The decode inputs of the rows of step_slots[B] (i64 or i32; 0 = padding, which reads the sink row).
+
+    last_token: i64[S], the loop-back buffer. The K/V write goes to block-table cell kv_len // page_size.
+    """
+    _check_rows(rows)
+    batch = step_slots.shape[0]
+    device = rows.device
+    inputs = StepInputs(
+        tokens=torch.empty(batch, dtype=torch.int64, device=device),
+        positions=torch.empty(batch, dtype=torch.int64, device=device),
+        kv_lens=torch.empty(batch, dtype=torch.int32, device=device),
+        write_page=torch.empty(batch, dtype=torch.int32, device=device),
+        write_offset=torch.empty(batch, dtype=torch.int32, device=device),
+    )
+    columns = rows.shape[1]
+    grid = (triton.cdiv(batch, _ROWS_PER_PROGRAM),)
+    _gather_inputs_kernel[grid](
+        rows,
+        step_slots,
+        last_token,
+        *inputs,
+        batch,
+        columns,
+        block_table_col,
+        columns - block_table_col,
+        KV_LEN=RowLayout.KV_LEN,
+        POS_OFFSET=RowLayout.POS_OFFSET,
+        PAGE=page_size,
+        BLOCK=_ROWS_PER_PROGRAM,
+    )
+    return inputs
+
+
+def advance(rows: torch.Tensor, step_slots: torch.Tensor) -> None:
+    """KV_LEN += 1 for each real row of step_slots[B]; padding rows (slot 0) add nothing."""
+    _check_rows(rows)
+    batch = step_slots.shape[0]
+    grid = (triton.cdiv(batch, _ROWS_PER_PROGRAM),)
+    _advance_kernel[grid](
+        rows, step_slots, batch, rows.shape[1], KV_LEN=RowLayout.KV_LEN, BLOCK=_ROWS_PER_PROGRAM
+    )

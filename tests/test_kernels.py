@@ -1,0 +1,268 @@
+"""Triton kernels of the resident decode step against the torch versions (SlotStore, reference attention,
+the Llama model's ops), under TRITON_INTERPRET=1 on the CPU unless TRITON_INTERPRET=0 picks the GPU."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from executor_svc.kernels import interpreting, triton_available
+
+if not triton_available():
+    pytest.skip("triton cannot run here: no CUDA device and TRITON_INTERPRET is off", allow_module_level=True)
+
+from executor_svc.attention.torch_ref import decode_attention
+from executor_svc.kernels.attention import decode_splits, paged_decode_attention
+from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
+from executor_svc.kernels.tables import advance, gather_inputs, scatter_cells
+from executor_svc.kv_pool import KVPool
+from executor_svc.models.llama import RMSNorm, _rotate_half
+from executor_svc.tables import SlotStore
+from protos.layout import RowLayout
+
+DEVICE = torch.device("cpu" if interpreting() else "cuda")
+LAYOUT = RowLayout(slots=9, block_span=8)  # B = 4, up to 8 pages a row
+C, SPAN = LAYOUT.columns, LAYOUT.block_span
+KV_LEN, POS_OFFSET, STATE_SLOT, BLOCK_TABLE = (
+    RowLayout.KV_LEN,
+    RowLayout.POS_OFFSET,
+    RowLayout.STATE_SLOT,
+    RowLayout.BLOCK_TABLE,
+)
+HEADS, KV_HEADS = 9, 3  # SmolLM2's GQA 3:1
+POOL_PAGES = 20
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """fp32: tight. bfloat16: two ulps, since the interpreter's float32 -> bfloat16 cast truncates where
+    the GPU (and torch) round to nearest; on the GPU the fused kernels round as torch does."""
+    if dtype == torch.float32:
+        return {"atol": 1e-5, "rtol": 1e-5}
+    return {"atol": 4e-2, "rtol": 2**-6}
+
+
+def filled_store(page_size: int, seed: int) -> SlotStore:
+    """A store whose real rows hold random lengths, offsets and non-contiguous pages; row 0 stays zero."""
+    gen = torch.Generator().manual_seed(seed)
+    store = SlotStore(LAYOUT, DEVICE)
+    rows = torch.zeros(LAYOUT.slots, C, dtype=torch.int32)
+    for slot in range(1, LAYOUT.slots):
+        rows[slot, KV_LEN] = int(torch.randint(0, SPAN * page_size, (1,), generator=gen))
+        rows[slot, POS_OFFSET] = int(torch.randint(0, 5, (1,), generator=gen))
+        rows[slot, STATE_SLOT] = slot
+        rows[slot, BLOCK_TABLE:] = (torch.randperm(POOL_PAGES - 1, generator=gen)[:SPAN] + 1).to(torch.int32)
+    store.rows.copy_(rows)
+    store.last_token.copy_(torch.randint(1, 1000, (LAYOUT.slots,), generator=gen))
+    store.last_token[0] = 0
+    return store
+
+
+def set_step(store: SlotStore, slots: list[int]) -> torch.Tensor:
+    store.set_slots(np.array(slots, dtype=np.int32))
+    return store.step_slots[: len(slots)]
+
+
+def test_triton_is_available_only_where_it_can_run(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_available()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert triton_available() == torch.cuda.is_available()
+
+
+# --- tables ---------------------------------------------------------------------------------------
+
+
+def test_scatter_cells_writes_the_first_count_triples_and_spares_the_sink():
+    store, expected = filled_store(16, 1), filled_store(16, 1)
+    triples = np.array(
+        [[2, KV_LEN, 40], [5, BLOCK_TABLE + 7, 13], [1, POS_OFFSET, 3], [8, C - 1, 9], [0, KV_LEN, 77]],
+        dtype=np.int32,
+    )
+    capacity = 24
+    cells = torch.full((capacity, 3), 0, dtype=torch.int32)
+    cells[: len(triples)] = torch.from_numpy(triples)
+    cells[len(triples) :] = torch.tensor([3, KV_LEN, 555], dtype=torch.int32)  # stale: past the count
+    n_cells = torch.tensor([len(triples)], dtype=torch.int32)
+    scatter_cells(store.rows, cells.to(DEVICE), n_cells.to(DEVICE))
+    expected.write_cells(triples[:-1].reshape(-1))  # the sink-row cell is dropped by the kernel
+    torch.testing.assert_close(store.rows, expected.rows, rtol=0, atol=0)
+    assert int(store.rows[0].abs().sum()) == 0
+    # A count of zero writes nothing.
+    before = store.rows.clone()
+    scatter_cells(store.rows, cells.to(DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE))
+    torch.testing.assert_close(store.rows, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_gather_inputs_matches_the_slot_store(page_size: int):
+    store = filled_store(page_size, 2 + page_size)
+    store.rows[6, KV_LEN] = page_size  # exactly at a page crossing: the write goes to the second page
+    store.rows[7, KV_LEN] = 0
+    slots = set_step(store, [6, 0, 3, 7])  # slot 0 = a padding row
+    got = gather_inputs(store.rows, slots, store.last_token, page_size)
+    expected = store.gather(4)
+    for name in ("tokens", "positions", "kv_lens"):
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=0, atol=0, msg=name)
+    # As LlamaModel.decode places the step's K/V.
+    kv_lens = expected.kv_lens
+    write_page = expected.block_tables.gather(1, (kv_lens // page_size).long()[:, None])[:, 0]
+    torch.testing.assert_close(got.write_page, write_page, rtol=0, atol=0)
+    torch.testing.assert_close(got.write_offset, kv_lens % page_size, rtol=0, atol=0)
+    assert got.write_page[1] == 0 and got.tokens[1] == 0 and got.positions[1] == 0  # padding: the sink
+
+
+def test_advance_adds_one_to_real_rows_only():
+    store, expected = filled_store(16, 3), filled_store(16, 3)
+    for s in (store, expected):
+        set_step(s, [4, 0, 2, 0])
+    advance(store.rows, store.step_slots[:4])
+    expected.advance(4)
+    torch.testing.assert_close(store.rows, expected.rows, rtol=0, atol=0)
+    assert int(store.rows[0].abs().sum()) == 0
+
+
+# --- attention ------------------------------------------------------------------------------------
+
+
+def attention_case(page_size: int, head_dim: int, dtype: torch.dtype, seed: int):
+    """A store with lengths that cross pages and fill the span, a random pool (sink page included), q."""
+    gen = torch.Generator().manual_seed(seed)
+    store = filled_store(page_size, seed)
+    store.rows[3, KV_LEN] = SPAN * page_size - 1  # the whole span once the step's token counts
+    store.rows[5, KV_LEN] = page_size  # the step's token opens a new page
+    store.rows[7, KV_LEN] = 0  # only the step's token
+    slots = set_step(store, [3, 0, 5, 7])
+    shape = (POOL_PAGES, page_size, KV_HEADS, head_dim)
+    k_layer = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    v_layer = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    q = torch.randn(4, HEADS, head_dim, generator=gen).to(dtype).to(DEVICE)
+    return store, slots, q, k_layer, v_layer
+
+
+def reference_attention(store: SlotStore, q, k_layer, v_layer, scale: float) -> torch.Tensor:
+    inputs = store.gather(q.shape[0])
+    return decode_attention(
+        q.float().cpu(),
+        k_layer.float().cpu(),
+        v_layer.float().cpu(),
+        inputs.block_tables.cpu(),
+        (inputs.kv_lens + 1).cpu(),
+        scale,
+    )
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_paged_decode_attention_matches_the_reference(page_size: int, head_dim: int, splits: int):
+    store, slots, q, k_layer, v_layer = attention_case(
+        page_size, head_dim, torch.float32, page_size + head_dim
+    )
+    scale = head_dim**-0.5
+    got = paged_decode_attention(
+        q, k_layer, v_layer, store.rows, slots, BLOCK_TABLE, page_size, scale, splits
+    )
+    expected = reference_attention(store, q, k_layer, v_layer, scale)
+    torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_decode_attention_in_half_precision(dtype: torch.dtype):
+    store, slots, q, k_layer, v_layer = attention_case(16, 64, dtype, 11)
+    got = paged_decode_attention(q, k_layer, v_layer, store.rows, slots, BLOCK_TABLE, 16, 0.125, 2)
+    assert got.dtype == dtype
+    expected = reference_attention(store, q, k_layer, v_layer, 0.125)
+    torch.testing.assert_close(got.float().cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_padding_rows_attend_to_the_sink_position_and_stay_finite():
+    store, slots, q, k_layer, v_layer = attention_case(4, 64, torch.float32, 5)
+    slots = set_step(store, [0, 0, 0, 0])
+    k_layer[0] = 1e4  # whatever padding rows wrote there: large, but finite
+    got = paged_decode_attention(q * 100, k_layer, v_layer, store.rows, slots, BLOCK_TABLE, 4, 0.125, 3)
+    assert torch.isfinite(got).all()
+    # Softmax over one position is that position's V, per KV head of each query head.
+    sink_v = v_layer[0, 0].repeat_interleave(HEADS // KV_HEADS, dim=0)  # [HEADS, D]
+    torch.testing.assert_close(got, sink_v.expand_as(got), atol=1e-6, rtol=1e-6)
+
+
+def test_split_count_follows_occupancy_and_length():
+    # One row of SmolLM2 over 8k tokens on 132 SMs: split; a wide bucket already fills the GPU.
+    assert decode_splits(1, 3, 8192, 16, 132) == 32
+    assert decode_splits(64, 3, 8192, 16, 132) == 1
+    assert decode_splits(1, 3, 128, 16, 132) == 1  # too short to be worth a second kernel
+    assert 1 < decode_splits(16, 3, 8192, 16, 132) < 32
+
+
+# --- fused ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_residual_matches_the_model_norm(dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(3)
+    hidden, eps = 576, 1e-5
+    x, residual = (torch.randn(3, hidden, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    norm = RMSNorm(hidden, eps, DEVICE, dtype)
+    norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    tol = tolerance(dtype)
+    normed, new_residual = rmsnorm_residual(x, residual, norm.weight, eps)
+    torch.testing.assert_close(new_residual, x + residual, **tol)
+    torch.testing.assert_close(normed, norm(x + residual), **tol)
+    normed, same = rmsnorm_residual(x, None, norm.weight, eps)
+    assert same is x
+    torch.testing.assert_close(normed, norm(x), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_kv_write_matches_the_model_rotation_and_pool_write(head_dim: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(head_dim)
+    batch, page_size, max_seq_len = 4, 4, 32
+    # The model's rope tables (LlamaModel's arithmetic, theta as SmolLM2's).
+    inv_freq = 1.0 / (100000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)  # angles: [max_seq_len, head_dim]
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    # q, k, v as views of one fused projection, as a fused qkv matmul would leave them.
+    qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * head_dim, generator=gen).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([HEADS * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim], dim=1)
+    q, k, v = (
+        q.view(batch, HEADS, head_dim),
+        k.view(batch, KV_HEADS, head_dim),
+        v.view(batch, KV_HEADS, head_dim),
+    )
+    positions = torch.tensor([7, 0, 31, 12], device=DEVICE)
+    write_page = torch.tensor([3, 0, 5, 1], dtype=torch.int32, device=DEVICE)
+    write_offset = torch.tensor([3, 0, 1, 2], dtype=torch.int32, device=DEVICE)
+    expected_pool = KVPool(1, 6, page_size, KV_HEADS, head_dim, dtype, DEVICE)
+    pool = KVPool(1, 6, page_size, KV_HEADS, head_dim, dtype, DEVICE)
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    expected_q = q * c + _rotate_half(q) * s
+    expected_k = k * c + _rotate_half(k) * s
+    expected_pool.write(0, write_page, write_offset, expected_k, v)
+    k_before, v_before = k.clone(), v.clone()
+
+    got = rope_kv_write(q, k, v, positions, cos, sin, pool.k[0], pool.v[0], write_page, write_offset)
+    assert got.data_ptr() == q.data_ptr()  # rotated in place
+    torch.testing.assert_close(q, expected_q, **tolerance(dtype))
+    torch.testing.assert_close(pool.k, expected_pool.k, **tolerance(dtype))
+    torch.testing.assert_close(pool.v, expected_pool.v, rtol=0, atol=0)
+    torch.testing.assert_close(k, k_before, rtol=0, atol=0)
+    torch.testing.assert_close(v, v_before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(4)
+    intermediate = 1536  # two blocks, the second one partly masked
+    gate_up = (torch.randn(3, 2 * intermediate, generator=gen) * 4).to(dtype).to(DEVICE)
+    gate, up = gate_up.chunk(2, dim=1)
+    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, **tolerance(dtype))
