@@ -31,6 +31,13 @@ class Conversation:
     def key(self) -> tuple[str, str]:
         return (self.tenant, self.conversation_id)
 
+    def forget(self) -> list[int]:
+        """Drop what was kept (its next turn reads the whole prompt); returns the pages to free."""
+        pages = self.pages
+        self.tokens, self.pages, self.parked = [], [], False
+        self.retention = Retention(self.retention.config)
+        return pages
+
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))

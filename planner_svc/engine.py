@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -62,7 +63,13 @@ def to_proto(step: PlannedStep) -> executor_pb2.StepPlan:
 class Engine:
     """Owns a scheduler and a link; one task runs the steps while requests come and go."""
 
-    def __init__(self, scheduler: Scheduler, link: ExecutorLink, inflight_plans: int = 2):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        link: ExecutorLink,
+        inflight_plans: int = 2,
+        on_blocked: Callable[[Engine], None] | None = None,
+    ):
         self.scheduler = scheduler
         self.link = link
         self.inflight_plans = inflight_plans
@@ -75,6 +82,7 @@ class Engine:
         self._seq = 0
         self._inflight: deque[int] = deque()
         self.failure: str | None = None  # set when the executor was lost; new requests are refused
+        self.on_blocked = on_blocked  # called when the queue's head waits for pages (KV pressure)
 
     @property
     def load(self) -> int:
@@ -103,6 +111,10 @@ class Engine:
         self._wake.set()
         return queue
 
+    def wake(self) -> None:
+        """Something outside the loop changed the schedule (pages returned): plan again."""
+        self._wake.set()
+
     def abort(self, request: Request) -> bool:
         aborted = self.scheduler.abort(request)
         queue = self._queues.pop(request, None)
@@ -120,6 +132,8 @@ class Engine:
                 began = time.perf_counter()
                 step = self.scheduler.plan(self._seq)
                 planned = time.perf_counter()
+                if self.on_blocked is not None and self.scheduler.blocked():
+                    self.on_blocked(self)
                 if step is None:
                     if self._inflight:
                         await self._receive()

@@ -17,6 +17,10 @@ CHANNEL_OPTIONS = [
 ]
 
 
+class LinkError(Exception):
+    """What a link cannot do (the in-process link has no cache)."""
+
+
 class ExecutorLink(Protocol):
     address: str
 
@@ -27,6 +31,10 @@ class ExecutorLink(Protocol):
     async def send(self, plan: executor_pb2.StepPlan) -> None: ...
 
     async def recv(self) -> executor_pb2.StepOutput: ...
+
+    async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply: ...
+
+    async def restore(self, request: executor_pb2.RestorePagesRequest) -> executor_pb2.RestorePagesReply: ...
 
     async def close(self) -> None: ...
 
@@ -54,6 +62,12 @@ class GrpcLink:
         if output is grpc.aio.EOF:
             raise ConnectionError(f"executor {self.address} closed the step stream")
         return output
+
+    async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:
+        return await self._stub.Park(request)
+
+    async def restore(self, request: executor_pb2.RestorePagesRequest) -> executor_pb2.RestorePagesReply:
+        return await self._stub.Restore(request)
 
     async def close(self) -> None:
         if self._call is not None:
@@ -83,6 +97,12 @@ class InProcessLink:
 
     async def recv(self) -> executor_pb2.StepOutput:
         return await self._pending.popleft()
+
+    async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:
+        raise LinkError("the in-process link has no cache service: parking needs a gRPC executor")
+
+    async def restore(self, request: executor_pb2.RestorePagesRequest) -> executor_pb2.RestorePagesReply:
+        raise LinkError("the in-process link has no cache service: restoring needs a gRPC executor")
 
     async def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)

@@ -301,6 +301,19 @@ class Scheduler:
         need = request.pages_needed(self.config.page_size) - len(request.pages)
         return self.pages.free_count - self._reserved >= need
 
+    def take_pages(self, n: int) -> list[int] | None:
+        """Pages for something outside the schedule (a restore), never from admitted requests' reserve."""
+        if self.pages.free_count - self._reserved < n:
+            return None
+        self._dirty = True
+        return self.pages.allocate(n)
+
+    def return_pages(self, pages: list[int]) -> None:
+        """Pages no step reads any more (a conversation's released or parked pages)."""
+        if pages:
+            self.pages.free(pages)
+            self._dirty = True
+
     def blocked(self) -> bool:
         """The head of the queue waits for pages."""
         return bool(self.waiting) and not self._can_admit(self.waiting[0])

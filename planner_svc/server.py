@@ -10,10 +10,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from planner_svc.config import PlannerConfig
+from planner_svc.conversations import Conversation, Conversations, Mount, common_prefix
 from planner_svc.engine import Engine, TokenEvent
 from planner_svc.link import CHANNEL_OPTIONS, ExecutorLink, GrpcLink
+from planner_svc.parking import ParkError, Parking
 from planner_svc.requests import Finish, Request, Sampling
+from planner_svc.retention import RetentionConfig
 from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
+from planner_svc.shared_prefix import resolve_shared_prefix
 from planner_svc.tokenizer import IncrementalDetokenizer, chat_ids, load_tokenizer, text_ids
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.layout import RowLayout
@@ -29,8 +33,11 @@ _FINISH = {
 }
 
 
-def build_engine(description: executor_pb2.ExecutorDescription, link: ExecutorLink, config: PlannerConfig) -> Engine:
+def build_engine(
+    description: executor_pb2.ExecutorDescription, link: ExecutorLink, config: PlannerConfig, parking: Parking
+) -> Engine:
     layout = RowLayout(slots=description.slots, block_span=description.block_span)
+    conversations = Conversations(description.page_size, RetentionConfig(config.retention_cap, config.retention_policy))
     scheduler = Scheduler(
         SchedulerConfig(
             page_size=description.page_size,
@@ -40,39 +47,67 @@ def build_engine(description: executor_pb2.ExecutorDescription, link: ExecutorLi
             vocab_size=description.vocab_size,
             prefill_token_budget=config.prefill_token_budget,
             row_check=config.row_check,
+            prefix_cache=config.prefix_cache,
         ),
         layout,
+        conversations,
     )
-    return Engine(scheduler, link, inflight_plans=config.inflight_plans)
+    return Engine(scheduler, link, inflight_plans=config.inflight_plans, on_blocked=parking.relieve)
 
 
 class PlannerServicer(client_pb2_grpc.PlannerServicer):
-    def __init__(self, engines: list[Engine], descriptions: list[executor_pb2.ExecutorDescription], tokenizer):
+    def __init__(
+        self,
+        engines: list[Engine],
+        descriptions: list[executor_pb2.ExecutorDescription],
+        tokenizer,
+        parking: Parking,
+    ):
         self.engines = engines
+        self.parking = parking
         self.description = descriptions[0]
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
         self._requests: dict[str, tuple[Request, Engine]] = {}
 
-    def _prompt_ids(self, request: client_pb2.GenerateRequest) -> list[int]:
+    def _prompt(self, request: client_pb2.GenerateRequest) -> tuple[list[int], list[dict[str, str]] | None]:
+        """The prompt's ids, and its chat messages when it came as a chat."""
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            return text_ids(self.tokenizer, request.text) if request.text else []
+            return (text_ids(self.tokenizer, request.text) if request.text else []), None
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             if not messages:
-                return []
+                return [], messages
             if any(not m["role"] for m in messages):
                 raise ValueError("every chat message needs a role")
-            return chat_ids(self.tokenizer, messages)
+            return chat_ids(self.tokenizer, messages), messages
         if kind == "token_ids":
             if len(request.token_ids) % 4:
                 raise ValueError("token_ids must be packed int32 (a multiple of 4 bytes)")
-            return unpack_i32(request.token_ids).tolist()
-        return []
+            return unpack_i32(request.token_ids).tolist(), None
+        return [], None
 
-    def _make_request(self, request: client_pb2.GenerateRequest, request_id: str) -> Request:
-        prompt_ids = self._prompt_ids(request)
+    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def _marks(self, request: client_pb2.GenerateRequest, req: Request, messages) -> None:
+        """The root (end of the system prompt) and the pinned shared prefix of a conversation's turn."""
+        if messages and messages[0]["role"] == "system":
+            req.root = common_prefix(self._render(messages[:1]), req.prompt_ids) or None
+        if request.HasField("shared_prefix"):
+            kind = request.shared_prefix.WhichOneof("prefix")
+            value = getattr(request.shared_prefix, kind) if kind else 0
+            if kind == "message":
+                value = (value.message, value.chars)
+            tokens, why = resolve_shared_prefix(kind, value, req.prompt_ids, messages, self._render)
+            if tokens is None:
+                log.info("shared prefix not marked", reason=why)
+            req.pinned = tokens
+
+    def _make_request(self, request: client_pb2.GenerateRequest, request_id: str) -> tuple[Request, list | None]:
+        prompt_ids, messages = self._prompt(request)
         if not prompt_ids:
             raise ValueError("the prompt is empty: give text, chat messages or token ids")
         params = request.sampling
@@ -85,7 +120,30 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         stops = set(request.stop_token_ids)
         if not request.ignore_eos and self.eos_token_id is not None:
             stops.add(self.eos_token_id)
-        return Request(request_id, prompt_ids, request.max_tokens, sampling, frozenset(stops))
+        req = Request(request_id, prompt_ids, request.max_tokens, sampling, frozenset(stops))
+        return req, messages
+
+    def _engine_of(self, tenant: str, conversation_id: str) -> tuple[Engine, Conversation]:
+        for engine in self.engines:
+            conversation = engine.scheduler.conversations.get(tenant, conversation_id)
+            if conversation is not None:
+                return engine, conversation
+        engine = min(self.engines, key=lambda e: e.load)
+        return engine, engine.scheduler.conversations.open(tenant, conversation_id)
+
+    async def _mount(self, engine: Engine, conversation: Conversation, req: Request) -> Mount:
+        """Restore a parked conversation if need be, then reuse its pages up to the best checkpoint."""
+        if conversation.busy:
+            raise ParkError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"conversation {conversation.conversation_id!r} is already running a turn")
+        engine.scheduler.check(req)  # refuse bad input before touching the conversation
+        note = await self.parking.restore(engine, conversation) if not conversation.pages else None
+        mount, release = engine.scheduler.conversations.mount(conversation, req.prompt_ids, note == "restored")
+        engine.scheduler.return_pages(release)
+        if note not in (None, "restored"):
+            mount.checkpoint = note
+        req.pages, req.reused, req.prefilled, req.conversation = mount.pages, mount.reused, mount.reused, conversation
+        return mount
 
     async def Generate(self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         request_id = request.request_id or uuid.uuid4().hex
@@ -93,20 +151,30 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         try:
             if request_id in self._requests:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already running")
+            mount = Mount()
             try:
-                req = self._make_request(request, request_id)
-                engine = min(self.engines, key=lambda e: e.load)
-                queue = engine.submit(req)
+                req, messages = self._make_request(request, request_id)
+                if request.conversation_id:
+                    self._marks(request, req, messages)
+                    engine, conversation = self._engine_of(request.tenant or "default", request.conversation_id)
+                    async with self.parking.lock(conversation):
+                        mount = await self._mount(engine, conversation, req)
+                        queue = engine.submit(req)
+                else:
+                    engine = min(self.engines, key=lambda e: e.load)
+                    queue = engine.submit(req)
             except ValueError as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             except CapacityError as error:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
             except ConnectionError as error:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            except ParkError as error:
+                await context.abort(error.code, str(error))
             self._requests[request_id] = (req, engine)
             log.info("request admitted", prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
             try:
-                async for response in self._stream(req, queue, context):
+                async for response in self._stream(req, queue, context, mount):
                     yield response
             finally:
                 self._requests.pop(request_id, None)
@@ -116,7 +184,9 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
 
-    async def _stream(self, req: Request, queue: asyncio.Queue[TokenEvent], context: grpc.aio.ServicerContext):
+    async def _stream(
+        self, req: Request, queue: asyncio.Queue[TokenEvent], context: grpc.aio.ServicerContext, mount: Mount
+    ):
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         first = True
         while True:
@@ -136,7 +206,12 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 first = False
             if event.finish is not None:
                 response.finish_reason = _FINISH[event.finish]
-                log.info("request finished", finish=event.finish.value, tokens=len(req.output_ids))
+                response.reused_tokens = req.reused
+                response.read_tokens = req.prompt_len - req.reused
+                response.checkpoint = mount.checkpoint if mount.reused or req.reused == 0 else "prefix"
+                response.diverged_at = mount.diverged_at
+                log.info("request finished", finish=event.finish.value, tokens=len(req.output_ids),
+                         reused=req.reused, checkpoint=response.checkpoint)
                 yield response
                 return
             yield response
@@ -147,6 +222,56 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             return client_pb2.AbortResponse(aborted=False)
         req, engine = found
         return client_pb2.AbortResponse(aborted=engine.abort(req))
+
+    async def Park(self, request: client_pb2.ParkRequest, context: grpc.aio.ServicerContext):
+        engine, conversation = self._known(request.tenant or "default", request.conversation_id)
+        if conversation is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no conversation {request.conversation_id!r}")
+        try:
+            async with self.parking.lock(conversation):
+                reply = await self.parking.park(engine, conversation)
+        except ParkError as error:
+            log.warning("park refused", conversation=request.conversation_id, error=str(error))
+            await context.abort(error.code, str(error))
+        return client_pb2.ParkResponse(bytes=reply.bytes, tokens=len(conversation.tokens))
+
+    async def Resume(self, request: client_pb2.ResumeRequest, context: grpc.aio.ServicerContext):
+        tenant = request.tenant or "default"
+        engine, conversation = self._known(tenant, request.conversation_id)
+        if conversation is None:
+            engine, conversation = self._engine_of(tenant, request.conversation_id)
+        async with self.parking.lock(conversation):
+            note = await self.parking.restore(engine, conversation) if not conversation.pages else "restored"
+        if note is None:
+            engine.scheduler.conversations.remove(conversation) if not conversation.tokens else None
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no parked conversation {request.conversation_id!r}")
+        if note != "restored":
+            await context.abort(grpc.StatusCode.DATA_LOSS if "DATA_LOSS" in note else grpc.StatusCode.UNAVAILABLE,
+                                f"conversation {request.conversation_id!r} was not restored: {note}")
+        return client_pb2.ResumeResponse(tokens=len(conversation.tokens),
+                                         checkpoints=conversation.retention.positions)
+
+    async def ListConversations(
+        self, request: client_pb2.ListConversationsRequest, context: grpc.aio.ServicerContext
+    ):
+        tenant = request.tenant or "default"
+        listed = [
+            client_pb2.Conversation(
+                conversation_id=c.conversation_id, tokens=len(c.tokens), checkpoints=c.retention.positions,
+                parked=c.parked, pages=len(c.pages), pinned_prefix=c.retention.pinned or 0,
+            )
+            for engine in self.engines
+            for c in engine.scheduler.conversations.of_tenant(tenant)
+            if c.tokens or c.busy
+        ]
+        return client_pb2.ListConversationsResponse(conversations=listed)
+
+    def _known(self, tenant: str, conversation_id: str) -> tuple[Engine | None, Conversation | None]:
+        for engine in self.engines:
+            conversation = engine.scheduler.conversations.get(tenant, conversation_id)
+            if conversation is not None:
+                return engine, conversation
+        return None, None
 
     async def GetModelInfo(self, request: client_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
         d = self.description
@@ -199,10 +324,11 @@ async def start_planner_server(
     if len(fingerprints) > 1:
         raise ValueError(f"the executors serve different models: {sorted(fingerprints)}")
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
-    engines = [build_engine(d, link, config) for d, link in zip(descriptions, links)]
+    parking = Parking(config.cache)
+    engines = [build_engine(d, link, config, parking) for d, link in zip(descriptions, links)]
     for engine in engines:
         await engine.start()
-    servicer = PlannerServicer(engines, descriptions, tokenizer)
+    servicer = PlannerServicer(engines, descriptions, tokenizer, parking)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     client_pb2_grpc.add_PlannerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -220,6 +346,7 @@ async def start_planner_server(
         await original_stop(grace)
         for engine in engines:
             await engine.stop()
+        await parking.close()
 
     server.stop = stop
     log.info("planner listening", address=f"{host}:{bound}", executors=[link.address for link in links])
