@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_SHARD_LAYERS = 8
 
 
 @dataclass(slots=True)
@@ -17,6 +18,8 @@ class ExecutorConfig:
     max_seq_len: int | None = None  # None = the model's context length
     buckets: tuple[int, ...] = field(default=DEFAULT_BUCKETS)
     row_check: bool = False  # debug: compare the rows each step reads against the planner's mirror
+    cache: str | None = None  # the cache service's host:port; None = Park and Restore are refused
+    shard_layers: int = DEFAULT_SHARD_LAYERS  # layers per snapshot shard; a restore reads only its own
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -30,3 +33,7 @@ class ExecutorConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
+        if self.cache is not None and not self.cache.strip():
+            raise ValueError("cache must be a host:port address or None, got an empty string")
+        if self.shard_layers < 1:
+            raise ValueError(f"shard_layers must be positive, got {self.shard_layers}")

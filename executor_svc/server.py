@@ -1,18 +1,20 @@
-"""The executor's gRPC service: Describe, and the Steps stream run on one dedicated GPU-loop thread."""
+"""The executor's gRPC service: Describe, Park, Restore, and the Steps stream run on one GPU-loop thread."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from executor_svc.config import DEFAULT_SHARD_LAYERS
 from executor_svc.plan_check import PlanError
 from executor_svc.runner import StepRunner
+from executor_svc.snapshots import SnapshotRefused, Snapshots
 from protos import executor_pb2, executor_pb2_grpc
 
 log = structlog.get_logger("deltaserve.executor.server")
@@ -39,12 +41,18 @@ _SKIPPED = object()  # a plan queued behind a failed one, or behind the end of i
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    """Plans run in order on one worker thread; outputs return in order while later plans are read."""
+    """Plans run in order on one worker thread; outputs return in order while later plans are read.
 
-    def __init__(self, runner: StepRunner) -> None:
+    Park and Restore read and write the pool on that same thread, so they fall in order with the steps.
+    """
+
+    def __init__(
+        self, runner: StepRunner, *, cache: str | None = None, shard_layers: int = DEFAULT_SHARD_LAYERS
+    ) -> None:
         self._runner = runner
         self._gpu_loop = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-loop")
         self._stream_open = False
+        self._snapshots = Snapshots(runner, self._gpu_loop, cache, shard_layers)
 
     async def Describe(
         self, request: executor_pb2.DescribeRequest, context: grpc.aio.ServicerContext
@@ -109,13 +117,45 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self._stream_open = False
             log.info("steps stream closed", peer=context.peer())
 
+    async def Park(
+        self, request: executor_pb2.ParkPagesRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.ParkPagesReply:
+        return await _answer("park", request.conversation_id, self._snapshots.park(request), context)
+
+    async def Restore(
+        self, request: executor_pb2.RestorePagesRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.RestorePagesReply:
+        return await _answer("restore", request.conversation_id, self._snapshots.restore(request), context)
+
+
+async def _answer(what: str, conversation_id: str, call: Awaitable, context: grpc.aio.ServicerContext):
+    """The reply of a Park or Restore, or its refusal as a gRPC status with a log line."""
+    try:
+        return await call
+    except SnapshotRefused as err:
+        log.warning(f"{what} refused", conversation_id=conversation_id, code=err.code.name, error=str(err))
+        await context.abort(err.code, str(err))
+    except Exception as err:
+        log.exception(f"{what} failed", conversation_id=conversation_id)
+        await context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {type(err).__name__}: {err}")
+
 
 async def start_executor_server(
-    runner: StepRunner, host: str = "127.0.0.1", port: int = 0
+    runner: StepRunner,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    cache: str | None = None,
+    shard_layers: int = DEFAULT_SHARD_LAYERS,
 ) -> tuple[grpc.aio.Server, int]:
-    """Serve Executor, grpc.health.v1 (SERVING) and reflection on host:port (0 = any free port)."""
+    """Serve Executor, grpc.health.v1 (SERVING) and reflection on host:port (0 = any free port).
+
+    `cache` and `shard_layers` are ExecutorConfig's: the cache service Park and Restore use (None
+    refuses them) and the layers per snapshot shard.
+    """
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(runner), server)
+    servicer = ExecutorServicer(runner, cache=cache, shard_layers=shard_layers)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

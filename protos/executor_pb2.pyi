@@ -91,3 +91,51 @@ class StepOutput(_message.Message):
     prefill_tokens: bytes
     row_mismatches: int
     def __init__(self, seq: _Optional[int] = ..., tokens: _Optional[bytes] = ..., prefill_tokens: _Optional[bytes] = ..., row_mismatches: _Optional[int] = ...) -> None: ...
+
+class ConversationCheckpoint(_message.Message):
+    __slots__ = ("position", "pinned", "root")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    pinned: bool
+    root: bool
+    def __init__(self, position: _Optional[int] = ..., pinned: _Optional[bool] = ..., root: _Optional[bool] = ...) -> None: ...
+
+class ParkPagesRequest(_message.Message):
+    __slots__ = ("conversation_id", "tenant", "token_ids", "checkpoints", "pages")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    tenant: str
+    token_ids: bytes
+    checkpoints: _containers.RepeatedCompositeFieldContainer[ConversationCheckpoint]
+    pages: bytes
+    def __init__(self, conversation_id: _Optional[str] = ..., tenant: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[ConversationCheckpoint, _Mapping]]] = ..., pages: _Optional[bytes] = ...) -> None: ...
+
+class ParkPagesReply(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
+
+class RestorePagesRequest(_message.Message):
+    __slots__ = ("conversation_id", "tenant", "pages")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    tenant: str
+    pages: bytes
+    def __init__(self, conversation_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pages: _Optional[bytes] = ...) -> None: ...
+
+class RestorePagesReply(_message.Message):
+    __slots__ = ("token_ids", "checkpoints")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: bytes
+    checkpoints: _containers.RepeatedCompositeFieldContainer[ConversationCheckpoint]
+    def __init__(self, token_ids: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[ConversationCheckpoint, _Mapping]]] = ...) -> None: ...

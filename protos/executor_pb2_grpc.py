@@ -44,6 +44,16 @@ class ExecutorStub:
                 request_serializer=protos_dot_executor__pb2.StepPlan.SerializeToString,
                 response_deserializer=protos_dot_executor__pb2.StepOutput.FromString,
                 _registered_method=True)
+        self.Park = channel.unary_unary(
+                '/deltaserve.v1.Executor/Park',
+                request_serializer=protos_dot_executor__pb2.ParkPagesRequest.SerializeToString,
+                response_deserializer=protos_dot_executor__pb2.ParkPagesReply.FromString,
+                _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/deltaserve.v1.Executor/Restore',
+                request_serializer=protos_dot_executor__pb2.RestorePagesRequest.SerializeToString,
+                response_deserializer=protos_dot_executor__pb2.RestorePagesReply.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -62,6 +72,20 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Park(self, request, context):
+        """Copy a conversation's KV pages (this executor's layers) out of the pool into the cache service.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request, context):
+        """Write a parked conversation's KV pages (this executor's layers) from the cache into pool pages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +98,16 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Steps,
                     request_deserializer=protos_dot_executor__pb2.StepPlan.FromString,
                     response_serializer=protos_dot_executor__pb2.StepOutput.SerializeToString,
+            ),
+            'Park': grpc.unary_unary_rpc_method_handler(
+                    servicer.Park,
+                    request_deserializer=protos_dot_executor__pb2.ParkPagesRequest.FromString,
+                    response_serializer=protos_dot_executor__pb2.ParkPagesReply.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=protos_dot_executor__pb2.RestorePagesRequest.FromString,
+                    response_serializer=protos_dot_executor__pb2.RestorePagesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +164,60 @@ class Executor:
             '/deltaserve.v1.Executor/Steps',
             protos_dot_executor__pb2.StepPlan.SerializeToString,
             protos_dot_executor__pb2.StepOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Park(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Executor/Park',
+            protos_dot_executor__pb2.ParkPagesRequest.SerializeToString,
+            protos_dot_executor__pb2.ParkPagesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Executor/Restore',
+            protos_dot_executor__pb2.RestorePagesRequest.SerializeToString,
+            protos_dot_executor__pb2.RestorePagesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,337 @@
+"""Park and restore of a conversation's KV pages through the cache service, and the restore guard.
+
+A snapshot is one shard per group of `shard_layers` layers. A shard's bytes, in order: for each layer
+of the shard, the K of the pages, then their V; each `[pages, page_size, kv_heads, head_dim]` in the
+pool's dtype, C order, little-endian (SHARD_LAYOUT). The pool is read and written on the GPU-loop
+thread, so parks and restores fall in order with the steps; the cache I/O runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections.abc import Iterator
+from concurrent.futures import Executor
+
+import grpc
+import numpy as np
+import structlog
+import torch
+
+from cache_svc.client import CacheClient
+from executor_svc.kv_pool import SINK_PAGE
+from executor_svc.runner import StepRunner
+from protos import executor_pb2
+from protos.wire import pack_i32, unpack_i32
+
+log = structlog.get_logger("deltaserve.executor.snapshots")
+
+# kRestoreFirstUseMib of the reference: a card's first copy stream and event (measured under 16 MiB).
+RESTORE_FIRST_USE_BYTES = 64 * 1024 * 1024
+SHARD_LAYOUT = "kv-layer-major/1"  # the byte order in the module docstring; a restore refuses any other
+
+
+def restore_fits(free_bytes: int | None, stream_ready: bool, need_bytes: int) -> bool:
+    """The restore guard: refused only for a card with no copy stream yet and less free memory than
+    it needs. A restore writes into existing pool pages; the one thing it can allocate on a card is
+    that stream. No sample (None) means go ahead."""
+    return stream_ready or free_bytes is None or free_bytes >= need_bytes
+
+
+def shard_ranges(layer_begin: int, layer_end: int, shard_layers: int) -> list[tuple[int, int]]:
+    """Layers [layer_begin, layer_end) cut at the multiples of shard_layers."""
+    if not 0 <= layer_begin < layer_end or shard_layers < 1:
+        raise ValueError(f"bad layer range [{layer_begin}, {layer_end}) or shard_layers {shard_layers}")
+    cuts = range((layer_begin // shard_layers + 1) * shard_layers, layer_end, shard_layers)
+    bounds = [layer_begin, *cuts, layer_end]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def snapshot_fingerprint(
+    model_fingerprint: str, dtype: str, page_size: int, num_layers: int, kv_heads: int, head_dim: int
+) -> str:
+    """What a snapshot can be restored into: the weights, and the pool's dtype, page size and shape.
+
+    Not Describe's model_fingerprint (weights only): the cache refuses a snapshot whose fingerprint
+    differs, and KV bytes of another dtype or page size are no more usable than another model's."""
+    text = f"deltaserve.kv\0{model_fingerprint}\0{dtype}\0{page_size}\0{num_layers}\0{kv_heads}\0{head_dim}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class SnapshotRefused(Exception):
+    """A Park or Restore refused; `code` is the gRPC status to answer with, the message says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _invalid(message: str) -> SnapshotRefused:
+    return SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def check_pages(data: bytes, pool_pages: int) -> np.ndarray:
+    """The int32 packed pages of a request: at least one, none the sink page, all in the pool, distinct."""
+    if len(data) % 4:
+        raise _invalid(f"pages must be int32 packed; {len(data)} bytes is not a multiple of 4")
+    pages = unpack_i32(data)
+    if not len(pages):
+        raise _invalid("no pages given")
+    if (pages == SINK_PAGE).any():
+        raise _invalid(f"page {SINK_PAGE} is the sink page; it holds no conversation")
+    outside = pages[(pages < 0) | (pages >= pool_pages)]
+    if len(outside):
+        raise _invalid(f"page {int(outside[0])} is outside the pool [1, {pool_pages})")
+    if len(np.unique(pages)) != len(pages):
+        raise _invalid("a page is listed twice")
+    return pages
+
+
+def check_park(
+    request: executor_pb2.ParkPagesRequest, page_size: int, pool_pages: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, pages) of a well-formed ParkPagesRequest; SnapshotRefused(INVALID_ARGUMENT) otherwise."""
+    if not request.conversation_id:
+        raise _invalid("conversation_id is empty")
+    if len(request.token_ids) % 4:
+        raise _invalid(
+            f"token_ids must be int32 packed; {len(request.token_ids)} bytes is not a multiple of 4"
+        )
+    tokens = unpack_i32(request.token_ids)
+    if not len(tokens):
+        raise _invalid("token_ids is empty: there is nothing to park")
+    pages = check_pages(request.pages, pool_pages)
+    needed = -(-len(tokens) // page_size)
+    if len(pages) != needed:
+        raise _invalid(f"{len(tokens)} tokens fill {needed} pages of {page_size}; {len(pages)} pages given")
+    positions = [c.position for c in request.checkpoints]
+    increasing = all(a < b for a, b in zip([0, *positions], positions))
+    if not increasing or (positions and positions[-1] > len(tokens)):
+        raise _invalid(
+            f"checkpoint positions must be strictly increasing in [1, {len(tokens)}], got {positions}"
+        )
+    return tokens, pages
+
+
+def _cache_refusal(err: grpc.aio.AioRpcError, addr: str) -> SnapshotRefused:
+    """The cache's status as is (NOT_FOUND, DATA_LOSS, FAILED_PRECONDITION, ...), said to come from it."""
+    code = err.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return SnapshotRefused(
+            grpc.StatusCode.UNAVAILABLE, f"cache service at {addr} unreachable: {err.details()}"
+        )
+    return SnapshotRefused(code, f"cache service: {err.details()}")
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+class Snapshots:
+    """Park and Restore for one executor; each call opens its own channel to the cache (a cache that
+    restarted in between is simply reached again)."""
+
+    def __init__(self, runner: StepRunner, gpu_loop: Executor, cache: str | None, shard_layers: int) -> None:
+        described = runner.describe()
+        pool = runner.kv_pool
+        self._pool = pool
+        self._gpu_loop = gpu_loop
+        self._cache = cache
+        self._device = runner.device
+        self._layer_begin, self._layer_end = described.layer_begin, described.layer_end
+        self._num_layers = described.num_layers
+        self._pool_pages = pool.num_pages
+        self._page_shape = tuple(pool.k.shape[2:])  # (page_size, kv_heads, head_dim)
+        self._shards = shard_ranges(self._layer_begin, self._layer_end, shard_layers)
+        page_size, kv_heads, head_dim = self._page_shape
+        self._fingerprint = snapshot_fingerprint(
+            runner.fingerprint, described.dtype, page_size, self._num_layers, kv_heads, head_dim
+        )
+        self._copy_stream: torch.cuda.Stream | None = None  # made by the first park or restore on a card
+
+    def _require_cache(self) -> str:
+        if self._cache is None:
+            raise SnapshotRefused(grpc.StatusCode.FAILED_PRECONDITION, "no cache service configured")
+        return self._cache
+
+    async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:
+        addr = self._require_cache()
+        tokens, pages = check_park(request, self._page_shape[0], self._pool_pages)
+        started = time.perf_counter()
+        blobs = await asyncio.get_running_loop().run_in_executor(self._gpu_loop, self._read_pages, pages)
+        page_size, kv_heads, head_dim = self._page_shape
+        manifest = {
+            "tenant": request.tenant,
+            "conversation_id": request.conversation_id,
+            "token_ids": tokens,
+            "checkpoints": [{"position": c.position, "pinned": c.pinned} for c in request.checkpoints],
+            "model_fingerprint": self._fingerprint,
+            "num_layers": self._num_layers,
+            "page_size": page_size,
+            "dtype": str(self._pool.k.dtype).removeprefix("torch."),
+            "shards": [{"layers": [begin, end]} for begin, end in self._shards],
+            "attributes": {  # the cache's Checkpoint has no root flag: the roots travel here
+                "kv_layout": SHARD_LAYOUT,
+                "pages": str(len(pages)),
+                "kv_heads": str(kv_heads),
+                "head_dim": str(head_dim),
+                "root_positions": ",".join(str(c.position) for c in request.checkpoints if c.root),
+            },
+        }
+        try:
+            async with CacheClient(addr) as cache:
+                stored = await cache.put(manifest, blobs)
+        except grpc.aio.AioRpcError as err:
+            raise _cache_refusal(err, addr) from err
+        log.info(
+            "parked",
+            conversation_id=request.conversation_id,
+            tokens=len(tokens),
+            pages=len(pages),
+            bytes=stored["size_bytes"],
+            seconds=round(time.perf_counter() - started, 4),
+        )
+        return executor_pb2.ParkPagesReply(bytes=stored["size_bytes"])
+
+    async def restore(self, request: executor_pb2.RestorePagesRequest) -> executor_pb2.RestorePagesReply:
+        """Writes nothing unless the whole snapshot arrived and checked out (a corrupt one is DATA_LOSS
+        with the pool untouched). Only a failure during the write itself leaves destination pages partly
+        written; those pages are the planner's to free, and no other page changes."""
+        addr = self._require_cache()
+        if not request.conversation_id:
+            raise _invalid("conversation_id is empty")
+        pages = check_pages(request.pages, self._pool_pages)
+        self._check_guard()
+        started = time.perf_counter()
+        try:
+            async with CacheClient(addr) as cache:
+                manifest, blobs = await cache.get(
+                    request.tenant,
+                    request.conversation_id,
+                    layers=(self._layer_begin, self._layer_end),
+                    fingerprint=self._fingerprint,
+                )
+        except grpc.aio.AioRpcError as err:
+            raise _cache_refusal(err, addr) from err
+        ranges = self._check_snapshot(manifest, blobs, len(pages))
+        await asyncio.get_running_loop().run_in_executor(
+            self._gpu_loop, self._write_pages, pages, ranges, blobs
+        )
+        roots = {int(p) for p in manifest["attributes"].get("root_positions", "").split(",") if p}
+        log.info(
+            "restored",
+            conversation_id=request.conversation_id,
+            tokens=len(manifest["token_ids"]),
+            pages=len(pages),
+            bytes=sum(map(len, blobs)),
+            seconds=round(time.perf_counter() - started, 4),
+        )
+        return executor_pb2.RestorePagesReply(
+            token_ids=pack_i32(manifest["token_ids"]),
+            checkpoints=[
+                executor_pb2.ConversationCheckpoint(
+                    position=c["position"], pinned=c["pinned"], root=c["position"] in roots
+                )
+                for c in manifest["checkpoints"]
+            ],
+        )
+
+    def _check_guard(self) -> None:
+        if self._device.type != "cuda":
+            return
+        try:
+            free_bytes, _ = torch.cuda.mem_get_info(self._device)
+        except RuntimeError:
+            free_bytes = None  # no sample: go ahead
+        if not restore_fits(free_bytes, self._copy_stream is not None, RESTORE_FIRST_USE_BYTES):
+            raise SnapshotRefused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"restore refused: {self._device} has no copy stream yet and {free_bytes >> 20} MiB free, "
+                f"under the {RESTORE_FIRST_USE_BYTES >> 20} MiB its first one needs",
+            )
+
+    def _check_snapshot(self, manifest: dict, blobs: list[bytes], num_pages: int) -> list[tuple[int, int]]:
+        """The layer ranges of the shards, once the snapshot is known to fit this pool and these pages."""
+        attributes = manifest["attributes"]
+        if attributes.get("kv_layout") != SHARD_LAYOUT:
+            raise SnapshotRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"snapshot layout {attributes.get('kv_layout')!r}; this executor reads {SHARD_LAYOUT!r}",
+            )
+        page_size, kv_heads, head_dim = self._page_shape
+        dtype = str(self._pool.k.dtype).removeprefix("torch.")
+        theirs = (
+            manifest["page_size"],
+            manifest["dtype"],
+            attributes.get("kv_heads"),
+            attributes.get("head_dim"),
+        )
+        ours = (page_size, dtype, str(kv_heads), str(head_dim))
+        if theirs != ours:  # the fingerprint covers these; a second look costs nothing
+            raise SnapshotRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"snapshot pages (page size, dtype, kv heads, head dim) {theirs}; this pool's are {ours}",
+            )
+        parked = int(attributes.get("pages", "0"))
+        if parked != num_pages:
+            raise _invalid(f"the snapshot holds {parked} pages; {num_pages} destination pages given")
+        ranges = [tuple(shard["layers"]) for shard in manifest["shards"]]
+        page_bytes = 2 * num_pages * self._pool.k[0, 0].numel() * self._pool.k.element_size()  # K and V
+        for (begin, end), blob in zip(ranges, blobs, strict=True):
+            if len(blob) != (end - begin) * page_bytes:
+                raise SnapshotRefused(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"shard of layers [{begin}, {end}) is {len(blob)} bytes; {num_pages} pages make "
+                    f"{(end - begin) * page_bytes}",
+                )
+        return ranges
+
+    @contextlib.contextmanager
+    def _on_copy_stream(self) -> Iterator[None]:
+        """On CUDA: the body runs on the card's copy stream, after the work queued so far, and before
+        any work queued after it. Nothing to do on the CPU."""
+        if self._device.type != "cuda":
+            yield
+            return
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self._device)
+        main = torch.cuda.current_stream(self._device)
+        self._copy_stream.wait_stream(main)
+        with torch.cuda.stream(self._copy_stream):
+            yield
+        main.wait_stream(self._copy_stream)
+
+    def _read_pages(self, pages: np.ndarray) -> list[bytes]:
+        """On the GPU-loop thread: one gather and one device-to-host copy per shard."""
+        pool = self._pool
+        with torch.inference_mode(), self._on_copy_stream():
+            index = torch.from_numpy(pages.astype(np.int64)).to(self._device)
+            blobs = []
+            for begin, end in self._shards:
+                first, last = begin - self._layer_begin, end - self._layer_begin
+                # kv: [layers, 2 (K, V), pages, page_size, kv_heads, head_dim], the shard's byte order
+                kv = torch.stack(
+                    (pool.k[first:last].index_select(1, index), pool.v[first:last].index_select(1, index)),
+                    dim=1,
+                )
+                blobs.append(_tensor_bytes(kv.cpu()))
+        return blobs
+
+    def _write_pages(self, pages: np.ndarray, ranges: list[tuple[int, int]], blobs: list[bytes]) -> None:
+        """On the GPU-loop thread: each shard built on the host, then one host-to-device copy."""
+        pool, pinned = self._pool, self._device.type == "cuda"
+        with torch.inference_mode(), self._on_copy_stream():
+            index = torch.from_numpy(pages.astype(np.int64)).to(self._device)
+            for (begin, end), blob in zip(ranges, blobs, strict=True):
+                host = torch.empty(len(blob), dtype=torch.uint8, pin_memory=pinned)
+                host.numpy()[:] = np.frombuffer(blob, dtype=np.uint8)
+                # kv: [layers, 2 (K, V), pages, page_size, kv_heads, head_dim]
+                kv = host.view(pool.k.dtype).view(end - begin, 2, len(pages), *self._page_shape)
+                # A shard may reach past this executor's layers (a layer split): keep its own part.
+                low, high = max(begin, self._layer_begin), min(end, self._layer_end)
+                kv = kv[low - begin : high - begin].to(self._device, non_blocking=True)
+                first, last = low - self._layer_begin, high - self._layer_begin
+                pool.k[first:last].index_copy_(1, index, kv[:, 0])
+                pool.v[first:last].index_copy_(1, index, kv[:, 1])
