@@ -7,24 +7,23 @@ import shutil
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-GENERATED = ["client_pb2.py", "client_pb2.pyi", "client_pb2_grpc.py",
-             "executor_pb2.py", "executor_pb2.pyi", "executor_pb2_grpc.py"]
+PROTOS = ["client", "executor", "cache"]
+GENERATED = [f"{name}{suffix}" for name in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
 
 
 def test_regenerating_protos_gives_no_diff(tmp_path):
     grpc_tools = pytest.importorskip("grpc_tools.protoc")
     (tmp_path / "protos").mkdir()
-    for name in ("client.proto", "executor.proto"):
-        shutil.copy(ROOT / "protos" / name, tmp_path / "protos" / name)
+    for name in PROTOS:
+        shutil.copy(ROOT / "protos" / f"{name}.proto", tmp_path / "protos" / f"{name}.proto")
     args = ["protoc", f"-I{tmp_path}", f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",
-            f"--grpc_python_out={tmp_path}", str(tmp_path / "protos/client.proto"),
-            str(tmp_path / "protos/executor.proto")]
+            f"--grpc_python_out={tmp_path}", *(str(tmp_path / "protos" / f"{name}.proto") for name in PROTOS)]
     assert grpc_tools.main(args) == 0
     for name in GENERATED:
         fresh = (tmp_path / "protos" / name).read_text()
         assert fresh == (ROOT / "protos" / name).read_text(), (
             f"protos/{name} is stale: regenerate with python -m grpc_tools.protoc -I. --python_out=. "
-            "--pyi_out=. --grpc_python_out=. protos/client.proto protos/executor.proto"
+            "--pyi_out=. --grpc_python_out=. protos/*.proto"
         )
 
 

@@ -1,0 +1,274 @@
+"""The cache's gRPC service: Put and Get streamed in chunks, List, Delete, Stat; disk work off the loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cache_svc import CHANNEL_OPTIONS, CHUNK_BYTES
+from cache_svc.index import IndexEntry, OverBudget, SnapshotIndex
+from cache_svc.store import (
+    DEFAULT_TENANT,
+    Checkpoint,
+    CorruptSnapshot,
+    InvalidSnapshot,
+    LayerRangeError,
+    Manifest,
+    ModelMismatch,
+    PendingSnapshot,
+    Shard,
+    SnapshotError,
+    SnapshotNotFound,
+)
+from protos import cache_pb2, cache_pb2_grpc
+from protos.wire import pack_i32, unpack_i32
+
+log = structlog.get_logger("deltaserve.cache.server")
+
+SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
+
+_STATUS = {
+    InvalidSnapshot: grpc.StatusCode.INVALID_ARGUMENT,
+    SnapshotNotFound: grpc.StatusCode.NOT_FOUND,
+    CorruptSnapshot: grpc.StatusCode.DATA_LOSS,
+    LayerRangeError: grpc.StatusCode.OUT_OF_RANGE,
+    ModelMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    OverBudget: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def manifest_from_header(header: cache_pb2.SnapshotManifest) -> Manifest:
+    """The Manifest a Put's header declares (InvalidSnapshot when malformed); key and dates are ignored."""
+    if len(header.token_ids) % 4:
+        raise InvalidSnapshot(
+            f"token_ids must be int32 packed; {len(header.token_ids)} bytes is not a multiple of 4"
+        )
+    return Manifest(
+        tenant=header.tenant or DEFAULT_TENANT,
+        conversation_id=header.conversation_id,
+        token_ids=tuple(unpack_i32(header.token_ids).tolist()),
+        checkpoints=tuple(Checkpoint(c.position, c.pinned) for c in header.checkpoints),
+        model_fingerprint=header.model_fingerprint,
+        num_layers=header.num_layers,
+        page_size=header.page_size,
+        dtype=header.dtype,
+        shards=tuple(Shard(s.layer_begin, s.layer_end, s.size_bytes, s.sha256) for s in header.shards),
+        attributes=dict(header.attributes),
+    )
+
+
+def manifest_header(manifest: Manifest, indices: Sequence[int]) -> cache_pb2.SnapshotManifest:
+    """A Get's header: the manifest with its shards cut to `indices` (those the stream carries)."""
+    return cache_pb2.SnapshotManifest(
+        tenant=manifest.tenant,
+        conversation_id=manifest.conversation_id,
+        token_ids=pack_i32(manifest.token_ids),
+        checkpoints=[
+            cache_pb2.Checkpoint(position=c.position, pinned=c.pinned) for c in manifest.checkpoints
+        ],
+        model_fingerprint=manifest.model_fingerprint,
+        num_layers=manifest.num_layers,
+        page_size=manifest.page_size,
+        dtype=manifest.dtype,
+        shards=[
+            cache_pb2.ShardInfo(
+                layer_begin=s.layer_begin, layer_end=s.layer_end, size_bytes=s.size_bytes, sha256=s.sha256
+            )
+            for s in (manifest.shards[i] for i in indices)
+        ],
+        attributes=manifest.attributes,
+        key=manifest.key,
+        created_unix_ns=manifest.created_unix_ns,
+    )
+
+
+def snapshot_info(entry: IndexEntry) -> cache_pb2.SnapshotInfo:
+    return cache_pb2.SnapshotInfo(
+        key=entry.key,
+        conversation_id=entry.conversation_id,
+        size_bytes=entry.size_bytes,
+        last_used_unix_ns=entry.last_used_ns,
+        pinned=entry.pinned,
+        num_tokens=entry.num_tokens,
+        model_fingerprint=entry.model_fingerprint,
+        created_unix_ns=entry.created_ns,
+    )
+
+
+def _owner(request) -> tuple[str, str]:
+    """(tenant, conversation id) of a request that names one snapshot."""
+    if not request.conversation_id:
+        raise InvalidSnapshot("conversation_id is empty")
+    return request.tenant or DEFAULT_TENANT, request.conversation_id
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: SnapshotError) -> None:
+    code = _STATUS[type(err)]
+    if code in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        log.warning("cache request refused", code=code.name, error=str(err))
+    await context.abort(code, str(err))
+
+
+class CacheServicer(cache_pb2_grpc.CacheServicer):
+    def __init__(self, index: SnapshotIndex) -> None:
+        self.index = index
+
+    async def Put(
+        self, request_iterator: AsyncIterator[cache_pb2.SnapshotPart], context: grpc.aio.ServicerContext
+    ) -> cache_pb2.PutReply:
+        pending: PendingSnapshot | None = None
+        try:
+            async for part in request_iterator:
+                kind = part.WhichOneof("part")
+                if pending is None:
+                    if kind != "header":
+                        raise InvalidSnapshot("the first message of a Put must be the header")
+                    manifest = manifest_from_header(part.header)
+                    pending = await asyncio.to_thread(self.index.begin_put, manifest)
+                elif kind == "chunk":
+                    await asyncio.to_thread(pending.write, part.chunk.shard, part.chunk.data)
+                else:
+                    raise InvalidSnapshot(
+                        f"a Put carries one header, then chunks; got {kind or 'an empty part'}"
+                    )
+            if pending is None:
+                raise InvalidSnapshot("an empty Put: the header is missing")
+            stored, evicted = await asyncio.to_thread(self.index.commit_put, pending)
+        except SnapshotError as err:
+            await _abort(context, err)
+        finally:
+            if pending is not None:
+                pending.abort()  # removes what an unfinished put wrote; a no-op after the commit
+        log.info(
+            "snapshot stored",
+            key=stored.key,
+            tenant=stored.tenant,
+            size_bytes=stored.size_bytes,
+            shards=len(stored.shards),
+            evicted=len(evicted),
+        )
+        return cache_pb2.PutReply(key=stored.key, size_bytes=stored.size_bytes, evicted=len(evicted))
+
+    async def Get(
+        self, request: cache_pb2.GetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[cache_pb2.SnapshotPart]:
+        readers = []
+        next_read: asyncio.Future | None = None
+        try:
+            tenant, conversation_id = _owner(request)
+            if (
+                request.layer_begin < 0
+                or request.layer_end < 0
+                or 0 < request.layer_end <= request.layer_begin
+            ):
+                raise InvalidSnapshot(
+                    f"empty or negative layer range [{request.layer_begin}, {request.layer_end})"
+                )
+            manifest, readers = await asyncio.to_thread(
+                self.index.open_for_read,
+                tenant,
+                conversation_id,
+                (request.layer_begin, request.layer_end or None),
+                request.model_fingerprint or None,
+            )
+            yield cache_pb2.SnapshotPart(header=manifest_header(manifest, [r.index for r in readers]))
+            # Each shard is read and checked whole before any of it is sent; the next one is read meanwhile.
+            for position, reader in enumerate(readers):
+                data = await (next_read or asyncio.to_thread(reader.read))
+                next_read = None
+                if position + 1 < len(readers):
+                    next_read = asyncio.ensure_future(asyncio.to_thread(readers[position + 1].read))
+                for offset in range(0, len(data), CHUNK_BYTES):
+                    yield cache_pb2.SnapshotPart(
+                        chunk=cache_pb2.ShardChunk(shard=position, data=data[offset : offset + CHUNK_BYTES])
+                    )
+        except SnapshotError as err:
+            await _abort(context, err)
+        finally:
+            if next_read is not None:
+                next_read.cancel()  # the read may still finish on its thread; its result is dropped
+                await asyncio.wait([next_read])
+            for reader in readers:
+                reader.close()
+
+    async def List(
+        self, request: cache_pb2.ListRequest, context: grpc.aio.ServicerContext
+    ) -> cache_pb2.ListReply:
+        try:
+            entries = await asyncio.to_thread(
+                self.index.list, request.tenant or DEFAULT_TENANT, request.conversation_id or None
+            )
+        except SnapshotError as err:
+            await _abort(context, err)
+        return cache_pb2.ListReply(snapshots=[snapshot_info(entry) for entry in entries])
+
+    async def Delete(
+        self, request: cache_pb2.DeleteRequest, context: grpc.aio.ServicerContext
+    ) -> cache_pb2.DeleteReply:
+        try:
+            entry = await asyncio.to_thread(self.index.delete, *_owner(request))
+        except SnapshotError as err:
+            await _abort(context, err)
+        log.info("snapshot deleted", key=entry.key, tenant=entry.tenant, size_bytes=entry.size_bytes)
+        return cache_pb2.DeleteReply(key=entry.key, size_bytes=entry.size_bytes)
+
+    async def Stat(
+        self, request: cache_pb2.StatRequest, context: grpc.aio.ServicerContext
+    ) -> cache_pb2.StatReply:
+        stat = await asyncio.to_thread(self.index.stat, request.tenant or DEFAULT_TENANT)
+        return cache_pb2.StatReply(
+            count=stat.count,
+            size_bytes=stat.size_bytes,
+            budget_bytes=stat.budget_bytes,
+            pinned_bytes=stat.pinned_bytes,
+            tenant_count=stat.tenant_count,
+            tenant_size_bytes=stat.tenant_size_bytes,
+        )
+
+
+async def start_cache_server(
+    root_dir: str, budget_bytes: int, host: str = "127.0.0.1", port: int = 0
+) -> tuple[grpc.aio.Server, int]:
+    """Opens (or rebuilds) the index under root_dir, then serves Cache, grpc.health.v1 and reflection.
+
+    Returns the started server and its bound port (0 = any free port); `server.cache` is the servicer.
+    Stopping the server closes the index.
+    """
+    index = await asyncio.to_thread(SnapshotIndex, root_dir, budget_bytes)
+    servicer = CacheServicer(index)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    cache_pb2_grpc.add_CacheServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        index.close()
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server.cache = servicer
+    original_stop = server.stop
+
+    async def stop(grace: float | None = None):
+        await original_stop(grace)
+        index.close()
+
+    server.stop = stop
+    stat = index.stat(DEFAULT_TENANT)
+    log.info(
+        "cache listening",
+        address=f"{host}:{bound}",
+        root=root_dir,
+        snapshots=stat.count,
+        size_bytes=stat.size_bytes,
+        budget_bytes=budget_bytes,
+        index_rebuilt=index.rebuilt,
+    )
+    return server, bound
