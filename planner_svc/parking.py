@@ -110,7 +110,8 @@ class Parking:
             reply = await self._cache.List(cache_pb2.ListRequest(
                 tenant=conversation.tenant, conversation_id=conversation.conversation_id), timeout=10)
         except grpc.aio.AioRpcError as error:
-            log.warning("cache not reachable; the prompt is read in full", error=error.details())
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                log.warning("cache not reachable; the prompt is read in full", error=error.details())
             return 0
         return max((s.num_tokens for s in reply.snapshots), default=0)
 

@@ -206,15 +206,23 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 first = False
             if event.finish is not None:
                 response.finish_reason = _FINISH[event.finish]
+                response.prompt_tokens = req.prompt_len
                 response.reused_tokens = req.reused
                 response.read_tokens = req.prompt_len - req.reused
-                response.checkpoint = mount.checkpoint if mount.reused or req.reused == 0 else "prefix"
+                response.checkpoint = self._mounted(req, mount)
                 response.diverged_at = mount.diverged_at
                 log.info("request finished", finish=event.finish.value, tokens=len(req.output_ids),
                          reused=req.reused, checkpoint=response.checkpoint)
                 yield response
                 return
             yield response
+
+    @staticmethod
+    def _mounted(req: Request, mount: Mount) -> str:
+        """What the request reused: its conversation's checkpoint, else shared prefix pages, and why not."""
+        if mount.reused or not req.reused:
+            return mount.checkpoint
+        return "prefix" if mount.checkpoint == "none" else f"prefix, {mount.checkpoint}"
 
     async def Abort(self, request: client_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         found = self._requests.get(request.request_id)

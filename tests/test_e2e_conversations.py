@@ -1,0 +1,257 @@
+"""Conversations over the real stack with the cache service: reuse across turns, park and restart,
+history rewrites, corrupted snapshots, shared prefixes and KV pressure (issue 4)."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+
+from cache_svc.server import start_cache_server
+from cache_svc.store import snapshot_key
+from executor_svc.config import ExecutorConfig
+from planner_svc.client import PlannerClient
+from planner_svc.config import PlannerConfig
+from protos import client_pb2
+from protos.wire import pack_i32, unpack_i32
+from tests.conftest import SMOL_BUCKETS, start_stack, stop_stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+PAGE = 16
+
+
+class CachedStack:
+    """Cache, executor and planner on loopback, restartable on the same cache directory."""
+
+    def __init__(self, cache_dir: str, pool_pages: int = 400):
+        self.cache_dir, self.pool_pages = cache_dir, pool_pages
+        self.servers = []
+
+    async def start(self):
+        cache, cache_port = await start_cache_server(self.cache_dir, budget_bytes=2 << 30)
+        address = f"127.0.0.1:{cache_port}"
+        self.stack, servers = await start_stack(
+            ExecutorConfig(device="cpu", dtype="float32", pool_pages=self.pool_pages, buckets=SMOL_BUCKETS,
+                           cache=address),
+            PlannerConfig(cache=address, prefill_token_budget=512),
+        )
+        self.servers = [*servers, cache]
+        return self.stack
+
+    async def stop(self):
+        await stop_stack(self.servers)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def cached(tmp_path_factory):
+    stack = CachedStack(str(tmp_path_factory.mktemp("cache")))
+    await stack.start()
+    yield stack
+    await stack.stop()
+
+
+async def turn(client, chat, conversation="", max_tokens=8, **fields):
+    """One Generate, gathering the final message's mount details."""
+    tokens, last = [], None
+    async for response in client._stub.Generate(client_pb2.GenerateRequest(
+        chat=client_pb2.ChatMessages(messages=[client_pb2.ChatMessage(**m) for m in chat]),
+        max_tokens=max_tokens, conversation_id=conversation, **fields,
+    )):
+        tokens += unpack_i32(response.token_ids).tolist()
+        last = response
+    return tokens, last
+
+
+def reply(stack, tokens):
+    return stack.planner.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+async def test_second_turn_reuses_the_first(cached):
+    stack = cached.stack
+    chat = [SYSTEM, {"role": "user", "content": "Name a colour."}]
+    async with PlannerClient(stack.addr) as client:
+        first, done = await turn(client, chat, "reuse")
+        assert done.read_tokens == done.prompt_tokens - done.reused_tokens
+        chat2 = chat + [{"role": "assistant", "content": reply(stack, first)},
+                        {"role": "user", "content": "Name another."}]
+        second, done2 = await turn(client, chat2, "reuse")
+        fresh, _ = await turn(client, chat2)  # no conversation: a full read
+    first_prompt = done.prompt_tokens
+    assert done2.checkpoint == f"checkpoint@{first_prompt}"
+    assert done2.reused_tokens == first_prompt // PAGE * PAGE > 0
+    assert done2.read_tokens == done2.prompt_tokens - done2.reused_tokens
+    assert second == fresh
+
+
+async def test_park_restart_resume_equals_never_parked(cached, tmp_path):
+    stack = cached.stack
+    chat = [SYSTEM, {"role": "user", "content": "What is the largest planet?"}]
+    async with PlannerClient(stack.addr) as client:
+        first, _ = await turn(client, chat, "parked")
+        await stack.wait_idle()
+        conversation = stack.scheduler.conversations.get("default", "parked")
+        pool = stack.runner.kv_pool
+        parked_pages = list(conversation.pages)
+        parked_k = pool.k[:, parked_pages].clone()
+        parked_v = pool.v[:, parked_pages].clone()
+        parked = await client._stub.Park(client_pb2.ParkRequest(conversation_id="parked"))
+        assert parked.bytes > 0 and parked.tokens == len(conversation.tokens)
+        assert conversation.parked and not conversation.pages
+    await cached.stop()  # every service restarts; only the cache directory remains
+    stack = await cached.start()
+    chat2 = chat + [{"role": "assistant", "content": reply(stack, first)},
+                    {"role": "user", "content": "And the smallest?"}]
+    async with PlannerClient(stack.addr) as client:
+        resumed = await client._stub.Resume(client_pb2.ResumeRequest(conversation_id="parked"))
+        conversation = stack.scheduler.conversations.get("default", "parked")
+        restored = conversation.pages
+        assert torch.equal(stack.runner.kv_pool.k[:, restored], parked_k)  # byte for byte
+        assert torch.equal(stack.runner.kv_pool.v[:, restored], parked_v)
+        assert resumed.tokens == len(conversation.tokens)
+        second, done = await turn(client, chat2, "parked")
+        never_parked, _ = await turn(client, chat2)
+    assert done.checkpoint.startswith("snapshot@") or done.checkpoint.startswith("checkpoint@")
+    assert done.reused_tokens > 0
+    assert second == never_parked
+
+
+async def test_rewritten_history_resumes_at_the_newest_checkpoint_before_the_change(cached):
+    stack = cached.stack
+    chat = [SYSTEM]
+    async with PlannerClient(stack.addr) as client:
+        for i in range(40):
+            chat.append({"role": "user", "content": f"Turn {i}: say the number {i * 7}."})
+            tokens, done = await turn(client, chat, "long", max_tokens=3)
+            chat.append({"role": "assistant", "content": reply(stack, tokens)})
+        listed = await client._stub.ListConversations(client_pb2.ListConversationsRequest())
+        (long,) = [c for c in listed.conversations if c.conversation_id == "long"]
+        edited = [dict(m) for m in chat]
+        edited[-10]["content"] = "Turn 35 rewritten: say nothing."
+        edited.append({"role": "user", "content": "Go on."})
+        ids = stack.planner.tokenizer.apply_chat_template(edited, add_generation_prompt=True)["input_ids"]
+        original = stack.planner.tokenizer.apply_chat_template(chat, add_generation_prompt=False)["input_ids"]
+        changed = next(i for i, (a, b) in enumerate(zip(ids, original)) if a != b)
+        expected = max(c for c in long.checkpoints if c <= changed)
+        tokens, done = await turn(client, edited, "long", max_tokens=6)
+        full, _ = await turn(client, edited, max_tokens=6)
+    assert len(long.checkpoints) == 6
+    assert done.checkpoint == f"checkpoint@{expected}"
+    assert done.diverged_at == changed
+    assert done.read_tokens == len(ids) - expected // PAGE * PAGE
+    assert tokens == full
+
+
+async def test_corrupted_snapshot_is_refused_and_the_prompt_read_again(cached):
+    stack = cached.stack
+    chat = [SYSTEM, {"role": "user", "content": "Spell the word cat."}]
+    async with PlannerClient(stack.addr) as client:
+        first, _ = await turn(client, chat, "corrupt")
+        await stack.wait_idle()
+        await client._stub.Park(client_pb2.ParkRequest(conversation_id="corrupt"))
+        folder = os.path.join(cached.cache_dir, "snapshots", snapshot_key("default", "corrupt"))
+        blob = sorted(f for f in os.listdir(folder) if f.endswith(".blob"))[0]
+        with open(os.path.join(folder, blob), "r+b") as f:  # flip one byte of the first shard
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        chat2 = chat + [{"role": "assistant", "content": reply(stack, first)},
+                        {"role": "user", "content": "And dog?"}]
+        tokens, done = await turn(client, chat2, "corrupt")
+        full, _ = await turn(client, chat2)
+    assert "none (snapshot refused: DATA_LOSS" in done.checkpoint
+    assert done.reused_tokens < len(stack.planner._render([SYSTEM]))  # at most the shared system prompt
+    assert done.read_tokens == done.prompt_tokens - done.reused_tokens
+    assert tokens == full
+
+
+async def test_shared_prefix_is_pinned_and_malformed_ones_refused(cached):
+    stack = cached.stack
+    document = {"role": "system", "content": "A long shared document. " * 40}
+    async with PlannerClient(stack.addr) as client:
+        chat = [document, {"role": "user", "content": "Summarise it."}]
+        _, done = await turn(client, chat, "doc", shared_prefix=client_pb2.SharedPrefix(messages=1))
+        await stack.wait_idle()
+        conversation = stack.scheduler.conversations.get("default", "doc")
+        pinned = conversation.retention.pinned
+        assert pinned and pinned < done.prompt_tokens
+        for i in range(8):  # many short questions over one document keep the pin
+            await turn(client, [document, {"role": "user", "content": f"Question {i}?"}], "doc", max_tokens=2)
+        assert conversation.retention.pinned == pinned
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await turn(client, chat, "doc", shared_prefix=client_pb2.SharedPrefix(messages=5))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "shared_prefix.messages must be in [0, 2]" in caught.value.details()
+
+
+async def test_unknown_conversation_and_busy_park(cached):
+    async with PlannerClient(cached.stack.addr) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await client._stub.Park(client_pb2.ParkRequest(conversation_id="nobody"))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await client._stub.Resume(client_pb2.ResumeRequest(conversation_id="nobody"))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_tenants_do_not_see_each_other(cached):
+    stack = cached.stack
+    chat = [SYSTEM, {"role": "user", "content": "Hello."}]
+    async with PlannerClient(stack.addr) as client:
+        await turn(client, chat, "mine", tenant="alice")
+        await stack.wait_idle()
+        await client._stub.Park(client_pb2.ParkRequest(conversation_id="mine", tenant="alice"))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await client._stub.Park(client_pb2.ParkRequest(conversation_id="mine", tenant="bob"))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        listed = await client._stub.ListConversations(client_pb2.ListConversationsRequest(tenant="bob"))
+        assert not [c for c in listed.conversations if c.conversation_id == "mine"]
+        _, done = await turn(client, chat, "mine", tenant="bob")  # bob's own, new conversation
+        assert not done.checkpoint.startswith("snapshot")
+
+
+async def test_cache_down_generation_works_and_parking_is_refused(tmp_path):
+    stack = CachedStack(str(tmp_path))
+    await stack.start()
+    try:
+        await stack.servers[-1].stop(None)  # the cache goes away
+        chat = [SYSTEM, {"role": "user", "content": "Count to three."}]
+        async with PlannerClient(stack.stack.addr) as client:
+            tokens, done = await turn(client, chat, "nocache")
+            assert tokens and done.finish_reason in (1, 2)
+            await stack.stack.wait_idle()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await client._stub.Park(client_pb2.ParkRequest(conversation_id="nocache"))
+            assert caught.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
+            assert "cache" in caught.value.details().lower() or "unavailable" in caught.value.details().lower()
+            # nothing changed: the conversation still holds its pages and continues from them
+            conversation = stack.stack.scheduler.conversations.get("default", "nocache")
+            assert conversation.pages and not conversation.parked
+    finally:
+        await stack.stop()
+
+
+async def test_kv_pressure_parks_the_coldest_conversation(tmp_path):
+    stack = CachedStack(str(tmp_path), pool_pages=120)
+    await stack.start()
+    try:
+        s = stack.stack
+        async with PlannerClient(s.addr) as client:
+            await turn(client, [SYSTEM, {"role": "user", "content": "First chat " * 200}], "cold", max_tokens=2)
+            await s.wait_idle()
+            cold = s.scheduler.conversations.get("default", "cold")
+            assert cold.pages
+            big = await client.generate_all(token_ids=[5 + i % 40 for i in range(1500)], max_tokens=4)
+            assert big.finish_reason == "length"
+            assert cold.parked and not cold.pages
+            _, done = await turn(client, [SYSTEM, {"role": "user", "content": "First chat " * 200},
+                                          {"role": "assistant", "content": "ok"},
+                                          {"role": "user", "content": "again"}], "cold", max_tokens=2)
+            assert done.checkpoint.startswith("snapshot@") and done.reused_tokens > 0
+    finally:
+        await stack.stop()
