@@ -2,7 +2,7 @@
 
     python bench/serve_cpu.py [--device cpu] [--concurrency 1,8] [--max-tokens 64] [--out docs/bench/serve_cpu.json]
 
-Both arms serve the same model on the same runner, alternated, two rounds each, so the gRPC hop's cost
+Both arms serve the same model (a runner each), alternated, two rounds each, so the gRPC hop's cost
 is the difference. Greedy, ignore_eos, a short chat prompt per request.
 """
 from __future__ import annotations
@@ -43,12 +43,14 @@ async def run_arm(addr: str, concurrency: int, max_tokens: int) -> dict:
 
 
 async def main_async(args) -> list[dict]:
-    runner = await asyncio.to_thread(build_runner, ExecutorConfig(device=args.device, pool_pages=1024,
-                                                                  buckets=(1, 2, 4, 8, 16)))
-    executor_server, executor_port = await start_executor_server(runner)
+    # One runner per arm: an executor's tables and pool belong to the one planner that drives it.
+    config = ExecutorConfig(device=args.device, pool_pages=1024, buckets=(1, 2, 4, 8, 16))
+    grpc_runner, local_runner = [await asyncio.to_thread(build_runner, config) for _ in range(2)]
+    executor_server, executor_port = await start_executor_server(grpc_runner)
     arms = {}
     servers = [executor_server]
-    for arm, link in (("grpc", GrpcLink(f"127.0.0.1:{executor_port}")), ("in-process", InProcessLink(runner))):
+    links = (("grpc", GrpcLink(f"127.0.0.1:{executor_port}")), ("in-process", InProcessLink(local_runner)))
+    for arm, link in links:
         server, port = await start_planner_server(PlannerConfig(), port=0, links=[link])
         servers.append(server)
         arms[arm] = f"127.0.0.1:{port}"

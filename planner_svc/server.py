@@ -251,7 +251,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         async with self.parking.lock(conversation):
             note = await self.parking.restore(engine, conversation) if not conversation.pages else "restored"
         if note is None:
-            engine.scheduler.conversations.remove(conversation) if not conversation.tokens else None
+            if not conversation.tokens:  # opened by this call only: leave no trace
+                engine.scheduler.conversations.remove(conversation)
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no parked conversation {request.conversation_id!r}")
         if note != "restored":
             await context.abort(grpc.StatusCode.DATA_LOSS if "DATA_LOSS" in note else grpc.StatusCode.UNAVAILABLE,
