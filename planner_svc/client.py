@@ -30,6 +30,32 @@ class Generation:
     text: str
     finish_reason: str  # stop | length | abort
     prompt_tokens: int
+    reused_tokens: int  # prompt tokens whose KV was reused (a conversation's checkpoint, shared pages)
+    read_tokens: int  # prompt tokens read (prefilled)
+    checkpoint: str  # what was mounted: none | prefix | checkpoint@N | snapshot@N, with why it fell back
+    diverged_at: int  # where the prompt first differed from the conversation's stored tokens; -1: nowhere
+
+
+@dataclass(slots=True)
+class Parked:
+    bytes: int  # 0: nothing was in the pool (already parked, or no turn finished yet)
+    tokens: int
+
+
+@dataclass(slots=True)
+class Resumed:
+    tokens: int
+    checkpoints: list[int]
+
+
+@dataclass(slots=True)
+class ConversationInfo:
+    conversation_id: str
+    tokens: int
+    checkpoints: list[int]
+    parked: bool  # its pages live in the cache service
+    pages: int  # KV pages it holds in the pool
+    pinned_prefix: int  # tokens of its pinned shared prefix; 0: none
 
 
 async def wait_serving(
@@ -73,6 +99,26 @@ def _chat_messages(chat: Sequence[Mapping[str, str]]) -> client_pb2.ChatMessages
     return client_pb2.ChatMessages(messages=messages)
 
 
+def _shared_prefix(prefix: Mapping[str, int]) -> client_pb2.SharedPrefix:
+    """{"messages": K} | {"message": I, "chars": N} | {"tokens": N} -> the SharedPrefix message."""
+    integers = isinstance(prefix, Mapping) and all(
+        isinstance(value, int) and not isinstance(value, bool) for value in prefix.values()
+    )
+    keys = set(prefix) if integers else None
+    if keys == {"messages"}:
+        return client_pb2.SharedPrefix(messages=prefix["messages"])
+    if keys == {"tokens"}:
+        return client_pb2.SharedPrefix(tokens=prefix["tokens"])
+    if keys == {"message", "chars"}:
+        return client_pb2.SharedPrefix(
+            message=client_pb2.SharedPrefix.MessageChars(message=prefix["message"], chars=prefix["chars"])
+        )
+    raise ValueError(
+        'shared_prefix must be {"messages": K}, {"message": I, "chars": N} or {"tokens": N} with integer '
+        f"values, got {prefix!r}"
+    )
+
+
 def build_generate_request(
     *,
     text: str | None = None,
@@ -86,8 +132,16 @@ def build_generate_request(
     stop_token_ids: Iterable[int] = (),
     ignore_eos: bool = False,
     request_id: str = "",
+    conversation_id: str = "",
+    tenant: str = "",
+    shared_prefix: Mapping[str, int] | None = None,
 ) -> client_pb2.GenerateRequest:
-    """The GenerateRequest for one prompt: exactly one of text, chat or token_ids."""
+    """The GenerateRequest for one prompt: exactly one of text, chat or token_ids.
+
+    With a conversation_id the prompt carries the whole history and the planner resumes from the
+    conversation's longest retained checkpoint that is a prefix of it; tenant "" is the default one.
+    shared_prefix (a conversation's pinned read-only start) needs a conversation_id.
+    """
     given = [
         name
         for name, value in (("text", text), ("chat", chat), ("token_ids", token_ids))
@@ -101,7 +155,13 @@ def build_generate_request(
         max_tokens=max_tokens,
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
+        conversation_id=conversation_id,
+        tenant=tenant,
     )
+    if shared_prefix is not None:
+        if not conversation_id:
+            raise ValueError("shared_prefix marks a conversation's prefix: give a conversation_id too")
+        request.shared_prefix.CopyFrom(_shared_prefix(shared_prefix))
     if text is not None:
         request.text = text
     elif chat is not None:
@@ -150,8 +210,13 @@ class PlannerClient:
         stop_token_ids: Iterable[int] = (),
         ignore_eos: bool = False,
         request_id: str = "",
+        conversation_id: str = "",
+        tenant: str = "",
+        shared_prefix: Mapping[str, int] | None = None,
     ) -> AsyncIterator[client_pb2.GenerateResponse]:
-        """Streams the GenerateResponses of one request (exactly one of text, chat or token_ids).
+        """Streams the GenerateResponses of one request (exactly one of text, chat or token_ids); the
+        arguments are build_generate_request's. The last response carries the finish reason and what
+        was reused (reused_tokens, read_tokens, checkpoint, diverged_at).
 
         Leaving the loop early cancels the call, which the planner treats as an abort.
         """
@@ -167,6 +232,9 @@ class PlannerClient:
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
             request_id=request_id,
+            conversation_id=conversation_id,
+            tenant=tenant,
+            shared_prefix=shared_prefix,
         )
         call = self._stub.Generate(request)
         try:
@@ -180,18 +248,55 @@ class PlannerClient:
         request_id = ""
         token_ids: list[int] = []
         text_parts: list[str] = []
-        finish_reason = ""
-        prompt_tokens = 0
+        last = None
         async for response in self.generate(**request_fields):
             request_id = request_id or response.request_id
-            prompt_tokens = prompt_tokens or response.prompt_tokens
             token_ids.extend(unpack_i32(response.token_ids).tolist())
             text_parts.append(response.text)
             if response.finish_reason != client_pb2.FINISH_REASON_UNSPECIFIED:
-                finish_reason = FINISH_REASONS[response.finish_reason]
-        if not finish_reason:
+                last = response
+        if last is None:
             raise RuntimeError(f"request {request_id!r}: the stream ended without a finish reason")
-        return Generation(request_id, token_ids, "".join(text_parts), finish_reason, prompt_tokens)
+        return Generation(
+            request_id=request_id,
+            token_ids=token_ids,
+            text="".join(text_parts),
+            finish_reason=FINISH_REASONS[last.finish_reason],
+            prompt_tokens=last.prompt_tokens,
+            reused_tokens=last.reused_tokens,
+            read_tokens=last.read_tokens,
+            checkpoint=last.checkpoint,
+            diverged_at=last.diverged_at,
+        )
+
+    async def park(self, conversation_id: str, tenant: str = "") -> Parked:
+        """Moves an idle conversation's KV pages into the cache service (NOT_FOUND when unknown,
+        FAILED_PRECONDITION while a turn runs on it, the cache's status when it cannot store them)."""
+        reply = await self._stub.Park(client_pb2.ParkRequest(conversation_id=conversation_id, tenant=tenant))
+        return Parked(bytes=reply.bytes, tokens=reply.tokens)
+
+    async def resume(self, conversation_id: str, tenant: str = "") -> Resumed:
+        """Restores a parked conversation's pages into the pool (the next generate on it does this too);
+        NOT_FOUND when there is nothing to restore, DATA_LOSS for a snapshot that failed its checksum."""
+        reply = await self._stub.Resume(
+            client_pb2.ResumeRequest(conversation_id=conversation_id, tenant=tenant)
+        )
+        return Resumed(tokens=reply.tokens, checkpoints=list(reply.checkpoints))
+
+    async def conversations(self, tenant: str = "") -> list[ConversationInfo]:
+        """The tenant's conversations the planner knows of (since it started), parked ones included."""
+        reply = await self._stub.ListConversations(client_pb2.ListConversationsRequest(tenant=tenant))
+        return [
+            ConversationInfo(
+                conversation_id=c.conversation_id,
+                tokens=c.tokens,
+                checkpoints=list(c.checkpoints),
+                parked=c.parked,
+                pages=c.pages,
+                pinned_prefix=c.pinned_prefix,
+            )
+            for c in reply.conversations
+        ]
 
     async def abort(self, request_id: str) -> bool:
         """True when a running or waiting request was aborted; False when unknown or already finished."""

@@ -56,7 +56,8 @@ class RowMirror:
         `cells`: single-cell writes (page crossings, refreshed lengths), applied after the runs.
         """
         delta = RowDelta()
-        if self._last_slots is None or not np.array_equal(slots, self._last_slots):
+        last = self._last_slots
+        if slots is not last and (last is None or not np.array_equal(slots, last)):
             delta.slots = slots.tobytes()
             self._last_slots = slots
             self._last_real = slots[slots != 0].astype(np.intp)
@@ -90,6 +91,11 @@ class RowMirror:
         slot, col = divmod(flat_start, self.layout.columns)
         n = sum(len(r) for r in rows)
         return np.concatenate([np.array([slot, col, n], dtype=I32), *rows])
+
+    @property
+    def last_slots(self) -> np.ndarray:
+        """The slots of the last decode step encoded (padding included)."""
+        return self._last_slots
 
     def advance(self) -> None:
         """After the step: the device added one token to every real row it read."""

@@ -78,6 +78,8 @@ class Scheduler:
         self._steps: dict[int, PlannedStep] = {}  # uncommitted plans
         self._steady: PlannedStep | None = None  # the last decode step, repeatable while nothing changes
         self._steady_left = 0  # steps it can repeat before a row crosses a page or reaches its end
+        self._steady_slots = np.zeros(0, dtype=I32)  # its slots, padding included
+        self._steady_ends = np.zeros(0, dtype=np.int64)  # its real rows' end lengths
         self._dirty = True
         self._assigned_seq = -1  # the last step whose reads the slot cache knows
 
@@ -143,8 +145,12 @@ class Scheduler:
 
         Call only after the commit of step `seq - 2` (two plans in flight at most).
         """
-        if not self._dirty and self._steady_left > 0:
-            return self._repeat(seq)
+        if not self._dirty and self._steady is not None:
+            if self._steady_left > 0:
+                return self._repeat(seq)
+            step = self._repeat_crossing(seq)
+            if step is not None:
+                return step
         self._sync_reads()
         self._dirty = False
         self._admit()
@@ -183,12 +189,40 @@ class Scheduler:
         self._steady_left -= 1
         step = PlannedStep(seq, bucket=last.bucket, rows=last.rows)
         if self.config.row_check:
-            step.mirror = self.mirror.read(self._slots_of(last)).tobytes()
+            step.mirror = self.mirror.read(self._steady_slots).tobytes()
         self.mirror.advance()
         for request in last.rows:
             request.last_seq = seq
         self._steps[seq] = step
         self._steady = step
+        return step
+
+    def _repeat_crossing(self, seq: int) -> PlannedStep | None:
+        """The same rows where some cross onto a new page: one cell each, found without a per-row pass.
+
+        None when a row reaches its end (the rows change: a full plan)."""
+        last, page_size = self._steady, self.config.page_size
+        real = self._steady_slots[: len(last.rows)]
+        lens = self.mirror.rows[real, RowLayout.KV_LEN].astype(np.int64)
+        if (lens >= self._steady_ends).any():
+            return None
+        cells = []
+        for row in np.flatnonzero(lens % page_size == 0).tolist():
+            request = last.rows[row]
+            if lens[row] // page_size == len(request.pages):
+                request.pages += self._take_reserved(request, 1)
+                cells.append((int(real[row]), RowLayout.BLOCK_TABLE + len(request.pages) - 1, request.pages[-1]))
+        step = PlannedStep(seq, bucket=last.bucket, rows=last.rows)
+        step.delta = self.mirror.encode(self._steady_slots, [], cells)
+        if self.config.row_check:
+            step.mirror = self.mirror.read(self._steady_slots).tobytes()
+        self.mirror.advance()
+        for request in last.rows:
+            request.last_seq = seq
+        self._steps[seq] = step
+        self._steady = step
+        lens += 1
+        self._steady_left = int(min(((-lens) % page_size).min(), (self._steady_ends - lens).min()))
         return step
 
     def _sync_reads(self) -> None:
@@ -281,15 +315,11 @@ class Scheduler:
 
     def _steady_steps(self, step: PlannedStep) -> int:
         """How many next steps can repeat this one: none reads a length that crosses a page or ends."""
-        real = self._slots_of(step)[: len(step.rows)]
+        self._steady_slots = self.mirror.last_slots  # what the repeats read
+        self._steady_ends = np.fromiter((r.end_len for r in step.rows), dtype=np.int64, count=len(step.rows))
+        real = self._steady_slots[: len(step.rows)]
         lens = self.mirror.rows[real, RowLayout.KV_LEN].astype(np.int64)
-        ends = np.fromiter((r.end_len for r in step.rows), dtype=np.int64, count=len(step.rows))
-        return int(min(((-lens) % self.config.page_size).min(), (ends - lens).min()))
-
-    def _slots_of(self, step: PlannedStep) -> np.ndarray:
-        slots = np.zeros(step.bucket, dtype=I32)
-        slots[: len(step.rows)] = [self.slots.slot_of(r) for r in step.rows]
-        return slots
+        return int(min(((-lens) % self.config.page_size).min(), (self._steady_ends - lens).min()))
 
     def _kv_len(self, request: Request) -> int:
         slot = self.slots.slot_of(request)
