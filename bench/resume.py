@@ -60,7 +60,8 @@ async def main_async(args) -> list[dict]:
                                                                   buckets=(1, 2, 4), cache=cache_addr))
     executor, port = await start_executor_server(runner, cache=cache_addr)
     planner, planner_port = await start_planner_server(
-        PlannerConfig(executors=[f"127.0.0.1:{port}"], cache=cache_addr), port=0)
+        # Prefix sharing off: the full-read arm must read the whole prompt, not the conversation's pages.
+        PlannerConfig(executors=[f"127.0.0.1:{port}"], cache=cache_addr, prefix_cache=False), port=0)
     import grpc
 
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{planner_port}")
