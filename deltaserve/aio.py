@@ -1,8 +1,9 @@
-"""Runs an async main on uvloop when installed, SIGINT/SIGTERM setting a stop event for a clean shutdown."""
+"""Runs an async main on uvloop when installed, SIGINT/SIGTERM setting a stop event; races work against it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -53,3 +54,18 @@ def run(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
 
     with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
         return runner.run(main_with_signals())
+
+
+async def until_stopped(awaitable: Awaitable[T], stop: asyncio.Event) -> tuple[bool, T | None]:
+    """(True, result) when `awaitable` finishes first; (False, None) when `stop` is set first (then it is
+    cancelled)."""
+    work = asyncio.ensure_future(awaitable)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((work, stopped), return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if work.done():
+        return True, work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    return False, None

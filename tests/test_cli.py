@@ -1,5 +1,6 @@
 """The user-facing edges: CLI parsing and environment fallbacks, logging, the event loop runner, the
-client's health wait, README/.ci/run agreement, compose, the Dockerfile, `deltaserve generate` end to end."""
+client's health wait, README/.ci/run agreement, compose, the Dockerfile, and end to end: `deltaserve generate`,
+`deltaserve cache serve`, and `deltaserve up` with its cache serving a conversation, park and cache ls."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deltaserve import aio
-from deltaserve.cli import _wait_for_executor, executor_config, main, parse_args, planner_config
+from deltaserve.cli import main, parse_args
+from deltaserve.flags import default_cache_dir
 from deltaserve.logs import configure_logging, get_logger
-from executor_svc.config import DEFAULT_BUCKETS
+from deltaserve.serve import GIB, cache_config, executor_config, planner_config, wait_for_executor
+from executor_svc.config import DEFAULT_BUCKETS, DEFAULT_SHARD_LAYERS
 from planner_svc.client import PlannerClient, build_generate_request, wait_serving
 from protos.wire import unpack_i32
 
@@ -73,7 +76,7 @@ def restore_logging():
 
 
 def cli_env() -> dict[str, str]:
-    """The environment for `python -m deltaserve.cli` run from the repo, installed or not."""
+    """The environment for `python -m deltaserve` run from the repo, installed or not."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DELTASERVE_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
@@ -243,7 +246,7 @@ def test_configs_from_flags():
             "64",
         ]
     )
-    executor = executor_config(args)
+    executor = executor_config(args, cache="c:9")
     assert (executor.page_size, executor.pool_pages, executor.buckets, executor.max_seq_len) == (
         32,
         100,
@@ -251,23 +254,153 @@ def test_configs_from_flags():
         512,
     )
     assert (executor.dtype, executor.device, executor.row_check) == ("float32", "cpu", True)
-    planner = planner_config(args, executors=["x:1"])
+    assert (executor.cache, executor.shard_layers) == ("c:9", DEFAULT_SHARD_LAYERS)
+    planner = planner_config(args, executors=["x:1"], cache=None)
     assert (planner.executors, planner.prefill_token_budget, planner.row_check, planner.model) == (
         ["x:1"],
         64,
         True,
         None,
     )
+    assert (planner.cache, planner.retention_cap, planner.retention_policy, planner.prefix_cache) == (
+        None,
+        6,
+        "spread",
+        True,
+    )
+
+
+def test_cache_flags_of_executor_and_planner_and_their_env():
+    executor = parse(["executor", "--cache", "cache:50071", "--shard-layers", "4"])
+    assert (executor.cache, executor.shard_layers) == ("cache:50071", 4)
+    assert parse(["executor"]).cache is None
+    env = dict(
+        DELTASERVE_CACHE="cache:50071",
+        DELTASERVE_RETENTION_CAP="3",
+        DELTASERVE_RETENTION_POLICY="lru",
+        DELTASERVE_PREFIX_CACHE="off",
+        DELTASERVE_SHARD_LAYERS="2",
+    )
+    planner = parse(["planner", "--executor", "e:1"], **env)
+    config = planner_config(planner, executors=planner.executor, cache=planner.cache)
+    assert (config.cache, config.retention_cap, config.retention_policy, config.prefix_cache) == (
+        "cache:50071",
+        3,
+        "lru",
+        False,
+    )
+    planner = parse(["planner", "--executor", "e:1", "--prefix-cache", "--retention-policy", "spread"], **env)
+    assert (planner.prefix_cache, planner.retention_policy) == (True, "spread")
+    assert parse(["executor"], **env).shard_layers == 2
+
+
+def test_bad_cache_flags_name_the_flag_or_variable(capsys):
+    assert "--cache" in usage_error(capsys, ["executor", "--cache", "nohost"])
+    assert "DELTASERVE_CACHE='nohost'" in usage_error(
+        capsys, ["planner", "--executor", "e:1"], DELTASERVE_CACHE="nohost"
+    )
+    assert "--retention-policy" in usage_error(capsys, ["up", "--retention-policy", "fifo"])
+    assert "--retention-cap" in usage_error(capsys, ["planner", "--executor", "e:1", "--retention-cap", "0"])
+    assert "--shard-layers" in usage_error(capsys, ["executor", "--shard-layers", "0"])
+    assert "--cache-budget-gib" in usage_error(capsys, ["cache", "serve", "--cache-budget-gib", "0"])
+    assert "expected auto, off or HOST:PORT" in usage_error(capsys, ["up", "--cache", "somewhere"])
+
+
+def test_up_starts_a_cache_in_the_users_cache_directory_unless_told_otherwise(tmp_path):
+    up = parse(["up"], HOME="/home/ada")
+    assert (up.cache, up.cache_dir, up.cache_budget_gib, up.cache_port) == (
+        "auto",
+        "/home/ada/.cache/deltaserve",
+        8.0,
+        50071,
+    )
+    assert parse(["up"], HOME="/home/ada", XDG_CACHE_HOME="/xdg").cache_dir == "/xdg/deltaserve"
+    assert (
+        default_cache_dir({"HOME": "/home/ada", "XDG_CACHE_HOME": "relative"})
+        == "/home/ada/.cache/deltaserve"
+    )
+    assert parse(["up", "--no-cache"]).cache == "off"
+    assert parse(["up"], DELTASERVE_CACHE="off").cache == "off"
+    assert parse(["up", "--cache", "auto"], DELTASERVE_CACHE="off").cache == "auto"  # the command line wins
+    assert parse(["up", "--no-cache", "--cache", "h:1"]).cache == "h:1"  # the last one given wins
+    args = parse(["up", "--cache-dir", str(tmp_path / "snaps"), "--cache-budget-gib", "0.5"])
+    config = cache_config(args)
+    assert (config.root_dir, config.budget_bytes) == (str(tmp_path / "snaps"), GIB // 2)
+    served = parse(["cache", "serve"], DELTASERVE_CACHE_DIR=str(tmp_path), DELTASERVE_PORT="7")
+    assert (served.command, served.action, served.cache_dir, served.port, served.host) == (
+        "cache",
+        "serve",
+        str(tmp_path),
+        7,
+        "127.0.0.1",
+    )
+    assert parse(["cache", "serve"]).port == 50071
+
+
+def test_client_commands_of_the_planner_and_the_cache(capsys):
+    park = parse(["park", "c1"])
+    assert (park.command, park.conversation_id, park.addr, park.tenant, park.json) == (
+        "park",
+        "c1",
+        "127.0.0.1:50051",
+        "default",
+        False,
+    )
+    resume = parse(["resume", "c1", "--tenant", "alice", "--json", "--addr", "p:1"])
+    assert (resume.conversation_id, resume.tenant, resume.json, resume.addr) == ("c1", "alice", True, "p:1")
+    assert parse(["conversations"], DELTASERVE_TENANT="bob").tenant == "bob"
+    ls = parse(["cache", "ls", "--json"])
+    assert (ls.command, ls.action, ls.addr, ls.tenant, ls.json) == (
+        "cache",
+        "ls",
+        "127.0.0.1:50071",
+        "default",
+        True,
+    )
+    rm = parse(["cache", "rm", "c1", "--tenant", "t"])
+    assert (rm.action, rm.conversation_id, rm.tenant) == ("rm", "c1", "t")
+    assert parse(["cache", "stat"]).action == "stat"
+    # DELTASERVE_ADDR is the planner's; the cache commands read DELTASERVE_CACHE_ADDR.
+    assert parse(["cache", "ls"], DELTASERVE_ADDR="p:1").addr == "127.0.0.1:50071"
+    assert parse(["cache", "ls"], DELTASERVE_CACHE_ADDR="c:2").addr == "c:2"
+    assert parse(["park", "c1"], DELTASERVE_CACHE_ADDR="c:2", DELTASERVE_ADDR="p:1").addr == "p:1"
+    assert "DELTASERVE_CACHE_ADDR='x'" in usage_error(capsys, ["cache", "stat"], DELTASERVE_CACHE_ADDR="x")
+    assert "ID" in usage_error(capsys, ["park"])
+    assert "ACTION" in usage_error(capsys, ["cache"])
+
+
+def test_generate_conversation_tenant_and_shared_prefix(capsys):
+    base = ["generate", "--text", "a", "--max-tokens", "1"]
+    args = parse([*base, "--conversation", "c1", "--tenant", "t", "--shared-prefix", "messages:2"])
+    assert (args.conversation, args.tenant, args.shared_prefix) == ("c1", "t", {"messages": 2})
+    assert parse([*base, "--conversation", "c", "--shared-prefix", "message:1:40"]).shared_prefix == {
+        "message": 1,
+        "chars": 40,
+    }
+    assert parse([*base], DELTASERVE_CONVERSATION="c", DELTASERVE_SHARED_PREFIX="tokens:9").shared_prefix == {
+        "tokens": 9
+    }
+    plain = parse(base)
+    assert (plain.conversation, plain.tenant, plain.shared_prefix) == (None, "default", None)
+    for bad in ("messages", "messages:-1", "message:1", "tokens:x", "chars:3"):
+        assert "--shared-prefix" in usage_error(
+            capsys, [*base, "--conversation", "c", "--shared-prefix", bad]
+        )
+    assert "give --conversation" in usage_error(capsys, [*base, "--shared-prefix", "tokens:3"])
 
 
 def test_a_config_check_fails_the_command_before_loading_anything(capsys, restore_logging):
     assert main(["--log-level", "error", "up", "--page-size", "3"]) == 2
     assert "page_size must be a power of two" in capsys.readouterr().err
+    assert main(["--log-level", "error", "cache", "serve", "--cache-budget-gib", "1e-12"]) == 2
+    assert (
+        "deltaserve cache serve: error: the cache budget must be at least one byte" in capsys.readouterr().err
+    )
 
 
 def test_help_names_the_environment_variables():
     helped = subprocess.run(
-        [sys.executable, "-m", "deltaserve.cli", "up", "--help"],
+        [sys.executable, "-m", "deltaserve", "up", "--help"],
         capture_output=True,
         text=True,
         env=cli_env(),
@@ -276,6 +409,7 @@ def test_help_names_the_environment_variables():
     )
     assert helped.returncode == 0
     assert "DELTASERVE_<FLAG>" in helped.stdout and "DELTASERVE_POOL_PAGES" in helped.stdout
+    assert "DELTASERVE_CACHE_DIR" in helped.stdout and "--no-cache" in helped.stdout
 
 
 # ---- logging ----
@@ -329,6 +463,29 @@ def test_generate_request_takes_exactly_one_prompt():
         build_generate_request(chat=[{"text": "hi"}], max_tokens=1)
 
 
+def test_generate_request_carries_the_conversation_and_its_shared_prefix():
+    chat = [{"role": "system", "content": "doc"}, {"role": "user", "content": "q"}]
+    request = build_generate_request(
+        chat=chat, max_tokens=1, conversation_id="c1", tenant="t", shared_prefix={"messages": 1}
+    )
+    assert (request.conversation_id, request.tenant, request.shared_prefix.messages) == ("c1", "t", 1)
+    by_chars = build_generate_request(
+        chat=chat, max_tokens=1, conversation_id="c1", shared_prefix={"message": 1, "chars": 0}
+    )
+    assert by_chars.shared_prefix.WhichOneof("prefix") == "message"
+    assert (by_chars.shared_prefix.message.message, by_chars.shared_prefix.message.chars) == (1, 0)
+    by_tokens = build_generate_request(
+        token_ids=[1, 2], max_tokens=1, conversation_id="c", shared_prefix={"tokens": 1}
+    )
+    assert by_tokens.shared_prefix.tokens == 1
+    assert not build_generate_request(text="a", max_tokens=1).HasField("shared_prefix")
+    for bad in ({"messages": 1, "tokens": 2}, {"message": 1}, {"tokens": "3"}, {"tokens": True}, {}):
+        with pytest.raises(ValueError, match="shared_prefix must be"):
+            build_generate_request(text="a", max_tokens=1, conversation_id="c", shared_prefix=bad)
+    with pytest.raises(ValueError, match="conversation_id"):
+        build_generate_request(text="a", max_tokens=1, shared_prefix={"tokens": 1})
+
+
 async def start_health_server(status) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
     server = grpc.aio.server()
     servicer = health.aio.HealthServicer()
@@ -363,10 +520,10 @@ async def test_wait_serving_times_out_on_nothing_listening():
 async def test_planner_waits_for_executor_until_healthy_or_stopped():
     stop = asyncio.Event()
     asyncio.get_running_loop().call_later(0.3, stop.set)
-    assert await _wait_for_executor(f"127.0.0.1:{free_port()}", stop) is False
+    assert await wait_for_executor(f"127.0.0.1:{free_port()}", stop) is False
     server, _, addr = await start_health_server(health_pb2.HealthCheckResponse.SERVING)
     try:
-        assert await _wait_for_executor(addr, asyncio.Event()) is True
+        assert await wait_for_executor(addr, asyncio.Event()) is True
     finally:
         await server.stop(None)
 
@@ -377,7 +534,7 @@ def test_generate_says_plainly_when_the_planner_is_not_reachable():
         [
             sys.executable,
             "-m",
-            "deltaserve.cli",
+            "deltaserve",
             "generate",
             "--addr",
             addr,
@@ -435,9 +592,10 @@ def health_one_liner(service: dict) -> str:
 
 
 def test_compose_services_health_checks_and_gpu():
-    services = load_compose("compose.yaml")["services"]
-    assert set(services) == {"executor", "planner"}
-    executor, planner = services["executor"], services["planner"]
+    compose = load_compose("compose.yaml")
+    services = compose["services"]
+    assert set(services) == {"cache", "executor", "planner"}
+    cache, executor, planner = services["cache"], services["executor"], services["planner"]
     assert planner["depends_on"]["executor"]["condition"] == "service_healthy"
     assert "50051:50051" in planner["ports"]
     assert planner["command"][planner["command"].index("--executor") + 1] == "executor:50061"
@@ -445,13 +603,29 @@ def test_compose_services_health_checks_and_gpu():
     gpu = executor["deploy"]["resources"]["reservations"]["devices"][0]
     assert (gpu["driver"], gpu["count"], gpu["capabilities"]) == ("nvidia", 1, ["gpu"])
     assert "127.0.0.1:50061" in health_one_liner(executor) and "127.0.0.1:50051" in health_one_liner(planner)
-    for service in (executor, planner):
+    for service in (cache, executor, planner):
         assert service["build"]["dockerfile"] == "docker/Dockerfile"
+
+    # The cache: its own service on a named volume; the executor and planner find it and wait for it.
+    assert cache["command"][:2] == ["cache", "serve"] and "0.0.0.0" in cache["command"]
+    assert cache["command"][cache["command"].index("--port") + 1] == "50071"
+    cache_dir = cache["command"][cache["command"].index("--cache-dir") + 1]
+    (volume,) = cache["volumes"]
+    assert volume.split(":") == ["snapshots", cache_dir] and "snapshots" in compose["volumes"]
+    assert "127.0.0.1:50071" in health_one_liner(cache)
+    assert "deploy" not in cache
+    for service in (executor, planner):
+        assert service["environment"]["DELTASERVE_CACHE"] == "cache:50071"
+        assert service["depends_on"]["cache"]["condition"] == "service_healthy"
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    assert f"chown deltaserve:deltaserve {cache_dir}" in dockerfile  # a fresh volume is writable
 
     cpu = load_compose("compose.cpu.yaml")["services"]
     assert cpu["executor"]["deploy"] == {"!reset": None}
     assert cpu["executor"]["environment"]["DELTASERVE_DEVICE"] == "cpu"
-    assert all(cpu[name]["build"]["args"]["TORCH_VARIANT"] == "cpu" for name in ("executor", "planner"))
+    assert all(
+        cpu[name]["build"]["args"]["TORCH_VARIANT"] == "cpu" for name in ("cache", "executor", "planner")
+    )
 
 
 async def test_compose_health_one_liner_checks_a_real_health_service():
@@ -500,7 +674,7 @@ async def test_generate_command_streams_and_prints_json_like_the_client(smol_sta
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "deltaserve.cli",
+            "deltaserve",
             "--log-level",
             "warning",
             "generate",
@@ -522,6 +696,7 @@ async def test_generate_command_streams_and_prints_json_like_the_client(smol_sta
         return out.decode()
 
     printed = json.loads(await deltaserve_generate("--json", "--request-id", "cli-json"))
+    reuse = {key: printed.pop(key) for key in ("reused_tokens", "read_tokens", "checkpoint", "diverged_at")}
     assert printed == {
         "request_id": "cli-json",
         "token_ids": expected.token_ids,
@@ -529,80 +704,155 @@ async def test_generate_command_streams_and_prints_json_like_the_client(smol_sta
         "finish_reason": expected.finish_reason,
         "prompt_tokens": expected.prompt_tokens,
     }
+    # No conversation: only pages shared with an identical earlier prompt can have been reused.
+    assert reuse["reused_tokens"] + reuse["read_tokens"] == expected.prompt_tokens
+    assert reuse["checkpoint"] in ("none", "prefix") and reuse["diverged_at"] == -1
     assert await deltaserve_generate() == expected.text + "\n"
 
 
-def test_up_serves_generate_and_stops_cleanly_on_sigterm(tmp_path):
-    """`deltaserve up` in its own process: listening line, a generation through it, SIGTERM, exit 0."""
-    port = free_port()
-    log_path = tmp_path / "up.log"
-    with open(log_path, "w") as log_file:
-        up = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "deltaserve.cli",
-                "--log-json",
-                "up",
-                "--port",
-                str(port),
-                "--device",
-                "cpu",
-                "--pool-pages",
-                "64",
-                "--buckets",
-                "1,2",
-                "--max-seq-len",
-                "512",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=log_file,
-            env=cli_env(),
-            cwd=REPO,
-        )
-    try:
-        deadline = time.monotonic() + 180
-        while '"listening"' not in log_path.read_text():
-            assert up.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "no listening line within 180 s"
+def deltaserve(*argv: str) -> subprocess.CompletedProcess:
+    """Runs one `deltaserve` command to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "deltaserve", *argv],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=REPO,
+        timeout=120,
+    )
+
+
+def deltaserve_json(*argv: str):
+    done = deltaserve(*argv, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+class Serving:
+    """A serving `deltaserve` command in its own process, JSON log lines to a file."""
+
+    def __init__(self, log_path: Path, *argv: str):
+        self.log_path = log_path
+        with open(log_path, "w") as log_file:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "deltaserve", "--log-json", *argv],
+                stdout=subprocess.DEVNULL,
+                stderr=log_file,
+                env=cli_env(),
+                cwd=REPO,
+            )
+
+    def events(self) -> list[dict]:
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+
+    def wait_listening(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            listening = [event for event in self.events() if event["event"] == "listening"]
+            if listening:
+                return listening[0]
+            assert self.process.poll() is None, self.log_path.read_text()
+            assert time.monotonic() < deadline, f"no listening line within {timeout:g} s"
             time.sleep(0.2)
-        listening = next(
-            json.loads(line) for line in log_path.read_text().splitlines() if '"listening"' in line
-        )
+
+    def stop(self) -> int:
+        """SIGTERM, then the exit code (a clean stop logs "stopping", then "stopped" last)."""
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=60)
+
+
+def test_cache_serve_answers_ls_rm_stat_and_stops_cleanly_on_sigterm(tmp_path):
+    port = free_port()
+    cache_dir = tmp_path / "snapshots"
+    serving = Serving(
+        tmp_path / "cache.log", "cache", "serve", "--cache-dir", str(cache_dir), "--port", str(port)
+    )
+    try:
+        listening = serving.wait_listening(60)
+        assert (listening["addr"], listening["snapshots"]) == (f"127.0.0.1:{port}", str(cache_dir))
+        addr = f"127.0.0.1:{port}"
+        assert deltaserve_json("cache", "ls", "--addr", addr) == []
+        stat = deltaserve_json("cache", "stat", "--addr", addr, "--tenant", "alice")
+        assert (stat["count"], stat["budget_bytes"], stat["tenant"]) == (0, 8 * GIB, "alice")
+        listed = deltaserve("cache", "ls", "--addr", addr)
+        assert (listed.returncode, listed.stdout) == (0, "no snapshots (tenant default)\n")
+        missing = deltaserve("cache", "rm", "nobody", "--addr", addr)
+        assert missing.returncode == 1
+        assert missing.stderr.startswith("error: NOT_FOUND: ") and "nobody" in missing.stderr
+    finally:
+        code = serving.stop()
+    assert code == 0 and serving.events()[-1]["event"] == "stopped", serving.log_path.read_text()
+    assert (cache_dir / "index.sqlite3").exists()
+    unreachable = deltaserve("cache", "stat", "--addr", f"127.0.0.1:{port}")
+    assert unreachable.returncode == 1
+    assert f"error: cannot reach the cache service at 127.0.0.1:{port}" in unreachable.stderr
+
+
+def test_up_serves_a_conversation_parks_it_in_its_cache_and_stops_cleanly_on_sigterm(tmp_path):
+    """`deltaserve up` in its own process with its cache under --cache-dir: a conversation's second
+    turn reuses the first, `park` moves it to the cache, `cache ls` lists it; SIGTERM, exit 0."""
+    port, cache_port = free_port(), free_port()
+    cache_dir = tmp_path / "snapshots"
+    serving = Serving(
+        tmp_path / "up.log",
+        "up",
+        "--port",
+        str(port),
+        "--cache-port",
+        str(cache_port),
+        "--cache-dir",
+        str(cache_dir),
+        "--device",
+        "cpu",
+        "--pool-pages",
+        "64",
+        "--buckets",
+        "1,2",
+        "--max-seq-len",
+        "512",
+    )
+    try:
+        listening = serving.wait_listening(180)
         assert (listening["addr"], listening["device"]) == (f"127.0.0.1:{port}", "cpu")
         assert listening["model"] and listening["dtype"] == "float32"
+        assert (listening["cache"], listening["snapshots"]) == (f"127.0.0.1:{cache_port}", str(cache_dir))
+        planner, cache = ("--addr", f"127.0.0.1:{port}"), ("--addr", f"127.0.0.1:{cache_port}")
 
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "deltaserve.cli",
-                "generate",
-                "--addr",
-                f"127.0.0.1:{port}",
-                "--token-ids",
-                "504,3575,282,4649,314",
-                "--max-tokens",
-                "4",
-                "--ignore-eos",
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            env=cli_env(),
-            cwd=REPO,
-            timeout=120,
-        )
-        assert done.returncode == 0, done.stderr
-        generation = json.loads(done.stdout)
-        assert (generation["finish_reason"], len(generation["token_ids"]), generation["prompt_tokens"]) == (
-            "length",
-            4,
-            5,
+        def turn(prompt: list[int], *flags: str) -> subprocess.CompletedProcess:
+            request = ["--conversation", "c1", "--token-ids", ",".join(map(str, prompt)), "--max-tokens", "4"]
+            return deltaserve("generate", *planner, *request, "--ignore-eos", *flags)
+
+        first_prompt = [504, 3575, 282, 4649, 314] * 4  # 20 tokens: one whole page of 16 to reuse
+        first = turn(first_prompt, "--json")
+        assert first.returncode == 0, first.stderr
+        first = json.loads(first.stdout)
+        assert (first["finish_reason"], len(first["token_ids"]), first["prompt_tokens"]) == ("length", 4, 20)
+        assert (first["reused_tokens"], first["read_tokens"], first["checkpoint"]) == (0, 20, "none")
+
+        second_prompt = first_prompt + first["token_ids"] + [30, 504]  # the history, then a new turn
+        second = json.loads(turn(second_prompt, "--json").stdout)
+        assert second["checkpoint"] == "checkpoint@20" and second["diverged_at"] == -1
+        assert (second["reused_tokens"], second["read_tokens"]) == (16, len(second_prompt) - 16)
+
+        third = turn(second_prompt + second["token_ids"])  # streamed text; the reuse said on stderr
+        assert third.returncode == 0, third.stderr
+        assert third.stderr.startswith(f"reused 16 of {len(second_prompt) + 4} prompt tokens (checkpoint: ")
+
+        parked = deltaserve("park", "c1", *planner)
+        assert parked.returncode == 0, parked.stderr
+        assert parked.stdout.startswith(f"parked c1: {len(second_prompt) + 4 + 3} tokens, ")
+        (snapshot,) = deltaserve_json("cache", "ls", *cache)
+        assert (snapshot["conversation_id"], snapshot["num_tokens"]) == ("c1", len(second_prompt) + 7)
+        assert snapshot["size_bytes"] > 0
+        (conversation,) = deltaserve_json("conversations", *planner)
+        assert (conversation["conversation_id"], conversation["parked"], conversation["pages"]) == (
+            "c1",
+            True,
+            0,
         )
     finally:
-        up.send_signal(signal.SIGTERM)
-        code = up.wait(timeout=60)
-    events = [json.loads(line)["event"] for line in log_path.read_text().splitlines() if line.startswith("{")]
-    assert code == 0 and events[-1] == "stopped", log_path.read_text()
+        code = serving.stop()
+    events = [event["event"] for event in serving.events()]
+    assert code == 0 and events[-1] == "stopped", serving.log_path.read_text()
     assert "stopping" in events
+    assert any((cache_dir / "snapshots").iterdir())  # the snapshot outlives the process

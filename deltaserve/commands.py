@@ -1,0 +1,291 @@
+"""The client commands: generate, park, resume and conversations against a planner; cache ls, rm, stat."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import json
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from cache_svc.client import CacheClient
+from deltaserve.aio import until_stopped
+from deltaserve.logs import get_logger
+from planner_svc.client import FINISH_REASONS, PlannerClient
+from protos import client_pb2
+from protos.wire import unpack_i32
+
+EXIT_INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C
+
+T = TypeVar("T")
+log = get_logger("deltaserve.commands")
+
+
+# ---- calls, errors, output ----
+
+
+async def _call(
+    work: Awaitable[T], stop: asyncio.Event, unreachable: Callable[[grpc.aio.AioRpcError], str | None]
+) -> tuple[int | None, T | None]:
+    """(None, result) when the call finished; (exit code, None) when it failed (said on stderr) or was
+    interrupted. `unreachable` words an error that means nothing answered, else None."""
+    try:
+        finished, result = await until_stopped(work, stop)
+    except grpc.aio.AioRpcError as error:
+        print(unreachable(error) or f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1, None
+    if not finished:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED, None
+    return None, result
+
+
+def _planner_unreachable(client: PlannerClient) -> Callable[[grpc.aio.AioRpcError], str | None]:
+    def word(error: grpc.aio.AioRpcError) -> str | None:
+        # UNAVAILABLE from a planner that answered is its own (e.g. the cache behind it is down).
+        if error.code() != grpc.StatusCode.UNAVAILABLE or client.connected():
+            return None
+        return (
+            f"error: cannot reach the planner at {client.addr} (is it running? `deltaserve up` starts one)"
+            f"\n  {error.details()}"
+        )
+
+    return word
+
+
+def _cache_unreachable(addr: str) -> Callable[[grpc.aio.AioRpcError], str | None]:
+    def word(error: grpc.aio.AioRpcError) -> str | None:
+        if error.code() != grpc.StatusCode.UNAVAILABLE:  # the cache service never answers UNAVAILABLE
+            return None
+        return (
+            f"error: cannot reach the cache service at {addr} (is it running? `deltaserve up` and "
+            f"`deltaserve cache serve` start one)\n  {error.details()}"
+        )
+
+    return word
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, ensure_ascii=False))
+
+
+def _print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [list(map(str, headers)), *([str(cell) for cell in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def _size(size_bytes: int) -> str:
+    """1536 -> '1.5 KiB'."""
+    value, unit = float(size_bytes), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{size_bytes} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _local_time(unix_ns: int) -> str:
+    return datetime.datetime.fromtimestamp(unix_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# ---- generate ----
+
+
+def _request_fields(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        text=args.text,
+        chat=args.chat,
+        token_ids=args.token_ids,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop_token_ids=args.stop_token_ids or (),
+        ignore_eos=args.ignore_eos,
+        request_id=args.request_id or "",
+        conversation_id=args.conversation or "",
+        tenant=args.tenant,
+        shared_prefix=args.shared_prefix,
+    )
+
+
+def reuse_line(response: client_pb2.GenerateResponse) -> str:
+    """What a conversation's turn reused, from its last response: 'reused N of M prompt tokens (...)'."""
+    details = f"checkpoint: {response.checkpoint}"
+    if response.diverged_at >= 0:
+        details += f"; the prompt differs from the kept history at token {response.diverged_at}"
+    return f"reused {response.reused_tokens} of {response.prompt_tokens} prompt tokens ({details})"
+
+
+async def _stream_text(client: PlannerClient, fields: dict[str, Any]) -> client_pb2.GenerateResponse | None:
+    """Writes the text as it comes; returns the last response (None if the stream ended without one)."""
+    generated = 0
+    last = None
+    async for response in client.generate(**fields):
+        sys.stdout.write(response.text)
+        sys.stdout.flush()
+        generated += len(unpack_i32(response.token_ids))
+        last = response
+        if response.finish_reason:
+            log.debug(
+                "finished",
+                request_id=response.request_id,
+                tokens=generated,
+                finish_reason=FINISH_REASONS[response.finish_reason],
+            )
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return last
+
+
+async def generate(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    fields = _request_fields(args)
+    async with PlannerClient(args.addr) as client:
+        if args.json:
+            code, generation = await _call(client.generate_all(**fields), stop, _planner_unreachable(client))
+            if code is None:
+                _print_json(dataclasses.asdict(generation))
+        else:
+            code, last = await _call(_stream_text(client, fields), stop, _planner_unreachable(client))
+            if code is None and args.conversation and last is not None:
+                print(reuse_line(last), file=sys.stderr)
+    return code or 0
+
+
+# ---- conversations on the planner ----
+
+
+async def park(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    async with PlannerClient(args.addr) as client:
+        code, parked = await _call(
+            client.park(args.conversation_id, args.tenant), stop, _planner_unreachable(client)
+        )
+    if code is not None:
+        return code
+    if args.json:
+        _print_json(
+            {"conversation_id": args.conversation_id, "tenant": args.tenant, **dataclasses.asdict(parked)}
+        )
+    elif parked.bytes:
+        print(f"parked {args.conversation_id}: {parked.tokens} tokens, {_size(parked.bytes)} in the cache")
+    else:
+        print(f"{args.conversation_id} holds no pages in the pool (already parked, or no turn has ended yet)")
+    return 0
+
+
+async def resume(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    async with PlannerClient(args.addr) as client:
+        code, resumed = await _call(
+            client.resume(args.conversation_id, args.tenant), stop, _planner_unreachable(client)
+        )
+    if code is not None:
+        return code
+    if args.json:
+        _print_json(
+            {"conversation_id": args.conversation_id, "tenant": args.tenant, **dataclasses.asdict(resumed)}
+        )
+    else:
+        checkpoints = ", ".join(map(str, resumed.checkpoints)) or "none"
+        print(f"resumed {args.conversation_id}: {resumed.tokens} tokens, checkpoints at {checkpoints}")
+    return 0
+
+
+async def conversations(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    async with PlannerClient(args.addr) as client:
+        code, listed = await _call(client.conversations(args.tenant), stop, _planner_unreachable(client))
+    if code is not None:
+        return code
+    if args.json:
+        _print_json([dataclasses.asdict(conversation) for conversation in listed])
+    elif not listed:
+        print(f"no conversations (tenant {args.tenant})")
+    else:
+        _print_table(
+            ("CONVERSATION", "TOKENS", "PAGES", "PARKED", "PINNED", "CHECKPOINTS"),
+            [
+                (
+                    c.conversation_id,
+                    c.tokens,
+                    c.pages,
+                    "yes" if c.parked else "no",
+                    c.pinned_prefix or "-",
+                    ",".join(map(str, c.checkpoints)) or "-",
+                )
+                for c in listed
+            ],
+        )
+    return 0
+
+
+# ---- snapshots in the cache service ----
+
+
+async def cache_ls(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    async with CacheClient(args.addr) as cache:
+        code, snapshots = await _call(cache.list(args.tenant), stop, _cache_unreachable(args.addr))
+    if code is not None:
+        return code
+    if args.json:
+        _print_json(snapshots)
+    elif not snapshots:
+        print(f"no snapshots (tenant {args.tenant})")
+    else:
+        _print_table(
+            ("CONVERSATION", "TOKENS", "SIZE", "PINNED", "LAST USED"),
+            [
+                (
+                    s["conversation_id"],
+                    s["num_tokens"],
+                    _size(s["size_bytes"]),
+                    "yes" if s["pinned"] else "no",
+                    _local_time(s["last_used_unix_ns"]),
+                )
+                for s in snapshots
+            ],
+        )
+    return 0
+
+
+async def cache_rm(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    async with CacheClient(args.addr) as cache:
+        code, deleted = await _call(
+            cache.delete(args.tenant, args.conversation_id), stop, _cache_unreachable(args.addr)
+        )
+    if code is not None:
+        return code
+    if args.json:
+        _print_json({"conversation_id": args.conversation_id, "tenant": args.tenant, **deleted})
+    else:
+        print(f"deleted the snapshot of {args.conversation_id} ({_size(deleted['size_bytes'])})")
+    return 0
+
+
+async def cache_stat(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    async with CacheClient(args.addr) as cache:
+        code, stat = await _call(cache.stat(args.tenant), stop, _cache_unreachable(args.addr))
+    if code is not None:
+        return code
+    if args.json:
+        _print_json({"tenant": args.tenant, **stat})
+    else:
+        print(
+            f"cache: {_count(stat['count'], 'snapshot')}, {_size(stat['size_bytes'])} of "
+            f"{_size(stat['budget_bytes'])} ({_size(stat['pinned_bytes'])} pinned)"
+        )
+        print(
+            f"tenant {args.tenant}: {_count(stat['tenant_count'], 'snapshot')}, "
+            f"{_size(stat['tenant_size_bytes'])}"
+        )
+    return 0

