@@ -69,6 +69,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
         self._requests: dict[str, tuple[Request, Engine]] = {}
+        self._turns: dict[tuple[str, str], Request] = {}  # the latest turn of each conversation
 
     def _prompt(self, request: client_pb2.GenerateRequest) -> tuple[list[int], list[dict[str, str]] | None]:
         """The prompt's ids, and its chat messages when it came as a chat."""
@@ -123,6 +124,20 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         req = Request(request_id, prompt_ids, request.max_tokens, sampling, frozenset(stops))
         return req, messages
 
+    async def _previous_turn_done(self, conversation: Conversation, patience_s: float = 10.0) -> None:
+        """A turn whose answer was sent still owns the pages until its last step commits (one step
+        later): the next turn waits for that. A turn still streaming is a conflict."""
+        previous = self._turns.get(conversation.key)
+        if conversation.busy and (previous is None or previous.finish is None):
+            raise ParkError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"conversation {conversation.conversation_id!r} is already running a turn")
+        deadline = asyncio.get_running_loop().time() + patience_s
+        while conversation.busy:
+            if asyncio.get_running_loop().time() > deadline:
+                raise ParkError(grpc.StatusCode.UNAVAILABLE,
+                                f"conversation {conversation.conversation_id!r}: the previous turn did not end")
+            await asyncio.sleep(0.002)
+
     def _engine_of(self, tenant: str, conversation_id: str) -> tuple[Engine, Conversation]:
         for engine in self.engines:
             conversation = engine.scheduler.conversations.get(tenant, conversation_id)
@@ -133,9 +148,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
 
     async def _mount(self, engine: Engine, conversation: Conversation, req: Request) -> Mount:
         """Restore a parked conversation if need be, then reuse its pages up to the best checkpoint."""
-        if conversation.busy:
-            raise ParkError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"conversation {conversation.conversation_id!r} is already running a turn")
+        await self._previous_turn_done(conversation)
         engine.scheduler.check(req)  # refuse bad input before touching the conversation
         note = await self.parking.restore(engine, conversation) if not conversation.pages else None
         mount, release = engine.scheduler.conversations.mount(conversation, req.prompt_ids, note == "restored")
@@ -160,6 +173,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                     async with self.parking.lock(conversation):
                         mount = await self._mount(engine, conversation, req)
                         queue = engine.submit(req)
+                        self._turns[conversation.key] = req
                 else:
                     engine = min(self.engines, key=lambda e: e.load)
                     queue = engine.submit(req)
@@ -237,6 +251,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no conversation {request.conversation_id!r}")
         try:
             async with self.parking.lock(conversation):
+                await self._previous_turn_done(conversation)
                 reply = await self.parking.park(engine, conversation)
         except ParkError as error:
             log.warning("park refused", conversation=request.conversation_id, error=str(error))

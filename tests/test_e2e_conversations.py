@@ -151,7 +151,6 @@ async def test_corrupted_snapshot_is_refused_and_the_prompt_read_again(cached):
     chat = [SYSTEM, {"role": "user", "content": "Spell the word cat."}]
     async with PlannerClient(stack.addr) as client:
         first, _ = await turn(client, chat, "corrupt")
-        await stack.wait_idle()
         await client._stub.Park(client_pb2.ParkRequest(conversation_id="corrupt"))
         folder = os.path.join(cached.cache_dir, "snapshots", snapshot_key("default", "corrupt"))
         blob = sorted(f for f in os.listdir(folder) if f.endswith(".blob"))[0]
@@ -204,7 +203,6 @@ async def test_tenants_do_not_see_each_other(cached):
     chat = [SYSTEM, {"role": "user", "content": "Hello."}]
     async with PlannerClient(stack.addr) as client:
         await turn(client, chat, "mine", tenant="alice")
-        await stack.wait_idle()
         await client._stub.Park(client_pb2.ParkRequest(conversation_id="mine", tenant="alice"))
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await client._stub.Park(client_pb2.ParkRequest(conversation_id="mine", tenant="bob"))
