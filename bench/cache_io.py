@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import shutil
@@ -28,6 +27,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench.common import commit_hash, write_json  # noqa: E402
 from cache_svc import CHUNK_BYTES  # noqa: E402
 from cache_svc.client import CacheClient  # noqa: E402
 from cache_svc.index import SnapshotIndex  # noqa: E402
@@ -158,9 +158,7 @@ def main() -> None:
 
     manifest, blobs = make_snapshot(args.size_mib * 1024 * 1024, args.shards)
     size = sum(map(len, blobs))
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout.strip()
+    commit = commit_hash()
     results = []
     for arm in ("store", "grpc"):
         root = tempfile.mkdtemp(prefix=f"cache-io-{arm}-", dir=args.dir)
@@ -188,10 +186,7 @@ def main() -> None:
             }
             results.append(result)
             print(f"{arm:5s} {op:12s} {result['mb_s']:8.1f} MB/s  rounds {result['rounds']}", flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-        f.write("\n")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

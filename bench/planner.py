@@ -7,11 +7,9 @@ Prints one line per case and writes them as JSON (case, rows, plan_us_median, me
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -19,19 +17,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import commit_hash, write_json
 from planner_svc.engine import to_proto
 from planner_svc.requests import Request
 from planner_svc.scheduler import Scheduler, SchedulerConfig
 from protos.layout import RowLayout
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def commit_hash() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def measure(rows: int, case: str, steps: int) -> dict:
@@ -92,10 +84,7 @@ def main() -> None:
             print(f"{case:9s} rows={rows:4d}  plan+encode median {result['plan_us_median']:8.2f} us"
                   f"  p90 {result['plan_us_p90']:8.2f} us  message {result['message_bytes']:6d} B"
                   f" (max {result['message_bytes_max']})", flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-        f.write("\n")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

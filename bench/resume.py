@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cache_svc.server import start_cache_server  # noqa: E402
-from executor_svc.config import ExecutorConfig  # noqa: E402
-from executor_svc.runner import build_runner  # noqa: E402
-from executor_svc.server import start_executor_server  # noqa: E402
-from planner_svc.config import PlannerConfig  # noqa: E402
-from planner_svc.server import start_planner_server  # noqa: E402
-from protos import client_pb2, client_pb2_grpc  # noqa: E402
-from protos.wire import unpack_i32  # noqa: E402
+from bench.common import commit_hash, write_json
+from cache_svc.server import start_cache_server
+from executor_svc.config import ExecutorConfig
+from executor_svc.runner import build_runner
+from executor_svc.server import start_executor_server
+from planner_svc.config import PlannerConfig
+from planner_svc.server import start_planner_server
+from protos import client_pb2, client_pb2_grpc
+from protos.wire import unpack_i32
 
 PARAGRAPH = ("The lighthouse keeper wrote in the log every evening: the wind, the ships that passed, the colour of "
              "the sea, and what the gulls were doing. ")
@@ -76,7 +75,7 @@ async def main_async(args) -> list[dict]:
         messages.append({"role": "assistant", "content": "Noted."})
         print(f"turn {turn}: {len(tokenizer.apply_chat_template(messages)['input_ids'])} tokens", flush=True)
     messages.append({"role": "user", "content": "What did the gulls do on the last day?"})
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = commit_hash()
     results = []
     checkpoint = await timed(stub, chat_request(messages, "long", 8))
     full = await timed(stub, chat_request(messages, "", 8))
@@ -104,10 +103,7 @@ def main() -> None:
     parser.add_argument("--out", default="docs/bench/resume.json")
     args = parser.parse_args()
     results = asyncio.run(main_async(args))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-        f.write("\n")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

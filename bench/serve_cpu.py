@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import commit_hash, write_json
 from executor_svc.config import ExecutorConfig
 from executor_svc.runner import build_runner
 from executor_svc.server import start_executor_server
@@ -55,7 +54,7 @@ async def main_async(args) -> list[dict]:
         servers.append(server)
         arms[arm] = f"127.0.0.1:{port}"
     results = []
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = commit_hash()
     for concurrency in args.concurrency:
         rounds: dict[str, list[float]] = {arm: [] for arm in arms}
         for _ in range(2):  # alternated, two rounds each
@@ -80,10 +79,7 @@ def main() -> None:
     parser.add_argument("--out", default="docs/bench/serve_cpu.json")
     args = parser.parse_args()
     results = asyncio.run(main_async(args))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-        f.write("\n")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

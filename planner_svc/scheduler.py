@@ -185,17 +185,8 @@ class Scheduler:
 
     def _repeat(self, seq: int) -> PlannedStep:
         """A steady step: same rows, no crossing, nothing new. Only the seq and bucket travel."""
-        last = self._steady
         self._steady_left -= 1
-        step = PlannedStep(seq, bucket=last.bucket, rows=last.rows)
-        if self.config.row_check:
-            step.mirror = self.mirror.read(self._steady_slots).tobytes()
-        self.mirror.advance()
-        for request in last.rows:
-            request.last_seq = seq
-        self._steps[seq] = step
-        self._steady = step
-        return step
+        return self._repeat_rows(seq, [])
 
     def _repeat_crossing(self, seq: int) -> PlannedStep | None:
         """The same rows where some cross onto a new page: one cell each, found without a per-row pass.
@@ -212,8 +203,16 @@ class Scheduler:
             if lens[row] // page_size == len(request.pages):
                 request.pages += self._take_reserved(request, 1)
                 cells.append((int(real[row]), RowLayout.BLOCK_TABLE + len(request.pages) - 1, request.pages[-1]))
+        step = self._repeat_rows(seq, cells)
+        lens += 1
+        self._steady_left = int(min(((-lens) % page_size).min(), (self._steady_ends - lens).min()))
+        return step
+
+    def _repeat_rows(self, seq: int, cells: list[tuple[int, int, int]]) -> PlannedStep:
+        last = self._steady
         step = PlannedStep(seq, bucket=last.bucket, rows=last.rows)
-        step.delta = self.mirror.encode(self._steady_slots, [], cells)
+        if cells:
+            step.delta = self.mirror.encode(self._steady_slots, [], cells)
         if self.config.row_check:
             step.mirror = self.mirror.read(self._steady_slots).tobytes()
         self.mirror.advance()
@@ -221,8 +220,6 @@ class Scheduler:
             request.last_seq = seq
         self._steps[seq] = step
         self._steady = step
-        lens += 1
-        self._steady_left = int(min(((-lens) % page_size).min(), (self._steady_ends - lens).min()))
         return step
 
     def _sync_reads(self) -> None:

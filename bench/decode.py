@@ -1,0 +1,383 @@
+"""GPU decode benchmark (issue 3): resident vs host-planned over gRPC, and resident through an in-process link.
+
+    python bench/decode.py [--tokenizer DIR] [--concurrency 1,16,64,256] [--rounds 2]
+                           [--out docs/bench/decode.json] [--plot docs/decode.png]
+    python bench/decode.py --compile-only   # build FlashInfer's decode kernel (JIT) and exit
+
+SmolLM2-135M's shape with random bf16 weights (no checkpoint needed), random 512-token prompts, 256 output
+tokens each (EOS ignored), prefix cache off. Arms alternate within each round. Prints one line per
+measurement; writes one JSON object per arm and concurrency (both rounds inside) and a plot of tok/s.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import grpc
+import numpy as np
+import structlog
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deltaserve.aio
+from executor_svc.config import DEFAULT_BUCKETS, ExecutorConfig
+from executor_svc.models.llama import LlamaConfig, LlamaModel
+from executor_svc.runner import StepRunner, runner_for_model
+from executor_svc.server import start_executor_server
+from planner_svc.config import PlannerConfig
+from planner_svc.link import GrpcLink, InProcessLink
+from planner_svc.server import start_planner_server
+from protos import client_pb2, client_pb2_grpc, executor_pb2
+from protos.wire import pack_i32, unpack_i32
+
+ARMS = ("resident", "host-planned", "resident-inprocess")
+PAGE_SIZE = 16
+MAX_SEQ_LEN = 1024
+SMOLLM2 = LlamaConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    rope_theta=100000.0,
+    rms_eps=1e-5,
+    max_seq_len=8192,
+    tie_embeddings=True,
+    eos_token_id=2,
+    bos_token_id=1,
+    name="SmolLM2-135M (random bf16 weights)",
+)
+
+
+def commit_hash() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def random_model(device: torch.device) -> LlamaModel:
+    """SmolLM2's shape, weights ~ N(0, 0.02) and norms of one, in bf16."""
+    model = LlamaModel(SMOLLM2, device=device, dtype=torch.bfloat16)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model
+
+
+class RecordingLink:
+    """A link that notes the size of every steady decode plan it sends (no prefill, no writes)."""
+
+    def __init__(self, link) -> None:
+        self._link = link
+        self.address = link.address
+        self.steady_bytes: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._link, name)
+
+    async def send(self, plan: executor_pb2.StepPlan) -> None:
+        steady = plan.bucket and not (plan.prefill or plan.row_runs or plan.cells or plan.sampler_slots)
+        if steady:
+            self.steady_bytes.append(plan.ByteSize())
+        await self._link.send(plan)
+
+
+@dataclass
+class Arm:
+    name: str
+    runner: StepRunner
+    link: RecordingLink
+    stub: client_pb2_grpc.PlannerStub
+    planner: object  # the PlannerServicer
+    servers: list = field(default_factory=list)
+    channel: grpc.aio.Channel | None = None
+
+    @property
+    def engine(self):
+        return self.planner.engines[0]
+
+
+@dataclass
+class RequestResult:
+    sent: float
+    arrivals: list[tuple[float, int]]  # (time, tokens in that message)
+    tokens: list[int]
+    error: str | None
+
+
+async def one_request(stub, prompt: np.ndarray, max_tokens: int) -> RequestResult:
+    request = client_pb2.GenerateRequest(token_ids=pack_i32(prompt), max_tokens=max_tokens, ignore_eos=True)
+    sent = time.perf_counter()
+    arrivals: list[tuple[float, int]] = []
+    tokens: list[int] = []
+    try:
+        async for response in stub.Generate(request):
+            ids = unpack_i32(response.token_ids)
+            if len(ids):
+                arrivals.append((time.perf_counter(), len(ids)))
+                tokens.extend(int(t) for t in ids)
+    except grpc.aio.AioRpcError as err:
+        return RequestResult(sent, arrivals, tokens, f"{err.code().name}: {err.details()}")
+    return RequestResult(sent, arrivals, tokens, None)
+
+
+def per_step(total: float, steps: int) -> float:
+    return round(total / steps, 2) if steps else 0.0
+
+
+async def measure(arm: Arm, prompts: list[np.ndarray], max_tokens: int) -> tuple[dict, list[list[int]]]:
+    engine_before, runner_before = asdict(arm.engine.times), asdict(arm.runner.times)
+    arm.link.steady_bytes.clear()
+    began = time.perf_counter()
+    results = await asyncio.gather(*(one_request(arm.stub, p, max_tokens) for p in prompts))
+    wall = time.perf_counter() - began
+    engine = {k: v - engine_before[k] for k, v in asdict(arm.engine.times).items()}
+    runner = {k: v - runner_before[k] for k, v in asdict(arm.runner.times).items()}
+    ttft = [r.arrivals[0][0] - r.sent for r in results if r.arrivals]
+    itl: list[float] = []
+    for r in results:  # a message of n tokens after a gap stands for n gaps of gap / n
+        for (before, _), (after, n) in zip(r.arrivals, r.arrivals[1:]):
+            itl += [(after - before) / n] * n
+    tokens = sum(len(r.tokens) for r in results)
+    failed = sum(1 for r in results if r.error or len(r.tokens) != max_tokens)
+    steps, decode_steps = engine["steps"], runner["steps"]
+    step_us = wall * 1e6 / steps if steps else 0.0
+    graph_us = per_step(runner["graph_us"], decode_steps)
+    steady = arm.link.steady_bytes
+    figures = {
+        "tok_s": round(tokens / wall, 1),
+        "itl_p50_ms": round(statistics.median(itl) * 1e3, 3) if itl else None,
+        "itl_mean_ms": round(statistics.fmean(itl) * 1e3, 3) if itl else None,
+        "ttft_p50_ms": round(statistics.median(ttft) * 1e3, 2) if ttft else None,
+        "failed": failed,
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "steps": steps,
+        "step_us": round(step_us, 1),
+        # Host microseconds per step: the planner's phases (per step it ran) and the executor's (per decode step).
+        "planner_us": {k: per_step(engine[f"{k}_us"], steps) for k in ("plan", "encode", "send", "wait", "commit")},
+        "executor_us": {
+            k: per_step(runner[f"{k}_us"], decode_steps) for k in ("apply", "plan", "prefill", "launch", "sync")
+        },
+        "graph_us": graph_us,
+        # Wall time of a step the decode graph did not cover: prefill on the GPU, and the GPU idle.
+        "outside_graph_us": round(step_us - graph_us, 1) if decode_steps else None,
+        "plan_bytes_mean": round(engine["plan_bytes"] / steps, 1) if steps else None,
+        "steady_plan_bytes_median": int(statistics.median(steady)) if steady else None,
+        "steady_plan_bytes_max": max(steady) if steady else None,
+    }
+    return figures, [r.tokens for r in results]
+
+
+async def start_arm(name: str, runner: StepRunner, planner_config: PlannerConfig) -> Arm:
+    servers = []
+    if name.endswith("inprocess"):
+        link = RecordingLink(InProcessLink(runner))
+    else:
+        executor_server, port = await start_executor_server(runner)
+        servers.append(executor_server)
+        link = RecordingLink(GrpcLink(f"127.0.0.1:{port}"))
+    planner_server, planner_port = await start_planner_server(planner_config, port=0, links=[link])
+    servers.insert(0, planner_server)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{planner_port}")
+    stub = client_pb2_grpc.PlannerStub(channel)
+    return Arm(name, runner, link, stub, planner_server.planner, servers, channel)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Requests whose whole outputs are equal, and the mean length of the common prefix."""
+    same = sum(1 for x, y in zip(a, b) if x == y)
+    prefixes = []
+    for x, y in zip(a, b):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        prefixes.append(n)
+    return {"equal": same, "of": len(a), "mean_common_prefix": round(statistics.fmean(prefixes), 1)}
+
+
+def compile_only() -> None:
+    """Build FlashInfer's decode kernel for this shape (its JIT cache then serves the benchmark)."""
+    from executor_svc.attention.flashinfer_decode import FlashInferDecode, plan_from_rows
+    from executor_svc.kv_pool import KVPool
+    from protos.layout import RowLayout
+
+    began = time.perf_counter()
+    device = torch.device("cuda")
+    kv = KVPool(1, 4, PAGE_SIZE, SMOLLM2.num_kv_heads, SMOLLM2.head_dim, torch.bfloat16, device)
+    layout = RowLayout(slots=3, block_span=4)
+    attention = FlashInferDecode((1,), kv, SMOLLM2.num_heads, layout.block_span, SMOLLM2.head_dim**-0.5)
+    rows = np.zeros((layout.slots, layout.columns), dtype=np.int32)
+    attention.plan(1, plan_from_rows(rows, np.zeros(1, dtype=np.int32), PAGE_SIZE))
+    q = torch.zeros(1, SMOLLM2.num_heads, SMOLLM2.head_dim, dtype=torch.bfloat16, device=device)
+    attention.attend(1, 0, q)
+    torch.cuda.synchronize()
+    print(f"FlashInfer decode kernel ready in {time.perf_counter() - began:.1f} s", flush=True)
+
+
+async def run(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    widest = max(concurrencies)
+    pages_per_request = -(-(args.prompt_tokens + args.output_tokens + 1) // PAGE_SIZE)
+    pool_pages = widest * pages_per_request + 64
+    buckets = tuple(b for b in DEFAULT_BUCKETS if b < widest) + (widest,)
+    model = random_model(device)
+    planner_config = PlannerConfig(model=args.tokenizer, prefix_cache=False)
+    runners: dict[str, StepRunner] = {}
+    capture: dict[str, dict] = {}
+    for name in ARMS:
+        config = ExecutorConfig(
+            device=args.device, dtype="bfloat16", page_size=PAGE_SIZE, pool_pages=pool_pages,
+            max_seq_len=MAX_SEQ_LEN, buckets=buckets, decode_path=name.removesuffix("-inprocess"),
+        )
+        began = time.perf_counter()
+        try:
+            runner = runner_for_model(model, config, "random-smollm2")
+        except Exception as err:  # an arm that cannot be built is reported; the rest run
+            print(f"{name}: not built: {type(err).__name__}: {err}", flush=True)
+            capture[name] = {"error": f"{type(err).__name__}: {err}"}
+            continue
+        graphs = runner.graphs
+        capture[name] = {str(b): s for b, s in graphs.states.items()} if graphs else {"all": "eager (CPU)"}
+        print(f"{name}: built in {time.perf_counter() - began:.1f} s; buckets {capture[name]}", flush=True)
+        if graphs and all(state.startswith("eager (capture failed") for state in graphs.states.values()):
+            capture[name] = {"error": f"no bucket could be captured: {graphs.states[buckets[0]]}"}
+            continue
+        runners[name] = runner
+    # Servers start once every capture is done: a capture must be the only CUDA work in the process.
+    arms = {name: await start_arm(name, runner, planner_config) for name, runner in runners.items()}
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+    rng = np.random.default_rng(0)
+    warm = [rng.integers(3, SMOLLM2.vocab_size, size=32).astype(np.int32) for _ in range(4)]
+    for arm in arms.values():
+        await measure(arm, warm, 8)
+    results: dict[tuple[str, int], list[dict]] = {}
+    outputs: dict[tuple[str, int, int], list[list[int]]] = {}
+    for round_index in range(args.rounds):
+        for c in concurrencies:
+            # The same prompts for every arm and round, so their outputs can be compared.
+            prompts = [
+                np.random.default_rng(1000 + c * 7 + i).integers(3, SMOLLM2.vocab_size, size=args.prompt_tokens)
+                .astype(np.int32)
+                for i in range(c)
+            ]
+            for name, arm in arms.items():
+                figures, tokens = await measure(arm, prompts, args.output_tokens)
+                results.setdefault((name, c), []).append(figures)
+                outputs[(name, c, round_index)] = tokens
+                print(
+                    f"round {round_index + 1} {name:19s} c={c:4d}  {figures['tok_s']:9.1f} tok/s  "
+                    f"ITL p50 {figures['itl_p50_ms']} ms mean {figures['itl_mean_ms']} ms  "
+                    f"TTFT p50 {figures['ttft_p50_ms']} ms  failed {figures['failed']}  "
+                    f"step {figures['step_us']} us (graph {figures['graph_us']})  "
+                    f"planner {figures['planner_us']}  executor {figures['executor_us']}  "
+                    f"steady plan {figures['steady_plan_bytes_median']} B",
+                    flush=True,
+                )
+    for arm in arms.values():
+        await arm.channel.close()
+        for server in arm.servers:
+            await server.stop(None)
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU smoke run)"
+    records = []
+    for (name, c), rounds in results.items():
+        record = {
+            "arm": name,
+            "concurrency": c,
+            "tok_s": round(statistics.fmean(r["tok_s"] for r in rounds), 1),
+            "itl_p50_ms": round(statistics.fmean(r["itl_p50_ms"] or 0.0 for r in rounds), 3),
+            "itl_mean_ms": round(statistics.fmean(r["itl_mean_ms"] or 0.0 for r in rounds), 3),
+            "ttft_p50_ms": round(statistics.fmean(r["ttft_p50_ms"] or 0.0 for r in rounds), 2),
+            "failed": sum(r["failed"] for r in rounds),
+            "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens,
+            "rounds": rounds,
+            "capture": capture[name],
+            "commit": args.commit or commit_hash(),
+            "gpu": gpu,
+        }
+        # bf16: against the resident arm's first round, and against its own other round (its own spread).
+        if ("resident", c, 0) in outputs and name != "resident":
+            record["agreement_with_resident"] = agreement(outputs[("resident", c, 0)], outputs[(name, c, 0)])
+        if args.rounds > 1:
+            record["agreement_across_rounds"] = agreement(outputs[(name, c, 0)], outputs[(name, c, 1)])
+        records.append(record)
+    for name, state in capture.items():
+        if "error" in state:
+            records.append({"arm": name, "error": state["error"], "commit": args.commit or commit_hash(), "gpu": gpu})
+    return records
+
+
+def plot(records: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", flush=True)
+        return
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for arm in ARMS:
+        points = sorted((r["concurrency"], r["tok_s"]) for r in records if r.get("arm") == arm and "tok_s" in r)
+        if points:
+            axes.plot(*zip(*points), marker="o", label=arm)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("concurrent requests")
+    axes.set_ylabel("output tokens / s")
+    gpu = next((r["gpu"] for r in records if "gpu" in r), "")
+    axes.set_title(f"SmolLM2-135M shape, bf16, 512 in / 256 out ({gpu})", fontsize=9)
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", default=None, help="tokenizer dir or GGUF (default: the SmolLM2 GGUF)")
+    parser.add_argument("--concurrency", default="1,16,64,256")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--output-tokens", type=int, default=256)
+    parser.add_argument("--out", default="docs/bench/decode.json")
+    parser.add_argument("--plot", default="docs/decode.png")
+    parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
+    parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the harness (eager, no graphs)")
+    args = parser.parse_args()
+    if args.device != "cpu" and not torch.cuda.is_available():
+        sys.exit("bench/decode.py needs a CUDA device (or --device cpu for a smoke run)")
+    if args.compile_only:
+        compile_only()
+        return
+    records = deltaserve.aio.run(lambda stop: run(args))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(records, f, indent=1)
+        f.write("\n")
+    plot(records, args.plot)
+
+
+if __name__ == "__main__":
+    main()
