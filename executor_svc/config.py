@@ -18,6 +18,8 @@ class ExecutorConfig:
     max_seq_len: int | None = None  # None = the model's context length
     buckets: tuple[int, ...] = field(default=DEFAULT_BUCKETS)
     row_check: bool = False  # debug: compare the rows each step reads against the planner's mirror
+    # CUDA decode: resident (graphs read rows off the device tables) | host-planned (FlashInfer, planned per step)
+    decode_path: str = "resident"
     cache: str | None = None  # the cache service's host:port; None = Park and Restore are refused
     shard_layers: int = DEFAULT_SHARD_LAYERS  # layers per snapshot shard; a restore reads only its own
 
@@ -31,6 +33,8 @@ class ExecutorConfig:
         self.buckets = tuple(sorted(set(self.buckets)))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.decode_path not in ("resident", "host-planned"):
+            raise ValueError(f"decode_path must be resident or host-planned, got {self.decode_path!r}")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
         if self.cache is not None and not self.cache.strip():

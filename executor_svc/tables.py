@@ -72,6 +72,13 @@ def join_runs(parsed: list[Run], columns: int) -> list[Segment]:
     return segments
 
 
+def last_writes(flat: np.ndarray) -> np.ndarray:
+    """Indices into `flat` (flattened cell positions) of the last write to each cell."""
+    # np.unique keeps the first occurrence, so look from the end to keep the last.
+    _, last_from_end = np.unique(flat[::-1], return_index=True)
+    return len(flat) - 1 - last_from_end
+
+
 class _Staging:
     """One int32 host buffer (pinned on CUDA) cut into named regions, with a device twin on CUDA.
 
@@ -105,6 +112,11 @@ class _Staging:
         if self._cuda:
             self._uploaded[region].synchronize()
         return self._host_np[start : start + words]
+
+    def device(self, region: str) -> torch.Tensor:
+        """The whole region on the device (the host buffer itself on the CPU), at a fixed address."""
+        start, words = self._bounds[region]
+        return self._twin[start : start + words]
 
     def upload(self, region: str, words: int) -> torch.Tensor:
         """The first `words` of the region on the device (one non-blocking copy on CUDA)."""
@@ -143,6 +155,7 @@ class SlotStore:
                 "slots": widest,
                 "runs": widest * columns,
                 "cells": 2 * widest * columns,
+                "cell_triples": 1 + CELL_TRIPLE * widest * columns,  # count, then as many triples as "cells"
                 "sampler": _SAMPLER_WORDS * (slots - 1),
             },
             device,
@@ -187,15 +200,32 @@ class SlotStore:
             return
         triples = triples.reshape(-1, CELL_TRIPLE)
         flat = triples[:, 0].astype(np.int64) * self.layout.columns + triples[:, 1]
-        # np.unique keeps the first occurrence, so look from the end to keep the last.
-        _, last_from_end = np.unique(flat[::-1], return_index=True)
-        chosen = len(flat) - 1 - last_from_end
+        chosen = last_writes(flat)
         n = len(chosen)
         staged = self._staging.host("cells")
         staged[:n] = flat[chosen]
         staged[n : 2 * n] = triples[chosen, 2]
         cells = self._staging.upload("cells", 2 * n)
         self._flat_rows[cells[:n].long()] = cells[n:]
+
+    def stage_cells(self, triples: np.ndarray) -> None:
+        """Stage packed `(slot, col, value)` triples for the scatter that opens a decode graph: the count, then
+        the triples (the last of repeats kept), in one upload; nothing staged leaves the count as the step
+        left it (zero)."""
+        if len(triples) == 0:
+            return
+        triples = triples.reshape(-1, CELL_TRIPLE)
+        chosen = last_writes(triples[:, 0].astype(np.int64) * self.layout.columns + triples[:, 1])
+        n = len(chosen)
+        staged = self._staging.host("cell_triples")
+        staged[0] = n
+        staged[1 : 1 + CELL_TRIPLE * n] = triples[chosen].reshape(-1)
+        self._staging.upload("cell_triples", 1 + CELL_TRIPLE * n)
+
+    def staged_cells(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `stage_cells` fills, at fixed device addresses: triples int32[capacity, 3] and count int32[1]."""
+        region = self._staging.device("cell_triples")
+        return region[1:].view(-1, CELL_TRIPLE), region[:1]
 
     def write_sampler(self, slots: np.ndarray, f32: np.ndarray, i32: np.ndarray) -> None:
         """Sampler state of slots written whole: f32[k, 2] (temperature, top_p) and i32[k, 4]

@@ -2,7 +2,6 @@
 history rewrites, corrupted snapshots, shared prefixes and KV pressure (issue 4)."""
 from __future__ import annotations
 
-import asyncio
 import os
 
 import grpc
@@ -16,7 +15,7 @@ from executor_svc.config import ExecutorConfig
 from planner_svc.client import PlannerClient
 from planner_svc.config import PlannerConfig
 from protos import client_pb2
-from protos.wire import pack_i32, unpack_i32
+from protos.wire import unpack_i32
 from tests.conftest import SMOL_BUCKETS, start_stack, stop_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,13 @@ from torch import nn
 
 from executor_svc.attention.torch_ref import decode_attention, prefill_attention
 from executor_svc.kv_pool import KVPool
+from protos.layout import RowLayout
+
+if TYPE_CHECKING:
+    from executor_svc.kernels.tables import StepInputs
+
+# attend(layer, q[B, H, D]) -> [B, H, D]: the decode attention of one layer, whatever backend reads the pages.
+Attend = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -134,6 +143,7 @@ class LlamaModel(nn.Module):
 
     `prefill` runs one sequence's chunk eagerly; `decode` runs one token for each of B rows as
     fixed-shape tensor work (no host reads outside the CPU attention trim), ready for graph capture.
+    `decode_resident` is the same step in Triton kernels that read each row off the slot store by slot.
     """
 
     def __init__(self, config: LlamaConfig, device: torch.device | str, dtype: torch.dtype) -> None:
@@ -158,6 +168,7 @@ class LlamaModel(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)  # angles: [max_seq_len, head_dim]
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        self._fused: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # see _fused_projections
 
     def make_kv_pool(
         self,
@@ -255,3 +266,84 @@ class LlamaModel(nn.Module):
             out = decode_attention(q, kv.k[index], kv.v[index], block_tables, attn_lens, self.scale)
             x = self._finish_layer(layer, x, out)
         return self._logits(x)
+
+    def _fused_projections(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (qkv [(H + 2 KVH) * D, hidden], gate_up [2 I, hidden]): one matmul where the eager
+        step makes three, and two. Built once, on first use (after loading); the separate projection
+        weights become views into them, so both paths read the same memory and a later in-place load
+        reaches both."""
+        if self._fused is None:
+            # Normal tensors even when first called under inference mode, so a later in-place load works.
+            with torch.inference_mode(False):
+                self._fused = [self._fuse_layer(layer) for layer in self.layers]
+        return self._fused
+
+    @staticmethod
+    def _fuse_layer(layer: _Layer) -> tuple[torch.Tensor, torch.Tensor]:
+        attn, mlp = layer.self_attn, layer.mlp
+        joined = []
+        for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            weights = torch.cat([p.weight.detach() for p in group])
+            start = 0
+            for p in group:
+                rows = p.weight.shape[0]
+                p.weight.data = weights[start : start + rows]
+                start += rows
+            joined.append(weights)
+        return joined[0], joined[1]
+
+    @torch.inference_mode()
+    def decode_fused(self, inputs: StepInputs, kv: KVPool, attend: Attend) -> torch.Tensor:
+        """One token for each of B rows with the Triton kernels: inputs from `gather_inputs` (or built on the
+        host), `attend` the attention backend. Returns float32 logits[B, V]. Fixed shapes, no host reads."""
+        from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
+
+        cfg = self.config
+        heads, kv_heads, head_dim, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps
+        q_end = heads * head_dim
+        k_end = q_end + kv_heads * head_dim
+        x = self.embed_tokens(inputs.tokens)  # x: [B, hidden]
+        batch = x.shape[0]
+        residual = None  # the first norm's "sum" is the embedding itself
+        fused = self._fused_projections()
+        for index, (layer, (qkv_weight, gate_up_weight)) in enumerate(zip(self.layers, fused, strict=True)):
+            h, residual = rmsnorm_residual(x, residual, layer.input_layernorm.weight, eps)
+            qkv = F.linear(h, qkv_weight)  # qkv: [B, (H + 2 KVH) * D]
+            q = qkv[:, :q_end].view(batch, heads, head_dim)
+            k = qkv[:, q_end:k_end].view(batch, kv_heads, head_dim)
+            v = qkv[:, k_end:].view(batch, kv_heads, head_dim)
+            q = rope_kv_write(
+                q, k, v, inputs.positions, self.rope_cos, self.rope_sin,
+                kv.k[index], kv.v[index], inputs.write_page, inputs.write_offset,
+            )
+            x = layer.self_attn.o_proj(attend(index, q).flatten(1))
+            h, residual = rmsnorm_residual(x, residual, layer.post_attention_layernorm.weight, eps)
+            x = layer.mlp.down_proj(silu_mul(F.linear(h, gate_up_weight)))
+        h, _ = rmsnorm_residual(x, residual, self.norm.weight, eps)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, head).float()
+
+    def decode_resident(
+        self,
+        rows: torch.Tensor,
+        step_slots: torch.Tensor,
+        last_token: torch.Tensor,
+        kv: KVPool,
+        splits: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step that reads everything off the slot store by slot: rows int32[S, C], step_slots [B]
+        (0 = padding, which reads the sink row), last_token i64[S] (the loop-back buffer). Attention takes
+        `splits` split-K partitions (fixed per captured bucket). Returns float32 logits[B, V] and the rows'
+        positions i64[B] (the sampler's counter is position + 1)."""
+        from executor_svc.kernels.attention import paged_decode_attention
+        from executor_svc.kernels.tables import gather_inputs
+
+        page_size = kv.page_size
+        inputs = gather_inputs(rows, step_slots, last_token, page_size)
+
+        def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
+            return paged_decode_attention(
+                q, kv.k[layer], kv.v[layer], rows, step_slots, RowLayout.BLOCK_TABLE, page_size, self.scale, splits
+            )
+
+        return self.decode_fused(inputs, kv, attend), inputs.positions

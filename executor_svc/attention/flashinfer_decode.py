@@ -1,0 +1,172 @@
+"""The host-planned decode arm: a host copy of the rows, page lists rebuilt every step, FlashInfer's plan()."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from executor_svc.attention.torch_ref import decode_attention
+from executor_svc.kv_pool import KVPool
+from executor_svc.tables import CELL_TRIPLE, join_runs, last_writes, parse_runs
+from protos.layout import RowLayout
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-K partials)
+
+
+class HostDecodePlan(NamedTuple):
+    """What the host works out for one decode step of B rows (padding rows read the sink row)."""
+
+    positions: np.ndarray  # int64[B]: KV_LEN + POS_OFFSET
+    write_page: np.ndarray  # int32[B]: the page the step's K/V goes to
+    write_offset: np.ndarray  # int32[B]
+    lengths: np.ndarray  # int32[B]: positions attended, the step's own included
+    indptr: np.ndarray  # int32[B + 1]: FlashInfer's CSR page lists
+    indices: np.ndarray  # int32[indptr[-1]]
+    last_page_len: np.ndarray  # int32[B]
+    tables: np.ndarray  # int32[B, W]: the same pages as dense block tables (the torch arm's input)
+
+
+def plan_from_rows(rows: np.ndarray, slots: np.ndarray, page_size: int) -> HostDecodePlan:
+    """Each step row's pages, length and position from a host copy of the rows (int32[S, C]), by slot."""
+    picked = rows[slots]  # picked: [B, C]
+    kv_len = picked[:, RowLayout.KV_LEN].astype(np.int64)
+    tables = np.ascontiguousarray(picked[:, RowLayout.BLOCK_TABLE :])
+    span = tables.shape[1]
+    lengths = kv_len + 1
+    n_pages = np.minimum(-(-lengths // page_size), span)
+    indptr = np.zeros(len(slots) + 1, dtype=np.int32)
+    np.cumsum(n_pages, out=indptr[1:])
+    held = np.arange(span)[None, :] < n_pages[:, None]
+    # A row at its span's end (the planner never sends one) writes to the sink page, as the gather kernel does.
+    page_index = kv_len // page_size
+    inside = page_index < span
+    write_page = np.where(inside, tables[np.arange(len(slots)), np.minimum(page_index, span - 1)], 0)
+    return HostDecodePlan(
+        positions=kv_len + picked[:, RowLayout.POS_OFFSET],
+        write_page=write_page.astype(np.int32),
+        write_offset=(kv_len % page_size).astype(np.int32),
+        lengths=lengths.astype(np.int32),
+        indptr=indptr,
+        indices=tables[held],
+        last_page_len=(lengths - (n_pages - 1) * page_size).astype(np.int32),
+        tables=tables,
+    )
+
+
+class HostRows:
+    """The host copy of the slot store's rows that a host-planned executor keeps, written as the store is."""
+
+    def __init__(self, layout: RowLayout) -> None:
+        self.layout = layout
+        self.rows = np.zeros((layout.slots, layout.columns), dtype=np.int32)
+        self.step_slots = np.zeros(layout.widest_bucket, dtype=np.int32)
+        self._flat = self.rows.reshape(-1)
+
+    def apply(self, slots: np.ndarray | None, runs: np.ndarray, cells: np.ndarray) -> None:
+        """A plan's writes, as SlotStore.set_slots, write_runs and write_cells make them."""
+        if slots is not None:
+            self.step_slots[: len(slots)] = slots
+        parsed = parse_runs(runs)
+        staged = np.concatenate([runs[r.offset : r.offset + r.n_cells] for r in parsed]) if parsed else runs[:0]
+        at = 0
+        for segment in join_runs(parsed, self.layout.columns):
+            self._flat[segment.flat_start : segment.flat_start + segment.n_cells] = staged[at : at + segment.n_cells]
+            at += segment.n_cells
+        if len(cells):
+            triples = cells.reshape(-1, CELL_TRIPLE)
+            flat = triples[:, 0].astype(np.int64) * self.layout.columns + triples[:, 1]
+            chosen = last_writes(flat)
+            self._flat[flat[chosen]] = triples[chosen, 2]
+
+    def plan(self, bucket: int, page_size: int) -> HostDecodePlan:
+        return plan_from_rows(self.rows, self.step_slots[:bucket], page_size)
+
+    def advance(self, bucket: int) -> None:
+        """KV_LEN += 1 for the real rows of the step (slots of a bucket are distinct)."""
+        slots = self.step_slots[:bucket]
+        self.rows[slots[slots != 0], RowLayout.KV_LEN] += 1
+
+
+class TorchPagedDecode:
+    """Host-planned attention in plain torch over the host's block tables (the CPU arm, for checks)."""
+
+    def __init__(self, buckets: tuple[int, ...], kv: KVPool, span: int, scale: float) -> None:
+        device = kv.k.device
+        widest = max(buckets)
+        self._kv = kv
+        self._scale = scale
+        self._tables = torch.zeros(widest, span, dtype=torch.int32, device=device)  # tables: [B, W]
+        self._lengths = torch.zeros(widest, dtype=torch.int32, device=device)
+
+    def plan(self, bucket: int, plan: HostDecodePlan) -> None:
+        self._tables[:bucket].copy_(torch.from_numpy(plan.tables))
+        self._lengths[:bucket].copy_(torch.from_numpy(plan.lengths))
+
+    def attend(self, bucket: int, layer: int, q: torch.Tensor) -> torch.Tensor:
+        kv = self._kv
+        return decode_attention(q, kv.k[layer], kv.v[layer], self._tables[:bucket], self._lengths[:bucket], self._scale)
+
+
+def import_flashinfer():
+    """flashinfer, or a ValueError that says the host-planned path needs it."""
+    try:
+        import flashinfer
+    except ImportError as err:
+        raise ValueError(
+            f"decode_path=host-planned needs FlashInfer (pip install flashinfer-python): {err}"
+        ) from err
+    return flashinfer
+
+
+class FlashInferDecode:
+    """FlashInfer's paged decode (NHD pages, as the pool holds them), planned on the host every step.
+
+    One wrapper per bucket with fixed CUDA-graph buffers, so the forward that calls `attend` can be
+    captured; `plan` rewrites those buffers and the wrapper's schedule before each replay.
+    """
+
+    def __init__(
+        self, buckets: tuple[int, ...], kv: KVPool, num_heads: int, span: int, scale: float
+    ) -> None:
+        flashinfer = import_flashinfer()
+        _, _, page_size, kv_heads, head_dim = kv.k.shape
+        device = kv.k.device
+        self._kv = kv
+        self._shape = (num_heads, kv_heads, head_dim, page_size)
+        self._scale = scale
+        self._dtype = kv.k.dtype
+        # One float workspace for all buckets: steps never run at once.
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._wrappers = {
+            bucket: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace,
+                kv_layout="NHD",
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=torch.zeros(bucket + 1, dtype=torch.int32, device=device),
+                paged_kv_indices_buffer=torch.zeros(bucket * span, dtype=torch.int32, device=device),
+                paged_kv_last_page_len_buffer=torch.zeros(bucket, dtype=torch.int32, device=device),
+            )
+            for bucket in buckets
+        }
+
+    def plan(self, bucket: int, plan: HostDecodePlan) -> None:
+        num_heads, kv_heads, head_dim, page_size = self._shape
+        self._wrappers[bucket].plan(
+            torch.from_numpy(plan.indptr),
+            torch.from_numpy(plan.indices),
+            torch.from_numpy(plan.last_page_len),
+            num_heads,
+            kv_heads,
+            head_dim,
+            page_size,
+            pos_encoding_mode="NONE",
+            q_data_type=self._dtype,
+            kv_data_type=self._dtype,
+            sm_scale=self._scale,
+        )
+
+    def attend(self, bucket: int, layer: int, q: torch.Tensor) -> torch.Tensor:
+        # q comes as a view into the fused qkv projection; FlashInfer is given a dense copy.
+        return self._wrappers[bucket].run(q.contiguous(), (self._kv.k[layer], self._kv.v[layer]))

@@ -1,0 +1,204 @@
+"""Decode steps per bucket, captured as CUDA graphs: scatter -> forward -> sample -> loop-back -> advance."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import structlog
+import torch
+
+from executor_svc.attention.flashinfer_decode import FlashInferDecode, HostRows, TorchPagedDecode
+from executor_svc.kernels.attention import decode_splits
+from executor_svc.kernels.tables import StepInputs, advance, scatter_cells
+from executor_svc.kv_pool import KVPool
+from executor_svc.models.llama import LlamaModel
+from executor_svc.sampler import sample
+from executor_svc.tables import SlotStore
+from protos.layout import RowLayout
+
+log = structlog.get_logger("deltaserve.executor.graphs")
+
+DECODE_PATHS = ("resident", "host-planned")
+WARMUP_STEPS = 2  # eager runs before a capture: Triton compiles, cuBLAS picks its kernels
+
+
+def capture_order(buckets: Iterable[int]) -> list[int]:
+    """Widest first, so the narrower graphs reuse the memory the widest one's capture reserved."""
+    return sorted(set(buckets), reverse=True)
+
+
+class DecodeGraphs:
+    """One decode step per bucket over the slot store, captured on CUDA (eager elsewhere, and for any
+    bucket whose capture failed: it logs why).
+
+    `resident`: every input is read on the device by slot (the bucket is host-plan-free).
+    `host-planned`: the executor keeps a host copy of the rows, rebuilds each row's pages, length and
+    position every step, and plans the attention on the host (FlashInfer on CUDA, torch on the CPU)
+    before the replay; the same graph body otherwise, so the two paths differ only in that host work.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_pool: KVPool,
+        store: SlotStore,
+        buckets: Iterable[int],
+        *,
+        max_seq_len: int,
+        decode_path: str = "resident",
+        capture: bool | None = None,
+    ) -> None:
+        if decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {decode_path!r}")
+        self.model = model
+        self.kv_pool = kv_pool
+        self.store = store
+        self.decode_path = decode_path
+        self.buckets = tuple(sorted(set(buckets)))
+        device = store.device
+        self._cuda = device.type == "cuda"
+        self.capture = self._cuda if capture is None else capture
+        if self.capture and not self._cuda:
+            raise ValueError("CUDA graphs need a CUDA device")
+        layout = store.layout
+        config = model.config
+        sm_count = torch.cuda.get_device_properties(device).multi_processor_count if self._cuda else 0
+        # Split-K partitions fixed per bucket (a graph cannot change them): enough to fill the GPU.
+        self.splits = {
+            bucket: decode_splits(bucket, config.num_kv_heads, max_seq_len, kv_pool.page_size, sm_count)
+            if self._cuda
+            else 1
+            for bucket in self.buckets
+        }
+        self.host_rows: HostRows | None = None
+        if decode_path == "host-planned":
+            self.host_rows = HostRows(layout)
+            widest = layout.widest_bucket
+            # The host's inputs of a step: [positions (i64) | write_page | write_offset], filled then uploaded.
+            self._host_inputs = torch.zeros(widest, 4, dtype=torch.int32, pin_memory=self._cuda)
+            self._device_inputs = torch.zeros(widest, 4, dtype=torch.int32, device=device)
+            span = layout.block_span
+            self.attention = (
+                FlashInferDecode(self.buckets, kv_pool, config.num_heads, span, model.scale)
+                if self._cuda
+                else TorchPagedDecode(self.buckets, kv_pool, span, model.scale)
+            )
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._tokens: dict[int, torch.Tensor] = {}  # each captured bucket's output: i64[B]
+        self.states: dict[int, str] = {}  # bucket -> what the log line said
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        for bucket in capture_order(self.buckets):
+            self._build(bucket)
+
+    # --- host side ------------------------------------------------------------------------------------
+
+    def note_plan(self, slots: np.ndarray | None, runs: np.ndarray, cells: np.ndarray) -> None:
+        """The plan's table writes, for the host copy of the rows (host-planned only; resident keeps none)."""
+        if self.host_rows is not None:
+            self.host_rows.apply(slots, runs, cells)
+
+    def prepare(self, bucket: int) -> None:
+        """Host-planned: build the step's page lists, lengths and positions from the host rows, upload the
+        inputs and plan the attention. Resident: nothing (the graph reads the rows itself)."""
+        if self.host_rows is None:
+            return
+        plan = self.host_rows.plan(bucket, self.kv_pool.page_size)
+        staged = self._host_inputs[:bucket].numpy()
+        staged[:, 0:2] = plan.positions.astype(np.int64)[:, None].view(np.int32)
+        staged[:, 2] = plan.write_page
+        staged[:, 3] = plan.write_offset
+        # Non-blocking from pinned memory: the previous step's token read-back has already waited for
+        # everything before it, and this step's read-back waits for this copy before the buffer is reused.
+        self._device_inputs[:bucket].copy_(self._host_inputs[:bucket], non_blocking=True)
+        self.attention.plan(bucket, plan)
+
+    def launch(self, bucket: int) -> torch.Tensor:
+        """Replay the bucket's step (or run it eagerly); returns its tokens i64[B], still on the device."""
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            tokens = self._step(bucket)
+        else:
+            graph.replay()
+            tokens = self._tokens[bucket]
+        if self.host_rows is not None:
+            self.host_rows.advance(bucket)
+        return tokens
+
+    def row_mismatches(self, bucket: int, mirror: np.ndarray) -> int:
+        """The row check after a replay: the planner's mirror holds the rows as the step read them, and the
+        step has since advanced each real row's length by one."""
+        expected = np.array(mirror, dtype=np.int32).reshape(bucket, self.store.layout.columns)
+        real = self.store.step_slots[:bucket].cpu().numpy() != 0
+        expected[real, RowLayout.KV_LEN] += 1
+        return self.store.mismatches(bucket, expected)
+
+    # --- the step -------------------------------------------------------------------------------------
+
+    def _inputs_from_host(self, bucket: int, slots: torch.Tensor) -> StepInputs:
+        inputs = self._device_inputs[:bucket]
+        return StepInputs(
+            tokens=self.store.last_token.index_select(0, slots),
+            positions=inputs[:, 0:2].contiguous().view(torch.int64)[:, 0],
+            kv_lens=inputs[:, 2],  # unused by the forward; the write location says it all
+            write_page=inputs[:, 2].contiguous(),
+            write_offset=inputs[:, 3].contiguous(),
+        )
+
+    def _step(self, bucket: int) -> torch.Tensor:
+        """The body of a bucket's graph: nothing here may read the device back or depend on the step."""
+        store, kv = self.store, self.kv_pool
+        slots = store.step_slots[:bucket]
+        cells, count = store.staged_cells()
+        scatter_cells(store.rows, cells, count)
+        count.zero_()  # consumed: the next step scatters only what it stages
+        if self.host_rows is None:
+            logits, positions = self.model.decode_resident(
+                store.rows, slots, store.last_token, kv, self.splits[bucket]
+            )
+        else:
+            inputs = self._inputs_from_host(bucket, slots)
+            positions = inputs.positions
+
+            def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
+                return self.attention.attend(bucket, layer, q)
+
+            logits = self.model.decode_fused(inputs, kv, attend)
+        tokens = sample(logits, *store.sampler_params(slots), positions + 1)
+        store.store_tokens(bucket, tokens)
+        advance(store.rows, slots)
+        return tokens
+
+    def _build(self, bucket: int) -> None:
+        """Warm the bucket up and capture it; every row of the store's step slots is padding meanwhile, so
+        the warm-up steps write only the sink page and change no row."""
+        self.store.step_slots[:bucket].zero_()
+        if self.host_rows is not None:
+            self.host_rows.step_slots[:bucket] = 0
+        if not self.capture:
+            self.states[bucket] = "eager (no CUDA graphs on this device)"
+            return
+        try:
+            self.prepare(bucket)
+            side = torch.cuda.Stream(self.store.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.inference_mode():
+                for _ in range(WARMUP_STEPS):
+                    self._step(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+                tokens = self._step(bucket)
+            torch.cuda.synchronize()
+        except Exception as err:  # any failure leaves the bucket eager, said why
+            self.states[bucket] = f"eager (capture failed: {type(err).__name__}: {err})"
+            log.warning(f"bucket {bucket}: {self.states[bucket]}")
+            return
+        self._graphs[bucket] = graph
+        self._tokens[bucket] = tokens
+        if self.host_rows is None:
+            self.states[bucket] = "captured, host-plan-free"
+            log.info(f"bucket {bucket}: {self.states[bucket]}", splits=self.splits[bucket])
+        else:
+            self.states[bucket] = "captured, host-planned (attention planned on the host)"
+            log.info(f"bucket {bucket}: {self.states[bucket]}")

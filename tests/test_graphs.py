@@ -1,0 +1,194 @@
+"""Decode graphs: the host-planned arm's host rows and plan inputs, the staged in-graph scatter, and the graph
+step (resident and host-planned) against the eager runner, eagerly on the CPU under TRITON_INTERPRET=1;
+capture, replay and FlashInfer on a GPU (skipped here, with the reason)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from executor_svc.kernels import interpreting, triton_available
+
+if not triton_available():
+    pytest.skip("triton cannot run here: no CUDA device and TRITON_INTERPRET is off", allow_module_level=True)
+
+from executor_svc.attention.flashinfer_decode import HostRows, plan_from_rows
+from executor_svc.config import ExecutorConfig
+from executor_svc.graphs import DecodeGraphs, capture_order
+from executor_svc.kernels.attention import paged_decode_attention
+from executor_svc.kernels.tables import scatter_cells
+from executor_svc.kv_pool import KVPool
+from executor_svc.models.llama import LlamaModel
+from executor_svc.runner import StepRunner, runner_for_model
+from executor_svc.tables import SlotStore
+from protos.layout import RowLayout
+from tests.test_runner import BUCKETS, LAYOUT, PAGE, POOL_PAGES, TINY, reference_tokens, run_script
+
+DEVICE = torch.device("cpu" if interpreting() else "cuda")
+KV_LEN, POS_OFFSET, BLOCK_TABLE = RowLayout.KV_LEN, RowLayout.POS_OFFSET, RowLayout.BLOCK_TABLE
+# Triton's dot needs a head_dim of at least 16; the rest is test_runner's tiny model, so its scripts apply.
+GRAPH_TINY = dataclasses.replace(TINY, head_dim=16)
+needs_gpu = pytest.mark.skipif(interpreting(), reason="CUDA graphs and compiled kernels need a GPU")
+
+
+def tiny_model(device: torch.device, dtype: torch.dtype = torch.float32, config=GRAPH_TINY) -> LlamaModel:
+    """Random weights drawn on the CPU, so every device gets the same model."""
+    model = LlamaModel(config, device=device, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 0.1 if name.endswith("norm.weight") else 0.3
+            noise = scale * torch.randn(param.shape, generator=generator)
+            param.copy_((1.0 + noise) if name.endswith("norm.weight") else noise)
+    return model
+
+
+def graph_runner(model: LlamaModel, decode_path: str) -> StepRunner:
+    store = SlotStore(LAYOUT, model.device)
+    kv = model.make_kv_pool(POOL_PAGES, PAGE)
+    graphs = DecodeGraphs(model, kv, store, BUCKETS, max_seq_len=model.config.max_seq_len, decode_path=decode_path)
+    return StepRunner(model, kv, store, LAYOUT, True, buckets=BUCKETS, fingerprint="tiny", graphs=graphs)
+
+
+# --- pure pieces --------------------------------------------------------------------------------------
+
+
+def test_capture_goes_widest_first():
+    assert capture_order([4, 1, 16, 2, 4]) == [16, 4, 2, 1]
+
+
+def test_decode_path_is_checked():
+    assert ExecutorConfig().decode_path == "resident"
+    with pytest.raises(ValueError, match="decode_path must be resident or host-planned"):
+        ExecutorConfig(decode_path="planned")
+
+
+def test_host_planned_needs_cuda():
+    if DEVICE.type == "cuda":
+        pytest.skip("the refusal is for CPU runners")
+    with pytest.raises(ValueError, match="host-planned needs a CUDA device"):
+        runner_for_model(tiny_model(DEVICE), ExecutorConfig(device="cpu", decode_path="host-planned"), "tiny")
+
+
+def test_host_plan_inputs_from_rows():
+    layout = RowLayout(slots=9, block_span=4)
+    rows = np.zeros((layout.slots, layout.columns), dtype=np.int32)
+    rows[3] = [8, 2, 3, 11, 12, 13, 0]  # 8 stored of page 4: the step's token starts page 3 (13)
+    rows[5] = [5, 0, 5, 21, 22, 0, 0]  # 5 stored: the step writes offset 1 of page 22
+    plan = plan_from_rows(rows, np.array([3, 0, 5], dtype=np.int32), page_size=4)
+    np.testing.assert_array_equal(plan.positions, [10, 0, 5])
+    np.testing.assert_array_equal(plan.write_page, [13, 0, 22])
+    np.testing.assert_array_equal(plan.write_offset, [0, 0, 1])
+    np.testing.assert_array_equal(plan.lengths, [9, 1, 6])
+    # FlashInfer's CSR: row 3 holds 3 pages, the padding row the sink page, row 5 two pages.
+    np.testing.assert_array_equal(plan.indptr, [0, 3, 4, 6])
+    np.testing.assert_array_equal(plan.indices, [11, 12, 13, 0, 21, 22])
+    np.testing.assert_array_equal(plan.last_page_len, [1, 1, 2])
+    np.testing.assert_array_equal(plan.tables, rows[[3, 0, 5], BLOCK_TABLE:])
+
+
+def test_host_rows_follow_the_slot_store():
+    layout = RowLayout(slots=9, block_span=4)
+    store, host = SlotStore(layout, torch.device("cpu")), HostRows(layout)
+    c = layout.columns
+    slots = np.array([2, 0, 4, 1], dtype=np.int32)
+    # Two whole rows joined into one run, a run of a row's tail, repeated cells (the last wins).
+    runs = np.array([2, 0, 2 * c, *range(2 * c), 4, 3, 2, 50, 51], dtype=np.int32)
+    cells = np.array([2, KV_LEN, 6, 4, BLOCK_TABLE + 3, 13, 2, KV_LEN, 16], dtype=np.int32)
+    store.set_slots(slots)
+    store.write_runs(runs)
+    store.write_cells(cells)
+    host.apply(slots, runs, cells)
+    np.testing.assert_array_equal(host.rows, store.rows.numpy())
+    store.advance(4)
+    host.advance(4)
+    np.testing.assert_array_equal(host.rows, store.rows.numpy())
+    assert not host.rows[0].any()
+
+
+def test_staged_cells_scatter_as_written_cells():
+    staged, written = SlotStore(LAYOUT, DEVICE), SlotStore(LAYOUT, DEVICE)
+    cells = np.array([2, KV_LEN, 6, 4, BLOCK_TABLE + 3, 13, 2, KV_LEN, 16, 1, POS_OFFSET, 3], dtype=np.int32)
+    staged.stage_cells(cells)
+    triples, count = staged.staged_cells()
+    assert triples.shape == (staged.max_cells, 3) and int(count) == 3  # the repeat dropped
+    scatter_cells(staged.rows, triples, count)
+    written.write_cells(cells)
+    assert torch.equal(staged.rows, written.rows)
+    staged.stage_cells(cells[:0])  # nothing staged: the count stays as the step left it
+    assert int(count) == 3
+
+
+# --- the graph step, eager on the CPU (and captured on a GPU) ------------------------------------------
+
+
+@pytest.mark.parametrize("decode_path", ["resident", "host-planned"])
+def test_graph_steps_equal_the_model_called_directly(decode_path: str):
+    if decode_path == "host-planned" and DEVICE.type == "cuda":
+        pytest.skip("on a GPU the host-planned arm is FlashInfer's, whose JIT kernels need head_dim >= 64")
+    model = tiny_model(DEVICE)
+    runner = graph_runner(model, decode_path)
+    expected_state = "captured" if DEVICE.type == "cuda" else "eager (no CUDA graphs on this device)"
+    assert all(state.startswith(expected_state) for state in runner.graphs.states.values())
+    # Row check on (after the replay); A, B prefilled, then decoded in a padded bucket with crossings.
+    assert run_script(runner, [2, 0, 1, 0]) == reference_tokens(model)
+    assert runner.store.rows[0].abs().sum() == 0 and runner.store.last_token[0] == 0
+    assert runner.times.steps == 5
+
+
+def test_graph_padding_rows_change_nothing():
+    model = tiny_model(DEVICE)
+    narrow, padded = graph_runner(model, "resident"), graph_runner(model, "resident")
+    assert run_script(narrow, [1, 2]) == run_script(padded, [0, 1, 0, 2])
+    for name in ("rows", "last_token"):
+        assert torch.equal(getattr(narrow.store, name), getattr(padded.store, name)), name
+
+
+# --- GPU only --------------------------------------------------------------------------------------------
+
+
+@needs_gpu
+def test_every_bucket_is_captured_host_plan_free_and_replays_as_eager():
+    model = tiny_model(DEVICE)
+    runner = graph_runner(model, "resident")
+    assert runner.graphs.states == {b: "captured, host-plan-free" for b in BUCKETS}
+    eager = graph_runner(model, "resident")
+    eager.graphs._graphs.clear()  # same step, run eagerly
+    assert run_script(runner, [2, 0, 1, 0]) == run_script(eager, [2, 0, 1, 0])
+    assert runner.times.graph_us > 0
+
+
+@needs_gpu
+def test_flashinfer_attention_matches_the_resident_kernel():
+    pytest.importorskip("flashinfer", reason="FlashInfer is not installed")
+    from executor_svc.attention.flashinfer_decode import FlashInferDecode
+
+    # SmolLM2's attention shape (GQA 3:1, head_dim 64) in bf16, the build the benchmark uses.
+    page, span, heads, kv_heads, head_dim = 16, 8, 9, 3, 64
+    layout = RowLayout(slots=9, block_span=span)
+    store = SlotStore(layout, DEVICE)
+    rows = np.zeros((layout.slots, layout.columns), dtype=np.int32)
+    rng = np.random.default_rng(0)
+    for slot in range(1, layout.slots):
+        rows[slot, KV_LEN] = rng.integers(0, span * page - 1)
+        rows[slot, BLOCK_TABLE:] = rng.permutation(np.arange(1, 40))[:span]
+    store.rows.copy_(torch.from_numpy(rows))
+    slots = np.array([3, 0, 7, 1], dtype=np.int32)
+    store.set_slots(slots)
+    kv = KVPool(1, 40, page, kv_heads, head_dim, torch.bfloat16, DEVICE)
+    kv.k.normal_()
+    kv.v.normal_()
+    q = torch.randn(4, heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    scale = head_dim**-0.5
+    resident = paged_decode_attention(q, kv.k[0], kv.v[0], store.rows, store.step_slots[:4], BLOCK_TABLE, page, scale)
+    flashinfer = FlashInferDecode((4,), kv, heads, span, scale)
+    flashinfer.plan(4, plan_from_rows(rows, slots, page))
+    torch.testing.assert_close(flashinfer.attend(4, 0, q), resident, atol=2e-2, rtol=2e-2)
