@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deltaserve.aio
+from bench.common import commit_hash, write_json
 from executor_svc.config import DEFAULT_BUCKETS, ExecutorConfig
 from executor_svc.models.llama import LlamaConfig, LlamaModel
 from executor_svc.runner import StepRunner, runner_for_model
@@ -60,13 +59,6 @@ SMOLLM2 = LlamaConfig(
 )
 
 
-def commit_hash() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def random_model(device: torch.device) -> LlamaModel:
     """SmolLM2's shape, weights ~ N(0, 0.02) and norms of one, in bf16."""
     model = LlamaModel(SMOLLM2, device=device, dtype=torch.bfloat16)
@@ -81,20 +73,22 @@ def random_model(device: torch.device) -> LlamaModel:
 
 
 class RecordingLink:
-    """A link that notes the size of every steady decode plan it sends (no prefill, no writes)."""
+    """A link that notes the size of the decode plans it sends that write no row, sampler or prefill:
+    steady ones (the same rows as the step before; page-crossing cells included) and the others (a new
+    slot list, as requests leave or join)."""
 
     def __init__(self, link) -> None:
         self._link = link
         self.address = link.address
         self.steady_bytes: list[int] = []
+        self.slot_change_bytes: list[int] = []
 
     def __getattr__(self, name: str):
         return getattr(self._link, name)
 
     async def send(self, plan: executor_pb2.StepPlan) -> None:
-        steady = plan.bucket and not (plan.prefill or plan.row_runs or plan.cells or plan.sampler_slots)
-        if steady:
-            self.steady_bytes.append(plan.ByteSize())
+        if plan.bucket and not (plan.prefill or plan.row_runs or plan.sampler_slots):
+            (self.slot_change_bytes if plan.slots else self.steady_bytes).append(plan.ByteSize())
         await self._link.send(plan)
 
 
@@ -144,6 +138,7 @@ def per_step(total: float, steps: int) -> float:
 async def measure(arm: Arm, prompts: list[np.ndarray], max_tokens: int) -> tuple[dict, list[list[int]]]:
     engine_before, runner_before = asdict(arm.engine.times), asdict(arm.runner.times)
     arm.link.steady_bytes.clear()
+    arm.link.slot_change_bytes.clear()
     began = time.perf_counter()
     results = await asyncio.gather(*(one_request(arm.stub, p, max_tokens) for p in prompts))
     wall = time.perf_counter() - began
@@ -159,7 +154,7 @@ async def measure(arm: Arm, prompts: list[np.ndarray], max_tokens: int) -> tuple
     steps, decode_steps = engine["steps"], runner["steps"]
     step_us = wall * 1e6 / steps if steps else 0.0
     graph_us = per_step(runner["graph_us"], decode_steps)
-    steady = arm.link.steady_bytes
+    steady, slot_change = arm.link.steady_bytes, arm.link.slot_change_bytes
     figures = {
         "tok_s": round(tokens / wall, 1),
         "itl_p50_ms": round(statistics.median(itl) * 1e3, 3) if itl else None,
@@ -182,6 +177,7 @@ async def measure(arm: Arm, prompts: list[np.ndarray], max_tokens: int) -> tuple
         "plan_bytes_mean": round(engine["plan_bytes"] / steps, 1) if steps else None,
         "steady_plan_bytes_median": int(statistics.median(steady)) if steady else None,
         "steady_plan_bytes_max": max(steady) if steady else None,
+        "slot_change_plan_bytes_median": int(statistics.median(slot_change)) if slot_change else None,
     }
     return figures, [r.tokens for r in results]
 
@@ -372,10 +368,7 @@ def main() -> None:
         compile_only()
         return
     records = deltaserve.aio.run(lambda stop: run(args))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(records, f, indent=1)
-        f.write("\n")
+    write_json(args.out, records)
     plot(records, args.plot)
 
 
