@@ -34,13 +34,17 @@ async def start_tiny_stack(pool_pages: int):
     return f"127.0.0.1:{planner_port}", planner.planner, (planner, executor)
 
 
-async def one_request(client, rng: random.Random, i: int):
-    prompt = [rng.randrange(3, TINY.vocab_size) for _ in range(rng.randrange(1, 30))]
+async def one_request(
+    client, rng: random.Random, i: int, vocab_size: int = TINY.vocab_size, longest: int = 30, tokens_up_to: int = 25
+):
+    """A random request (prompt of up to `longest` ids, up to `tokens_up_to` tokens, greedy or seeded) sent after a
+    random pause; 15% are abandoned by the client after a few tokens. Returns (fields, tokens, finished)."""
+    prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randrange(1, longest))]
     greedy = rng.random() < 0.5
-    fields = dict(token_ids=prompt, max_tokens=rng.randrange(1, 25), request_id=f"soak-{i}",
+    fields = dict(token_ids=prompt, max_tokens=rng.randrange(1, tokens_up_to), request_id=f"soak-{i}",
                   temperature=0.0 if greedy else rng.choice([0.7, 1.0, 1.5]), seed=rng.randrange(1 << 40),
                   top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.9]),
-                  stop_token_ids=[rng.randrange(3, TINY.vocab_size)], ignore_eos=True)
+                  stop_token_ids=[rng.randrange(3, vocab_size)], ignore_eos=True)
     await asyncio.sleep(rng.random() * 0.5)  # staggered arrivals
     abort_after = rng.randrange(1, 6) if rng.random() < 0.15 else None
     tokens = []
@@ -51,22 +55,28 @@ async def one_request(client, rng: random.Random, i: int):
     return fields, tokens, abort_after is None
 
 
+class DisplacedCounter:
+    """Counts the rows a slot cache displaces, from the assignments its `assign` returns."""
+
+    def __init__(self, slots) -> None:
+        self.count = 0
+        assign = slots.assign
+
+        def counting(seq, ids):
+            assignment = assign(seq, ids)
+            self.count += len(assignment.displaced)
+            return assignment
+
+        slots.assign = counting
+
+
 @pytest.mark.parametrize("pool_pages", [24, 400], ids=["kv-pressure", "slot-pressure"])
 async def test_row_check_soak(pool_pages):
     addr, planner, servers = await start_tiny_stack(pool_pages)
     engine = planner.engines[0]
     rng = random.Random(pool_pages)
-    displaced = 0
     slots = engine.scheduler.slots
-    original = slots.assign
-
-    def counting(seq, ids):
-        nonlocal displaced
-        assignment = original(seq, ids)
-        displaced += len(assignment.displaced)
-        return assignment
-
-    slots.assign = counting
+    displaced = DisplacedCounter(slots)
     try:
         async with PlannerClient(addr) as client:
             results = await asyncio.gather(*(one_request(client, rng, i) for i in range(60)))
@@ -75,7 +85,7 @@ async def test_row_check_soak(pool_pages):
             assert engine.row_mismatches == 0
             assert engine.steps > 100
             if pool_pages > 100:
-                assert displaced > 10, "the soak never displaced a row"
+                assert displaced.count > 10, "the soak never displaced a row"
             assert engine.scheduler.pages.free_count == engine.scheduler.pages.total
             assert slots.free_count == slots.num_slots - 1
             # Answers under churn (greedy and seeded) equal the same request alone: rows written whole were right.

@@ -1,0 +1,127 @@
+"""Row check on the GPU (issue 3): resident decode graphs over real gRPC, the executor comparing every row a
+replayed step read with the planner's mirror, for at least --steps decode steps per case.
+
+    python bench/gpu_row_check.py --tokenizer DIR [--steps 5000] [--out docs/bench/gpu_row_check.json]
+
+SmolLM2-135M's shape with random bf16 weights. Two cases, each a randomized soak of staggered requests
+(random prompts and lengths, greedy and seeded sampling, 15% abandoned mid-stream by their client, prefill
+chunked by a small token budget): `kv-pressure` (a pool too small for every request at once, so admission
+waits for pages) and `slot-pressure` (buckets capped at 4 rows for 24 live requests, so rows are displaced
+and written whole again every few steps). Writes one JSON object per case with the mismatch count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deltaserve.aio
+from bench.common import commit_hash, write_json
+from bench.decode import SMOLLM2, random_model
+from executor_svc.config import ExecutorConfig
+from executor_svc.runner import runner_for_model
+from executor_svc.server import start_executor_server
+from planner_svc.client import PlannerClient
+from planner_svc.config import PlannerConfig
+from planner_svc.link import GrpcLink
+from planner_svc.server import start_planner_server
+from tests.test_e2e_row_check_soak import DisplacedCounter, one_request
+
+PAGE_SIZE = 16
+MAX_SEQ_LEN = 512
+# name: (pool pages, buckets, live requests at a time)
+CASES = {
+    "kv-pressure": (48, (1, 2, 4, 8, 16), 24),
+    "slot-pressure": (1024, (1, 2, 4), 24),
+}
+
+
+async def soak(name: str, model, tokenizer: str | None, steps: int) -> dict:
+    pool_pages, buckets, live = CASES[name]
+    config = ExecutorConfig(
+        device="cuda", dtype="bfloat16", page_size=PAGE_SIZE, pool_pages=pool_pages,
+        max_seq_len=MAX_SEQ_LEN, buckets=buckets, row_check=True,
+    )
+    runner = runner_for_model(model, config, "random-smollm2")
+    captured = sum(state.startswith("captured, host-plan-free") for state in runner.graphs.states.values())
+    executor, port = await start_executor_server(runner)
+    planner, planner_port = await start_planner_server(
+        PlannerConfig(model=tokenizer, row_check=True, prefill_token_budget=96, prefix_cache=False),
+        port=0,
+        links=[GrpcLink(f"127.0.0.1:{port}")],
+    )
+    engine = planner.planner.engines[0]
+    displaced = DisplacedCounter(engine.scheduler.slots)
+    rng = random.Random(name)
+    requests = finished = 0
+    began = time.perf_counter()
+    try:
+        async with PlannerClient(f"127.0.0.1:{planner_port}") as client:
+            while runner.times.steps < steps:
+                wave = [
+                    one_request(client, rng, requests + i, SMOLLM2.vocab_size, longest=300, tokens_up_to=120)
+                    for i in range(live)
+                ]
+                requests += live
+                finished += sum(done for _, _, done in await asyncio.gather(*wave))
+                print(f"{name}: {runner.times.steps} resident steps, {engine.row_mismatches} mismatches", flush=True)
+            while not engine.scheduler.idle:
+                await asyncio.sleep(0.01)
+    finally:
+        await planner.stop(None)
+        await executor.stop(None)
+    scheduler = engine.scheduler
+    return {
+        "case": name,
+        "resident_steps": runner.times.steps,
+        "row_mismatches": engine.row_mismatches,
+        "requests": requests,
+        "finished": finished,
+        "abandoned": requests - finished,
+        "displaced_rows": displaced.count,
+        "buckets_captured_host_plan_free": f"{captured}/{len(buckets)}",
+        "pages_all_free_after": scheduler.pages.free_count == scheduler.pages.total,
+        "slots_all_free_after": scheduler.slots.free_count == scheduler.slots.num_slots - 1,
+        "pool_pages": pool_pages,
+        "buckets": list(buckets),
+        "seconds": round(time.perf_counter() - began, 1),
+    }
+
+
+async def run(args: argparse.Namespace) -> list[dict]:
+    model = random_model(torch.device("cuda"))
+    gpu = torch.cuda.get_device_name()
+    records = []
+    for name in CASES:
+        record = await soak(name, model, args.tokenizer, args.steps)
+        record.update(commit=args.commit or commit_hash(), gpu=gpu)
+        print(record, flush=True)
+        records.append(record)
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", default=None, help="tokenizer dir or GGUF (default: the SmolLM2 GGUF)")
+    parser.add_argument("--steps", type=int, default=5000, help="resident decode steps per case, at least")
+    parser.add_argument("--out", default="docs/bench/gpu_row_check.json")
+    parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/gpu_row_check.py needs a CUDA device")
+    records = deltaserve.aio.run(lambda stop: run(args))
+    write_json(args.out, records)
+    failed = sum(r["row_mismatches"] for r in records)
+    sys.exit(f"{failed} row mismatches" if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
