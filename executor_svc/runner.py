@@ -112,6 +112,7 @@ class StepRunner:
             dtype=str(self.kv_pool.k.dtype).removeprefix("torch."),
             layer_begin=0,
             layer_end=config.num_layers,
+            eos_token_id=config.eos_token_id,
         )
 
     def run(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepOutput:

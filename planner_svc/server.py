@@ -67,7 +67,11 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         self.parking = parking
         self.description = descriptions[0]
         self.tokenizer = tokenizer
-        self.eos_token_id = tokenizer.eos_token_id
+        # The model's end-of-sequence id where the executor names it: tokenizer versions differ on it
+        # (transformers 5.17 on the GPU machine did not report <|im_end|> for SmolLM2's GGUF; requests
+        # ran past their end).
+        described = self.description
+        self.eos_token_id = described.eos_token_id if described.HasField("eos_token_id") else tokenizer.eos_token_id
         self._requests: dict[str, tuple[Request, Engine]] = {}
         self._turns: dict[tuple[str, str], Request] = {}  # the latest turn of each conversation
 

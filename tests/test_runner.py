@@ -255,6 +255,20 @@ def test_describe(model: LlamaModel):
     assert (described.slots, described.row_columns, described.block_span) == (9, 19, 16)
     assert (described.dtype, described.layer_begin, described.layer_end) == ("float32", 0, 2)
     assert described.device == str(model.device)
+    assert described.eos_token_id == TINY.eos_token_id
+
+
+def test_planner_stops_on_the_models_own_eos(model: LlamaModel):
+    """The end-of-sequence id comes from the model's metadata, not from whatever the tokenizer reports."""
+    from types import SimpleNamespace
+
+    from planner_svc.server import PlannerServicer
+
+    described = tiny_runner(model).describe()
+    other_tokenizer = SimpleNamespace(eos_token_id=TINY.eos_token_id + 1)
+    assert PlannerServicer([], [described], other_tokenizer, parking=None).eos_token_id == TINY.eos_token_id
+    described.ClearField("eos_token_id")  # an executor that does not say: the tokenizer's
+    assert PlannerServicer([], [described], other_tokenizer, parking=None).eos_token_id == TINY.eos_token_id + 1
 
 
 def test_device_and_dtype_resolution():
