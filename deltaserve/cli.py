@@ -31,7 +31,7 @@ from deltaserve.flags import (
 )
 from deltaserve.logs import configure_logging, get_logger
 from deltaserve.serve import CACHE_PORT, EXECUTOR_PORT, PLANNER_PORT
-from executor_svc.config import DEFAULT_BUCKETS, DEFAULT_SHARD_LAYERS, ExecutorConfig
+from executor_svc.config import DECODE_PATHS, DEFAULT_BUCKETS, DEFAULT_SHARD_LAYERS, ExecutorConfig
 from planner_svc.config import PlannerConfig
 
 log = get_logger("deltaserve.cli")
@@ -98,7 +98,14 @@ def _add_model_flags(flags: Flags) -> None:
         type=buckets,
         default=",".join(map(str, DEFAULT_BUCKETS)),
         metavar="1,2,4,...",
-        help="decode batch sizes (one CUDA graph each, once graphs land)",
+        help="decode batch sizes (one CUDA graph each on a GPU)",
+    )
+    flags.option(
+        "--decode-path",
+        default=defaults.decode_path,
+        choices=DECODE_PATHS,
+        help="CUDA decode: resident (graphs read every row off the device tables) or host-planned (rows "
+        "rebuilt and FlashInfer planned on the host every step: the baseline; needs the gpu extra)",
     )
     flags.option(
         "--max-seq-len",

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_SHARD_LAYERS = 8
 
+# CUDA decode: captured graphs that read each row off the device tables, or the rows planned on the host
+# every step for FlashInfer (the way engines do it today; the benchmarks' baseline).
+DECODE_PATHS = ("resident", "host-planned")
+
 
 @dataclass(slots=True)
 class ExecutorConfig:
@@ -18,8 +22,7 @@ class ExecutorConfig:
     max_seq_len: int | None = None  # None = the model's context length
     buckets: tuple[int, ...] = field(default=DEFAULT_BUCKETS)
     row_check: bool = False  # debug: compare the rows each step reads against the planner's mirror
-    # CUDA decode: resident (graphs read rows off the device tables) | host-planned (FlashInfer, planned per step)
-    decode_path: str = "resident"
+    decode_path: str = "resident"  # one of DECODE_PATHS (used on CUDA only)
     cache: str | None = None  # the cache service's host:port; None = Park and Restore are refused
     shard_layers: int = DEFAULT_SHARD_LAYERS  # layers per snapshot shard; a restore reads only its own
 
@@ -33,7 +36,7 @@ class ExecutorConfig:
         self.buckets = tuple(sorted(set(self.buckets)))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.decode_path not in ("resident", "host-planned"):
+        if self.decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path must be resident or host-planned, got {self.decode_path!r}")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")

@@ -9,6 +9,7 @@ import structlog
 import torch
 
 from executor_svc.attention.flashinfer_decode import FlashInferDecode, HostRows, TorchPagedDecode
+from executor_svc.config import DECODE_PATHS
 from executor_svc.kernels.attention import decode_splits
 from executor_svc.kernels.tables import StepInputs, advance, scatter_cells
 from executor_svc.kv_pool import KVPool
@@ -19,7 +20,6 @@ from protos.layout import RowLayout
 
 log = structlog.get_logger("deltaserve.executor.graphs")
 
-DECODE_PATHS = ("resident", "host-planned")
 WARMUP_STEPS = 2  # eager runs before a capture: Triton compiles, cuBLAS picks its kernels
 
 

@@ -136,6 +136,7 @@ def test_bad_values_name_the_flag_or_variable(capsys):
     assert "DELTASERVE_LOG_LEVEL" in usage_error(capsys, ["up"], DELTASERVE_LOG_LEVEL="loud")
     assert "DELTASERVE_ROW_CHECK" in usage_error(capsys, ["up"], DELTASERVE_ROW_CHECK="maybe")
     assert "--device" in usage_error(capsys, ["up", "--device", "gpu"])
+    assert "--decode-path" in usage_error(capsys, ["executor", "--decode-path", "planned"])
     assert "--port" in usage_error(capsys, ["up", "--port", "70000"])
     assert "--top-p" in usage_error(capsys, ["generate", "--text", "a", "--max-tokens", "1", "--top-p", "0"])
     # A bad variable only fails the commands that have its flag.
@@ -254,7 +255,10 @@ def test_configs_from_flags():
         512,
     )
     assert (executor.dtype, executor.device, executor.row_check) == ("float32", "cpu", True)
-    assert (executor.cache, executor.shard_layers) == ("c:9", DEFAULT_SHARD_LAYERS)
+    assert (executor.cache, executor.shard_layers, executor.decode_path) == ("c:9", DEFAULT_SHARD_LAYERS, "resident")
+    host_planned = parse(["executor", "--decode-path", "host-planned"])
+    assert executor_config(host_planned, cache=None).decode_path == "host-planned"
+    assert parse(["up"], DELTASERVE_DECODE_PATH="host-planned").decode_path == "host-planned"
     planner = planner_config(args, executors=["x:1"], cache=None)
     assert (planner.executors, planner.prefill_token_budget, planner.row_check, planner.model) == (
         ["x:1"],
