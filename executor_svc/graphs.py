@@ -8,7 +8,12 @@ import numpy as np
 import structlog
 import torch
 
-from executor_svc.attention.flashinfer_decode import FlashInferDecode, HostRows, TorchPagedDecode
+from executor_svc.attention.flashinfer_decode import (
+    FlashInferDecode,
+    HostRows,
+    TorchPagedDecode,
+    plan_from_rows,
+)
 from executor_svc.config import DECODE_PATHS
 from executor_svc.kernels.attention import decode_splits
 from executor_svc.kernels.tables import StepInputs, advance, scatter_cells
@@ -31,6 +36,10 @@ def capture_order(buckets: Iterable[int]) -> list[int]:
 class DecodeGraphs:
     """One decode step per bucket over the slot store, captured on CUDA (eager elsewhere, and for any
     bucket whose capture failed: it logs why).
+
+    Two graphs per bucket: one that samples, and one for steps whose rows are all greedy, which takes the
+    argmax and skips the sampler's sort and noise. The host knows which slots sample from the sampler state
+    the plans write, so picking the graph reads nothing back.
 
     `resident`: every input is read on the device by slot (the bucket is host-plan-free).
     `host-planned`: the executor keeps a host copy of the rows, rebuilds each row's pages, length and
@@ -71,6 +80,8 @@ class DecodeGraphs:
             else 1
             for bucket in self.buckets
         }
+        self._step_slots = np.zeros(layout.widest_bucket, dtype=np.int32)  # host copy of store.step_slots
+        self._samples = np.zeros(layout.slots, dtype=bool)  # by slot: temperature > 0
         self.host_rows: HostRows | None = None
         if decode_path == "host-planned":
             self.host_rows = HostRows(layout)
@@ -84,8 +95,8 @@ class DecodeGraphs:
                 if self._cuda
                 else TorchPagedDecode(self.buckets, kv_pool, span, model.scale)
             )
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._tokens: dict[int, torch.Tensor] = {}  # each captured bucket's output: i64[B]
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, greedy) -> graph
+        self._tokens: dict[tuple[int, bool], torch.Tensor] = {}  # each captured graph's output: i64[B]
         self.states: dict[int, str] = {}  # bucket -> what the log line said
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         for bucket in capture_order(self.buckets):
@@ -93,17 +104,33 @@ class DecodeGraphs:
 
     # --- host side ------------------------------------------------------------------------------------
 
-    def note_plan(self, slots: np.ndarray | None, runs: np.ndarray, cells: np.ndarray) -> None:
-        """The plan's table writes, for the host copy of the rows (host-planned only; resident keeps none)."""
+    def note_plan(
+        self,
+        slots: np.ndarray | None,
+        runs: np.ndarray,
+        cells: np.ndarray,
+        sampler_slots: np.ndarray,
+        sampler_f32: np.ndarray,
+    ) -> None:
+        """What the host keeps of a plan: the step's slots and which slots sample; host-planned also the
+        table writes, for its host copy of the rows (resident keeps none)."""
+        if slots is not None:
+            self._step_slots[: len(slots)] = slots
+        if len(sampler_slots):
+            self._samples[sampler_slots] = sampler_f32[:, 0] > 0
         if self.host_rows is not None:
-            self.host_rows.apply(slots, runs, cells)
+            self.host_rows.apply(runs, cells)
+
+    def greedy(self, bucket: int) -> bool:
+        """Whether every row of the bucket's step is greedy (padding rows read the sink row, which is)."""
+        return not self._samples[self._step_slots[:bucket]].any()
 
     def prepare(self, bucket: int) -> None:
         """Host-planned: build the step's page lists, lengths and positions from the host rows, upload the
         inputs and plan the attention. Resident: nothing (the graph reads the rows itself)."""
         if self.host_rows is None:
             return
-        plan = self.host_rows.plan(bucket, self.kv_pool.page_size)
+        plan = plan_from_rows(self.host_rows.rows, self._step_slots[:bucket], self.kv_pool.page_size)
         staged = self._host_inputs[:bucket].numpy()
         staged[:, 0:2] = plan.positions.astype(np.int64)[:, None].view(np.int32)
         staged[:, 2] = plan.write_page
@@ -115,21 +142,22 @@ class DecodeGraphs:
 
     def launch(self, bucket: int) -> torch.Tensor:
         """Replay the bucket's step (or run it eagerly); returns its tokens i64[B], still on the device."""
-        graph = self._graphs.get(bucket)
+        variant = (bucket, self.greedy(bucket))
+        graph = self._graphs.get(variant)
         if graph is None:
-            tokens = self._step(bucket)
+            tokens = self._step(*variant)
         else:
             graph.replay()
-            tokens = self._tokens[bucket]
+            tokens = self._tokens[variant]
         if self.host_rows is not None:
-            self.host_rows.advance(bucket)
+            self.host_rows.advance(self._step_slots[:bucket])
         return tokens
 
     def row_mismatches(self, bucket: int, mirror: np.ndarray) -> int:
         """The row check after a replay: the planner's mirror holds the rows as the step read them, and the
         step has since advanced each real row's length by one."""
         expected = np.array(mirror, dtype=np.int32).reshape(bucket, self.store.layout.columns)
-        real = self.store.step_slots[:bucket].cpu().numpy() != 0
+        real = self._step_slots[:bucket] != 0
         expected[real, RowLayout.KV_LEN] += 1
         return self.store.mismatches(bucket, expected)
 
@@ -145,7 +173,7 @@ class DecodeGraphs:
             write_offset=inputs[:, 3].contiguous(),
         )
 
-    def _step(self, bucket: int) -> torch.Tensor:
+    def _step(self, bucket: int, greedy: bool) -> torch.Tensor:
         """The body of a bucket's graph: nothing here may read the device back or depend on the step."""
         store, kv = self.store, self.kv_pool
         slots = store.step_slots[:bucket]
@@ -164,38 +192,43 @@ class DecodeGraphs:
                 return self.attention.attend(bucket, layer, q)
 
             logits = self.model.decode_fused(inputs, kv, attend)
-        tokens = sample(logits, *store.sampler_params(slots), positions + 1)
+        if greedy:  # the argmax that `sample` takes for greedy rows, without the rest
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = sample(logits, *store.sampler_params(slots), positions + 1)
         store.store_tokens(bucket, tokens)
         advance(store.rows, slots)
         return tokens
 
     def _build(self, bucket: int) -> None:
-        """Warm the bucket up and capture it; every row of the store's step slots is padding meanwhile, so
-        the warm-up steps write only the sink page and change no row."""
+        """Warm the bucket's two steps up and capture them; every row of the store's step slots is padding
+        meanwhile, so the warm-up steps write only the sink page and change no row."""
         self.store.step_slots[:bucket].zero_()
-        if self.host_rows is not None:
-            self.host_rows.step_slots[:bucket] = 0
+        self._step_slots[:bucket] = 0
         if not self.capture:
             self.states[bucket] = "eager (no CUDA graphs on this device)"
             return
+        captured = {}
         try:
             self.prepare(bucket)
-            side = torch.cuda.Stream(self.store.device)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.inference_mode():
-                for _ in range(WARMUP_STEPS):
-                    self._step(bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-                tokens = self._step(bucket)
+            for greedy in (False, True):
+                side = torch.cuda.Stream(self.store.device)
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side), torch.inference_mode():
+                    for _ in range(WARMUP_STEPS):
+                        self._step(bucket, greedy)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+                    captured[(bucket, greedy)] = graph, self._step(bucket, greedy)
             torch.cuda.synchronize()
         except Exception as err:  # any failure leaves the bucket eager, said why
             self.states[bucket] = f"eager (capture failed: {type(err).__name__}: {err})"
             log.warning(f"bucket {bucket}: {self.states[bucket]}")
             return
-        self._graphs[bucket] = graph
-        self._tokens[bucket] = tokens
+        for variant, (graph, tokens) in captured.items():
+            self._graphs[variant] = graph
+            self._tokens[variant] = tokens
         if self.host_rows is None:
             self.states[bucket] = "captured, host-plan-free"
             log.info(f"bucket {bucket}: {self.states[bucket]}", splits=self.splits[bucket])

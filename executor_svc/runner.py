@@ -162,7 +162,7 @@ class StepRunner:
         else:  # no graph runs this step to scatter them
             store.write_cells(plan.cells)
         store.write_sampler(plan.sampler_slots, plan.sampler_f32, plan.sampler_i32)
-        graphs.note_plan(plan.slots, plan.runs, plan.cells)
+        graphs.note_plan(plan.slots, plan.runs, plan.cells, plan.sampler_slots, plan.sampler_f32)
         applied = time.perf_counter()
 
         sampled, sampled_chunks = self._prefill(plan)

@@ -106,10 +106,10 @@ def test_host_rows_follow_the_slot_store():
     store.set_slots(slots)
     store.write_runs(runs)
     store.write_cells(cells)
-    host.apply(slots, runs, cells)
+    host.apply(runs, cells)
     np.testing.assert_array_equal(host.rows, store.rows.numpy())
     store.advance(4)
-    host.advance(4)
+    host.advance(slots)
     np.testing.assert_array_equal(host.rows, store.rows.numpy())
     assert not host.rows[0].any()
 
@@ -142,6 +142,15 @@ def test_graph_steps_equal_the_model_called_directly(decode_path: str):
     assert run_script(runner, [2, 0, 1, 0]) == reference_tokens(model)
     assert runner.store.rows[0].abs().sum() == 0 and runner.store.last_token[0] == 0
     assert runner.times.steps == 5
+
+
+def test_steps_of_greedy_rows_take_the_argmax_graph():
+    model = tiny_model(DEVICE)
+    greedy_only, mixed = graph_runner(model, "resident"), graph_runner(model, "resident")
+    got = run_script(greedy_only, [1, 0])  # A (greedy) decodes alone; B (sampled) only prefills
+    assert greedy_only.graphs.greedy(2) and got[1] == reference_tokens(model)[1]
+    run_script(mixed, [1, 2])
+    assert not mixed.graphs.greedy(2)
 
 
 def test_graph_padding_rows_change_nothing():

@@ -61,13 +61,10 @@ class HostRows:
     def __init__(self, layout: RowLayout) -> None:
         self.layout = layout
         self.rows = np.zeros((layout.slots, layout.columns), dtype=np.int32)
-        self.step_slots = np.zeros(layout.widest_bucket, dtype=np.int32)
         self._flat = self.rows.reshape(-1)
 
-    def apply(self, slots: np.ndarray | None, runs: np.ndarray, cells: np.ndarray) -> None:
-        """A plan's writes, as SlotStore.set_slots, write_runs and write_cells make them."""
-        if slots is not None:
-            self.step_slots[: len(slots)] = slots
+    def apply(self, runs: np.ndarray, cells: np.ndarray) -> None:
+        """A plan's writes, as SlotStore.write_runs and write_cells make them."""
         parsed = parse_runs(runs)
         staged = np.concatenate([runs[r.offset : r.offset + r.n_cells] for r in parsed]) if parsed else runs[:0]
         at = 0
@@ -80,12 +77,8 @@ class HostRows:
             chosen = last_writes(flat)
             self._flat[flat[chosen]] = triples[chosen, 2]
 
-    def plan(self, bucket: int, page_size: int) -> HostDecodePlan:
-        return plan_from_rows(self.rows, self.step_slots[:bucket], page_size)
-
-    def advance(self, bucket: int) -> None:
-        """KV_LEN += 1 for the real rows of the step (slots of a bucket are distinct)."""
-        slots = self.step_slots[:bucket]
+    def advance(self, slots: np.ndarray) -> None:
+        """KV_LEN += 1 for the real rows of a step (slots of a bucket are distinct; 0 is padding)."""
         self.rows[slots[slots != 0], RowLayout.KV_LEN] += 1
 
 
