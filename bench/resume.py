@@ -75,7 +75,7 @@ async def main_async(args) -> list[dict]:
         messages.append({"role": "assistant", "content": "Noted."})
         print(f"turn {turn}: {len(tokenizer.apply_chat_template(messages)['input_ids'])} tokens", flush=True)
     messages.append({"role": "user", "content": "What did the gulls do on the last day?"})
-    commit = commit_hash()
+    commit = args.commit or commit_hash()
     results = []
     checkpoint = await timed(stub, chat_request(messages, "long", 8))
     full = await timed(stub, chat_request(messages, "", 8))
@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8000)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="docs/bench/resume.json")
+    parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     args = parser.parse_args()
     results = asyncio.run(main_async(args))
     write_json(args.out, results)
