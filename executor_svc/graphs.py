@@ -89,6 +89,10 @@ class DecodeGraphs:
             # The host's inputs of a step: [positions (i64) | write_page | write_offset], filled then uploaded.
             self._host_inputs = torch.zeros(widest, 4, dtype=torch.int32, pin_memory=self._cuda)
             self._device_inputs = torch.zeros(widest, 4, dtype=torch.int32, device=device)
+            # Recorded after each replay: the host buffers above and FlashInfer's plan buffers are single, so
+            # the next step's planning waits for the step that reads them (the host-planned arm's price for
+            # launching ahead).
+            self._replayed = torch.cuda.Event() if self._cuda else None
             span = layout.block_span
             self.attention = (
                 FlashInferDecode(self.buckets, kv_pool, config.num_heads, span, model.scale)
@@ -130,13 +134,14 @@ class DecodeGraphs:
         inputs and plan the attention. Resident: nothing (the graph reads the rows itself)."""
         if self.host_rows is None:
             return
+        if self._replayed is not None:
+            self._replayed.synchronize()
         plan = plan_from_rows(self.host_rows.rows, self._step_slots[:bucket], self.kv_pool.page_size)
         staged = self._host_inputs[:bucket].numpy()
         staged[:, 0:2] = plan.positions.astype(np.int64)[:, None].view(np.int32)
         staged[:, 2] = plan.write_page
         staged[:, 3] = plan.write_offset
-        # Non-blocking from pinned memory: the previous step's token read-back has already waited for
-        # everything before it, and this step's read-back waits for this copy before the buffer is reused.
+        # Non-blocking from pinned memory: the wait above saw the previous copy done.
         self._device_inputs[:bucket].copy_(self._host_inputs[:bucket], non_blocking=True)
         self.attention.plan(bucket, plan)
 
@@ -151,6 +156,8 @@ class DecodeGraphs:
             tokens = self._tokens[variant]
         if self.host_rows is not None:
             self.host_rows.advance(self._step_slots[:bucket])
+            if self._replayed is not None:
+                self._replayed.record()
         return tokens
 
     def row_mismatches(self, bucket: int, mirror: np.ndarray) -> int:

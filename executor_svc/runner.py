@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,12 +37,37 @@ class RunnerTimes:
     plan_us: float = 0.0  # host-planned only: page lists, lengths, positions and the attention's plan
     prefill_us: float = 0.0  # eager prefill chunks (launches; the GPU runs them behind)
     launch_us: float = 0.0  # the graph replay call
-    sync_us: float = 0.0  # waiting for the sampled tokens to come back
+    sync_us: float = 0.0  # from the launch until the sampled tokens are on the host (off the GPU loop)
     graph_us: float = 0.0  # device time of the decode graphs (CUDA events around each replay)
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose work is queued on the device; its sampled tokens reach `host_tokens` once `done` passes."""
+
+    seq: int
+    plan: CheckedPlan
+    sampled_chunks: list[int]  # the prefill chunks that sampled, in the order of host_tokens
+    host_tokens: torch.Tensor  # int64[n]: those chunks' tokens, then the decode rows'
+    done: torch.cuda.Event | None  # None: the tokens are on the host already (the CPU path)
+    mismatches: int
+    # Graph path only, for RunnerTimes: perf_counter at began, applied, prefilled, planned, launched;
+    # and the CUDA events around the replay.
+    marks: tuple[float, ...] = ()
+    replay: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def wait(self) -> None:
+        """Block until the tokens are on the host; from any thread (it takes nothing of the GPU loop's)."""
+        if self.done is not None:
+            self.done.synchronize()
 
 
 class StepRunner:
     """Runs StepPlans in order on one thread (the GPU loop); reads back only the sampled tokens.
+
+    `launch` queues a step's work and returns at once on a GPU; `collect` builds its output once its tokens
+    are back, so the loop can launch step N+1 while step N still runs (the tokens loop back on the device:
+    step N+1 needs nothing from the host). `run` is the two in a row.
 
     Without `graphs` the decode step is the eager torch model (the CPU path); with them it is a replay
     of the bucket's graph, which scatters the staged cells itself.
@@ -90,9 +116,6 @@ class StepRunner:
         self._decode_bucket = 0  # the bucket whose slots the store holds
         self.graphs = graphs
         self.times = RunnerTimes()
-        if graphs is not None:
-            self._replay_began = torch.cuda.Event(enable_timing=True) if graphs.capture else None
-            self._replay_ended = torch.cuda.Event(enable_timing=True) if graphs.capture else None
 
     def describe(self) -> executor_pb2.ExecutorDescription:
         config, limits = self.model.config, self.limits
@@ -116,15 +139,22 @@ class StepRunner:
         )
 
     def run(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepOutput:
-        """One step; raises PlanError (having changed nothing) for a malformed plan."""
+        """One step, start to output; raises PlanError (having changed nothing) for a malformed plan."""
+        launched = self.launch(plan)
+        launched.wait()
+        return self.collect(launched)
+
+    def launch(self, plan: executor_pb2.StepPlan) -> LaunchedStep:
+        """Queue one step's work (on the GPU loop); raises PlanError (having changed nothing) for a malformed
+        plan. Steps launch in order."""
         began = time.perf_counter()
         checked = check_plan(plan, self.limits, self._decode_bucket)
         with torch.inference_mode():
             if self.graphs is None:
                 return self._run_checked(plan.seq, checked)
-            return self._run_replayed(plan.seq, checked, began)
+            return self._launch_replay(plan.seq, checked, began)
 
-    def _run_checked(self, seq: int, plan: CheckedPlan) -> executor_pb2.StepOutput:
+    def _run_checked(self, seq: int, plan: CheckedPlan) -> LaunchedStep:
         store = self.store
         if plan.slots is not None:
             store.set_slots(plan.slots)
@@ -147,12 +177,12 @@ class StepRunner:
             store.store_tokens(plan.bucket, tokens)
             store.advance(plan.bucket)
             sampled.append(tokens)
-        return self._output(seq, plan, sampled, sampled_chunks, mismatches)
+        return self._read_back(seq, plan, sampled, sampled_chunks, mismatches)
 
-    def _run_replayed(self, seq: int, plan: CheckedPlan, began: float) -> executor_pb2.StepOutput:
+    def _launch_replay(self, seq: int, plan: CheckedPlan, began: float) -> LaunchedStep:
         """The CUDA path: table writes from the pinned staging, cells staged for the graph's own scatter,
-        prefill eagerly, one replay, one read-back of the tokens."""
-        store, graphs, times = self.store, self.graphs, self.times
+        prefill eagerly, one replay, one read-back of the tokens queued behind it."""
+        store, graphs = self.store, self.graphs
         if plan.slots is not None:
             store.set_slots(plan.slots)
             self._decode_bucket = plan.bucket
@@ -167,31 +197,25 @@ class StepRunner:
 
         sampled, sampled_chunks = self._prefill(plan)
         prefilled = time.perf_counter()
+        if not plan.bucket:
+            return self._read_back(seq, plan, sampled, sampled_chunks, 0)
+        graphs.prepare(plan.bucket)
+        planned = time.perf_counter()
+        replay = None
+        if graphs.capture:
+            replay = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            replay[0].record()
+        sampled.append(graphs.launch(plan.bucket))
+        if replay is not None:
+            replay[1].record()
+        launched = time.perf_counter()
         mismatches = 0
-        if plan.bucket:
-            graphs.prepare(plan.bucket)
-            planned = time.perf_counter()
-            if self._replay_began is not None:
-                self._replay_began.record()
-            sampled.append(graphs.launch(plan.bucket))
-            if self._replay_ended is not None:
-                self._replay_ended.record()
-            launched = time.perf_counter()
-        output = self._output(seq, plan, sampled, sampled_chunks, 0)
-        if plan.bucket:
-            synced = time.perf_counter()
-            if self.row_check and plan.mirror is not None:
-                mismatches = graphs.row_mismatches(plan.bucket, plan.mirror)
-                output.row_mismatches = mismatches
-            times.steps += 1
-            times.apply_us += (applied - began) * 1e6
-            times.prefill_us += (prefilled - applied) * 1e6
-            times.plan_us += (planned - prefilled) * 1e6
-            times.launch_us += (launched - planned) * 1e6
-            times.sync_us += (synced - launched) * 1e6
-            if self._replay_began is not None:
-                times.graph_us += self._replay_began.elapsed_time(self._replay_ended) * 1e3
-        return output
+        if self.row_check and plan.mirror is not None:  # debug: waits for the step, before the next changes rows
+            mismatches = graphs.row_mismatches(plan.bucket, plan.mirror)
+        step = self._read_back(seq, plan, sampled, sampled_chunks, mismatches)
+        step.marks = (began, applied, prefilled, planned, launched)
+        step.replay = replay
+        return step
 
     def _prefill(self, plan: CheckedPlan) -> tuple[list[torch.Tensor], list[int]]:
         """Run the plan's prefill chunks; returns the device tokens sampled and the chunks they belong to."""
@@ -215,20 +239,57 @@ class StepRunner:
                 sampled_chunks.append(index)
         return sampled, sampled_chunks
 
-    @staticmethod
-    def _output(
-        seq: int, plan: CheckedPlan, sampled: list[torch.Tensor], sampled_chunks: list[int], mismatches: int
-    ) -> executor_pb2.StepOutput:
-        """One read-back of every token sampled this step (prefill chunks first, then the decode rows)."""
+    def _read_back(
+        self, seq: int, plan: CheckedPlan, sampled: list[torch.Tensor], sampled_chunks: list[int], mismatches: int
+    ) -> LaunchedStep:
+        """Queue one copy of every token sampled this step (prefill chunks first, then the decode rows) to
+        the host, behind the step's work: no wait here."""
+        tokens = torch.cat(sampled) if sampled else torch.empty(0, dtype=torch.int64, device=self.device)
+        done = None
+        if self.device.type == "cuda" and sampled:
+            # From the caching host allocator: a pinned block is reused only once its copy has run.
+            host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = tokens.cpu()
+        return LaunchedStep(seq, plan, sampled_chunks, host, done, mismatches)
+
+    def collect(self, step: LaunchedStep) -> executor_pb2.StepOutput:
+        """The output of a launched step whose tokens are back (after `step.wait()`); any thread."""
+        plan, chunks = step.plan, step.sampled_chunks
+        host = step.host_tokens.to(torch.int32).numpy()
         prefill_tokens = np.full(len(plan.prefill), -1, dtype=np.int32)
-        host = torch.cat(sampled).to(torch.int32).cpu().numpy() if sampled else np.empty(0, dtype=np.int32)
-        prefill_tokens[sampled_chunks] = host[: len(sampled_chunks)]
+        prefill_tokens[chunks] = host[: len(chunks)]
+        if step.marks:
+            self._note_times(step)
         return executor_pb2.StepOutput(
-            seq=seq,
-            tokens=pack_i32(host[len(sampled_chunks) :]),
+            seq=step.seq,
+            tokens=pack_i32(host[len(chunks) :]),
             prefill_tokens=pack_i32(prefill_tokens),
-            row_mismatches=mismatches,
+            row_mismatches=step.mismatches,
         )
+
+    def _note_times(self, step: LaunchedStep) -> None:
+        began, applied, prefilled, planned, launched = step.marks
+        times = self.times
+        times.steps += 1
+        times.apply_us += (applied - began) * 1e6
+        times.prefill_us += (prefilled - applied) * 1e6
+        times.plan_us += (planned - prefilled) * 1e6
+        times.launch_us += (launched - planned) * 1e6
+        times.sync_us += (time.perf_counter() - launched) * 1e6
+        if step.replay is not None:
+            times.graph_us += step.replay[0].elapsed_time(step.replay[1]) * 1e3
+
+
+async def collect_when_ready(runner: StepRunner, step: LaunchedStep) -> executor_pb2.StepOutput:
+    """A launched step's output, waiting for its tokens on a worker thread, so the GPU loop stays free to
+    launch the next step meanwhile."""
+    if step.done is not None:
+        await asyncio.to_thread(step.wait)
+    return runner.collect(step)
 
 
 def build_runner(config: ExecutorConfig) -> StepRunner:

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from executor_svc.config import DEFAULT_SHARD_LAYERS
 from executor_svc.plan_check import PlanError
-from executor_svc.runner import StepRunner
+from executor_svc.runner import StepRunner, collect_when_ready
 from executor_svc.snapshots import SnapshotRefused, Snapshots
 from protos import executor_pb2, executor_pb2_grpc
 
@@ -41,7 +41,8 @@ _SKIPPED = object()  # a plan queued behind a failed one, or behind the end of i
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    """Plans run in order on one worker thread; outputs return in order while later plans are read.
+    """Plans launch in order on one worker thread (the GPU loop); each output is collected off that thread
+    once its tokens are back, in order, so step N+1 launches while step N runs.
 
     Park and Restore read and write the pool on that same thread, so they fall in order with the steps.
     """
@@ -60,11 +61,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         return self._runner.describe()
 
     def _run_on_gpu_loop(self, stream: _StreamState, plan: executor_pb2.StepPlan):
-        """On the GPU-loop thread: run one plan unless its stream has already stopped."""
+        """On the GPU-loop thread: launch one plan's step unless its stream has already stopped."""
         if stream.stopped:
             return _SKIPPED
         try:
-            return self._runner.run(plan)
+            return self._runner.launch(plan)
         except BaseException:
             stream.stopped = True  # plans behind a failed one must not run on tables it left
             raise
@@ -96,7 +97,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         try:
             while (result := await results.get()) is not None:
                 try:
-                    output = await result
+                    output = await collect_when_ready(self._runner, await result)
                 except PlanError as err:
                     log.warning("plan refused", error=str(err))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

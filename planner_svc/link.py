@@ -93,10 +93,12 @@ class InProcessLink:
 
     async def send(self, plan: executor_pb2.StepPlan) -> None:
         loop = asyncio.get_running_loop()
-        self._pending.append(loop.run_in_executor(self._thread, self._runner.run, plan))
+        self._pending.append(loop.run_in_executor(self._thread, self._runner.launch, plan))
 
     async def recv(self) -> executor_pb2.StepOutput:
-        return await self._pending.popleft()
+        from executor_svc.runner import collect_when_ready  # the executor's side, here in-process
+
+        return await collect_when_ready(self._runner, await self._pending.popleft())
 
     async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:
         raise LinkError("the in-process link has no cache service: parking needs a gRPC executor")

@@ -30,7 +30,16 @@ from executor_svc.models.llama import LlamaModel
 from executor_svc.runner import StepRunner, runner_for_model
 from executor_svc.tables import SlotStore
 from protos.layout import RowLayout
-from tests.test_runner import BUCKETS, LAYOUT, PAGE, POOL_PAGES, TINY, reference_tokens, run_script
+from tests.test_runner import (
+    BUCKETS,
+    LAYOUT,
+    PAGE,
+    POOL_PAGES,
+    TINY,
+    reference_tokens,
+    run_script,
+    scripted_plans,
+)
 
 DEVICE = torch.device("cpu" if interpreting() else "cuda")
 KV_LEN, POS_OFFSET, BLOCK_TABLE = RowLayout.KV_LEN, RowLayout.POS_OFFSET, RowLayout.BLOCK_TABLE
@@ -151,6 +160,25 @@ def test_steps_of_greedy_rows_take_the_argmax_graph():
     assert greedy_only.graphs.greedy(2) and got[1] == reference_tokens(model)[1]
     run_script(mixed, [1, 2])
     assert not mixed.graphs.greedy(2)
+
+
+def test_a_step_launched_before_the_last_is_collected_gives_the_same_outputs():
+    """Step N+1 launches while step N's tokens are still on their way back (as the executor runs them)."""
+    model = tiny_model(DEVICE)
+    ahead, one_by_one = graph_runner(model, "resident"), graph_runner(model, "resident")
+    plans = scripted_plans([2, 0, 1, 0])
+    in_flight, outputs = [], []
+    for plan in plans:
+        in_flight.append(ahead.launch(plan))
+        if len(in_flight) == 2:
+            step = in_flight.pop(0)
+            step.wait()
+            outputs.append(ahead.collect(step))
+    for step in in_flight:
+        step.wait()
+        outputs.append(ahead.collect(step))
+    assert outputs == [one_by_one.run(plan) for plan in plans]
+    assert all(output.row_mismatches == 0 for output in outputs)
 
 
 def test_graph_padding_rows_change_nothing():
