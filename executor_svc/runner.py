@@ -138,6 +138,12 @@ class StepRunner:
             eos_token_id=config.eos_token_id,
         )
 
+    def bind_thread(self) -> None:
+        """Make this runner's GPU the current device of the calling thread (the GPU loop's initializer):
+        graph replays, Triton launches and event records go to the current device's stream."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def run(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepOutput:
         """One step, start to output; raises PlanError (having changed nothing) for a malformed plan."""
         launched = self.launch(plan)

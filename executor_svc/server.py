@@ -51,7 +51,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self, runner: StepRunner, *, cache: str | None = None, shard_layers: int = DEFAULT_SHARD_LAYERS
     ) -> None:
         self._runner = runner
-        self._gpu_loop = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-loop")
+        self._gpu_loop = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="gpu-loop", initializer=runner.bind_thread
+        )
         self._stream_open = False
         self._snapshots = Snapshots(runner, self._gpu_loop, cache, shard_layers)
 
@@ -99,9 +101,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 try:
                     output = await collect_when_ready(self._runner, await result)
                 except PlanError as err:
+                    stream.stopped = True
                     log.warning("plan refused", error=str(err))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
                 except Exception as err:
+                    stream.stopped = True  # a step that failed on the device: none behind it runs
                     log.exception("step failed")
                     await context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(err).__name__}: {err}")
                 in_flight.release()

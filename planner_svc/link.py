@@ -82,7 +82,9 @@ class InProcessLink:
     def __init__(self, runner):
         self.address = "in-process"
         self._runner = runner
-        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="executor", initializer=runner.bind_thread
+        )
         self._pending: deque[asyncio.Future] = deque()
 
     async def describe(self) -> executor_pb2.ExecutorDescription:
