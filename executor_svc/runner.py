@@ -103,6 +103,8 @@ class StepRunner:
         self.row_check = row_check
         self.fingerprint = fingerprint
         self.device = store.device
+        if self.device.type == "cuda":  # "cuda" alone means the device current where the runner is built
+            self._cuda_index = torch.cuda.current_device() if self.device.index is None else self.device.index
         self.limits = PlanLimits(
             layout=layout,
             buckets=buckets,
@@ -142,7 +144,7 @@ class StepRunner:
         """Make this runner's GPU the current device of the calling thread (the GPU loop's initializer):
         graph replays, Triton launches and event records go to the current device's stream."""
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            torch.cuda.set_device(self._cuda_index)
 
     def run(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepOutput:
         """One step, start to output; raises PlanError (having changed nothing) for a malformed plan."""
