@@ -63,7 +63,6 @@ class DecodeGraphs:
         self.model = model
         self.kv_pool = kv_pool
         self.store = store
-        self.decode_path = decode_path
         self.buckets = tuple(sorted(set(buckets)))
         device = store.device
         self._cuda = device.type == "cuda"
