@@ -1,4 +1,5 @@
-"""Host cost of planning and encoding one decode step, steady and with 10% of rows stale or crossing.
+"""Host cost of planning and encoding one decode step: steady, with 10% of rows crossing a page, and with
+10% of rows stale.
 
     python bench/planner.py [--steps 2000] [--out docs/bench/planner.json]
 
@@ -27,7 +28,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def measure(rows: int, case: str, steps: int) -> dict:
-    # Page size 10 with lengths staggered: exactly 10% of rows cross a page every step ("crossing").
+    # Page size 10 with lengths staggered: exactly 10% of rows cross a page every step ("crossing"); a request
+    # holds its pages from admission, so a crossing sends nothing.
     page_size = 10 if case == "crossing" else 16
     max_seq_len = 8192
     pool_pages = rows * (max_seq_len // page_size) + 1

@@ -47,8 +47,6 @@ def to_proto(step: PlannedStep) -> executor_pb2.StepPlan:
         plan.slots = delta.slots
     if delta.row_runs:
         plan.row_runs = delta.row_runs
-    if delta.cells:
-        plan.cells = delta.cells
     if step.sampler is not None:
         plan.sampler_slots, plan.sampler_f32, plan.sampler_i32 = step.sampler.pack()
     for chunk in step.prefill:

@@ -13,7 +13,7 @@ class Finish(enum.Enum):
 
 class Phase(enum.Enum):
     WAITING = "waiting"  # queued, no pages yet
-    PREFILL = "prefill"  # pages held, prompt being read chunk by chunk
+    PREFILL = "prefill"  # all its pages held, prompt being read chunk by chunk
     DECODE = "decode"  # prompt read, one token a step
     DONE = "done"  # finished; pages and slot return once its last step commits
 
@@ -46,7 +46,6 @@ class Request:
 
     phase: Phase = Phase.WAITING
     pages: list[int] = field(default_factory=list)
-    reserved_pages: int = 0  # pages promised at admission and not yet allocated
     prefilled: int = 0  # prompt tokens written into the pool
     kv_len: int = 0  # stored length, while the request holds no slot (the mirror has it otherwise)
     stale: bool = True  # its device row must be written whole before a decode reads it

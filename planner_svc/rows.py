@@ -15,7 +15,6 @@ class RowDelta:
 
     slots: bytes = b""  # int32[bucket]; empty = same rows as the previous decode step
     row_runs: bytes = b""  # int32 (slot, first_col, n_cells, cells...) runs
-    cells: bytes = b""  # int32 (slot, col, value) triples
 
 
 class RowMirror:
@@ -43,17 +42,11 @@ class RowMirror:
         row[RowLayout.BLOCK_TABLE :] = pages
         return row
 
-    def encode(
-        self,
-        slots: np.ndarray,
-        whole: list[tuple[int, np.ndarray]],
-        cells: list[tuple[int, int, int]],
-    ) -> RowDelta:
+    def encode(self, slots: np.ndarray, whole: list[tuple[int, np.ndarray]]) -> RowDelta:
         """Apply a decode step's writes to the mirror and pack them.
 
         `slots`: int32[bucket], 0 for padding. `whole`: (slot, cells from column 0) rows written whole,
         each one run; a run that starts where the previous one ended in the flattened table joins it.
-        `cells`: single-cell writes (page crossings, refreshed lengths), applied after the runs.
         """
         delta = RowDelta()
         last = self._last_slots
@@ -63,10 +56,6 @@ class RowMirror:
             self._last_real = slots[slots != 0].astype(np.intp)
         if whole:
             delta.row_runs = self._pack_runs(whole)
-        if cells:
-            triples = np.asarray(cells, dtype=I32)
-            self.rows[triples[:, 0], triples[:, 1]] = triples[:, 2]
-            delta.cells = triples.tobytes()
         return delta
 
     def _pack_runs(self, whole: list[tuple[int, np.ndarray]]) -> bytes:

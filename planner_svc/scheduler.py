@@ -73,11 +73,10 @@ class Scheduler:
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
         self.committed = -1
-        self._reserved = 0  # pages promised to admitted requests, not yet allocated
         self._pending_free: list[Request] = []  # done, waiting for the commit of their last step
         self._steps: dict[int, PlannedStep] = {}  # uncommitted plans
         self._steady: PlannedStep | None = None  # the last decode step, repeatable while nothing changes
-        self._steady_left = 0  # steps it can repeat before a row crosses a page or reaches its end
+        self._steady_left = 0  # steps it can repeat before a row reaches its end
         self._steady_slots = np.zeros(0, dtype=I32)  # its slots, padding included
         self._steady_ends = np.zeros(0, dtype=np.int64)  # its real rows' end lengths
         self._dirty = True
@@ -145,12 +144,8 @@ class Scheduler:
 
         Call only after the commit of step `seq - 2` (two plans in flight at most).
         """
-        if not self._dirty and self._steady is not None:
-            if self._steady_left > 0:
-                return self._repeat(seq)
-            step = self._repeat_crossing(seq)
-            if step is not None:
-                return step
+        if not self._dirty and self._steady is not None and self._steady_left > 0:
+            return self._repeat(seq)
         self._sync_reads()
         self._dirty = False
         self._admit()
@@ -184,35 +179,11 @@ class Scheduler:
         return step
 
     def _repeat(self, seq: int) -> PlannedStep:
-        """A steady step: same rows, no crossing, nothing new. Only the seq and bucket travel."""
+        """A steady step: the same rows, nothing new. Only the seq and bucket travel (no row ever crosses
+        onto a page it lacks: a request holds all its pages from admission)."""
         self._steady_left -= 1
-        return self._repeat_rows(seq, [])
-
-    def _repeat_crossing(self, seq: int) -> PlannedStep | None:
-        """The same rows where some cross onto a new page: one cell each, found without a per-row pass.
-
-        None when a row reaches its end (the rows change: a full plan)."""
-        last, page_size = self._steady, self.config.page_size
-        real = self._steady_slots[: len(last.rows)]
-        lens = self.mirror.rows[real, RowLayout.KV_LEN].astype(np.int64)
-        if (lens >= self._steady_ends).any():
-            return None
-        cells = []
-        for row in np.flatnonzero(lens % page_size == 0).tolist():
-            request = last.rows[row]
-            if lens[row] // page_size == len(request.pages):
-                request.pages += self._take_reserved(request, 1)
-                cells.append((int(real[row]), RowLayout.BLOCK_TABLE + len(request.pages) - 1, request.pages[-1]))
-        step = self._repeat_rows(seq, cells)
-        lens += 1
-        self._steady_left = int(min(((-lens) % page_size).min(), (self._steady_ends - lens).min()))
-        return step
-
-    def _repeat_rows(self, seq: int, cells: list[tuple[int, int, int]]) -> PlannedStep:
         last = self._steady
         step = PlannedStep(seq, bucket=last.bucket, rows=last.rows)
-        if cells:
-            step.delta = self.mirror.encode(self._steady_slots, [], cells)
         if self.config.row_check:
             step.mirror = self.mirror.read(self._steady_slots).tobytes()
         self.mirror.advance()
@@ -282,21 +253,15 @@ class Scheduler:
     def _plan_decode(self, step: PlannedStep, ready: list[Request], writes: SamplerWrites) -> None:
         if not ready:
             return
-        page_size = self.config.page_size
         slot_of = self.slots.slot_of
         ready.sort(key=slot_of)
         bucket = next(b for b in self.config.buckets if b >= len(ready))
         slots = np.zeros(bucket, dtype=I32)
         whole: list[tuple[int, np.ndarray]] = []
-        cells: list[tuple[int, int, int]] = []
         for row, request in enumerate(ready):
             slot = slot_of(request)
             slots[row] = slot
             kv_len = self._kv_len(request)
-            if kv_len // page_size == len(request.pages):  # the token lands on a page it lacks
-                request.pages += self._take_reserved(request, 1)
-                if not request.stale:
-                    cells.append((slot, RowLayout.BLOCK_TABLE + len(request.pages) - 1, request.pages[-1]))
             if request.stale:
                 whole.append((slot, self.mirror.whole_row(kv_len, request.pages)))
                 last = request.output_ids[-1] if request.last_seq <= self.committed else -1
@@ -305,18 +270,18 @@ class Scheduler:
             request.last_seq = step.seq
         step.bucket = bucket
         step.rows = ready
-        step.delta = self.mirror.encode(slots, whole, cells)
+        step.delta = self.mirror.encode(slots, whole)
         if self.config.row_check:
             step.mirror = self.mirror.read(slots).tobytes()
         self.mirror.advance()
 
     def _steady_steps(self, step: PlannedStep) -> int:
-        """How many next steps can repeat this one: none reads a length that crosses a page or ends."""
+        """How many next steps can repeat this one: none reads a row past its end."""
         self._steady_slots = self.mirror.last_slots  # what the repeats read
         self._steady_ends = np.fromiter((r.end_len for r in step.rows), dtype=np.int64, count=len(step.rows))
         real = self._steady_slots[: len(step.rows)]
         lens = self.mirror.rows[real, RowLayout.KV_LEN].astype(np.int64)
-        return int(min(((-lens) % self.config.page_size).min(), (self._steady_ends - lens).min()))
+        return int((self._steady_ends - lens).min())
 
     def _kv_len(self, request: Request) -> int:
         slot = self.slots.slot_of(request)
@@ -326,11 +291,11 @@ class Scheduler:
 
     def _can_admit(self, request: Request) -> bool:
         need = request.pages_needed(self.config.page_size) - len(request.pages)
-        return self.pages.free_count - self._reserved >= need
+        return self.pages.free_count >= need
 
     def take_pages(self, n: int) -> list[int] | None:
-        """Pages for something outside the schedule (a restore), never from admitted requests' reserve."""
-        if self.pages.free_count - self._reserved < n:
+        """Pages for something outside the schedule (a restore)."""
+        if self.pages.free_count < n:
             return None
         self._dirty = True
         return self.pages.allocate(n)
@@ -352,11 +317,10 @@ class Scheduler:
             request = self.waiting.popleft()
             if self.config.prefix_cache and not request.pages:
                 self._match_prefix(request)
-            prompt_pages = -(-request.prompt_len // page_size)
-            request.pages += self.pages.allocate(prompt_pages - len(request.pages))
+            # Every page it can write, now: its decode steps then never cross onto a page the device
+            # row lacks, so a steady step's plan stays the seq and the bucket at any batch size.
+            request.pages += self.pages.allocate(request.pages_needed(page_size) - len(request.pages))
             request.prefilled = request.reused
-            request.reserved_pages = request.pages_needed(page_size) - prompt_pages
-            self._reserved += request.reserved_pages
             request.phase = Phase.PREFILL
             self.prefilling.append(request)
 
@@ -366,13 +330,6 @@ class Scheduler:
         hashes = page_hashes(request.prompt_ids[: usable * self.config.page_size], self.config.page_size)
         request.pages = self.pages.match_prefix(hashes)
         request.reused = len(request.pages) * self.config.page_size
-
-    def _take_reserved(self, request: Request, n: int) -> list[int]:
-        if request.reserved_pages < n:
-            raise RuntimeError(f"request {request.request_id} outgrew its reserved pages")
-        request.reserved_pages -= n
-        self._reserved -= n
-        return self.pages.allocate(n)
 
     # --- outputs -------------------------------------------------------------------------------
 
@@ -410,8 +367,6 @@ class Scheduler:
             self.decoding.remove(request)
         request.phase = Phase.DONE
         self.slots.release(request)
-        self._reserved -= request.reserved_pages
-        request.reserved_pages = 0
         self._pending_free.append(request)
         self._free_committed()
 

@@ -40,8 +40,6 @@ class DeviceRows:
             start = slot * self.rows.shape[1] + col
             flat[start : start + n] = runs[i + 3 : i + 3 + n]
             i += 3 + n
-        cells = unpack_i32(step.delta.cells).reshape(-1, 3)
-        self.rows[cells[:, 0], cells[:, 1]] = cells[:, 2]
         read = self.rows[self.slots].copy() if step.bucket else None
         if step.bucket:
             real = self.slots[self.slots != 0]
@@ -119,16 +117,15 @@ def test_steady_step_sends_only_seq_and_bucket():
         device.apply(step)
         steps.append(step)
         pending.append(step)
-    # step 0: prefill; step 1: rows written whole, one run each (one pool); later steps: deltas only
+    # step 0: prefill; step 1: rows written whole, one run each (one pool), holding every page the
+    # request can write; later steps cross pages (lengths 6..16 on pages of 4) and send nothing but seq and bucket
     assert steps[0].prefill and not steps[0].bucket
     first = steps[1]
     assert len(unpack_i32(first.delta.slots)) == 4
     runs = unpack_i32(first.delta.row_runs)
-    assert runs[2] == RowLayout.NARROW + 2  # kv_len 5 at page 4: two pages
-    steady = [s for s in steps[2:] if not (s.delta.slots or s.delta.row_runs or s.delta.cells or s.sampler)]
-    assert steady, "some steps repeat the last rows"
-    crossing = [s for s in steps[2:] if s.delta.cells]
-    assert all(len(unpack_i32(s.delta.cells)) % 3 == 0 for s in crossing)
+    assert runs[2] == RowLayout.NARROW + requests[0].pages_needed(PAGE) == RowLayout.NARROW + 6
+    assert all(not (s.delta.slots or s.delta.row_runs or s.sampler or s.prefill) for s in steps[2:])
+    assert all(s.rows == first.rows for s in steps[2:])
 
 
 def test_new_row_of_one_pool_model_is_one_run():
@@ -212,7 +209,7 @@ def test_steady_message_size_does_not_grow_with_the_batch():
         scheduler = make_scheduler(pool_pages=rows * 20 + 1, buckets=(1, 16, 64), max_seq_len=80, budget=4096,
                                    row_check=False)
         for i in range(rows):
-            scheduler.add(req(i, prompt_len=5, max_tokens=60))
+            scheduler.add(req(i, prompt_len=5 + i % PAGE, max_tokens=60))  # staggered: some row crosses every step
         rng, pending, steady = random.Random(0), [], []
         for seq in range(12):
             if len(pending) >= 2:
@@ -220,7 +217,7 @@ def test_steady_message_size_does_not_grow_with_the_batch():
             step = scheduler.plan(seq)
             pending.append(step)
             message = to_proto(step)
-            if step.bucket and not (message.slots or message.row_runs or message.cells or message.prefill):
+            if step.bucket and not (message.slots or message.row_runs or message.prefill):
                 steady.append(message.ByteSize())
         sizes[rows] = max(steady)
     assert sizes[1] == sizes[16] == sizes[64] <= 8, sizes
