@@ -197,7 +197,7 @@ class DecodeGraphs:
             def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
                 return self.attention.attend(bucket, layer, q)
 
-            logits = self.model.decode_fused(inputs, kv, attend)
+            logits = self.model.forward_fused(inputs, kv, attend)
         if greedy:  # the argmax that `sample` takes for greedy rows, without the rest
             tokens = logits.argmax(dim=-1)
         else:

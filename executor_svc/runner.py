@@ -18,6 +18,7 @@ from executor_svc.model_files import resolve_model_path
 from executor_svc.models.llama import LlamaModel
 from executor_svc.models.loader import load_model, model_fingerprint
 from executor_svc.plan_check import CheckedPlan, PlanLimits, check_plan
+from executor_svc.prefill_batch import PrefillBatch
 from executor_svc.sampler import sample
 from executor_svc.tables import SlotStore
 from protos import executor_pb2
@@ -226,26 +227,34 @@ class StepRunner:
         return step
 
     def _prefill(self, plan: CheckedPlan) -> tuple[list[torch.Tensor], list[int]]:
-        """Run the plan's prefill chunks; returns the device tokens sampled and the chunks they belong to."""
-        store = self.store
-        sampled: list[torch.Tensor] = []  # device tokens, read back together at the end
-        sampled_chunks: list[int] = []
-        for index, chunk in enumerate(plan.prefill):
-            ids = torch.from_numpy(chunk.token_ids.astype(np.int64)).to(self.device)
-            pages = torch.from_numpy(chunk.pages.copy()).to(self.device)
-            logits = self.model.prefill(ids, chunk.start, pages, self.kv_pool)  # logits: [V]
-            if chunk.sample_slot:
-                slot = chunk.sample_slot
-                # The counter is the position of the token being sampled: one past the chunk's last.
-                counter = torch.full(
-                    (1,), chunk.start + len(chunk.token_ids), dtype=torch.int64, device=self.device
-                )
-                params = store.sampler_params(slice(slot, slot + 1))
-                token = sample(logits[None, :], *params, counter)
-                store.store_token(slot, token)
-                sampled.append(token)
-                sampled_chunks.append(index)
-        return sampled, sampled_chunks
+        """Run the plan's prefill chunks as one packed batch; returns the device tokens sampled (one tensor, or
+        none) and the chunks they belong to."""
+        if not plan.prefill:
+            return [], []
+        batch = PrefillBatch.build(
+            [(chunk.token_ids, chunk.start, chunk.pages) for chunk in plan.prefill],
+            self.kv_pool.page_size,
+            self.limits.max_seq_len,
+            self.device,
+        )
+        # All chunks at once: one matmul per projection; on a GPU the Triton kernels, one attention launch a layer.
+        prefill = self.model.prefill_fused if self.device.type == "cuda" else self.model.prefill
+        logits = prefill(batch, self.kv_pool)  # logits: [N, V]
+        sampled_chunks = [index for index, chunk in enumerate(plan.prefill) if chunk.sample_slot]
+        if not sampled_chunks:
+            return [], []
+        # chunk index, slot, and the sampler's counter (the position of the token sampled: one past the chunk)
+        picks = np.array(
+            [
+                (index, plan.prefill[index].sample_slot, plan.prefill[index].start + len(plan.prefill[index].token_ids))
+                for index in sampled_chunks
+            ],
+            dtype=np.int64,
+        )
+        chunks, slots, counters = torch.from_numpy(picks.T.copy()).to(self.device)
+        tokens = sample(logits.index_select(0, chunks), *self.store.sampler_params(slots), counters)
+        self.store.store_prefill_tokens(slots, tokens)
+        return [tokens], sampled_chunks
 
     def _read_back(
         self, seq: int, plan: CheckedPlan, sampled: list[torch.Tensor], sampled_chunks: list[int], mismatches: int

@@ -278,9 +278,10 @@ class SlotStore:
         slots = self.step_slots[:bucket]
         self.last_token[slots] = torch.where(slots != 0, tokens, 0)
 
-    def store_token(self, slot: int, token: torch.Tensor) -> None:
-        """Loop-back of one prefill's sampled token (token: i64[1], still on the device)."""
-        self.last_token[slot : slot + 1] = token
+    def store_prefill_tokens(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Loop-back of the tokens the prompts' last chunks sampled: last_token[slots[i]] = tokens[i] (both on
+        the device, i64)."""
+        self.last_token.index_copy_(0, slots, tokens)
 
     def mismatches(self, bucket: int, mirror: np.ndarray) -> int:
         """Cells of the bucket's real rows that differ from the planner's mirror (int32[B, C]); reads back."""

@@ -79,3 +79,13 @@ def hf_answers():
 
 
 PARITY_TOKENS = 24
+
+
+def prefill_logits(model, kv, ids, start: int, pages):
+    """Logits [V] of the last position of one chunk of one sequence (ids, pages: tensors), via the batch path."""
+    from executor_svc.prefill_batch import PrefillBatch
+
+    batch = PrefillBatch.build(
+        [(ids.cpu().numpy(), start, pages.cpu().numpy())], kv.page_size, model.config.max_seq_len, model.device
+    )
+    return model.prefill(batch, kv)[0]

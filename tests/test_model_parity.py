@@ -12,6 +12,7 @@ from executor_svc.kv_pool import KVPool
 from executor_svc.model_files import default_model_path
 from executor_svc.models.llama import LlamaModel
 from executor_svc.models.loader import load_model, model_fingerprint
+from tests.conftest import prefill_logits
 from tests.hf_reference import EOS_TOKEN_ID, chat_ids, chat_prompts, hf_greedy
 
 NEW_TOKENS = 24
@@ -25,7 +26,7 @@ def _prefill(model: LlamaModel, kv: KVPool, prompt: list[int], pages: torch.Tens
     """Prefill in chunks; returns the first generated token."""
     ids = torch.tensor(prompt)
     for start in range(0, len(prompt), PREFILL_CHUNK):
-        logits = model.prefill(ids[start : start + PREFILL_CHUNK], start, pages, kv)
+        logits = prefill_logits(model, kv, ids[start : start + PREFILL_CHUNK], start, pages)
     return int(logits.argmax())
 
 
@@ -127,9 +128,9 @@ def test_chunked_prefill_equals_one_shot(model, cases):
     kv = model.make_kv_pool(num_pages=2 + len(prompt) // PAGE_SIZE, page_size=PAGE_SIZE)
     pages = torch.arange(kv.num_pages - 1, 0, -1, dtype=torch.int32)  # reversed: far from contiguous
     ids = torch.tensor(prompt)
-    one_shot = model.prefill(ids, 0, pages, kv)
+    one_shot = prefill_logits(model, kv, ids, 0, pages)
     for start in range(0, len(prompt), PREFILL_CHUNK):
-        chunked = model.prefill(ids[start : start + PREFILL_CHUNK], start, pages, kv)
+        chunked = prefill_logits(model, kv, ids[start : start + PREFILL_CHUNK], start, pages)
     torch.testing.assert_close(chunked, one_shot, atol=2e-4, rtol=1e-4)
 
 
@@ -178,8 +179,8 @@ def test_safetensors_directory_matches_hf(tmp_path):
     kv = ours.make_kv_pool(num_pages=12, page_size=4)
     pages = torch.tensor([9, 2, 7, 4, 11, 1, 5], dtype=torch.int32)
     ids = torch.tensor(prompt)
-    ours.prefill(ids[:6], 0, pages, kv)
-    generated = [int(ours.prefill(ids[6:], 6, pages, kv).argmax())]
+    prefill_logits(ours, kv, ids[:6], 0, pages)
+    generated = [int(prefill_logits(ours, kv, ids[6:], 6, pages).argmax())]
     while len(generated) < len(expected):
         kv_len = len(prompt) + len(generated) - 1
         logits = ours.decode(

@@ -17,6 +17,7 @@ from executor_svc.tables import SlotStore
 from protos import executor_pb2
 from protos.layout import RowLayout
 from protos.wire import pack_f32, pack_i32, unpack_i32
+from tests.conftest import prefill_logits
 
 PAGE = 4
 POOL_PAGES = 32
@@ -174,7 +175,7 @@ def reference_tokens(model: LlamaModel) -> dict[int, list[int]]:
             torch.tensor(prompt, device=device),
             torch.tensor(pages, dtype=torch.int32, device=device),
         )
-        logits = model.prefill(ids, 0, page_ids, kv)
+        logits = prefill_logits(model, kv, ids, 0, page_ids)
         tokens = [int(sample(logits[None], *params, torch.tensor([len(prompt)], device=device)))]
         table = torch.zeros(1, LAYOUT.block_span, dtype=torch.int32, device=device)
         table[0, : len(pages)] = page_ids

@@ -91,8 +91,8 @@ def test_advance_and_loop_back_skip_padding_and_keep_the_sink_row_zero(store: Sl
     # A narrower bucket reads the first rows of the same slots.
     store.advance(1)
     assert store.rows[:, KV_LEN].tolist()[:3] == [0, 7, 11]
-    store.store_token(5, torch.tensor([77], device=store.device))
-    assert store.last_token[5].item() == 77
+    store.store_prefill_tokens(torch.tensor([5, 7], device=store.device), torch.tensor([77, 78], device=store.device))
+    assert store.last_token[5].item() == 77 and store.last_token[7].item() == 78
 
 
 def test_sampler_write_keeps_or_overwrites_the_loop_back_token(store: SlotStore):
@@ -158,7 +158,7 @@ def test_table_work_and_sampling_never_wait_for_the_gpu():
             logits = torch.randn(4, 100, device="cuda")
             tokens = sample(logits, *inputs.sampler, inputs.positions + 1)
             store.store_tokens(4, tokens)
-            store.store_token(3, tokens[:1])
+            store.store_prefill_tokens(store.step_slots[:1], tokens[:1])
             store.advance(4)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from executor_svc.prefill_batch import PrefillBatch
 
 
 def decode_attention(
@@ -66,3 +71,16 @@ def prefill_attention(
         q.transpose(0, 1), k, v, attn_mask=visible, scale=scale, enable_gqa=True
     )
     return out.transpose(0, 1)
+
+
+def prefill_attention_batch(
+    q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, batch: PrefillBatch, scale: float
+) -> torch.Tensor:
+    """`prefill_attention` chunk by chunk over a packed batch: q[T, H, D] -> [T, H, D] (the CPU path; the
+    Triton kernel does the batch in one launch)."""
+    outs = []
+    for i, (start, length, count) in enumerate(zip(batch.starts, batch.lengths, batch.page_counts)):
+        first = int(batch.seq_starts_host[i])
+        pages = batch.block_tables[i, : int(count)]
+        outs.append(prefill_attention(q[first : first + int(length)], k_layer, v_layer, pages, int(start), scale))
+    return torch.cat(outs)

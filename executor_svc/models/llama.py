@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor_svc.attention.torch_ref import decode_attention, prefill_attention
+from executor_svc.attention.torch_ref import decode_attention, prefill_attention_batch
 from executor_svc.kv_pool import KVPool
 from protos.layout import RowLayout
 
 if TYPE_CHECKING:
     from executor_svc.kernels.tables import StepInputs
+    from executor_svc.prefill_batch import PrefillBatch
 
 # attend(layer, q[B, H, D]) -> [B, H, D]: the decode attention of one layer, whatever backend reads the pages.
 Attend = Callable[[int, torch.Tensor], torch.Tensor]
@@ -141,7 +142,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaModel(nn.Module):
     """Parameter names follow Hugging Face's Llama with the leading `model.` dropped.
 
-    `prefill` runs one sequence's chunk eagerly; `decode` runs one token for each of B rows as
+    `prefill` runs a step's prompt chunks as one packed batch, eagerly; `decode` runs one token for each of B rows as
     fixed-shape tensor work (no host reads outside the CPU attention trim), ready for graph capture.
     `decode_resident` is the same step in Triton kernels that read each row off the slot store by slot.
     """
@@ -213,30 +214,33 @@ class LlamaModel(nn.Module):
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     @torch.inference_mode()
-    def prefill(self, token_ids: torch.Tensor, start: int, pages: torch.Tensor, kv: KVPool) -> torch.Tensor:
-        """Run positions [start, start+n) of one sequence; K/V of [0, start) are in `pages` already.
-
-        token_ids: int64[n]; pages: int32[p] covering positions [0, start+n). Returns float32 logits[V]
-        of the last position.
-        """
-        n = token_ids.shape[0]
-        if start < 0 or start + n > self.config.max_seq_len:
-            raise ValueError(
-                f"positions [{start}, {start + n}) exceed the context of {self.config.max_seq_len}"
-            )
-        if pages.shape[0] * kv.page_size < start + n:
-            raise ValueError(f"{pages.shape[0]} pages of {kv.page_size} cannot hold {start + n} positions")
-        positions = torch.arange(start, start + n, device=self.device)
-        write_pages = pages[positions // kv.page_size]
-        write_offsets = positions % kv.page_size
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        x = self.embed_tokens(token_ids)  # x: [n, hidden]
+    def prefill(self, batch: PrefillBatch, kv: KVPool) -> torch.Tensor:
+        """Run a packed batch of chunks (PrefillBatch.build) in torch ops, attention chunk by chunk with SDPA
+        (the CPU path); the K/V of each chunk's earlier positions are in its pages already. Returns float32
+        logits[N, V] of each chunk's last position."""
+        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
+        x = self.embed_tokens(batch.token_ids)  # x: [T, hidden]
         for index, layer in enumerate(self.layers):
             q, k, v = self._project_qkv(layer, x, cos, sin)
-            kv.write(index, write_pages, write_offsets, k, v)
-            out = prefill_attention(q, kv.k[index], kv.v[index], pages, start, self.scale)
+            kv.write(index, batch.write_pages, batch.write_offsets, k, v)
+            out = prefill_attention_batch(q, kv.k[index], kv.v[index], batch, self.scale)
             x = self._finish_layer(layer, x, out)
-        return self._logits(x[-1])
+        return self._logits(x.index_select(0, batch.last_index))
+
+    def prefill_fused(self, batch: PrefillBatch, kv: KVPool) -> torch.Tensor:
+        """`prefill` in the Triton kernels of the decode step, with the batch's causal attention in one launch
+        per layer for all chunks (the GPU path). Returns float32 logits[N, V]."""
+        from executor_svc.kernels.prefill_attention import paged_prefill_attention, prefill_block_map
+        from executor_svc.kernels.tables import StepInputs
+
+        block_map = prefill_block_map(batch, self.device)
+
+        def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
+            return paged_prefill_attention(q, kv.k[layer], kv.v[layer], batch, block_map, self.scale)
+
+        # A prefill token is a row whose stored length before it is its position.
+        inputs = StepInputs(batch.token_ids, batch.positions, batch.positions, batch.write_pages, batch.write_offsets)
+        return self.forward_fused(inputs, kv, attend, select=batch.last_index)
 
     @torch.inference_mode()
     def decode(
@@ -293,9 +297,13 @@ class LlamaModel(nn.Module):
         return joined[0], joined[1]
 
     @torch.inference_mode()
-    def decode_fused(self, inputs: StepInputs, kv: KVPool, attend: Attend) -> torch.Tensor:
-        """One token for each of B rows with the Triton kernels: inputs from `gather_inputs` (or built on the
-        host), `attend` the attention backend. Returns float32 logits[B, V]. Fixed shapes, no host reads."""
+    def forward_fused(
+        self, inputs: StepInputs, kv: KVPool, attend: Attend, select: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One position for each of B rows with the Triton kernels, writing its K/V: a decode step's rows
+        (inputs from `gather_inputs`, or built on the host) or a packed prefill batch's tokens. `attend` is the
+        attention backend; `select` the rows that need logits (default all). Returns float32 logits[B or
+        len(select), V]. Fixed shapes, no host reads."""
         from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
 
         cfg = self.config
@@ -319,6 +327,8 @@ class LlamaModel(nn.Module):
             x = layer.self_attn.o_proj(attend(index, q).flatten(1))
             h, residual = rmsnorm_residual(x, residual, layer.post_attention_layernorm.weight, eps)
             x = layer.mlp.down_proj(silu_mul(F.linear(h, gate_up_weight)))
+        if select is not None:
+            x, residual = x.index_select(0, select), residual.index_select(0, select)
         h, _ = rmsnorm_residual(x, residual, self.norm.weight, eps)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, head).float()
@@ -346,4 +356,4 @@ class LlamaModel(nn.Module):
                 q, kv.k[layer], kv.v[layer], rows, step_slots, RowLayout.BLOCK_TABLE, page_size, self.scale, splits
             )
 
-        return self.decode_fused(inputs, kv, attend), inputs.positions
+        return self.forward_fused(inputs, kv, attend), inputs.positions

@@ -1,0 +1,183 @@
+"""Causal paged attention for a packed prefill batch: every chunk of the step in one launch per layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from executor_svc.kernels import interpreting
+from executor_svc.prefill_batch import PrefillBatch
+
+_LOG2E = 1.4426950408889634
+BLOCK_M = 64  # queries of one chunk per program
+_BLOCK_N = 64  # key positions per inner step
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    block_chunk_ptr,
+    block_first_ptr,
+    seq_starts_ptr,
+    kv_lens_ptr,
+    tables_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    table_width,
+    qk_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_IN_F32: tl.constexpr,
+):
+    """One program per (query block, head): BLOCK_M queries of one chunk against positions [0, their own]."""
+    block = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    chunk = tl.load(block_chunk_ptr + block)
+    first = tl.load(block_first_ptr + block)  # token index in the batch of the block's first query
+    chunk_begin = tl.load(seq_starts_ptr + chunk)
+    chunk_end = tl.load(seq_starts_ptr + chunk + 1)
+    kv_len = tl.load(kv_lens_ptr + chunk)
+    start = kv_len - (chunk_end - chunk_begin)  # position of the chunk's first token
+    table = tables_ptr + chunk * table_width
+
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    n = tl.arange(0, BLOCK_N)
+    tokens = first + m
+    live_q = tokens < chunk_end
+    q_pos = start + (tokens - chunk_begin)
+    # q: [BLOCK_M, HEAD_DIM]
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :], mask=live_q[:, None], other=0.0)
+    if DOT_IN_F32:
+        q = q.to(tl.float32)
+    # Keys past the block's last query are masked for every query of it: stop there.
+    seen = tl.minimum(kv_len, start + (first - chunk_begin) + BLOCK_M)
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for key_first in range(0, seen, BLOCK_N):
+        keys = key_first + n
+        live_k = keys < seen
+        pages = tl.load(table + keys // PAGE, mask=live_k, other=0)
+        within = keys % PAGE
+        # k, v: [BLOCK_N, HEAD_DIM]
+        k = tl.load(
+            k_ptr + pages[:, None] * stride_kp + within[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+            mask=live_k[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr + pages[:, None] * stride_vp + within[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+            mask=live_k[:, None],
+            other=0.0,
+        )
+        if DOT_IN_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        # scores: [BLOCK_M, BLOCK_N] in log2 units; position 0 is in the first block and every query sees it,
+        # so top is finite from the first step on
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        visible = (keys[None, :] <= q_pos[:, None]) & live_k[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        new_top = tl.maximum(top, tl.max(scores, 1))
+        rescale = tl.exp2(top - new_top)
+        p = tl.exp2(scores - new_top[:, None])
+        total = total * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        top = new_top
+    out = acc / total[:, None]
+    tl.store(
+        out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=live_q[:, None],
+    )
+
+
+def prefill_block_map(batch: PrefillBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which chunk each query block belongs to and its first token in the batch: int64[blocks] each, built
+    on the host from the chunk lengths (once per step, shared by every layer)."""
+    blocks_per_chunk = -(-batch.lengths // BLOCK_M)
+    chunk = np.repeat(np.arange(len(batch.lengths)), blocks_per_chunk)
+    offset_in_chunk = np.arange(len(chunk)) - np.repeat(np.cumsum(blocks_per_chunk) - blocks_per_chunk, blocks_per_chunk)
+    first = batch.seq_starts_host[chunk] + offset_in_chunk * BLOCK_M
+    maps = torch.from_numpy(np.stack([chunk, first]).astype(np.int64)).to(device)
+    return maps[0], maps[1]
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    batch: PrefillBatch,
+    block_map: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a packed batch: q[T, H, D] -> [T, H, D] in q's dtype. Chunk i's queries sit at
+    positions [starts[i], kv_lens[i]) and see their chunk's pages up to themselves, K/V already written.
+
+    k_layer, v_layer: [pages, page_size, kv_heads, D]; block_map from `prefill_block_map(batch)`.
+    """
+    tokens, heads, head_dim = q.shape
+    _, page_size, kv_heads, kv_dim = k_layer.shape
+    if v_layer.shape != k_layer.shape or kv_dim != head_dim or heads % kv_heads:
+        raise ValueError(
+            f"q [T, {heads}, {head_dim}] does not fit k {tuple(k_layer.shape)}, v {tuple(v_layer.shape)}"
+        )
+    if not q.dtype == k_layer.dtype == v_layer.dtype:
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k_layer.dtype}, {v_layer.dtype}")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two of at least 16, got {head_dim}")
+    if q.stride(2) != 1 or k_layer.stride(3) != 1 or v_layer.stride(3) != 1:
+        raise ValueError("q, k and v must be contiguous along head_dim")
+    if tokens != batch.num_tokens:
+        raise ValueError(f"q holds {tokens} tokens, the batch {batch.num_tokens}")
+    block_chunk, block_first = block_map
+    out = torch.empty_like(q)
+    _paged_prefill_kernel[(block_chunk.shape[0], heads)](
+        q,
+        k_layer,
+        v_layer,
+        out,
+        block_chunk,
+        block_first,
+        batch.seq_starts,
+        batch.kv_lens,
+        batch.block_tables,
+        q.stride(0),
+        q.stride(1),
+        k_layer.stride(0),
+        k_layer.stride(1),
+        k_layer.stride(2),
+        v_layer.stride(0),
+        v_layer.stride(1),
+        v_layer.stride(2),
+        out.stride(0),
+        out.stride(1),
+        batch.block_tables.shape[1],
+        scale * _LOG2E,
+        GROUP=heads // kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE=page_size,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=_BLOCK_N,
+        # The interpreter multiplies bfloat16 dot operands as raw bits (triton-lang/triton#11584).
+        DOT_IN_F32=q.dtype == torch.bfloat16 and interpreting(),
+    )
+    return out

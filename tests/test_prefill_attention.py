@@ -1,0 +1,112 @@
+"""The Triton paged prefill attention against the torch reference, chunk by chunk, under TRITON_INTERPRET=1 on
+the CPU unless TRITON_INTERPRET=0 picks the GPU; and the model's batched prefill through it."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from executor_svc.kernels import interpreting, triton_available
+
+if not triton_available():
+    pytest.skip("triton cannot run here: no CUDA device and TRITON_INTERPRET is off", allow_module_level=True)
+
+from executor_svc.attention.torch_ref import prefill_attention_batch
+from executor_svc.kernels.prefill_attention import BLOCK_M, paged_prefill_attention, prefill_block_map
+from executor_svc.kv_pool import KVPool
+from executor_svc.prefill_batch import PrefillBatch
+from tests.test_kernels import tolerance
+
+DEVICE = torch.device("cpu" if interpreting() else "cuda")
+HEADS, KV_HEADS = 9, 3  # SmolLM2's GQA 3:1
+POOL_PAGES = 40
+
+
+def random_batch(page_size: int, seed: int) -> PrefillBatch:
+    """Three chunks: a whole short prompt, a later chunk of a long one (its start in the middle of a page, its
+    first positions written before), and a chunk longer than one query block."""
+    gen = np.random.default_rng(seed)
+    order = gen.permutation(np.arange(1, POOL_PAGES))  # non-contiguous pages, never the sink
+    shapes = [(0, 7), (page_size + 3, 9), (2, BLOCK_M + 5)]  # (start, length)
+    chunks, used = [], 0
+    for start, length in shapes:
+        count = -(-(start + length) // page_size)
+        chunks.append((gen.integers(0, 100, size=length).astype(np.int32), start, order[used : used + count]))
+        used += count
+    return PrefillBatch.build(chunks, page_size, max_seq_len=4096, device=DEVICE)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_paged_prefill_attention_matches_the_reference(page_size: int, head_dim: int):
+    batch = random_batch(page_size, seed=page_size + head_dim)
+    gen = torch.Generator().manual_seed(1)
+    pool = KVPool(1, POOL_PAGES, page_size, KV_HEADS, head_dim, torch.float32, DEVICE)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=gen))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
+    q = torch.randn(batch.num_tokens, HEADS, head_dim, generator=gen).to(DEVICE)
+    scale = head_dim**-0.5
+    got = paged_prefill_attention(q, pool.k[0], pool.v[0], batch, prefill_block_map(batch, DEVICE), scale)
+    expected = prefill_attention_batch(q, pool.k[0], pool.v[0], batch, scale)
+    torch.testing.assert_close(got, expected, **tolerance(torch.float32))
+
+
+def test_paged_prefill_attention_in_bfloat16():
+    batch = random_batch(16, seed=3)
+    gen = torch.Generator().manual_seed(2)
+    pool = KVPool(1, POOL_PAGES, 16, KV_HEADS, 64, torch.bfloat16, DEVICE)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=gen))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
+    q = torch.randn(batch.num_tokens, HEADS, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    got = paged_prefill_attention(q, pool.k[0], pool.v[0], batch, prefill_block_map(batch, DEVICE), 0.125)
+    expected = prefill_attention_batch(q.float(), pool.k[0].float(), pool.v[0].float(), batch, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, **tolerance(torch.bfloat16))
+
+
+def test_block_map_covers_every_token_once():
+    batch = random_batch(4, seed=0)
+    chunk, first = prefill_block_map(batch, torch.device("cpu"))
+    lengths = batch.lengths.tolist()  # 7, 9, BLOCK_M + 5
+    assert chunk.tolist() == [0, 1, 2, 2]
+    assert first.tolist() == [0, lengths[0], lengths[0] + lengths[1], lengths[0] + lengths[1] + BLOCK_M]
+
+
+def test_refuses_mismatched_shapes():
+    batch = random_batch(4, seed=0)
+    pool = KVPool(1, POOL_PAGES, 4, KV_HEADS, 64, torch.float32, DEVICE)
+    q = torch.zeros(batch.num_tokens + 1, HEADS, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="tokens"):
+        paged_prefill_attention(q, pool.k[0], pool.v[0], batch, prefill_block_map(batch, DEVICE), 0.125)
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_prefill_attention(q[:, :8], pool.k[0], pool.v[0], batch, prefill_block_map(batch, DEVICE), 0.125)
+
+
+def test_fused_prefill_equals_the_torch_path():
+    from executor_svc.models.llama import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=64, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
+        intermediate_size=96, rope_theta=10000.0, rms_eps=1e-5, max_seq_len=4096, tie_embeddings=True,
+        eos_token_id=1, bos_token_id=None, name="small",
+    )
+    torch.manual_seed(0)
+    model = LlamaModel(config, DEVICE, torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    batch = random_batch(4, seed=5)
+    eager_kv = model.make_kv_pool(num_pages=POOL_PAGES, page_size=4)
+    fused_kv = model.make_kv_pool(num_pages=POOL_PAGES, page_size=4)
+    eager = model.prefill(batch, eager_kv)
+    fused = model.prefill_fused(batch, fused_kv)
+    torch.testing.assert_close(fused, eager, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fused_kv.k, eager_kv.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_kv.v, eager_kv.v, atol=1e-5, rtol=1e-5)
