@@ -7,17 +7,24 @@
 SmolLM2-135M's shape with random bf16 weights (no checkpoint needed), random 512-token prompts, 256 output
 tokens each (EOS ignored), prefix cache off. Arms alternate within each round. Prints one line per
 measurement; writes one JSON object per arm and concurrency (both rounds inside) and a plot of tok/s.
+
+The gRPC arms run their executor in a child process of its own (this script with --serve-executor), as users
+run the planner and the executor; the planners, the clients and the in-process arm share this process. Each
+record's "executor_process" says which ("child" or "same").
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import json
 import logging
 import os
 import statistics
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import grpc
 import numpy as np
@@ -41,6 +48,11 @@ from protos.wire import pack_i32, unpack_i32
 ARMS = ("resident", "host-planned", "resident-inprocess")
 PAGE_SIZE = 16
 MAX_SEQ_LEN = 1024
+MODEL_FINGERPRINT = "random-smollm2"
+READY_TIMEOUT_S = 900.0  # an executor child's model build and graph captures
+TIMES_TIMEOUT_S = 30.0
+CLOSE_TIMEOUT_S = 10.0
+STDERR_TAIL_LINES = 40
 SMOLLM2 = LlamaConfig(
     vocab_size=49152,
     hidden_size=576,
@@ -72,10 +84,114 @@ def random_model(device: torch.device) -> LlamaModel:
     return model
 
 
+def in_process(arm: str) -> bool:
+    return arm.endswith("-inprocess")
+
+
+def executor_process(arm: str) -> str:
+    return "same" if in_process(arm) else "child"
+
+
+def executor_config(device: str, pool_pages: int, buckets: tuple[int, ...], arm: str) -> ExecutorConfig:
+    return ExecutorConfig(
+        device=device, dtype="bfloat16", page_size=PAGE_SIZE, pool_pages=pool_pages,
+        max_seq_len=MAX_SEQ_LEN, buckets=buckets, decode_path=arm.removesuffix("-inprocess"),
+    )
+
+
+def build_runner(model: LlamaModel, config: ExecutorConfig) -> tuple[StepRunner | None, dict[str, str]]:
+    """The runner and its capture state per bucket; (None, {"error": ...}) when it cannot be built."""
+    try:
+        runner = runner_for_model(model, config, MODEL_FINGERPRINT)
+    except Exception as err:  # an arm that cannot be built is reported; the rest run
+        return None, {"error": f"{type(err).__name__}: {err}"}
+    graphs = runner.graphs
+    return runner, {str(b): s for b, s in graphs.states.items()} if graphs else {"all": "eager (CPU)"}
+
+
+class ExecutorChild:
+    """An executor server in a process of its own: this script with --serve-executor. Its stdout is a line
+    protocol: one JSON line once ready ({"port", "capture"} or {"error"}), then one JSON line of its
+    RunnerTimes for each `times` line on its stdin. It stops when its stdin closes."""
+
+    def __init__(self, name: str, process: asyncio.subprocess.Process) -> None:
+        self.name = name
+        self.process = process
+        self.port = 0
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self._stderr = asyncio.create_task(self._drain_stderr())
+
+    @classmethod
+    async def start(cls, name: str, device: str, pool_pages: int, buckets: tuple[int, ...]) -> ExecutorChild:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        pythonpath = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
+        env = dict(os.environ, PYTHONPATH=pythonpath)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, os.path.abspath(__file__), "--serve-executor", name, "--device", device,
+            "--pool-pages", str(pool_pages), "--buckets", ",".join(map(str, buckets)),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        return cls(name, process)
+
+    async def _drain_stderr(self) -> None:
+        # Read all along, so a chatty child never blocks on a full pipe; echoed, and the tail kept for errors.
+        async for line in self.process.stderr:
+            text = line.decode(errors="replace").rstrip()
+            self.stderr_tail.append(text)
+            print(f"[{self.name} executor] {text}", file=sys.stderr, flush=True)
+
+    async def _died(self, what: str) -> str:
+        await self.process.wait()
+        await self._stderr  # the whole tail: the pipe closes when the process ends
+        tail = "\n".join(self.stderr_tail)
+        return f"executor process {what} (exit code {self.process.returncode}); its stderr ends:\n{tail}"
+
+    async def ready(self) -> dict[str, str]:
+        """Its capture states once it serves, or {"error": ...} when it could not build, died or timed out."""
+        try:
+            line = await asyncio.wait_for(self.process.stdout.readline(), READY_TIMEOUT_S)
+        except TimeoutError:
+            self.process.kill()
+            return {"error": await self._died(f"not ready after {READY_TIMEOUT_S:.0f} s, killed")}
+        if not line:
+            return {"error": await self._died("exited before it was ready")}
+        message = json.loads(line)
+        if "error" in message:
+            return {"error": message["error"]}
+        self.port = message["port"]
+        return message["capture"]
+
+    async def times(self) -> dict:
+        """Its RunnerTimes, as a dict."""
+        try:
+            self.process.stdin.write(b"times\n")
+            await self.process.stdin.drain()
+        except ConnectionError:  # the pipe broke: it died
+            raise RuntimeError(await self._died("exited")) from None
+        line = await asyncio.wait_for(self.process.stdout.readline(), TIMES_TIMEOUT_S)
+        if not line:
+            raise RuntimeError(await self._died("exited"))
+        return json.loads(line)
+
+    async def close(self) -> None:
+        """Closes its stdin (it stops its server and exits); terminates it, then kills it, if it lingers."""
+        if self.process.returncode is None:
+            self.process.stdin.close()
+            for escalate in (self.process.terminate, self.process.kill):
+                try:
+                    await asyncio.wait_for(self.process.wait(), CLOSE_TIMEOUT_S)
+                    break
+                except TimeoutError:
+                    escalate()
+            await self.process.wait()
+        await self._stderr
+
+
 class RecordingLink:
     """A link that notes the size of the decode plans it sends that write no row, sampler or prefill:
-    steady ones (the same rows as the step before; page-crossing cells included) and the others (a new
-    slot list, as requests leave or join)."""
+    steady ones (the same rows as the step before) and the others (a new slot list, as requests leave or
+    join)."""
 
     def __init__(self, link) -> None:
         self._link = link
@@ -95,16 +211,20 @@ class RecordingLink:
 @dataclass
 class Arm:
     name: str
-    runner: StepRunner
     link: RecordingLink
     stub: client_pb2_grpc.PlannerStub
     planner: object  # the PlannerServicer
-    servers: list = field(default_factory=list)
-    channel: grpc.aio.Channel | None = None
+    server: grpc.aio.Server  # the planner's
+    channel: grpc.aio.Channel
+    runner: StepRunner | None = None  # an in-process arm's
+    child: ExecutorChild | None = None  # a gRPC arm's executor
 
     @property
     def engine(self):
         return self.planner.engines[0]
+
+    async def runner_times(self) -> dict:
+        return asdict(self.runner.times) if self.child is None else await self.child.times()
 
 
 @dataclass
@@ -136,14 +256,14 @@ def per_step(total: float, steps: int) -> float:
 
 
 async def measure(arm: Arm, prompts: list[np.ndarray], max_tokens: int) -> tuple[dict, list[list[int]]]:
-    engine_before, runner_before = asdict(arm.engine.times), asdict(arm.runner.times)
+    engine_before, runner_before = asdict(arm.engine.times), await arm.runner_times()
     arm.link.steady_bytes.clear()
     arm.link.slot_change_bytes.clear()
     began = time.perf_counter()
     results = await asyncio.gather(*(one_request(arm.stub, p, max_tokens) for p in prompts))
     wall = time.perf_counter() - began
     engine = {k: v - engine_before[k] for k, v in asdict(arm.engine.times).items()}
-    runner = {k: v - runner_before[k] for k, v in asdict(arm.runner.times).items()}
+    runner = {k: v - runner_before[k] for k, v in (await arm.runner_times()).items()}
     ttft = [r.arrivals[0][0] - r.sent for r in results if r.arrivals]
     itl: list[float] = []
     for r in results:  # a message of n tokens after a gap stands for n gaps of gap / n
@@ -182,19 +302,15 @@ async def measure(arm: Arm, prompts: list[np.ndarray], max_tokens: int) -> tuple
     return figures, [r.tokens for r in results]
 
 
-async def start_arm(name: str, runner: StepRunner, planner_config: PlannerConfig) -> Arm:
-    servers = []
-    if name.endswith("inprocess"):
-        link = RecordingLink(InProcessLink(runner))
-    else:
-        executor_server, port = await start_executor_server(runner)
-        servers.append(executor_server)
-        link = RecordingLink(GrpcLink(f"127.0.0.1:{port}"))
+async def start_arm(
+    name: str, planner_config: PlannerConfig, runner: StepRunner | None, child: ExecutorChild | None
+) -> Arm:
+    """The arm's planner, linked to its runner in this process or to its child's executor over gRPC."""
+    link = RecordingLink(InProcessLink(runner) if child is None else GrpcLink(f"127.0.0.1:{child.port}"))
     planner_server, planner_port = await start_planner_server(planner_config, port=0, links=[link])
-    servers.insert(0, planner_server)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{planner_port}")
     stub = client_pb2_grpc.PlannerStub(channel)
-    return Arm(name, runner, link, stub, planner_server.planner, servers, channel)
+    return Arm(name, link, stub, planner_server.planner, planner_server, channel, runner, child)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -228,6 +344,35 @@ def compile_only() -> None:
     print(f"FlashInfer decode kernel ready in {time.perf_counter() - began:.1f} s", flush=True)
 
 
+async def serve_executor(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    """The child's side of ExecutorChild: builds the arm's runner, serves it, answers `times` until stdin
+    closes."""
+    # Only the protocol's lines reach the real stdout: anything else printed (logs included) goes to stderr.
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    buckets = tuple(int(b) for b in args.buckets.split(","))
+    config = executor_config(args.device, args.pool_pages, buckets, args.serve_executor)
+    runner, states = build_runner(random_model(torch.device(args.device)), config)
+    if runner is None:
+        protocol.write(json.dumps(states) + "\n")
+        return
+    server, port = await start_executor_server(runner)
+    protocol.write(json.dumps({"port": port, "capture": states}) + "\n")
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    loop = asyncio.get_running_loop()
+    stdin_closed = asyncio.Event()
+
+    def answer_times() -> None:  # a thread: the runner's floats are safe to read from here
+        for line in sys.stdin:
+            if line.strip() == "times":
+                protocol.write(json.dumps(asdict(runner.times)) + "\n")
+        loop.call_soon_threadsafe(stdin_closed.set)
+
+    threading.Thread(target=answer_times, daemon=True).start()
+    await deltaserve.aio.until_stopped(stdin_closed.wait(), stop)
+    await server.stop(None)
+
+
 async def run(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -235,70 +380,81 @@ async def run(args: argparse.Namespace) -> list[dict]:
     pages_per_request = -(-(args.prompt_tokens + args.output_tokens + 1) // PAGE_SIZE)
     pool_pages = widest * pages_per_request + 64
     buckets = tuple(b for b in DEFAULT_BUCKETS if b < widest) + (widest,)
-    model = random_model(device)
     planner_config = PlannerConfig(model=args.tokenizer, prefix_cache=False)
     runners: dict[str, StepRunner] = {}
+    children: dict[str, ExecutorChild] = {}
     capture: dict[str, dict] = {}
-    for name in ARMS:
-        config = ExecutorConfig(
-            device=args.device, dtype="bfloat16", page_size=PAGE_SIZE, pool_pages=pool_pages,
-            max_seq_len=MAX_SEQ_LEN, buckets=buckets, decode_path=name.removesuffix("-inprocess"),
-        )
-        began = time.perf_counter()
-        try:
-            runner = runner_for_model(model, config, "random-smollm2")
-        except Exception as err:  # an arm that cannot be built is reported; the rest run
-            print(f"{name}: not built: {type(err).__name__}: {err}", flush=True)
-            capture[name] = {"error": f"{type(err).__name__}: {err}"}
-            continue
-        graphs = runner.graphs
-        capture[name] = {str(b): s for b, s in graphs.states.items()} if graphs else {"all": "eager (CPU)"}
-        print(f"{name}: built in {time.perf_counter() - began:.1f} s; buckets {capture[name]}", flush=True)
-        if graphs and all(state.startswith("eager (capture failed") for state in graphs.states.values()):
-            capture[name] = {"error": f"no bucket could be captured: {graphs.states[buckets[0]]}"}
-            continue
-        runners[name] = runner
-    # Servers start once every capture is done: a capture must be the only CUDA work in the process.
-    arms = {name: await start_arm(name, runner, planner_config) for name, runner in runners.items()}
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    arms: dict[str, Arm] = {}
+    try:
+        # The children first, one at a time, then this process's runner: each capture has the GPU to itself
+        # (and a capture must be the only CUDA work in its process).
+        for name in sorted(ARMS, key=in_process):
+            began = time.perf_counter()
+            if in_process(name):
+                config = executor_config(args.device, pool_pages, buckets, name)
+                runner, states = build_runner(random_model(device), config)
+            else:
+                child = children[name] = await ExecutorChild.start(name, args.device, pool_pages, buckets)
+                runner, states = None, await child.ready()
+            if "error" in states:
+                print(f"{name}: not built: {states['error']}", flush=True)
+            else:
+                print(f"{name}: built in {time.perf_counter() - began:.1f} s; buckets {states}", flush=True)
+                if all(state.startswith("eager (capture failed") for state in states.values()):
+                    states = {"error": f"no bucket could be captured: {states[str(buckets[0])]}"}
+            capture[name] = states
+            if "error" in states:
+                if name in children:
+                    await children.pop(name).close()
+            elif runner is not None:
+                runners[name] = runner
+        # Planners start once every capture is done.
+        for name in ARMS:
+            if name in runners or name in children:
+                arms[name] = await start_arm(name, planner_config, runners.get(name), children.get(name))
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
-    rng = np.random.default_rng(0)
-    warm = [rng.integers(3, SMOLLM2.vocab_size, size=32).astype(np.int32) for _ in range(4)]
-    for arm in arms.values():
-        await measure(arm, warm, 8)
-    results: dict[tuple[str, int], list[dict]] = {}
-    outputs: dict[tuple[str, int, int], list[list[int]]] = {}
-    for round_index in range(args.rounds):
-        for c in concurrencies:
-            # The same prompts for every arm and round, so their outputs can be compared.
-            prompts = [
-                np.random.default_rng(1000 + c * 7 + i).integers(3, SMOLLM2.vocab_size, size=args.prompt_tokens)
-                .astype(np.int32)
-                for i in range(c)
-            ]
-            for name, arm in arms.items():
-                figures, tokens = await measure(arm, prompts, args.output_tokens)
-                results.setdefault((name, c), []).append(figures)
-                outputs[(name, c, round_index)] = tokens
-                print(
-                    f"round {round_index + 1} {name:19s} c={c:4d}  {figures['tok_s']:9.1f} tok/s  "
-                    f"ITL p50 {figures['itl_p50_ms']} ms mean {figures['itl_mean_ms']} ms  "
-                    f"TTFT p50 {figures['ttft_p50_ms']} ms  failed {figures['failed']}  "
-                    f"step {figures['step_us']} us (graph {figures['graph_us']})  "
-                    f"planner {figures['planner_us']}  executor {figures['executor_us']}  "
-                    f"steady plan {figures['steady_plan_bytes_median']} B",
-                    flush=True,
-                )
-    for arm in arms.values():
-        await arm.channel.close()
-        for server in arm.servers:
-            await server.stop(None)
+        rng = np.random.default_rng(0)
+        warm = [rng.integers(3, SMOLLM2.vocab_size, size=32).astype(np.int32) for _ in range(4)]
+        for arm in arms.values():
+            await measure(arm, warm, 8)
+        results: dict[tuple[str, int], list[dict]] = {}
+        outputs: dict[tuple[str, int, int], list[list[int]]] = {}
+        for round_index in range(args.rounds):
+            for c in concurrencies:
+                # The same prompts for every arm and round, so their outputs can be compared.
+                prompts = [
+                    np.random.default_rng(1000 + c * 7 + i)
+                    .integers(3, SMOLLM2.vocab_size, size=args.prompt_tokens)
+                    .astype(np.int32)
+                    for i in range(c)
+                ]
+                for name, arm in arms.items():
+                    figures, tokens = await measure(arm, prompts, args.output_tokens)
+                    results.setdefault((name, c), []).append(figures)
+                    outputs[(name, c, round_index)] = tokens
+                    print(
+                        f"round {round_index + 1} {name:19s} c={c:4d}  {figures['tok_s']:9.1f} tok/s  "
+                        f"ITL p50 {figures['itl_p50_ms']} ms mean {figures['itl_mean_ms']} ms  "
+                        f"TTFT p50 {figures['ttft_p50_ms']} ms  failed {figures['failed']}  "
+                        f"step {figures['step_us']} us (graph {figures['graph_us']})  "
+                        f"planner {figures['planner_us']}  executor {figures['executor_us']}  "
+                        f"steady plan {figures['steady_plan_bytes_median']} B",
+                        flush=True,
+                    )
+    finally:
+        for arm in arms.values():
+            await arm.channel.close()
+            await arm.server.stop(None)
+        for child in children.values():
+            await child.close()
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU smoke run)"
     records = []
     for (name, c), rounds in results.items():
         record = {
             "arm": name,
+            "executor_process": executor_process(name),
             "concurrency": c,
             "tok_s": round(statistics.fmean(r["tok_s"] for r in rounds), 1),
             "itl_p50_ms": round(statistics.fmean(r["itl_p50_ms"] or 0.0 for r in rounds), 3),
@@ -320,7 +476,10 @@ async def run(args: argparse.Namespace) -> list[dict]:
         records.append(record)
     for name, state in capture.items():
         if "error" in state:
-            records.append({"arm": name, "error": state["error"], "commit": args.commit or commit_hash(), "gpu": gpu})
+            records.append({
+                "arm": name, "executor_process": executor_process(name), "error": state["error"],
+                "commit": args.commit or commit_hash(), "gpu": gpu,
+            })
     return records
 
 
@@ -361,11 +520,19 @@ def main() -> None:
     parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the harness (eager, no graphs)")
+    # The executor child's mode (ExecutorChild starts it): the arm, its pool and its buckets.
+    child_arms = [arm for arm in ARMS if not in_process(arm)]
+    parser.add_argument("--serve-executor", choices=child_arms, help=argparse.SUPPRESS)
+    parser.add_argument("--pool-pages", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--buckets", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device != "cpu" and not torch.cuda.is_available():
         sys.exit("bench/decode.py needs a CUDA device (or --device cpu for a smoke run)")
     if args.compile_only:
         compile_only()
+        return
+    if args.serve_executor:
+        deltaserve.aio.run(lambda stop: serve_executor(args, stop))
         return
     records = deltaserve.aio.run(lambda stop: run(args))
     write_json(args.out, records)
