@@ -43,7 +43,7 @@ def random_batch(page_size: int, seed: int) -> PrefillBatch:
     return PrefillBatch.build(chunks, page_size, max_seq_len=4096, device=DEVICE)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_paged_prefill_attention_matches_the_reference(page_size: int, head_dim: int):
     batch = random_batch(page_size, seed=page_size + head_dim)

@@ -15,7 +15,7 @@ BLOCK_M = 64  # queries of one chunk per program
 _BLOCK_N = 64  # key positions per inner step
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["table_width"])  # it varies step to step: one compile serves all
 def _paged_prefill_kernel(
     q_ptr,
     k_ptr,
@@ -40,6 +40,7 @@ def _paged_prefill_kernel(
     qk_scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    DIM_BLOCK: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -58,34 +59,39 @@ def _paged_prefill_kernel(
     table = tables_ptr + chunk * table_width
 
     m = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, DIM_BLOCK)
+    live_d = d < HEAD_DIM  # tl.dot needs at least 16: smaller heads are zero-padded
     n = tl.arange(0, BLOCK_N)
     tokens = first + m
     live_q = tokens < chunk_end
     q_pos = start + (tokens - chunk_begin)
-    # q: [BLOCK_M, HEAD_DIM]
-    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :], mask=live_q[:, None], other=0.0)
+    # q: [BLOCK_M, DIM_BLOCK]
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=live_q[:, None] & live_d[None, :],
+        other=0.0,
+    )
     if DOT_IN_F32:
         q = q.to(tl.float32)
     # Keys past the block's last query are masked for every query of it: stop there.
     seen = tl.minimum(kv_len, start + (first - chunk_begin) + BLOCK_M)
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_BLOCK], tl.float32)
     for key_first in range(0, seen, BLOCK_N):
         keys = key_first + n
         live_k = keys < seen
         pages = tl.load(table + keys // PAGE, mask=live_k, other=0)
         within = keys % PAGE
-        # k, v: [BLOCK_N, HEAD_DIM]
+        # k, v: [BLOCK_N, DIM_BLOCK]
         k = tl.load(
             k_ptr + pages[:, None] * stride_kp + within[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-            mask=live_k[:, None],
+            mask=live_k[:, None] & live_d[None, :],
             other=0.0,
         )
         v = tl.load(
             v_ptr + pages[:, None] * stride_vp + within[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-            mask=live_k[:, None],
+            mask=live_k[:, None] & live_d[None, :],
             other=0.0,
         )
         if DOT_IN_F32:
@@ -106,7 +112,7 @@ def _paged_prefill_kernel(
     tl.store(
         out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=live_q[:, None],
+        mask=live_q[:, None] & live_d[None, :],
     )
 
 
@@ -142,8 +148,6 @@ def paged_prefill_attention(
         )
     if not q.dtype == k_layer.dtype == v_layer.dtype:
         raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k_layer.dtype}, {v_layer.dtype}")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"head_dim must be a power of two of at least 16, got {head_dim}")
     if q.stride(2) != 1 or k_layer.stride(3) != 1 or v_layer.stride(3) != 1:
         raise ValueError("q, k and v must be contiguous along head_dim")
     if tokens != batch.num_tokens:
@@ -174,6 +178,7 @@ def paged_prefill_attention(
         scale * _LOG2E,
         GROUP=heads // kv_heads,
         HEAD_DIM=head_dim,
+        DIM_BLOCK=max(16, triton.next_power_of_2(head_dim)),
         PAGE=page_size,
         BLOCK_M=BLOCK_M,
         BLOCK_N=_BLOCK_N,
