@@ -415,7 +415,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
         rng = np.random.default_rng(0)
-        warm = [rng.integers(3, SMOLLM2.vocab_size, size=32).astype(np.int32) for _ in range(4)]
+        # Prompts of the measured length: the kernels compile for the shapes they will run.
+        warm = [rng.integers(3, SMOLLM2.vocab_size, size=args.prompt_tokens).astype(np.int32) for _ in range(4)]
         for arm in arms.values():
             await measure(arm, warm, 8)
         results: dict[tuple[str, int], list[dict]] = {}

@@ -22,6 +22,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The soak's request generator comes from a test module that defaults Triton to its CPU interpreter: here the
+# kernels run compiled on the GPU unless the caller says otherwise.
+os.environ.setdefault("TRITON_INTERPRET", "0")
 
 import deltaserve.aio
 from bench.common import commit_hash, write_json
