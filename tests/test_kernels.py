@@ -20,9 +20,10 @@ if not triton_available():
 
 from executor_svc.attention.torch_ref import decode_attention
 from executor_svc.kernels.attention import decode_splits, paged_decode_attention
-from executor_svc.kernels.fused import rmsnorm_residual
+from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write
 from executor_svc.kernels.tables import advance, gather_inputs, scatter_cells
-from executor_svc.models.llama import RMSNorm
+from executor_svc.kv_pool import KVPool
+from executor_svc.models.llama import RMSNorm, _rotate_half
 from executor_svc.tables import SlotStore
 from protos.layout import RowLayout
 
@@ -217,3 +218,41 @@ def test_rmsnorm_residual_matches_the_model_norm(dtype: torch.dtype):
     normed, same = rmsnorm_residual(x, None, norm.weight, eps)
     assert same is x
     torch.testing.assert_close(normed, norm(x), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_kv_write_matches_the_model_rotation_and_pool_write(head_dim: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(head_dim)
+    batch, page_size, max_seq_len = 4, 4, 32
+    # The model's rope tables (LlamaModel's arithmetic, theta as SmolLM2's).
+    inv_freq = 1.0 / (100000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)  # angles: [max_seq_len, head_dim]
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    # q, k, v as views of one fused projection, as a fused qkv matmul would leave them.
+    qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * head_dim, generator=gen).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([HEADS * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim], dim=1)
+    q, k, v = (
+        q.view(batch, HEADS, head_dim),
+        k.view(batch, KV_HEADS, head_dim),
+        v.view(batch, KV_HEADS, head_dim),
+    )
+    positions = torch.tensor([7, 0, 31, 12], device=DEVICE)
+    write_page = torch.tensor([3, 0, 5, 1], dtype=torch.int32, device=DEVICE)
+    write_offset = torch.tensor([3, 0, 1, 2], dtype=torch.int32, device=DEVICE)
+    expected_pool = KVPool(1, 6, page_size, KV_HEADS, head_dim, dtype, DEVICE)
+    pool = KVPool(1, 6, page_size, KV_HEADS, head_dim, dtype, DEVICE)
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    expected_q = q * c + _rotate_half(q) * s
+    expected_k = k * c + _rotate_half(k) * s
+    expected_pool.write(0, write_page, write_offset, expected_k, v)
+    k_before, v_before = k.clone(), v.clone()
+
+    got = rope_kv_write(q, k, v, positions, cos, sin, pool.k[0], pool.v[0], write_page, write_offset)
+    assert got.data_ptr() == q.data_ptr()  # rotated in place
+    torch.testing.assert_close(q, expected_q, **tolerance(dtype))
+    torch.testing.assert_close(pool.k, expected_pool.k, **tolerance(dtype))
+    torch.testing.assert_close(pool.v, expected_pool.v, rtol=0, atol=0)
+    torch.testing.assert_close(k, k_before, rtol=0, atol=0)
+    torch.testing.assert_close(v, v_before, rtol=0, atol=0)

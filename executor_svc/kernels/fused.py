@@ -1,5 +1,6 @@
-"""RMSNorm with the residual add, as eager torch rounds it: the step's final norm (the norms inside a layer are
-fused into its projections, kernels/linear.py)."""
+"""Fused elementwise kernels of a decode layer: RMSNorm with the residual add (the final norm), rope with the KV
+page write. Each rounds where eager torch rounds, so the results match the torch model's. The norms and SiLU
+inside a layer are prologues of its projections (kernels/linear.py)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,150 @@ def rmsnorm_residual(
         num_warps=min(16, max(1, block // 256)),  # about 8 values a thread, whatever the hidden size
     )
     return normed, new_residual
+
+
+@triton.jit
+def _rotate(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi):
+    """x * cos + rotate_half(x) * sin on x's two halves, each product and the sum rounded to x's dtype."""
+    lo32 = lo.to(tl.float32)
+    hi32 = hi.to(tl.float32)
+    new_lo = (lo32 * cos_lo).to(lo.dtype).to(tl.float32) + (-hi32 * sin_lo).to(lo.dtype).to(tl.float32)
+    new_hi = (hi32 * cos_hi).to(lo.dtype).to(tl.float32) + (lo32 * sin_hi).to(lo.dtype).to(tl.float32)
+    return new_lo.to(lo.dtype), new_hi.to(lo.dtype)
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_pool_ptr,
+    v_pool_ptr,
+    write_page_ptr,
+    write_offset_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    stride_cos,
+    stride_sin,
+    stride_kpp,
+    stride_kpt,
+    stride_kph,
+    stride_vpp,
+    stride_vpt,
+    stride_vph,
+    num_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    HEADS_POW2: tl.constexpr,
+    KV_HEADS_POW2: tl.constexpr,
+):
+    """One program per row: rotate its query heads in place, rotate its KV heads into the pool, copy V."""
+    row = tl.program_id(0)
+    position = tl.load(positions_ptr + row).to(tl.int64)
+    i = tl.arange(0, HALF)
+    cos_lo = tl.load(cos_ptr + position * stride_cos + i).to(tl.float32)
+    cos_hi = tl.load(cos_ptr + position * stride_cos + HALF + i).to(tl.float32)
+    sin_lo = tl.load(sin_ptr + position * stride_sin + i).to(tl.float32)
+    sin_hi = tl.load(sin_ptr + position * stride_sin + HALF + i).to(tl.float32)
+
+    h = tl.arange(0, HEADS_POW2)
+    real = (h < num_heads)[:, None]
+    # q halves: [HEADS_POW2, HALF]
+    q_at = q_ptr + row * stride_qb + h[:, None] * stride_qh + i[None, :]
+    q_lo = tl.load(q_at, mask=real, other=0.0)
+    q_hi = tl.load(q_at + HALF, mask=real, other=0.0)
+    q_lo, q_hi = _rotate(q_lo, q_hi, cos_lo[None, :], cos_hi[None, :], sin_lo[None, :], sin_hi[None, :])
+    tl.store(q_at, q_lo, mask=real)
+    tl.store(q_at + HALF, q_hi, mask=real)
+
+    page = tl.load(write_page_ptr + row).to(tl.int64)
+    offset = tl.load(write_offset_ptr + row).to(tl.int64)
+    kh = tl.arange(0, KV_HEADS_POW2)
+    real_kv = (kh < num_kv_heads)[:, None]
+    # k, v halves: [KV_HEADS_POW2, HALF]
+    k_at = k_ptr + row * stride_kb + kh[:, None] * stride_kh + i[None, :]
+    k_lo = tl.load(k_at, mask=real_kv, other=0.0)
+    k_hi = tl.load(k_at + HALF, mask=real_kv, other=0.0)
+    k_lo, k_hi = _rotate(k_lo, k_hi, cos_lo[None, :], cos_hi[None, :], sin_lo[None, :], sin_hi[None, :])
+    k_dst = k_pool_ptr + page * stride_kpp + offset * stride_kpt + kh[:, None] * stride_kph + i[None, :]
+    tl.store(k_dst, k_lo.to(k_pool_ptr.dtype.element_ty), mask=real_kv)
+    tl.store(k_dst + HALF, k_hi.to(k_pool_ptr.dtype.element_ty), mask=real_kv)
+    v_at = v_ptr + row * stride_vb + kh[:, None] * stride_vh + i[None, :]
+    v_dst = v_pool_ptr + page * stride_vpp + offset * stride_vpt + kh[:, None] * stride_vph + i[None, :]
+    tl.store(v_dst, tl.load(v_at, mask=real_kv).to(v_pool_ptr.dtype.element_ty), mask=real_kv)
+    tl.store(v_dst + HALF, tl.load(v_at + HALF, mask=real_kv).to(v_pool_ptr.dtype.element_ty), mask=real_kv)
+
+
+def rope_kv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pool_layer: torch.Tensor,
+    v_pool_layer: torch.Tensor,
+    write_page: torch.Tensor,
+    write_offset: torch.Tensor,
+) -> torch.Tensor:
+    """Rope ("rotate_half") on q[B, H, D] in place (returned) and on k[B, KVH, D], whose rotated rows and
+    v[B, KVH, D] go to the pool layers [pages, page_size, KVH, D] at (write_page[B], write_offset[B]).
+
+    cos, sin: [max_seq_len, D] tables indexed by positions[B]; k and v themselves are left as they are.
+    """
+    batch, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if k.shape != (batch, kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(
+            f"k and v must be [{batch}, kv_heads, {head_dim}], got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k_pool_layer.shape[2:] != (kv_heads, head_dim) or v_pool_layer.shape != k_pool_layer.shape:
+        raise ValueError(
+            f"pool layers must be [pages, page_size, {kv_heads}, {head_dim}], got {tuple(k_pool_layer.shape)}, "
+            f"{tuple(v_pool_layer.shape)}"
+        )
+    if cos.shape[1] != head_dim or sin.shape != cos.shape:
+        raise ValueError(
+            f"cos and sin must be [positions, {head_dim}], got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
+    if any(t.shape != (batch,) for t in (positions, write_page, write_offset)):
+        raise ValueError(f"positions, write_page and write_offset must be [{batch}]")
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    if any(t.stride(-1) != 1 for t in (q, k, v, cos, sin, k_pool_layer, v_pool_layer)):
+        raise ValueError("q, k, v, cos, sin and the pool layers must be contiguous along head_dim")
+    _rope_kv_write_kernel[(batch,)](
+        q,
+        k,
+        v,
+        positions,
+        cos,
+        sin,
+        k_pool_layer,
+        v_pool_layer,
+        write_page,
+        write_offset,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        *k_pool_layer.stride()[:3],
+        *v_pool_layer.stride()[:3],
+        heads,
+        kv_heads,
+        HALF=head_dim // 2,
+        HEADS_POW2=triton.next_power_of_2(heads),
+        KV_HEADS_POW2=triton.next_power_of_2(kv_heads),
+    )
+    return q

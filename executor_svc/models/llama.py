@@ -304,20 +304,26 @@ class LlamaModel(nn.Module):
         (inputs from `gather_inputs`, or built on the host) or a packed prefill batch's tokens. `attend` is the
         attention backend; `select` the rows that need logits (default all). Returns float32 logits[B or
         len(select), V]. Fixed shapes, no host reads."""
-        from executor_svc.kernels.fused import rmsnorm_residual
-        from executor_svc.kernels.linear import norm_linear, norm_qkv_rope, silu_mul_linear
+        from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write
+        from executor_svc.kernels.linear import norm_linear, silu_mul_linear
 
         cfg = self.config
-        eps = cfg.rms_eps
+        heads, kv_heads, head_dim, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps
+        q_end = heads * head_dim
+        k_end = q_end + kv_heads * head_dim
         x = self.embed_tokens(inputs.tokens)  # x: [B, hidden]
+        batch = x.shape[0]
         residual = None  # the first norm's "sum" is the embedding itself
         fused = self._fused_projections()
         for index, (layer, (qkv_weight, gate_up_weight)) in enumerate(zip(self.layers, fused, strict=True)):
-            # q: [B, H, D], roped; k and v are in the pool already
-            q, residual = norm_qkv_rope(
-                x, residual, layer.input_layernorm.weight, eps, qkv_weight, cfg.num_heads, cfg.num_kv_heads,
-                inputs.positions, self.rope_cos, self.rope_sin, kv.k[index], kv.v[index],
-                inputs.write_page, inputs.write_offset,
+            qkv, residual = norm_linear(x, residual, layer.input_layernorm.weight, eps, qkv_weight)
+            # qkv: [B, (H + 2 KVH) * D]
+            q = qkv[:, :q_end].view(batch, heads, head_dim)
+            k = qkv[:, q_end:k_end].view(batch, kv_heads, head_dim)
+            v = qkv[:, k_end:].view(batch, kv_heads, head_dim)
+            q = rope_kv_write(
+                q, k, v, inputs.positions, self.rope_cos, self.rope_sin,
+                kv.k[index], kv.v[index], inputs.write_page, inputs.write_offset,
             )
             x = layer.self_attn.o_proj(attend(index, q).flatten(1))
             gate_up, residual = norm_linear(x, residual, layer.post_attention_layernorm.weight, eps, gate_up_weight)
