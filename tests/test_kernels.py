@@ -10,6 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anyw
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="triton is not installed")
 
@@ -20,7 +21,7 @@ if not triton_available():
 
 from executor_svc.attention.torch_ref import decode_attention
 from executor_svc.kernels.attention import decode_splits, paged_decode_attention
-from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write
+from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
 from executor_svc.kernels.tables import advance, gather_inputs, scatter_cells
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.llama import RMSNorm, _rotate_half
@@ -256,3 +257,12 @@ def test_rope_kv_write_matches_the_model_rotation_and_pool_write(head_dim: int, 
     torch.testing.assert_close(pool.v, expected_pool.v, rtol=0, atol=0)
     torch.testing.assert_close(k, k_before, rtol=0, atol=0)
     torch.testing.assert_close(v, v_before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(4)
+    intermediate = 1536  # two blocks, the second one partly masked
+    gate_up = (torch.randn(3, 2 * intermediate, generator=gen) * 4).to(dtype).to(DEVICE)
+    gate, up = gate_up.chunk(2, dim=1)
+    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, **tolerance(dtype))

@@ -1,12 +1,13 @@
-"""Fused elementwise kernels of a decode layer: RMSNorm with the residual add (the final norm), rope with the KV
-page write. Each rounds where eager torch rounds, so the results match the torch model's. The norms and SiLU
-inside a layer are prologues of its projections (kernels/linear.py)."""
+"""Fused elementwise kernels of a decode layer: RMSNorm with the residual add, rope with the KV page write,
+SiLU(gate) * up. Each rounds where eager torch rounds, so the results match the torch model's."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+_MLP_BLOCK = 1024
 
 
 @triton.jit
@@ -216,3 +217,27 @@ def rope_kv_write(
         KV_HEADS_POW2=triton.next_power_of_2(kv_heads),
     )
     return q
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, intermediate, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < intermediate
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=live, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + intermediate + cols, mask=live, other=0.0).to(tl.float32)
+    # As eager torch: F.silu rounds to the dtype, then the product rounds again.
+    silu = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * intermediate + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=live)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up[B, 2I] (gate then up, as a fused gate_up projection lays them) -> SiLU(gate) * up, [B, I]."""
+    batch, width = gate_up.shape
+    if width % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up must be [B, 2I] contiguous along its last dim, got {tuple(gate_up.shape)}")
+    intermediate = width // 2
+    out = torch.empty(batch, intermediate, dtype=gate_up.dtype, device=gate_up.device)
+    grid = (batch, triton.cdiv(intermediate, _MLP_BLOCK))
+    _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), intermediate, BLOCK=_MLP_BLOCK)
+    return out

@@ -304,8 +304,7 @@ class LlamaModel(nn.Module):
         (inputs from `gather_inputs`, or built on the host) or a packed prefill batch's tokens. `attend` is the
         attention backend; `select` the rows that need logits (default all). Returns float32 logits[B or
         len(select), V]. Fixed shapes, no host reads."""
-        from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write
-        from executor_svc.kernels.linear import norm_linear, silu_mul_linear
+        from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
 
         cfg = self.config
         heads, kv_heads, head_dim, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps
@@ -316,8 +315,8 @@ class LlamaModel(nn.Module):
         residual = None  # the first norm's "sum" is the embedding itself
         fused = self._fused_projections()
         for index, (layer, (qkv_weight, gate_up_weight)) in enumerate(zip(self.layers, fused, strict=True)):
-            qkv, residual = norm_linear(x, residual, layer.input_layernorm.weight, eps, qkv_weight)
-            # qkv: [B, (H + 2 KVH) * D]
+            h, residual = rmsnorm_residual(x, residual, layer.input_layernorm.weight, eps)
+            qkv = F.linear(h, qkv_weight)  # qkv: [B, (H + 2 KVH) * D]
             q = qkv[:, :q_end].view(batch, heads, head_dim)
             k = qkv[:, q_end:k_end].view(batch, kv_heads, head_dim)
             v = qkv[:, k_end:].view(batch, kv_heads, head_dim)
@@ -326,8 +325,8 @@ class LlamaModel(nn.Module):
                 kv.k[index], kv.v[index], inputs.write_page, inputs.write_offset,
             )
             x = layer.self_attn.o_proj(attend(index, q).flatten(1))
-            gate_up, residual = norm_linear(x, residual, layer.post_attention_layernorm.weight, eps, gate_up_weight)
-            x = silu_mul_linear(gate_up, layer.mlp.down_proj.weight)
+            h, residual = rmsnorm_residual(x, residual, layer.post_attention_layernorm.weight, eps)
+            x = layer.mlp.down_proj(silu_mul(F.linear(h, gate_up_weight)))
         if select is not None:
             x, residual = x.index_select(0, select), residual.index_select(0, select)
         h, _ = rmsnorm_residual(x, residual, self.norm.weight, eps)
