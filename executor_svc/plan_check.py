@@ -113,6 +113,8 @@ def _check_runs(runs: np.ndarray, limits: PlanLimits) -> None:
 def _check_cells(triples: np.ndarray, limits: PlanLimits) -> None:
     if len(triples) % CELL_TRIPLE:
         raise PlanError(f"cells: {len(triples)} ints is not a whole number of (slot, col, value) triples")
+    if not len(triples):  # a steady step's: no numpy passes over nothing
+        return
     triples = triples.reshape(-1, CELL_TRIPLE)
     if len(triples) > limits.max_cells:
         raise PlanError(f"cells: {len(triples)} triples, more than the {limits.max_cells} a step can write")
@@ -135,6 +137,8 @@ def _check_sampler(
         )
     floats = unpack_f32(plan.sampler_f32).reshape(k, SAMPLER_F32)
     ints = unpack_i32(plan.sampler_i32).reshape(k, SAMPLER_I32)
+    if k == 0:  # a steady step's: no numpy passes over nothing
+        return slots, floats, ints
     _check_slots(slots, 1, limits, "sampler_slots")
     _check_distinct(slots, "sampler_slots")
     temperature, top_p = floats[:, 0], floats[:, 1]

@@ -261,7 +261,10 @@ class StepRunner:
     ) -> LaunchedStep:
         """Queue one copy of every token sampled this step (prefill chunks first, then the decode rows) to
         the host, behind the step's work: no wait here."""
-        tokens = torch.cat(sampled) if sampled else torch.empty(0, dtype=torch.int64, device=self.device)
+        if len(sampled) == 1:  # a decode step alone: no concatenation kernel to launch
+            tokens = sampled[0]
+        else:
+            tokens = torch.cat(sampled) if sampled else torch.empty(0, dtype=torch.int64, device=self.device)
         done = None
         if self.device.type == "cuda" and sampled:
             # From the caching host allocator: a pinned block is reused only once its copy has run.
