@@ -8,9 +8,9 @@ SmolLM2-135M's shape with random bf16 weights (no checkpoint needed), random 512
 tokens each (EOS ignored), prefix cache off. Arms alternate within each round. Prints one line per
 measurement; writes one JSON object per arm and concurrency (both rounds inside) and a plot of tok/s.
 
-The gRPC arms run their executor in a child process of its own (this script with --serve-executor), as users
-run the planner and the executor; the planners, the clients and the in-process arm share this process. Each
-record's "executor_process" says which ("child" or "same").
+Processes as deployed: the gRPC arms run their executor in a child process of its own (this script with
+--serve-executor), and the clients run in another (--serve-clients); the planners and the in-process arm's
+executor share this process. Each record's "executor_process" ("child" or "same") and "clients_process" say so.
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ MAX_SEQ_LEN = 1024
 MODEL_FINGERPRINT = "random-smollm2"
 READY_TIMEOUT_S = 900.0  # an executor child's model build and graph captures
 TIMES_TIMEOUT_S = 30.0
+MEASURE_TIMEOUT_S = 1800.0
 CLOSE_TIMEOUT_S = 10.0
 STDERR_TAIL_LINES = 40
 SMOLLM2 = LlamaConfig(
@@ -109,28 +110,25 @@ def build_runner(model: LlamaModel, config: ExecutorConfig) -> tuple[StepRunner 
     return runner, {str(b): s for b, s in graphs.states.items()} if graphs else {"all": "eager (CPU)"}
 
 
-class ExecutorChild:
-    """An executor server in a process of its own: this script with --serve-executor. Its stdout is a line
-    protocol: one JSON line once ready ({"port", "capture"} or {"error"}), then one JSON line of its
-    RunnerTimes for each `times` line on its stdin. It stops when its stdin closes."""
+class LineChild:
+    """This script in a process of its own, in a hidden mode, talking JSON lines: requests on its stdin, answers
+    on its stdout (which carries nothing else). It stops when its stdin closes."""
 
     def __init__(self, name: str, process: asyncio.subprocess.Process) -> None:
         self.name = name
         self.process = process
-        self.port = 0
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._stderr = asyncio.create_task(self._drain_stderr())
 
     @classmethod
-    async def start(cls, name: str, device: str, pool_pages: int, buckets: tuple[int, ...]) -> ExecutorChild:
+    async def start(cls, name: str, *mode: str):
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         pythonpath = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
         env = dict(os.environ, PYTHONPATH=pythonpath)
         process = await asyncio.create_subprocess_exec(
-            sys.executable, os.path.abspath(__file__), "--serve-executor", name, "--device", device,
-            "--pool-pages", str(pool_pages), "--buckets", ",".join(map(str, buckets)),
+            sys.executable, os.path.abspath(__file__), *mode,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env=env,
+            env=env, limit=1 << 26,  # the clients' answer to a measurement is one long line
         )
         return cls(name, process)
 
@@ -139,43 +137,39 @@ class ExecutorChild:
         async for line in self.process.stderr:
             text = line.decode(errors="replace").rstrip()
             self.stderr_tail.append(text)
-            print(f"[{self.name} executor] {text}", file=sys.stderr, flush=True)
+            print(f"[{self.name}] {text}", file=sys.stderr, flush=True)
 
     async def _died(self, what: str) -> str:
         await self.process.wait()
         await self._stderr  # the whole tail: the pipe closes when the process ends
         tail = "\n".join(self.stderr_tail)
-        return f"executor process {what} (exit code {self.process.returncode}); its stderr ends:\n{tail}"
+        return f"{self.name} process {what} (exit code {self.process.returncode}); its stderr ends:\n{tail}"
 
-    async def ready(self) -> dict[str, str]:
-        """Its capture states once it serves, or {"error": ...} when it could not build, died or timed out."""
+    async def _first_line(self, timeout: float) -> dict:
+        """Its first answer (ready, or not), or {"error": ...} when it died or timed out first."""
         try:
-            line = await asyncio.wait_for(self.process.stdout.readline(), READY_TIMEOUT_S)
+            line = await asyncio.wait_for(self.process.stdout.readline(), timeout)
         except TimeoutError:
             self.process.kill()
-            return {"error": await self._died(f"not ready after {READY_TIMEOUT_S:.0f} s, killed")}
+            return {"error": await self._died(f"not ready after {timeout:.0f} s, killed")}
         if not line:
             return {"error": await self._died("exited before it was ready")}
-        message = json.loads(line)
-        if "error" in message:
-            return {"error": message["error"]}
-        self.port = message["port"]
-        return message["capture"]
+        return json.loads(line)
 
-    async def times(self) -> dict:
-        """Its RunnerTimes, as a dict."""
+    async def ask(self, request: dict, timeout: float) -> dict:
+        """One request line, one answer line."""
         try:
-            self.process.stdin.write(b"times\n")
+            self.process.stdin.write(json.dumps(request).encode() + b"\n")
             await self.process.stdin.drain()
         except ConnectionError:  # the pipe broke: it died
             raise RuntimeError(await self._died("exited")) from None
-        line = await asyncio.wait_for(self.process.stdout.readline(), TIMES_TIMEOUT_S)
+        line = await asyncio.wait_for(self.process.stdout.readline(), timeout)
         if not line:
             raise RuntimeError(await self._died("exited"))
         return json.loads(line)
 
     async def close(self) -> None:
-        """Closes its stdin (it stops its server and exits); terminates it, then kills it, if it lingers."""
+        """Closes its stdin (it stops and exits); terminates it, then kills it, if it lingers."""
         if self.process.returncode is None:
             self.process.stdin.close()
             for escalate in (self.process.terminate, self.process.kill):
@@ -186,6 +180,44 @@ class ExecutorChild:
                     escalate()
             await self.process.wait()
         await self._stderr
+
+
+class ExecutorChild(LineChild):
+    """An executor server (--serve-executor): its first line is {"port", "capture"} or {"error"}; then it
+    answers each {"times": true} with its RunnerTimes."""
+
+    port = 0
+
+    async def ready(self) -> dict[str, str]:
+        """Its capture states once it serves, or {"error": ...} when it could not build, died or timed out."""
+        message = await self._first_line(READY_TIMEOUT_S)
+        if "error" in message:
+            return message
+        self.port = message["port"]
+        return message["capture"]
+
+    async def times(self) -> dict:
+        """Its RunnerTimes, as a dict."""
+        return await self.ask({"times": True}, TIMES_TIMEOUT_S)
+
+
+class ClientsChild(LineChild):
+    """The load generator (--serve-clients), apart from the planners as real clients are: for each
+    {"address", "prompts", "max_tokens"} it runs every request at once and answers their results and the
+    wall time of the lot, by its own clock."""
+
+    async def ready(self) -> None:
+        message = await self._first_line(READY_TIMEOUT_S)
+        if "error" in message:
+            raise RuntimeError(message["error"])
+
+    async def generate(self, address: str, prompts: list[np.ndarray], max_tokens: int) -> tuple[list[RequestResult], float]:
+        answer = await self.ask(
+            {"address": address, "prompts": [p.tolist() for p in prompts], "max_tokens": max_tokens},
+            MEASURE_TIMEOUT_S,
+        )
+        results = [RequestResult(r["sent"], [tuple(a) for a in r["arrivals"]], r["tokens"], r["error"]) for r in answer["results"]]
+        return results, answer["wall"]
 
 
 class RecordingLink:
@@ -212,10 +244,9 @@ class RecordingLink:
 class Arm:
     name: str
     link: RecordingLink
-    stub: client_pb2_grpc.PlannerStub
+    address: str  # the planner's, for the clients
     planner: object  # the PlannerServicer
     server: grpc.aio.Server  # the planner's
-    channel: grpc.aio.Channel
     runner: StepRunner | None = None  # an in-process arm's
     child: ExecutorChild | None = None  # a gRPC arm's executor
 
@@ -255,13 +286,13 @@ def per_step(total: float, steps: int) -> float:
     return round(total / steps, 2) if steps else 0.0
 
 
-async def measure(arm: Arm, prompts: list[np.ndarray], max_tokens: int) -> tuple[dict, list[list[int]]]:
+async def measure(
+    arm: Arm, clients: ClientsChild, prompts: list[np.ndarray], max_tokens: int
+) -> tuple[dict, list[list[int]]]:
     engine_before, runner_before = asdict(arm.engine.times), await arm.runner_times()
     arm.link.steady_bytes.clear()
     arm.link.slot_change_bytes.clear()
-    began = time.perf_counter()
-    results = await asyncio.gather(*(one_request(arm.stub, p, max_tokens) for p in prompts))
-    wall = time.perf_counter() - began
+    results, wall = await clients.generate(arm.address, prompts, max_tokens)
     engine = {k: v - engine_before[k] for k, v in asdict(arm.engine.times).items()}
     runner = {k: v - runner_before[k] for k, v in (await arm.runner_times()).items()}
     ttft = [r.arrivals[0][0] - r.sent for r in results if r.arrivals]
@@ -308,9 +339,7 @@ async def start_arm(
     """The arm's planner, linked to its runner in this process or to its child's executor over gRPC."""
     link = RecordingLink(InProcessLink(runner) if child is None else GrpcLink(f"127.0.0.1:{child.port}"))
     planner_server, planner_port = await start_planner_server(planner_config, port=0, links=[link])
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{planner_port}")
-    stub = client_pb2_grpc.PlannerStub(channel)
-    return Arm(name, link, stub, planner_server.planner, planner_server, channel, runner, child)
+    return Arm(name, link, f"127.0.0.1:{planner_port}", planner_server.planner, planner_server, runner, child)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -364,13 +393,47 @@ async def serve_executor(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
     def answer_times() -> None:  # a thread: the runner's floats are safe to read from here
         for line in sys.stdin:
-            if line.strip() == "times":
+            if json.loads(line).get("times"):
                 protocol.write(json.dumps(asdict(runner.times)) + "\n")
         loop.call_soon_threadsafe(stdin_closed.set)
 
     threading.Thread(target=answer_times, daemon=True).start()
     await deltaserve.aio.until_stopped(stdin_closed.wait(), stop)
     await server.stop(None)
+
+
+async def serve_clients(stop: asyncio.Event) -> None:
+    """The child's side of ClientsChild: runs each measurement's requests at once, against the planner named."""
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    loop = asyncio.get_running_loop()
+    stubs: dict[str, client_pb2_grpc.PlannerStub] = {}
+    channels: list[grpc.aio.Channel] = []
+
+    async def generate(request: dict) -> dict:
+        address = request["address"]
+        if address not in stubs:
+            channels.append(grpc.aio.insecure_channel(address))
+            stubs[address] = client_pb2_grpc.PlannerStub(channels[-1])
+        prompts = [np.asarray(p, dtype=np.int32) for p in request["prompts"]]
+        began = time.perf_counter()
+        results = await asyncio.gather(*(one_request(stubs[address], p, request["max_tokens"]) for p in prompts))
+        wall = time.perf_counter() - began  # this process's clock, as the arrivals'
+        return {"results": [asdict(r) for r in results], "wall": wall}
+
+    stdin_closed = asyncio.Event()
+
+    def serve() -> None:  # a thread: the requests themselves run on the event loop
+        for line in sys.stdin:
+            answer = asyncio.run_coroutine_threadsafe(generate(json.loads(line)), loop).result()
+            protocol.write(json.dumps(answer) + "\n")
+        loop.call_soon_threadsafe(stdin_closed.set)
+
+    protocol.write(json.dumps({"ready": True}) + "\n")
+    threading.Thread(target=serve, daemon=True).start()
+    await deltaserve.aio.until_stopped(stdin_closed.wait(), stop)
+    for channel in channels:
+        await channel.close()
 
 
 async def run(args: argparse.Namespace) -> list[dict]:
@@ -385,6 +448,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
     children: dict[str, ExecutorChild] = {}
     capture: dict[str, dict] = {}
     arms: dict[str, Arm] = {}
+    clients: ClientsChild | None = None
     try:
         # The children first, one at a time, then this process's runner: each capture has the GPU to itself
         # (and a capture must be the only CUDA work in its process).
@@ -394,7 +458,10 @@ async def run(args: argparse.Namespace) -> list[dict]:
                 config = executor_config(args.device, pool_pages, buckets, name)
                 runner, states = build_runner(random_model(device), config)
             else:
-                child = children[name] = await ExecutorChild.start(name, args.device, pool_pages, buckets)
+                child = children[name] = await ExecutorChild.start(
+                    f"{name} executor", "--serve-executor", name, "--device", args.device,
+                    "--pool-pages", str(pool_pages), "--buckets", ",".join(map(str, buckets)),
+                )
                 runner, states = None, await child.ready()
             if "error" in states:
                 print(f"{name}: not built: {states['error']}", flush=True)
@@ -413,12 +480,14 @@ async def run(args: argparse.Namespace) -> list[dict]:
             if name in runners or name in children:
                 arms[name] = await start_arm(name, planner_config, runners.get(name), children.get(name))
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+        clients = await ClientsChild.start("clients", "--serve-clients")
+        await clients.ready()
 
         rng = np.random.default_rng(0)
         # Prompts of the measured length: the kernels compile for the shapes they will run.
         warm = [rng.integers(3, SMOLLM2.vocab_size, size=args.prompt_tokens).astype(np.int32) for _ in range(4)]
         for arm in arms.values():
-            await measure(arm, warm, 8)
+            await measure(arm, clients, warm, 8)
         results: dict[tuple[str, int], list[dict]] = {}
         outputs: dict[tuple[str, int, int], list[list[int]]] = {}
         for round_index in range(args.rounds):
@@ -431,7 +500,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
                     for i in range(c)
                 ]
                 for name, arm in arms.items():
-                    figures, tokens = await measure(arm, prompts, args.output_tokens)
+                    figures, tokens = await measure(arm, clients, prompts, args.output_tokens)
                     results.setdefault((name, c), []).append(figures)
                     outputs[(name, c, round_index)] = tokens
                     print(
@@ -444,8 +513,9 @@ async def run(args: argparse.Namespace) -> list[dict]:
                         flush=True,
                     )
     finally:
+        if clients is not None:
+            await clients.close()
         for arm in arms.values():
-            await arm.channel.close()
             await arm.server.stop(None)
         for child in children.values():
             await child.close()
@@ -456,6 +526,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
         record = {
             "arm": name,
             "executor_process": executor_process(name),
+            "clients_process": "child",
             "concurrency": c,
             "tok_s": round(statistics.fmean(r["tok_s"] for r in rounds), 1),
             "itl_p50_ms": round(statistics.fmean(r["itl_p50_ms"] or 0.0 for r in rounds), 3),
@@ -526,7 +597,11 @@ def main() -> None:
     parser.add_argument("--serve-executor", choices=child_arms, help=argparse.SUPPRESS)
     parser.add_argument("--pool-pages", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--buckets", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-clients", action="store_true", help=argparse.SUPPRESS)  # ClientsChild's mode
     args = parser.parse_args()
+    if args.serve_clients:  # the load generator needs no device
+        deltaserve.aio.run(serve_clients)
+        return
     if args.device != "cpu" and not torch.cuda.is_available():
         sys.exit("bench/decode.py needs a CUDA device (or --device cpu for a smoke run)")
     if args.compile_only:
