@@ -9,8 +9,9 @@ tokens each (EOS ignored), prefix cache off. Arms alternate within each round. P
 measurement; writes one JSON object per arm and concurrency (both rounds inside) and a plot of tok/s.
 
 Processes as deployed: the gRPC arms run their executor in a child process of its own (this script with
---serve-executor), and the clients run in another (--serve-clients); the planners and the in-process arm's
-executor share this process. Each record's "executor_process" ("child" or "same") and "clients_process" say so.
+--serve-executor), and the clients (the load generator) run in another child process (--serve-clients); the
+planners and the in-process arm's executor share this process. Each record's "executor_process" ("child" or
+"same") says where its executor ran, and its "clients_process" ("child") where its clients did.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Self, TextIO
 
 import grpc
 import numpy as np
@@ -49,7 +52,7 @@ ARMS = ("resident", "host-planned", "resident-inprocess")
 PAGE_SIZE = 16
 MAX_SEQ_LEN = 1024
 MODEL_FINGERPRINT = "random-smollm2"
-READY_TIMEOUT_S = 900.0  # an executor child's model build and graph captures
+READY_TIMEOUT_S = 900.0  # a child's start: an executor's model build and graph captures
 TIMES_TIMEOUT_S = 30.0
 MEASURE_TIMEOUT_S = 1800.0
 CLOSE_TIMEOUT_S = 10.0
@@ -121,7 +124,7 @@ class LineChild:
         self._stderr = asyncio.create_task(self._drain_stderr())
 
     @classmethod
-    async def start(cls, name: str, *mode: str):
+    async def start(cls, name: str, *mode: str) -> Self:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         pythonpath = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
         env = dict(os.environ, PYTHONPATH=pythonpath)
@@ -211,12 +214,18 @@ class ClientsChild(LineChild):
         if "error" in message:
             raise RuntimeError(message["error"])
 
-    async def generate(self, address: str, prompts: list[np.ndarray], max_tokens: int) -> tuple[list[RequestResult], float]:
+    async def generate(
+        self, address: str, prompts: list[np.ndarray], max_tokens: int
+    ) -> tuple[list[RequestResult], float]:
+        """The requests' results and the wall time of them all, both by the clients' clock."""
         answer = await self.ask(
             {"address": address, "prompts": [p.tolist() for p in prompts], "max_tokens": max_tokens},
             MEASURE_TIMEOUT_S,
         )
-        results = [RequestResult(r["sent"], [tuple(a) for a in r["arrivals"]], r["tokens"], r["error"]) for r in answer["results"]]
+        results = [
+            RequestResult(r["sent"], [tuple(a) for a in r["arrivals"]], r["tokens"], r["error"])
+            for r in answer["results"]
+        ]
         return results, answer["wall"]
 
 
@@ -266,7 +275,9 @@ class RequestResult:
     error: str | None
 
 
-async def one_request(stub, prompt: np.ndarray, max_tokens: int) -> RequestResult:
+async def one_request(
+    stub: client_pb2_grpc.PlannerStub, prompt: np.ndarray, max_tokens: int
+) -> RequestResult:
     request = client_pb2.GenerateRequest(token_ids=pack_i32(prompt), max_tokens=max_tokens, ignore_eos=True)
     sent = time.perf_counter()
     arrivals: list[tuple[float, int]] = []
@@ -292,6 +303,8 @@ async def measure(
     engine_before, runner_before = asdict(arm.engine.times), await arm.runner_times()
     arm.link.steady_bytes.clear()
     arm.link.slot_change_bytes.clear()
+    # The wall time of the requests' gather in the clients' process, not this round trip: the lines' transfer
+    # (a few MB at c=256) is no part of the service.
     results, wall = await clients.generate(arm.address, prompts, max_tokens)
     engine = {k: v - engine_before[k] for k, v in asdict(arm.engine.times).items()}
     runner = {k: v - runner_before[k] for k, v in (await arm.runner_times()).items()}
@@ -373,12 +386,36 @@ def compile_only() -> None:
     print(f"FlashInfer decode kernel ready in {time.perf_counter() - began:.1f} s", flush=True)
 
 
+def protocol_stdout() -> TextIO:
+    """A LineChild's protocol: the real stdout, for its lines only; fd 1 then points at stderr, so anything
+    else printed (logs included) goes there."""
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return protocol
+
+
+async def answer_lines(protocol: TextIO, answer: Callable[[dict], dict], stop: asyncio.Event) -> None:
+    """A LineChild's side of `ask`: one answer line per request line on stdin, until stdin closes or a stop
+    signal. `answer` runs in a thread of its own (stdin is read blocking); the event loop stays free."""
+    loop = asyncio.get_running_loop()
+    stdin_closed = asyncio.Event()
+
+    def serve() -> None:
+        try:
+            for line in sys.stdin:
+                protocol.write(json.dumps(answer(json.loads(line))) + "\n")
+        finally:  # also when an answer raised: its traceback is on stderr, and the process exits
+            # (the parent's `ask` then fails with that stderr's tail, rather than waiting for its timeout)
+            loop.call_soon_threadsafe(stdin_closed.set)
+
+    threading.Thread(target=serve, daemon=True).start()
+    await deltaserve.aio.until_stopped(stdin_closed.wait(), stop)
+
+
 async def serve_executor(args: argparse.Namespace, stop: asyncio.Event) -> None:
     """The child's side of ExecutorChild: builds the arm's runner, serves it, answers `times` until stdin
     closes."""
-    # Only the protocol's lines reach the real stdout: anything else printed (logs included) goes to stderr.
-    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    protocol = protocol_stdout()
     buckets = tuple(int(b) for b in args.buckets.split(","))
     config = executor_config(args.device, args.pool_pages, buckets, args.serve_executor)
     runner, states = build_runner(random_model(torch.device(args.device)), config)
@@ -388,24 +425,15 @@ async def serve_executor(args: argparse.Namespace, stop: asyncio.Event) -> None:
     server, port = await start_executor_server(runner)
     protocol.write(json.dumps({"port": port, "capture": states}) + "\n")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    loop = asyncio.get_running_loop()
-    stdin_closed = asyncio.Event()
-
-    def answer_times() -> None:  # a thread: the runner's floats are safe to read from here
-        for line in sys.stdin:
-            if json.loads(line).get("times"):
-                protocol.write(json.dumps(asdict(runner.times)) + "\n")
-        loop.call_soon_threadsafe(stdin_closed.set)
-
-    threading.Thread(target=answer_times, daemon=True).start()
-    await deltaserve.aio.until_stopped(stdin_closed.wait(), stop)
+    # The only request is {"times": true}; the runner's floats are safe to read from answer_lines' thread.
+    await answer_lines(protocol, lambda request: asdict(runner.times), stop)
     await server.stop(None)
 
 
 async def serve_clients(stop: asyncio.Event) -> None:
-    """The child's side of ClientsChild: runs each measurement's requests at once, against the planner named."""
-    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    """The child's side of ClientsChild: runs each measurement's requests at once, against the planner named
+    (one channel per planner, kept for the run)."""
+    protocol = protocol_stdout()
     loop = asyncio.get_running_loop()
     stubs: dict[str, client_pb2_grpc.PlannerStub] = {}
     channels: list[grpc.aio.Channel] = []
@@ -417,21 +445,17 @@ async def serve_clients(stop: asyncio.Event) -> None:
             stubs[address] = client_pb2_grpc.PlannerStub(channels[-1])
         prompts = [np.asarray(p, dtype=np.int32) for p in request["prompts"]]
         began = time.perf_counter()
-        results = await asyncio.gather(*(one_request(stubs[address], p, request["max_tokens"]) for p in prompts))
+        results = await asyncio.gather(
+            *(one_request(stubs[address], p, request["max_tokens"]) for p in prompts)
+        )
         wall = time.perf_counter() - began  # this process's clock, as the arrivals'
         return {"results": [asdict(r) for r in results], "wall": wall}
 
-    stdin_closed = asyncio.Event()
-
-    def serve() -> None:  # a thread: the requests themselves run on the event loop
-        for line in sys.stdin:
-            answer = asyncio.run_coroutine_threadsafe(generate(json.loads(line)), loop).result()
-            protocol.write(json.dumps(answer) + "\n")
-        loop.call_soon_threadsafe(stdin_closed.set)
-
     protocol.write(json.dumps({"ready": True}) + "\n")
-    threading.Thread(target=serve, daemon=True).start()
-    await deltaserve.aio.until_stopped(stdin_closed.wait(), stop)
+    # The requests run on the event loop; answer_lines' thread waits for each measurement's lot.
+    await answer_lines(
+        protocol, lambda request: asyncio.run_coroutine_threadsafe(generate(request), loop).result(), stop
+    )
     for channel in channels:
         await channel.close()
 
@@ -484,10 +508,12 @@ async def run(args: argparse.Namespace) -> list[dict]:
         await clients.ready()
 
         rng = np.random.default_rng(0)
-        # Prompts of the measured length: the kernels compile for the shapes they will run.
-        warm = [rng.integers(3, SMOLLM2.vocab_size, size=args.prompt_tokens).astype(np.int32) for _ in range(4)]
-        for arm in arms.values():
-            await measure(arm, clients, warm, 8)
+        # Prompts of the measured length at every measured concurrency: the kernels compile, and every bucket's
+        # graph makes its first replay, for the shapes the rounds will run.
+        for c in concurrencies:
+            warm = [rng.integers(3, SMOLLM2.vocab_size, size=args.prompt_tokens).astype(np.int32) for _ in range(c)]
+            for arm in arms.values():
+                await measure(arm, clients, warm, 8)
         results: dict[tuple[str, int], list[dict]] = {}
         outputs: dict[tuple[str, int, int], list[list[int]]] = {}
         for round_index in range(args.rounds):
@@ -549,8 +575,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
     for name, state in capture.items():
         if "error" in state:
             records.append({
-                "arm": name, "executor_process": executor_process(name), "error": state["error"],
-                "commit": args.commit or commit_hash(), "gpu": gpu,
+                "arm": name, "executor_process": executor_process(name), "clients_process": "child",
+                "error": state["error"], "commit": args.commit or commit_hash(), "gpu": gpu,
             })
     return records
 
