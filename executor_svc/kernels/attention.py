@@ -9,7 +9,7 @@ import triton.language as tl
 from executor_svc.kernels import interpreting
 from protos.layout import RowLayout
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 _MIN_TOKENS = 64  # tokens per inner step: several pages in flight when pages are small
 _MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows, so the query heads of a KV head are padded to 16
 _MIN_BLOCKS_PER_SPLIT = 4  # a split-K partition shorter than this costs more to combine than it saves
@@ -164,6 +164,21 @@ def _combine_splits_kernel(
     tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
+def check_paged_qkv(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> None:
+    """What every paged attention kernel here needs of q [N, H, D] and the pool layers [pages, page, KVH, D]:
+    fitting heads (GQA), one dtype, contiguous head dims."""
+    _, heads, head_dim = q.shape
+    _, _, kv_heads, kv_dim = k_layer.shape
+    if v_layer.shape != k_layer.shape or kv_dim != head_dim or heads % kv_heads:
+        raise ValueError(
+            f"q [N, {heads}, {head_dim}] does not fit k {tuple(k_layer.shape)}, v {tuple(v_layer.shape)}"
+        )
+    if not q.dtype == k_layer.dtype == v_layer.dtype:
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k_layer.dtype}, {v_layer.dtype}")
+    if q.stride(2) != 1 or k_layer.stride(3) != 1 or v_layer.stride(3) != 1:
+        raise ValueError("q, k and v must be contiguous along head_dim")
+
+
 def decode_splits(batch: int, kv_heads: int, max_seq_len: int, page_size: int, sm_count: int) -> int:
     """Split-K partitions for a captured bucket: 1 when the (row, KV head) programs already fill the
     GPU, else enough to fill about two waves, each partition at least a few inner steps long."""
@@ -190,21 +205,13 @@ def paged_decode_attention(
     which attends over position 0 of the sink page). Lengths and pages are read on the device by slot;
     `splits` > 1 partitions each row's pages (flash-decoding) and combines them in a second kernel.
     """
+    check_paged_qkv(q, k_layer, v_layer)
     batch, heads, head_dim = q.shape
-    _, page, kv_heads, kv_dim = k_layer.shape
-    if page != page_size or v_layer.shape != k_layer.shape:
-        raise ValueError(
-            f"k, v layers must both be [pages, {page_size}, kv_heads, D], got {tuple(k_layer.shape)}, "
-            f"{tuple(v_layer.shape)}"
-        )
-    if kv_dim != head_dim or heads % kv_heads:
-        raise ValueError(f"q [B, {heads}, {head_dim}] does not fit KV heads of {kv_heads} x {kv_dim}")
-    if not q.dtype == k_layer.dtype == v_layer.dtype:
-        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k_layer.dtype}, {v_layer.dtype}")
+    _, page, kv_heads, _ = k_layer.shape
+    if page != page_size:
+        raise ValueError(f"k, v layers must be [pages, {page_size}, kv_heads, D], got {tuple(k_layer.shape)}")
     if head_dim & (head_dim - 1) or page_size & (page_size - 1):
         raise ValueError(f"head_dim and page_size must be powers of two, got {head_dim}, {page_size}")
-    if q.stride(2) != 1 or k_layer.stride(3) != 1 or v_layer.stride(3) != 1:
-        raise ValueError("q, k and v must be contiguous along head_dim")
     if rows.dtype != torch.int32 or not rows.is_contiguous() or step_slots.shape != (batch,):
         raise ValueError(
             f"rows must be a contiguous int32[S, C] and step_slots [{batch}], got {rows.dtype}, "
@@ -242,7 +249,7 @@ def paged_decode_attention(
         columns,
         block_table_col,
         columns - block_table_col,
-        scale * _LOG2E,
+        scale * LOG2E,
         KV_LEN=RowLayout.KV_LEN,
         GROUP=group,
         GROUP_ROWS=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)),

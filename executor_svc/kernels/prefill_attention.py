@@ -8,9 +8,9 @@ import triton
 import triton.language as tl
 
 from executor_svc.kernels import interpreting
+from executor_svc.kernels.attention import LOG2E, check_paged_qkv
 from executor_svc.prefill_batch import PrefillBatch
 
-_LOG2E = 1.4426950408889634
 BLOCK_M = 64  # queries of one chunk per program
 _BLOCK_N = 64  # key positions per inner step
 
@@ -140,16 +140,9 @@ def paged_prefill_attention(
 
     k_layer, v_layer: [pages, page_size, kv_heads, D]; block_map from `prefill_block_map(batch)`.
     """
+    check_paged_qkv(q, k_layer, v_layer)
     tokens, heads, head_dim = q.shape
-    _, page_size, kv_heads, kv_dim = k_layer.shape
-    if v_layer.shape != k_layer.shape or kv_dim != head_dim or heads % kv_heads:
-        raise ValueError(
-            f"q [T, {heads}, {head_dim}] does not fit k {tuple(k_layer.shape)}, v {tuple(v_layer.shape)}"
-        )
-    if not q.dtype == k_layer.dtype == v_layer.dtype:
-        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k_layer.dtype}, {v_layer.dtype}")
-    if q.stride(2) != 1 or k_layer.stride(3) != 1 or v_layer.stride(3) != 1:
-        raise ValueError("q, k and v must be contiguous along head_dim")
+    _, page_size, kv_heads, _ = k_layer.shape
     if tokens != batch.num_tokens:
         raise ValueError(f"q holds {tokens} tokens, the batch {batch.num_tokens}")
     block_chunk, block_first = block_map
@@ -175,7 +168,7 @@ def paged_prefill_attention(
         out.stride(0),
         out.stride(1),
         batch.block_tables.shape[1],
-        scale * _LOG2E,
+        scale * LOG2E,
         GROUP=heads // kv_heads,
         HEAD_DIM=head_dim,
         DIM_BLOCK=max(16, triton.next_power_of_2(head_dim)),
