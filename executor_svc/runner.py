@@ -240,31 +240,30 @@ class StepRunner:
         # All chunks at once: one matmul per projection; on a GPU the Triton kernels, one attention launch a layer.
         prefill = self.model.prefill_fused if self.device.type == "cuda" else self.model.prefill
         logits = prefill(batch, self.kv_pool)  # logits: [N, V]
-        sampled_chunks = [index for index, chunk in enumerate(plan.prefill) if chunk.sample_slot]
-        if not sampled_chunks:
+        sampling = [(index, chunk) for index, chunk in enumerate(plan.prefill) if chunk.sample_slot]
+        if not sampling:
             return [], []
         # chunk index, slot, and the sampler's counter (the position of the token sampled: one past the chunk)
         picks = np.array(
-            [
-                (index, plan.prefill[index].sample_slot, plan.prefill[index].start + len(plan.prefill[index].token_ids))
-                for index in sampled_chunks
-            ],
+            [(index, chunk.sample_slot, chunk.start + len(chunk.token_ids)) for index, chunk in sampling],
             dtype=np.int64,
         )
         chunks, slots, counters = torch.from_numpy(picks.T.copy()).to(self.device)
         tokens = sample(logits.index_select(0, chunks), *self.store.sampler_params(slots), counters)
         self.store.store_prefill_tokens(slots, tokens)
-        return [tokens], sampled_chunks
+        return [tokens], [index for index, _ in sampling]
 
     def _read_back(
         self, seq: int, plan: CheckedPlan, sampled: list[torch.Tensor], sampled_chunks: list[int], mismatches: int
     ) -> LaunchedStep:
         """Queue one copy of every token sampled this step (prefill chunks first, then the decode rows) to
         the host, behind the step's work: no wait here."""
-        if len(sampled) == 1:  # a decode step alone: no concatenation kernel to launch
+        if not sampled:
+            tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        elif len(sampled) == 1:  # no concatenation kernel to launch
             tokens = sampled[0]
         else:
-            tokens = torch.cat(sampled) if sampled else torch.empty(0, dtype=torch.int64, device=self.device)
+            tokens = torch.cat(sampled)
         done = None
         if self.device.type == "cuda" and sampled:
             # From the caching host allocator: a pinned block is reused only once its copy has run.
