@@ -331,7 +331,11 @@ async def measure(
         "steps": steps,
         "step_us": round(step_us, 1),
         # Host microseconds per step: the planner's phases (per step it ran) and the executor's (per decode step).
-        "planner_us": {k: per_step(engine[f"{k}_us"], steps) for k in ("plan", "encode", "send", "wait", "commit")},
+        "planner_us": {
+            k: per_step(engine[f"{k}_us"], steps) for k in ("plan", "encode", "send", "wait", "stream", "commit")
+        },
+        # Client streams the planner wrote to per step (the rest of the running requests' tokens waited).
+        "streams_written_per_step": per_step(engine["streams_written"], steps),
         "executor_us": {
             k: per_step(runner[f"{k}_us"], decode_steps) for k in ("apply", "plan", "prefill", "launch", "sync")
         },

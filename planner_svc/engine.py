@@ -12,19 +12,11 @@ import structlog
 from planner_svc.link import ExecutorLink
 from planner_svc.requests import Finish, Request
 from planner_svc.scheduler import PlannedStep, Scheduler
+from planner_svc.streaming import PendingTokens, StreamBudget, TokenEvent
 from protos import executor_pb2
 from protos.wire import unpack_i32
 
 log = structlog.get_logger("deltaserve.planner.engine")
-
-
-@dataclass(slots=True)
-class TokenEvent:
-    """Tokens for one request since its last event; `finish` set on its last."""
-
-    token_ids: list[int]
-    finish: Finish | None = None
-    error: str | None = None  # the executor was lost: the request ends with UNAVAILABLE
 
 
 @dataclass(slots=True)
@@ -37,6 +29,8 @@ class StepTimes:
     send_us: float = 0.0
     wait_us: float = 0.0
     commit_us: float = 0.0
+    stream_us: float = 0.0  # the client stream writes released before each wait (within wait_us)
+    streams_written: int = 0
     plan_bytes: int = 0
 
 
@@ -74,7 +68,10 @@ class Engine:
         self.times = StepTimes()
         self.steps = 0
         self.row_mismatches = 0
-        self._queues: dict[Request, asyncio.Queue[TokenEvent]] = {}
+        self._queues: dict[Request, asyncio.Queue[TokenEvent]] = {}  # streams open, until their last event
+        self._pending: PendingTokens[Request] = PendingTokens()
+        self.stream_budget = StreamBudget()
+        self._writes_ended: float | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._seq = 0
@@ -114,10 +111,14 @@ class Engine:
         self._wake.set()
 
     def abort(self, request: Request) -> bool:
+        """End a running or waiting request; its tokens not yet streamed are dropped. False (and nothing
+        changes) when it had finished: its last tokens still go to its stream."""
         aborted = self.scheduler.abort(request)
-        queue = self._queues.pop(request, None)
-        if aborted and queue is not None:
-            queue.put_nowait(TokenEvent([], Finish.ABORT))
+        if aborted:
+            self._pending.drop(request)
+            queue = self._queues.pop(request, None)
+            if queue is not None:
+                queue.put_nowait(TokenEvent([], Finish.ABORT))
         self._wake.set()
         return aborted
 
@@ -136,6 +137,7 @@ class Engine:
                     if self._inflight:
                         await self._receive()
                     else:
+                        self._stream(len(self._pending))  # no step to feed: every stream gets its tokens
                         self._wake.clear()
                         await self._wake.wait()
                     continue
@@ -157,10 +159,29 @@ class Engine:
             self.failure = f"executor {self.link.address} failed: {error}"
             self._fail_all(self.failure)
 
+    def _stream(self, count: int) -> int:
+        """Hand the `count` oldest pending events to their streams; their writes run when the loop next waits."""
+        taken = self._pending.take(count)
+        for request, event in taken:
+            queue = self._queues[request]
+            queue.put_nowait(event)
+            if event.finish is not None:
+                del self._queues[request]
+        return len(taken)
+
+    def _writes_end(self) -> None:
+        self._writes_ended = time.perf_counter()
+
     async def _receive(self) -> None:
         began = time.perf_counter()
+        written = self._stream(self.stream_budget.allowance())
+        # Scheduled behind the released streams' wake-ups, so it runs when their writes have been issued.
+        self._writes_ended = None
+        asyncio.get_running_loop().call_soon(self._writes_end)
         output = await self.link.recv()
         received = time.perf_counter()
+        writes_us = ((self._writes_ended or received) - began) * 1e6 if written else 0.0
+        self.stream_budget.observe(written, writes_us, (received - began) * 1e6)
         seq = self._inflight.popleft()
         if output.seq != seq:
             raise RuntimeError(f"executor answered step {output.seq}, expected {seq}")
@@ -168,28 +189,21 @@ class Engine:
         self.row_mismatches += output.row_mismatches
         if output.row_mismatches:
             log.error("row check failed", seq=seq, mismatches=output.row_mismatches)
-        events: dict[Request, TokenEvent] = {}
+        pending, queues = self._pending, self._queues
         for request, token in produced:
-            event = events.get(request)
-            if event is None:
-                event = events[request] = TokenEvent([])
-            event.token_ids.append(token)
-            event.finish = request.finish
-        for request, event in events.items():
-            queue = self._queues.get(request)
-            if queue is None:
-                continue
-            queue.put_nowait(event)
-            if event.finish is not None:
-                del self._queues[request]
+            if request in queues:  # not aborted meanwhile
+                pending.add(request, token, request.finish)
         self.steps += 1
         times = self.times
         times.steps += 1
         times.wait_us += (received - began) * 1e6
+        times.stream_us += writes_us
+        times.streams_written += written
         times.commit_us += (time.perf_counter() - received) * 1e6
 
     def _fail_all(self, message: str) -> None:
         for request, queue in list(self._queues.items()):
             self.scheduler.abort(request)
+            self._pending.drop(request)
             queue.put_nowait(TokenEvent([], Finish.ABORT, error=message))
         self._queues.clear()

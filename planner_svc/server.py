@@ -11,13 +11,14 @@ from grpc_reflection.v1alpha import reflection
 
 from planner_svc.config import PlannerConfig
 from planner_svc.conversations import Conversation, Conversations, Mount, common_prefix
-from planner_svc.engine import Engine, TokenEvent
+from planner_svc.engine import Engine
 from planner_svc.link import CHANNEL_OPTIONS, ExecutorLink, GrpcLink
 from planner_svc.parking import ParkError, Parking
 from planner_svc.requests import Finish, Request, Sampling
 from planner_svc.retention import RetentionConfig
 from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
 from planner_svc.shared_prefix import resolve_shared_prefix
+from planner_svc.streaming import TokenEvent
 from planner_svc.tokenizer import IncrementalDetokenizer, chat_ids, load_tokenizer, text_ids
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.layout import RowLayout
@@ -210,8 +211,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         while True:
             event = await queue.get()
             while event.finish is None and not queue.empty():  # join what piled up into one message
-                more = queue.get_nowait()
-                event = TokenEvent(event.token_ids + more.token_ids, more.finish, more.error)
+                event.join(queue.get_nowait())
             if event.error is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
             response = client_pb2.GenerateResponse(
