@@ -340,6 +340,12 @@ async def measure(
             k: per_step(runner[f"{k}_us"], decode_steps) for k in ("apply", "plan", "prefill", "launch", "sync")
         },
         "graph_us": graph_us,
+        # The GPU's share of a steady decode step (no prefill in it), from CUDA events: graph time over the
+        # time between consecutive replays' ends.
+        "gpu_busy_steady": (
+            round(runner["steady_graph_us"] / runner["steady_period_us"], 3) if runner["steady_period_us"] else None
+        ),
+        "steady_period_us": per_step(runner["steady_period_us"], runner["steady_steps"]),
         # Wall time of a step the decode graph did not cover: prefill on the GPU, and the GPU idle.
         "outside_graph_us": round(step_us - graph_us, 1) if decode_steps else None,
         "plan_bytes_mean": round(engine["plan_bytes"] / steps, 1) if steps else None,
@@ -537,7 +543,9 @@ async def run(args: argparse.Namespace) -> list[dict]:
                         f"round {round_index + 1} {name:19s} c={c:4d}  {figures['tok_s']:9.1f} tok/s  "
                         f"ITL p50 {figures['itl_p50_ms']} ms mean {figures['itl_mean_ms']} ms  "
                         f"TTFT p50 {figures['ttft_p50_ms']} ms  failed {figures['failed']}  "
-                        f"step {figures['step_us']} us (graph {figures['graph_us']})  "
+                        f"step {figures['step_us']} us (graph {figures['graph_us']}, steady period "
+                        f"{figures['steady_period_us']}, busy {figures['gpu_busy_steady']})  "
+                        f"streams/step {figures['streams_written_per_step']}  "
                         f"planner {figures['planner_us']}  executor {figures['executor_us']}  "
                         f"steady plan {figures['steady_plan_bytes_median']} B",
                         flush=True,

@@ -40,6 +40,12 @@ class RunnerTimes:
     launch_us: float = 0.0  # the graph replay call
     sync_us: float = 0.0  # from the launch until the sampled tokens are on the host (off the GPU loop)
     graph_us: float = 0.0  # device time of the decode graphs (CUDA events around each replay)
+    # Steady decode steps (no prefill, right after another replay): the graph's device time, and the device
+    # time from the previous replay's end to this one's (the step's period on the GPU: their ratio is how
+    # busy the GPU is while requests decode).
+    steady_steps: int = 0
+    steady_graph_us: float = 0.0
+    steady_period_us: float = 0.0
 
 
 @dataclass(slots=True)
@@ -119,6 +125,7 @@ class StepRunner:
         self._decode_bucket = 0  # the bucket whose slots the store holds
         self.graphs = graphs
         self.times = RunnerTimes()
+        self._last_replay: tuple[int, torch.cuda.Event] | None = None  # seq and end event of the last replay timed
 
     def describe(self) -> executor_pb2.ExecutorDescription:
         config, limits = self.model.config, self.limits
@@ -299,8 +306,16 @@ class StepRunner:
         times.plan_us += (planned - prefilled) * 1e6
         times.launch_us += (launched - planned) * 1e6
         times.sync_us += (time.perf_counter() - launched) * 1e6
-        if step.replay is not None:
-            times.graph_us += step.replay[0].elapsed_time(step.replay[1]) * 1e3
+        if step.replay is None:
+            return
+        graph_us = step.replay[0].elapsed_time(step.replay[1]) * 1e3
+        times.graph_us += graph_us
+        last = self._last_replay
+        if last is not None and last[0] == step.seq - 1 and not step.plan.prefill:
+            times.steady_steps += 1
+            times.steady_graph_us += graph_us
+            times.steady_period_us += last[1].elapsed_time(step.replay[1]) * 1e3
+        self._last_replay = (step.seq, step.replay[1])
 
 
 async def collect_when_ready(runner: StepRunner, step: LaunchedStep) -> executor_pb2.StepOutput:
