@@ -304,6 +304,7 @@ class LlamaModel(nn.Module):
         (inputs from `gather_inputs`, or built on the host) or a packed prefill batch's tokens. `attend` is the
         attention backend; `select` the rows that need logits (default all). Returns float32 logits[B or
         len(select), V]. Fixed shapes, no host reads."""
+        from executor_svc.kernels import gemv
         from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
 
         cfg = self.config
@@ -312,11 +313,25 @@ class LlamaModel(nn.Module):
         k_end = q_end + kv_heads * head_dim
         x = self.embed_tokens(inputs.tokens)  # x: [B, hidden]
         batch = x.shape[0]
+        # A few rows: each projection one GEMV kernel that also norms its input (and gates gate_up's output);
+        # more: cuBLAS GEMMs between the norm and SiLU kernels.
+        few = batch <= gemv.MAX_ROWS
+
+        def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return gemv.gemv(x, weight)[0] if few else F.linear(x, weight)
+
+        def norm_project(x, residual, norm_weight, weight, gated=False) -> tuple[torch.Tensor, torch.Tensor]:
+            if few:
+                return gemv.gemv(x, weight, norm=(residual, norm_weight, eps), gated=gated)
+            h, residual = rmsnorm_residual(x, residual, norm_weight, eps)
+            out = F.linear(h, weight)
+            return (silu_mul(out) if gated else out), residual
+
         residual = None  # the first norm's "sum" is the embedding itself
         fused = self._fused_projections()
         for index, (layer, (qkv_weight, gate_up_weight)) in enumerate(zip(self.layers, fused, strict=True)):
-            h, residual = rmsnorm_residual(x, residual, layer.input_layernorm.weight, eps)
-            qkv = F.linear(h, qkv_weight)  # qkv: [B, (H + 2 KVH) * D]
+            # qkv: [B, (H + 2 KVH) * D]
+            qkv, residual = norm_project(x, residual, layer.input_layernorm.weight, qkv_weight)
             q = qkv[:, :q_end].view(batch, heads, head_dim)
             k = qkv[:, q_end:k_end].view(batch, kv_heads, head_dim)
             v = qkv[:, k_end:].view(batch, kv_heads, head_dim)
@@ -324,9 +339,10 @@ class LlamaModel(nn.Module):
                 q, k, v, inputs.positions, self.rope_cos, self.rope_sin,
                 kv.k[index], kv.v[index], inputs.write_page, inputs.write_offset,
             )
-            x = layer.self_attn.o_proj(attend(index, q).flatten(1))
-            h, residual = rmsnorm_residual(x, residual, layer.post_attention_layernorm.weight, eps)
-            x = layer.mlp.down_proj(silu_mul(F.linear(h, gate_up_weight)))
+            x = project(attend(index, q).flatten(1), layer.self_attn.o_proj.weight)
+            # act: [B, I], SiLU(gate) * up
+            act, residual = norm_project(x, residual, layer.post_attention_layernorm.weight, gate_up_weight, True)
+            x = project(act, layer.mlp.down_proj.weight)
         if select is not None:
             x, residual = x.index_select(0, select), residual.index_select(0, select)
         h, _ = rmsnorm_residual(x, residual, self.norm.weight, eps)
