@@ -27,7 +27,8 @@ def text_ids(tokenizer, text: str) -> list[int]:
 
 
 class IncrementalDetokenizer:
-    """Text for each batch of new tokens, holding back bytes of a character not yet complete."""
+    """Text for each batch of new tokens, holding back bytes of a character not yet complete. Special tokens
+    (the chat template's end-of-turn that stops an answer) have no text."""
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
@@ -38,8 +39,8 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str:
         self._ids.extend(token_ids)
         decode = self._tokenizer.decode
-        emitted = decode(self._ids[self._prefix : self._read])
-        text = decode(self._ids[self._prefix :])
+        emitted = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
+        text = decode(self._ids[self._prefix :], skip_special_tokens=True)
         if len(text) <= len(emitted) or text.endswith("\ufffd"):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
