@@ -29,6 +29,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0")
 import deltaserve.aio
 from bench.common import commit_hash, write_json
 from bench.decode import SMOLLM2, random_model
+from bench.soak import DisplacedCounter, one_request
 from executor_svc.config import ExecutorConfig
 from executor_svc.runner import runner_for_model
 from executor_svc.server import start_executor_server
@@ -36,7 +37,6 @@ from planner_svc.client import PlannerClient
 from planner_svc.config import PlannerConfig
 from planner_svc.link import GrpcLink
 from planner_svc.server import start_planner_server
-from tests.test_e2e_row_check_soak import DisplacedCounter, one_request
 
 PAGE_SIZE = 16
 MAX_SEQ_LEN = 512
