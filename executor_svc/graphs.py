@@ -79,6 +79,8 @@ class DecodeGraphs:
             else 1
             for bucket in self.buckets
         }
+        # The split-K partitions' arrival counters, one per (row, KV head): the attention leaves them zero.
+        self._split_counters = torch.zeros(layout.widest_bucket * config.num_kv_heads, dtype=torch.int32, device=device)
         self._step_slots = np.zeros(layout.widest_bucket, dtype=np.int32)  # host copy of store.step_slots
         self._samples = np.zeros(layout.slots, dtype=bool)  # by slot: temperature > 0
         self.host_rows: HostRows | None = None
@@ -188,7 +190,7 @@ class DecodeGraphs:
         count.zero_()  # consumed: the next step scatters only what it stages
         if self.host_rows is None:
             logits, positions = self.model.decode_resident(
-                store.rows, slots, store.last_token, kv, self.splits[bucket]
+                store.rows, slots, store.last_token, kv, self.splits[bucket], self._split_counters
             )
         else:
             inputs = self._inputs_from_host(bucket, slots)

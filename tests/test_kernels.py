@@ -167,11 +167,14 @@ def test_paged_decode_attention_matches_the_reference(page_size: int, head_dim: 
         page_size, head_dim, torch.float32, page_size + head_dim
     )
     scale = head_dim**-0.5
-    got = paged_decode_attention(
-        q, k_layer, v_layer, store.rows, slots, BLOCK_TABLE, page_size, scale, splits
-    )
+    counters = torch.zeros(4 * KV_HEADS + 1, dtype=torch.int32, device=DEVICE)
     expected = reference_attention(store, q, k_layer, v_layer, scale)
-    torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-5)
+    for _ in range(2):  # the same counters serve the next launch: the kernel leaves them zero
+        got = paged_decode_attention(
+            q, k_layer, v_layer, store.rows, slots, BLOCK_TABLE, page_size, scale, splits, counters
+        )
+        torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-5)
+        assert not counters.any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -266,3 +269,10 @@ def test_silu_mul_matches_torch(dtype: torch.dtype):
     gate_up = (torch.randn(3, 2 * intermediate, generator=gen) * 4).to(dtype).to(DEVICE)
     gate, up = gate_up.chunk(2, dim=1)
     torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, **tolerance(dtype))
+
+
+def test_paged_decode_attention_refuses_short_or_mistyped_counters():
+    store, slots, q, k_layer, v_layer = attention_case(4, 64, torch.float32, 5)
+    for counters in (torch.zeros(3, dtype=torch.int32), torch.zeros(12, dtype=torch.int64)):
+        with pytest.raises(ValueError, match=r"counters must be int32\[>= 12\]"):
+            paged_decode_attention(q, k_layer, v_layer, store.rows, slots, BLOCK_TABLE, 4, 0.125, 2, counters.to(DEVICE))

@@ -30,6 +30,7 @@ def _paged_decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    counters_ptr,
     stride_qb,
     stride_qh,
     stride_kp,
@@ -51,9 +52,11 @@ def _paged_decode_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
     DOT_IN_F32: tl.constexpr,
 ):
-    """One program per (row, KV head, split): the KV head's GROUP query heads at once, online softmax."""
+    """One program per (row, KV head, split): the KV head's GROUP query heads at once, online softmax. With
+    splits, the last partition of a (row, KV head) to finish combines them all."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -127,41 +130,45 @@ def _paged_decode_kernel(
         filled = total > 0
         safe_total = tl.where(filled, total, 1.0)
         lse = tl.where(filled, top + tl.log2(safe_total), float("-inf"))
-        part = (row * tl.num_programs(1) * GROUP + heads) * SPLITS + split
-        tl.store(part_lse_ptr + part, lse, mask=real_head)
+        first_part = (row * tl.num_programs(1) * GROUP + heads) * SPLITS
+        tl.store(part_lse_ptr + first_part + split, lse, mask=real_head)
         tl.store(
-            part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+            part_out_ptr + (first_part + split)[:, None] * HEAD_DIM + d[None, :],
             acc / safe_total[:, None],
             mask=real_head[:, None],
         )
-
-
-@triton.jit
-def _combine_splits_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    stride_ob,
-    stride_oh,
-    SPLITS: tl.constexpr,
-    SPLITS_POW2: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """One program per (row, head): the partitions weighed by their softmax mass."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_POW2)
-    d = tl.arange(0, HEAD_DIM)
-    part = (row * tl.num_programs(1) + head) * SPLITS + s
-    lse = tl.load(part_lse_ptr + part, mask=s < SPLITS, other=float("-inf"))
-    # Partition 0 always holds the row's first block, so the top is finite.
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    # partial: [SPLITS_POW2, HEAD_DIM]
-    partial = tl.load(
-        part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=(s < SPLITS)[:, None], other=0.0
-    )
-    out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+        # Release our partition, and learn whether it was the last (acquire the others'): no second kernel.
+        counter = counters_ptr + row * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+            s = tl.arange(0, SPLITS_POW2)
+            # lses: [GROUP_ROWS, SPLITS_POW2]; read past L1, which may hold none of the others' writes
+            lses = tl.load(
+                part_lse_ptr + first_part[:, None] + s[None, :],
+                mask=real_head[:, None] & (s < SPLITS)[None, :],
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            # Partition 0 always holds the row's first block, so a real head's top is finite.
+            top = tl.where(real_head, tl.max(lses, 1), 0.0)
+            mass = tl.zeros([GROUP_ROWS], tl.float32)
+            out = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
+            for part in range(SPLITS):
+                weight = tl.exp2(
+                    tl.load(part_lse_ptr + first_part + part, mask=real_head, other=float("-inf"), cache_modifier=".cg")
+                    - top
+                )
+                partial = tl.load(
+                    part_out_ptr + (first_part + part)[:, None] * HEAD_DIM + d[None, :],
+                    mask=real_head[:, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                mass += weight
+                out += weight[:, None] * partial
+            out = out / tl.where(real_head, mass, 1.0)[:, None]
+            out_at = out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :]
+            tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=real_head[:, None])
+            tl.store(counter, 0)  # rearmed for the next layer's launch
 
 
 def check_paged_qkv(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> None:
@@ -198,12 +205,15 @@ def paged_decode_attention(
     page_size: int,
     scale: float,
     splits: int = 1,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per row over its KV_LEN + 1 positions: q[B, H, D] -> [B, H, D] in q's dtype.
 
     k_layer, v_layer: [pages, page_size, kv_heads, D]; rows: int32[S, C]; step_slots: [B] (0 = padding,
     which attends over position 0 of the sink page). Lengths and pages are read on the device by slot;
-    `splits` > 1 partitions each row's pages (flash-decoding) and combines them in a second kernel.
+    `splits` > 1 partitions each row's pages (flash-decoding), the last partition of each row and KV head
+    combining them. `counters`: int32[>= B * kv_heads], zero, which the kernel leaves zero again (pass a
+    persistent one where the call is captured, so the graph sets nothing up); None: a fresh one.
     """
     check_paged_qkv(q, k_layer, v_layer)
     batch, heads, head_dim = q.shape
@@ -219,6 +229,10 @@ def paged_decode_attention(
         )
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
+    if counters is None:
+        counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device)
+    if counters.dtype != torch.int32 or counters.numel() < batch * kv_heads:
+        raise ValueError(f"counters must be int32[>= {batch * kv_heads}], got {counters.dtype}[{counters.numel()}]")
     group = heads // kv_heads
     out = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
     if splits == 1:
@@ -236,6 +250,7 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
+        counters,
         q.stride(0),
         q.stride(1),
         k_layer.stride(0),
@@ -257,18 +272,8 @@ def paged_decode_attention(
         PAGE=page_size,
         BLOCK_N=_tokens_per_step(page_size),
         SPLITS=splits,
+        SPLITS_POW2=triton.next_power_of_2(splits),
         # The interpreter multiplies bfloat16 dot operands as raw bits (triton-lang/triton#11584).
         DOT_IN_F32=q.dtype == torch.bfloat16 and interpreting(),
     )
-    if splits > 1:
-        _combine_splits_kernel[(batch, heads)](
-            part_out,
-            part_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            SPLITS=splits,
-            SPLITS_POW2=triton.next_power_of_2(splits),
-            HEAD_DIM=head_dim,
-        )
     return out

@@ -356,10 +356,12 @@ class LlamaModel(nn.Module):
         last_token: torch.Tensor,
         kv: KVPool,
         splits: int = 1,
+        split_counters: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step that reads everything off the slot store by slot: rows int32[S, C], step_slots [B]
         (0 = padding, which reads the sink row), last_token i64[S] (the loop-back buffer). Attention takes
-        `splits` split-K partitions (fixed per captured bucket). Returns float32 logits[B, V] and the rows'
+        `splits` split-K partitions (fixed per captured bucket; `split_counters` as paged_decode_attention's
+        counters). Returns float32 logits[B, V] and the rows'
         positions i64[B] (the sampler's counter is position + 1)."""
         from executor_svc.kernels.attention import paged_decode_attention
         from executor_svc.kernels.tables import gather_inputs
@@ -369,7 +371,8 @@ class LlamaModel(nn.Module):
 
         def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
             return paged_decode_attention(
-                q, kv.k[layer], kv.v[layer], rows, step_slots, RowLayout.BLOCK_TABLE, page_size, self.scale, splits
+                q, kv.k[layer], kv.v[layer], rows, step_slots, RowLayout.BLOCK_TABLE, page_size, self.scale, splits,
+                split_counters,
             )
 
         return self.forward_fused(inputs, kv, attend), inputs.positions
