@@ -199,10 +199,10 @@ def test_padding_rows_attend_to_the_sink_position_and_stay_finite():
 
 def test_split_count_follows_occupancy_and_length():
     # One row of SmolLM2 over 8k tokens on 132 SMs: split; a wide bucket already fills the GPU.
-    assert decode_splits(1, 3, 8192, 16, 132) == 32
+    assert decode_splits(1, 3, 8192, 16, 132) == 64  # the cap
     assert decode_splits(64, 3, 8192, 16, 132) == 1
-    assert decode_splits(1, 3, 128, 16, 132) == 1  # too short to be worth a second kernel
-    assert 1 < decode_splits(16, 3, 8192, 16, 132) < 32
+    assert decode_splits(1, 3, 128, 16, 132) == 2  # a partition is at least one inner step (64 tokens)
+    assert 1 < decode_splits(16, 3, 8192, 16, 132) < 64
 
 
 # --- fused ----------------------------------------------------------------------------------------
