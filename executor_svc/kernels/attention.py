@@ -186,6 +186,14 @@ def check_paged_qkv(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
         raise ValueError("q, k and v must be contiguous along head_dim")
 
 
+def paged_strides(
+    q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, out: torch.Tensor
+) -> tuple[int, ...]:
+    """The strides every paged attention kernel here takes, in its order: q's token and head, each pool layer's
+    page, slot in page and KV head, out's token and head (head_dim is contiguous everywhere)."""
+    return (*q.stride()[:2], *k_layer.stride()[:3], *v_layer.stride()[:3], *out.stride()[:2])
+
+
 def decode_splits(batch: int, kv_heads: int, max_seq_len: int, page_size: int, sm_count: int) -> int:
     """Split-K partitions for a captured bucket: 1 when the (row, KV head) programs already fill the
     GPU, else enough to fill about two waves, each partition at least a few inner steps long."""
@@ -251,16 +259,7 @@ def paged_decode_attention(
         part_out,
         part_lse,
         counters,
-        q.stride(0),
-        q.stride(1),
-        k_layer.stride(0),
-        k_layer.stride(1),
-        k_layer.stride(2),
-        v_layer.stride(0),
-        v_layer.stride(1),
-        v_layer.stride(2),
-        out.stride(0),
-        out.stride(1),
+        *paged_strides(q, k_layer, v_layer, out),
         columns,
         block_table_col,
         columns - block_table_col,

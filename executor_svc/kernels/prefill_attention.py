@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from executor_svc.kernels import interpreting
-from executor_svc.kernels.attention import LOG2E, check_paged_qkv
+from executor_svc.kernels.attention import LOG2E, check_paged_qkv, paged_strides
 from executor_svc.prefill_batch import PrefillBatch
 
 BLOCK_M = 64  # queries of one chunk per program
@@ -157,16 +157,7 @@ def paged_prefill_attention(
         batch.seq_starts,
         batch.kv_lens,
         batch.block_tables,
-        q.stride(0),
-        q.stride(1),
-        k_layer.stride(0),
-        k_layer.stride(1),
-        k_layer.stride(2),
-        v_layer.stride(0),
-        v_layer.stride(1),
-        v_layer.stride(2),
-        out.stride(0),
-        out.stride(1),
+        *paged_strides(q, k_layer, v_layer, out),
         batch.block_tables.shape[1],
         scale * LOG2E,
         GROUP=heads // kv_heads,
