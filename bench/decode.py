@@ -88,6 +88,15 @@ def random_model(device: torch.device) -> LlamaModel:
     return model
 
 
+def arm_list(text: str) -> tuple[str, ...]:
+    """--arms: names from ARMS, in ARMS' order."""
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = names - set(ARMS)
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"arms are {', '.join(ARMS)}; got {text!r}")
+    return tuple(arm for arm in ARMS if arm in names)
+
+
 def in_process(arm: str) -> bool:
     return arm.endswith("-inprocess")
 
@@ -486,7 +495,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
     try:
         # The children first, one at a time, then this process's runner: each capture has the GPU to itself
         # (and a capture must be the only CUDA work in its process).
-        for name in sorted(ARMS, key=in_process):
+        for name in sorted(args.arms, key=in_process):
             began = time.perf_counter()
             if in_process(name):
                 config = executor_config(args.device, pool_pages, buckets, name)
@@ -510,7 +519,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
             elif runner is not None:
                 runners[name] = runner
         # Planners start once every capture is done.
-        for name in ARMS:
+        for name in args.arms:
             if name in runners or name in children:
                 arms[name] = await start_arm(name, planner_config, runners.get(name), children.get(name))
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -623,6 +632,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer dir or GGUF (default: the SmolLM2 GGUF)")
     parser.add_argument("--concurrency", default="1,16,64,256")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--arms", type=arm_list, default=ARMS, help=f"comma-separated, of {','.join(ARMS)} (default: all three)"
+    )
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--out", default="docs/bench/decode.json")
