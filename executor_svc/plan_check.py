@@ -184,6 +184,12 @@ def _check_prefill(chunk: executor_pb2.PrefillChunk, index: int, limits: PlanLim
     return PrefillWork(ids, chunk.start, pages, chunk.sample_slot)
 
 
+_NOTHING = np.zeros(0, dtype=np.int32)
+_NO_SAMPLER_F32 = np.zeros((0, SAMPLER_F32), dtype=np.float32)
+_NO_SAMPLER_I32 = np.zeros((0, SAMPLER_I32), dtype=np.int32)
+_STEADY_FIELDS = frozenset({"seq", "bucket"})  # all that a steady step's plan sets
+
+
 def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: int) -> CheckedPlan:
     """Decode and check every field of `plan` before anything is written; PlanError says what is wrong.
 
@@ -192,6 +198,9 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
     bucket = plan.bucket
     if bucket != 0 and bucket not in limits.buckets:
         raise PlanError(f"bucket {bucket} is not one of the buckets {list(limits.buckets)} (or 0)")
+    # The steady step, most steps: no arrays to decode or check.
+    if bucket == decode_bucket and all(field.name in _STEADY_FIELDS for field, _ in plan.ListFields()):
+        return CheckedPlan(bucket, None, _NOTHING, _NOTHING, _NOTHING, _NO_SAMPLER_F32, _NO_SAMPLER_I32, [], None)
     slots = None
     if plan.slots:
         slots = _ints(plan.slots, "slots")
@@ -211,6 +220,13 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
     _check_cells(cells, limits)
     sampler_slots, sampler_f32, sampler_i32 = _check_sampler(plan, limits)
     prefill = [_check_prefill(chunk, index, limits) for index, chunk in enumerate(plan.prefill)]
+    # The planner samples at most the widest bucket's prompts in a step (and the decode rows): the read-back
+    # buffers are sized for that.
+    sampling = sum(1 for chunk in prefill if chunk.sample_slot)
+    if sampling > limits.layout.widest_bucket:
+        raise PlanError(
+            f"prefill: {sampling} chunks sample, more than the widest bucket ({limits.layout.widest_bucket})"
+        )
     mirror = None
     if plan.mirror:
         columns = limits.layout.columns

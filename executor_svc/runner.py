@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,7 @@ class RunnerTimes:
     plan_us: float = 0.0  # host-planned only: page lists, lengths, positions and the attention's plan
     prefill_us: float = 0.0  # eager prefill chunks (launches; the GPU runs them behind)
     launch_us: float = 0.0  # the graph replay call
-    sync_us: float = 0.0  # from the launch until the sampled tokens are on the host (off the GPU loop)
+    sync_us: float = 0.0  # from the launch until the step is collected (the next launch runs meanwhile)
     graph_us: float = 0.0  # device time of the decode graphs (CUDA events around each replay)
     # Steady decode steps (no prefill, right after another replay): the graph's device time, and the device
     # time from the previous replay's end to this one's (the step's period on the GPU: their ratio is how
@@ -64,13 +65,28 @@ class LaunchedStep:
     replay: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     def wait(self) -> None:
-        """Block until the tokens are on the host; from any thread (it takes nothing of the GPU loop's)."""
+        """Block until the tokens are on the host (`run`, and tests that step by hand)."""
         if self.done is not None:
             self.done.synchronize()
 
 
+READ_BACK_RING = 4  # read-backs reused round-robin: more than the steps launched ahead of their collection (2)
+
+
+class _ReadBack:
+    """What one launched step reads back, reused round-robin so that the step path allocates nothing: pinned
+    host tokens, the event that says they are back, and the timing events around the replay."""
+
+    __slots__ = ("tokens", "done", "replay")
+
+    def __init__(self, capacity: int) -> None:
+        self.tokens = torch.empty(capacity, dtype=torch.int64, pin_memory=True)  # tokens: [2 * widest bucket]
+        self.done = torch.cuda.Event()
+        self.replay = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
 class StepRunner:
-    """Runs StepPlans in order on one thread (the GPU loop); reads back only the sampled tokens.
+    """Runs StepPlans in order on one thread (the event loop's); reads back only the sampled tokens.
 
     `launch` queues a step's work and returns at once on a GPU; `collect` builds its output once its tokens
     are back, so the loop can launch step N+1 while step N still runs (the tokens loop back on the device:
@@ -126,6 +142,11 @@ class StepRunner:
         self.graphs = graphs
         self.times = RunnerTimes()
         self._last_replay: tuple[int, torch.cuda.Event] | None = None  # seq and end event of the last replay timed
+        # A step samples at most the widest bucket's prompts and its decode rows (check_plan).
+        cuda = self.device.type == "cuda"
+        self._read_backs = [_ReadBack(2 * widest) for _ in range(READ_BACK_RING)] if cuda else []
+        self._launches = 0
+        self._uncollected = 0
 
     def describe(self) -> executor_pb2.ExecutorDescription:
         config, limits = self.model.config, self.limits
@@ -149,8 +170,8 @@ class StepRunner:
         )
 
     def bind_thread(self) -> None:
-        """Make this runner's GPU the current device of the calling thread (the GPU loop's initializer):
-        graph replays, Triton launches and event records go to the current device's stream."""
+        """Make this runner's GPU the current device of the calling thread (the one that launches the steps, or
+        copies pages): graph replays, Triton launches and event records go to the current device's stream."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self._cuda_index)
 
@@ -161,8 +182,8 @@ class StepRunner:
         return self.collect(launched)
 
     def launch(self, plan: executor_pb2.StepPlan) -> LaunchedStep:
-        """Queue one step's work (on the GPU loop); raises PlanError (having changed nothing) for a malformed
-        plan. Steps launch in order."""
+        """Queue one step's work; raises PlanError (having changed nothing) for a malformed plan. Steps launch
+        in order, from one thread."""
         began = time.perf_counter()
         checked = check_plan(plan, self.limits, self._decode_bucket)
         with torch.inference_mode():
@@ -217,9 +238,8 @@ class StepRunner:
             return self._read_back(seq, plan, sampled, sampled_chunks, 0)
         graphs.prepare(plan.bucket)
         planned = time.perf_counter()
-        replay = None
-        if graphs.capture:
-            replay = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        replay = self._read_backs[self._launches % READ_BACK_RING].replay if graphs.capture else None
+        if replay is not None:
             replay[0].record()
         sampled.append(graphs.launch(plan.bucket))
         if replay is not None:
@@ -272,19 +292,30 @@ class StepRunner:
         else:
             tokens = torch.cat(sampled)
         done = None
-        if self.device.type == "cuda" and sampled:
-            # From the caching host allocator: a pinned block is reused only once its copy has run.
-            host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+        if self._read_backs and sampled:
+            if self._uncollected == READ_BACK_RING:
+                raise RuntimeError(f"{READ_BACK_RING} steps launched and not collected: their read-backs are all taken")
+            read_back = self._read_backs[self._launches % READ_BACK_RING]
+            self._launches += 1
+            self._uncollected += 1
+            host = read_back.tokens[: len(tokens)]
             host.copy_(tokens, non_blocking=True)
-            done = torch.cuda.Event()
+            done = read_back.done
             done.record()
         else:
             host = tokens.cpu()
         return LaunchedStep(seq, plan, sampled_chunks, host, done, mismatches)
 
+    def forget_launched(self) -> None:
+        """The steps launched and not collected never will be (their stream ended): their read-backs are free
+        again. Reuse is safe on the device too, since a new copy queues behind theirs."""
+        self._uncollected = 0
+
     def collect(self, step: LaunchedStep) -> executor_pb2.StepOutput:
-        """The output of a launched step whose tokens are back (after `step.wait()`); any thread."""
+        """The output of a launched step whose tokens are back (`collect_when_ready`, or after `step.wait()`)."""
         plan, chunks = step.plan, step.sampled_chunks
+        if step.done is not None:
+            self._uncollected -= 1
         host = step.host_tokens.to(torch.int32).numpy()
         prefill_tokens = np.full(len(plan.prefill), -1, dtype=np.int32)
         prefill_tokens[chunks] = host[: len(chunks)]
@@ -318,11 +349,22 @@ class StepRunner:
         self._last_replay = (step.seq, step.replay[1])
 
 
+async def launch_step(runner: StepRunner, plan: executor_pb2.StepPlan, compute: Executor) -> LaunchedStep:
+    """Launch a plan from the event loop. On a GPU the launch only queues work, inline here: a hop to another
+    thread costs more than the launch. On the CPU the step computes as it launches, so it runs on `compute`
+    (one thread, steps in order) and the loop stays free meanwhile."""
+    if runner.graphs is not None:
+        return runner.launch(plan)
+    return await asyncio.get_running_loop().run_in_executor(compute, runner.launch, plan)
+
+
 async def collect_when_ready(runner: StepRunner, step: LaunchedStep) -> executor_pb2.StepOutput:
-    """A launched step's output, waiting for its tokens on a worker thread, so the GPU loop stays free to
-    launch the next step meanwhile."""
+    """A launched step's output once its tokens are back. The wait polls the step's event between turns of
+    the event loop, so the loop keeps reading and launching the next plans meanwhile; a thread that blocked
+    on the event would cost a hop back to the loop (60-110 µs measured on the H200's host) on every step."""
     if step.done is not None:
-        await asyncio.to_thread(step.wait)
+        while not step.done.query():
+            await asyncio.sleep(0)
     return runner.collect(step)
 
 

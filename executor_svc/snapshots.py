@@ -2,8 +2,10 @@
 
 A snapshot is one shard per group of `shard_layers` layers. A shard's bytes, in order: for each layer
 of the shard, the K of the pages, then their V; each `[pages, page_size, kv_heads, head_dim]` in the
-pool's dtype, C order, little-endian (SHARD_LAYOUT). The pool is read and written on the GPU-loop
-thread, so parks and restores fall in order with the steps; the cache I/O runs on the event loop.
+pool's dtype, C order, little-endian (SHARD_LAYOUT). The pool is read and written on a page-copy thread
+and the card's copy stream: steps running meanwhile touch none of those pages (the planner parks pages
+whose last step has committed and restores into free ones), and a step launched after a restore returned
+waits for its copies. The cache I/O runs on the event loop.
 """
 
 from __future__ import annotations
@@ -133,11 +135,11 @@ class Snapshots:
     """Park and Restore for one executor; each call opens its own channel to the cache (a cache that
     restarted in between is simply reached again)."""
 
-    def __init__(self, runner: StepRunner, gpu_loop: Executor, cache: str | None, shard_layers: int) -> None:
+    def __init__(self, runner: StepRunner, copies: Executor, cache: str | None, shard_layers: int) -> None:
         described = runner.describe()
         pool = runner.kv_pool
         self._pool = pool
-        self._gpu_loop = gpu_loop
+        self._copies = copies
         self._cache = cache
         self._device = runner.device
         self._layer_begin, self._layer_end = described.layer_begin, described.layer_end
@@ -160,7 +162,7 @@ class Snapshots:
         addr = self._require_cache()
         tokens, pages = check_park(request, self._page_shape[0], self._pool_pages)
         started = time.perf_counter()
-        blobs = await asyncio.get_running_loop().run_in_executor(self._gpu_loop, self._read_pages, pages)
+        blobs = await asyncio.get_running_loop().run_in_executor(self._copies, self._read_pages, pages)
         page_size, kv_heads, head_dim = self._page_shape
         manifest = {
             "tenant": request.tenant,
@@ -217,7 +219,7 @@ class Snapshots:
             raise _cache_refusal(err, addr) from err
         ranges = self._check_snapshot(manifest, blobs, len(pages))
         await asyncio.get_running_loop().run_in_executor(
-            self._gpu_loop, self._write_pages, pages, ranges, blobs
+            self._copies, self._write_pages, pages, ranges, blobs
         )
         roots = {int(p) for p in manifest["attributes"].get("root_positions", "").split(",") if p}
         log.info(
@@ -304,7 +306,7 @@ class Snapshots:
         main.wait_stream(self._copy_stream)
 
     def _read_pages(self, pages: np.ndarray) -> list[bytes]:
-        """On the GPU-loop thread: one gather and one device-to-host copy per shard."""
+        """On the page-copy thread: one gather and one device-to-host copy per shard."""
         pool = self._pool
         with torch.inference_mode(), self._on_copy_stream():
             index = torch.from_numpy(pages.astype(np.int64)).to(self._device)
@@ -320,7 +322,7 @@ class Snapshots:
         return blobs
 
     def _write_pages(self, pages: np.ndarray, ranges: list[tuple[int, int]], blobs: list[bytes]) -> None:
-        """On the GPU-loop thread: each shard built on the host, then one host-to-device copy."""
+        """On the page-copy thread: each shard built on the host, then one host-to-device copy."""
         pool, pinned = self._pool, self._device.type == "cuda"
         with torch.inference_mode(), self._on_copy_stream():
             index = torch.from_numpy(pages.astype(np.int64)).to(self._device)

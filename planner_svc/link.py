@@ -77,30 +77,33 @@ class GrpcLink:
 
 
 class InProcessLink:
-    """Runs plans on the runner's own thread in this process: the same steps without the gRPC hop."""
+    """Launches plans from this process's event loop as the executor does (`launch_step`) and polls their
+    outputs there: the executor's own steps without the gRPC hop (the benchmark's baseline for it)."""
 
     def __init__(self, runner):
         self.address = "in-process"
         self._runner = runner
-        self._thread = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="executor", initializer=runner.bind_thread
+        self._compute = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="cpu-steps", initializer=runner.bind_thread
         )
-        self._pending: deque[asyncio.Future] = deque()
+        self._launched: deque[asyncio.Task] = deque()  # each plan's launch, in order
 
     async def describe(self) -> executor_pb2.ExecutorDescription:
         return self._runner.describe()
 
     async def open(self) -> None:
-        pass
+        self._runner.bind_thread()
 
     async def send(self, plan: executor_pb2.StepPlan) -> None:
-        loop = asyncio.get_running_loop()
-        self._pending.append(loop.run_in_executor(self._thread, self._runner.launch, plan))
+        from executor_svc.runner import launch_step  # the executor's side, here in-process
+
+        # Runs at the loop's next turn, ahead of the stream writes this step releases.
+        self._launched.append(asyncio.ensure_future(launch_step(self._runner, plan, self._compute)))
 
     async def recv(self) -> executor_pb2.StepOutput:
-        from executor_svc.runner import collect_when_ready  # the executor's side, here in-process
+        from executor_svc.runner import collect_when_ready
 
-        return await collect_when_ready(self._runner, await self._pending.popleft())
+        return await collect_when_ready(self._runner, await self._launched.popleft())
 
     async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:
         raise LinkError("the in-process link has no cache service: parking needs a gRPC executor")
@@ -109,4 +112,8 @@ class InProcessLink:
         raise LinkError("the in-process link has no cache service: restoring needs a gRPC executor")
 
     async def close(self) -> None:
-        self._thread.shutdown(wait=True, cancel_futures=True)
+        for launch in self._launched:
+            launch.cancel()
+        self._launched.clear()
+        self._runner.forget_launched()
+        self._compute.shutdown(wait=True, cancel_futures=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from executor_svc.device import resolve_device, resolve_dtype
 from executor_svc.models.llama import LlamaConfig, LlamaModel
 from executor_svc.plan_check import PlanError
-from executor_svc.runner import StepRunner
+from executor_svc.runner import StepRunner, collect_when_ready
 from executor_svc.sampler import sample
 from executor_svc.tables import SlotStore
 from protos import executor_pb2
@@ -232,6 +233,40 @@ def test_padding_rows_change_nothing(model: LlamaModel):
     torch.testing.assert_close(narrow.kv_pool.v[:, 1:], padded.kv_pool.v[:, 1:], rtol=1e-5, atol=1e-5)
 
 
+class _EventDoneAfter:
+    """The `done` of a launched step, done after a number of queries (what a CUDA event does on a GPU)."""
+
+    def __init__(self, queries: int) -> None:
+        self.queries_left = queries
+
+    def query(self) -> bool:
+        self.queries_left -= 1
+        return self.queries_left < 0
+
+
+async def test_collecting_a_step_polls_it_and_leaves_the_loop_free(model: LlamaModel):
+    runner = tiny_runner(model)
+    plans = scripted_plans([1, 2])
+    for plan in plans[:3]:
+        runner.run(plan)
+    step = runner.launch(plans[3])
+    step.done = _EventDoneAfter(queries=5)
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    counter = asyncio.create_task(count_turns())
+    output = await collect_when_ready(runner, step)
+    counter.cancel()
+    assert step.done.queries_left < 0  # polled until done
+    assert turns >= 5  # the loop ran other tasks between polls
+    assert output.seq == plans[3].seq and len(unpack_i32(output.tokens)) == 2
+
+
 def test_row_check_counts_cells_that_differ_from_the_mirror(model: LlamaModel):
     runner = tiny_runner(model)
     plans = scripted_plans([1, 2])
@@ -317,6 +352,10 @@ BAD_PLANS = [
         "prefill[1]: positions [63, 65) are outside [0, 64)",
     ),
     (dict(prefill=[prefill_chunk([1], 0, [1], 9)]), "sample_slot 9 is outside [0, 9)"),
+    (
+        dict(prefill=[prefill_chunk([1], 0, [1], slot) for slot in range(1, 6)]),
+        "prefill: 5 chunks sample, more than the widest bucket (4)",
+    ),
     (dict(bucket=1, slots=pack_i32([1]), mirror=pack_i32([0] * 18)), "mirror: 72 bytes, expected 76"),
 ]
 
