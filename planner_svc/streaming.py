@@ -3,6 +3,7 @@ the time the step loop would otherwise spend waiting for the executor pays for."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Generic, TypeVar
 
 from planner_svc.requests import Finish
@@ -42,11 +43,14 @@ class PendingTokens(Generic[Key]):
 
     def take(self, count: int) -> list[tuple[Key, TokenEvent]]:
         """The `count` requests whose tokens waited longest, removed."""
-        taken = []
         events = self._events
-        while events and len(taken) < count:
-            key = next(iter(events))
-            taken.append((key, events.pop(key)))
+        if count >= len(events):  # every stream: the usual case below a few dozen requests
+            taken = list(events.items())
+            events.clear()
+            return taken
+        taken = list(islice(events.items(), max(count, 0)))
+        for key, _ in taken:
+            del events[key]
         return taken
 
     def drop(self, key: Key) -> None:
