@@ -149,9 +149,8 @@ class StepRunner:
         # stream costs a record ~20 µs of Python.
         self._stream = torch.cuda.default_stream(self._cuda_index) if cuda else None
         self._read_backs = [_ReadBack(2 * widest) for _ in range(READ_BACK_RING)] if cuda else []
-        # Read-backs taken (by launch) and given back (by collect): two counters, each written by one thread.
         self._launches = 0
-        self._collected = 0
+        self._uncollected = 0
 
     def describe(self) -> executor_pb2.ExecutorDescription:
         config, limits = self.model.config, self.limits
@@ -302,10 +301,11 @@ class StepRunner:
             tokens = torch.cat(sampled)
         done = None
         if self._read_backs and sampled:
-            if self._launches - self._collected == READ_BACK_RING:
+            if self._uncollected == READ_BACK_RING:
                 raise RuntimeError(f"{READ_BACK_RING} steps launched and not collected: their read-backs are all taken")
             read_back = self._read_backs[self._launches % READ_BACK_RING]
             self._launches += 1
+            self._uncollected += 1
             host = read_back.tokens[: len(tokens)]
             host.copy_(tokens, non_blocking=True)
             done = read_back.done
@@ -317,13 +317,13 @@ class StepRunner:
     def forget_launched(self) -> None:
         """The steps launched and not collected never will be (their stream ended): their read-backs are free
         again. Reuse is safe on the device too, since a new copy queues behind theirs."""
-        self._collected = self._launches
+        self._uncollected = 0
 
     def collect(self, step: LaunchedStep) -> executor_pb2.StepOutput:
         """The output of a launched step whose tokens are back (`collect_when_ready`, or after `step.wait()`)."""
         plan, chunks = step.plan, step.sampled_chunks
         if step.done is not None:
-            self._collected += 1
+            self._uncollected -= 1
         host = step.host_tokens.to(torch.int32).numpy()
         prefill_tokens = np.full(len(plan.prefill), -1, dtype=np.int32)
         prefill_tokens[chunks] = host[: len(chunks)]
@@ -358,11 +358,10 @@ class StepRunner:
 
 
 async def launch_step(runner: StepRunner, plan: executor_pb2.StepPlan, compute: Executor) -> LaunchedStep:
-    """Launch a plan from the event loop. A GPU step that only replays a graph is queued inline: a hop to
-    another thread costs more than its launch. One with prefill chunks launches their kernels eagerly, for
-    milliseconds of host time, and a CPU step computes as it launches: those run on `compute` (one thread,
-    steps in order), so the loop keeps collecting and answering meanwhile."""
-    if runner.graphs is not None and not plan.prefill:
+    """Launch a plan from the event loop. On a GPU the launch only queues work, inline here: a hop to another
+    thread costs more than the launch. On the CPU the step computes as it launches, so it runs on `compute`
+    (one thread, steps in order) and the loop stays free meanwhile."""
+    if runner.graphs is not None:
         return runner.launch(plan)
     return await asyncio.get_running_loop().run_in_executor(compute, runner.launch, plan)
 

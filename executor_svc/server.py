@@ -32,11 +32,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     """Plans launch in order on the event loop as soon as they are read; each output is collected, in order,
     once its step's tokens are back (polled on the loop), so step N+1 launches while step N runs.
 
-    A decode step launches on the loop's thread: a thread hop costs more (60-110 µs measured on the H200's
-    host) than the launch itself, which is Python that a second thread would only contend with for the GIL.
-    A step with long host work (eager prefill chunks, or any step on the CPU, which computes as it launches)
-    goes to a worker thread (`launch_step`). Park and Restore copy pages on a worker thread of their own
-    (DESIGN §3).
+    On a GPU one thread does the steps: a thread hop costs more (60-110 µs measured on the H200's host) than
+    the launch itself, which is Python that a second thread would only contend with for the GIL. On the CPU
+    a step computes as it launches, on a worker thread (`launch_step`). Park and Restore copy pages on a
+    worker thread of their own (DESIGN §3).
     """
 
     def __init__(
@@ -44,7 +43,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     ) -> None:
         self._runner = runner
         self._compute = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="long-launches", initializer=runner.bind_thread
+            max_workers=1, thread_name_prefix="cpu-steps", initializer=runner.bind_thread
         )
         self._copies = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="page-copies", initializer=runner.bind_thread

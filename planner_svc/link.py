@@ -84,7 +84,7 @@ class InProcessLink:
         self.address = "in-process"
         self._runner = runner
         self._compute = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="long-launches", initializer=runner.bind_thread
+            max_workers=1, thread_name_prefix="cpu-steps", initializer=runner.bind_thread
         )
         self._launched: deque[asyncio.Task] = deque()  # each plan's launch, in order
 
