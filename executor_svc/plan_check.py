@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from executor_svc.tables import CELL_TRIPLE, SAMPLER_F32, SAMPLER_I32, parse_runs
+from executor_svc.tables import CELL_TRIPLE, SAMPLER_F32, SAMPLER_I32, parse_runs, run_cells
 from protos import executor_pb2
 from protos.layout import RowLayout
 from protos.wire import unpack_f32, unpack_i32
@@ -97,17 +97,17 @@ def _check_runs(runs: np.ndarray, limits: PlanLimits) -> None:
         if not 0 <= run.first_col < columns:
             raise PlanError(f"row_runs: column {run.first_col} is outside [0, {columns})")
         # A run may continue into the rows after its slot (joined whole rows), never past the last row.
-        flat_start = run.slot * columns + run.first_col
-        if flat_start + run.n_cells > slots * columns:
+        if run.slot * columns + run.first_col + run.n_cells > slots * columns:
             raise PlanError(
                 f"row_runs: the run at slot {run.slot} column {run.first_col} of {run.n_cells} "
                 f"cells runs past the last row"
             )
-        cell_columns = np.arange(flat_start, flat_start + run.n_cells) % columns
-        _check_cell_values(cell_columns, runs[run.offset : run.offset + run.n_cells], limits, "row_runs")
         total += run.n_cells
     if total > limits.max_run_cells:
         raise PlanError(f"row_runs: {total} cells, more than the {limits.max_run_cells} a step can write")
+    if parsed:
+        cells = run_cells(runs, parsed, columns)
+        _check_cell_values(cells.flat % columns, cells.values, limits, "row_runs")
 
 
 def _check_cells(triples: np.ndarray, limits: PlanLimits) -> None:

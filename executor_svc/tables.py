@@ -46,18 +46,35 @@ class Segment(NamedTuple):
 def parse_runs(runs: np.ndarray) -> list[Run]:
     """Split packed runs `(slot, first_col, n_cells, cells...)...` into headers; ValueError if truncated."""
     parsed = []
-    at = 0
-    while at < len(runs):
-        if at + RUN_HEADER > len(runs):
-            raise ValueError(f"row_runs: a run header at int {at} is cut short ({len(runs) - at} ints left)")
-        slot, first_col, n_cells = (int(v) for v in runs[at : at + RUN_HEADER])
+    at, end = 0, len(runs)
+    while at < end:
+        if at + RUN_HEADER > end:
+            raise ValueError(f"row_runs: a run header at int {at} is cut short ({end - at} ints left)")
+        slot, first_col, n_cells = int(runs[at]), int(runs[at + 1]), int(runs[at + 2])
         if n_cells < 1:
             raise ValueError(f"row_runs: the run at int {at} has {n_cells} cells; a run has at least one")
-        if at + RUN_HEADER + n_cells > len(runs):
+        if at + RUN_HEADER + n_cells > end:
             raise ValueError(f"row_runs: the run at int {at} names {n_cells} cells but the bytes end first")
         parsed.append(Run(slot, first_col, n_cells, at + RUN_HEADER))
         at += RUN_HEADER + n_cells
     return parsed
+
+
+class RunCells(NamedTuple):
+    flat: np.ndarray  # int64[n]: each cell's place in the flattened rows (slot * C + col, runs continuing on)
+    values: np.ndarray  # int32[n]: what it holds
+
+
+def run_cells(runs: np.ndarray, parsed: list[Run], columns: int) -> RunCells:
+    """Every cell of the parsed runs at once, in run order: a few numpy passes, whatever the number of runs
+    (a plan of new rows has one run each)."""
+    count = len(parsed)
+    starts = np.fromiter((run.slot * columns + run.first_col for run in parsed), np.int64, count)
+    offsets = np.fromiter((run.offset for run in parsed), np.int64, count)
+    lengths = np.fromiter((run.n_cells for run in parsed), np.int64, count)
+    # within[i]: cell i's index inside its own run
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return RunCells(np.repeat(starts, lengths) + within, runs[np.repeat(offsets, lengths) + within])
 
 
 def join_runs(parsed: list[Run], columns: int) -> list[Segment]:
@@ -182,11 +199,9 @@ class SlotStore:
         parsed = parse_runs(runs)
         if not parsed:
             return
-        staged = self._staging.host("runs")
-        filled = 0
-        for run in parsed:
-            staged[filled : filled + run.n_cells] = runs[run.offset : run.offset + run.n_cells]
-            filled += run.n_cells
+        values = run_cells(runs, parsed, self.layout.columns).values
+        filled = len(values)
+        self._staging.host("runs")[:filled] = values
         cells = self._staging.upload("runs", filled)
         at = 0
         for segment in join_runs(parsed, self.layout.columns):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc.tables import Run, Segment, SlotStore, join_runs, parse_runs
+from executor_svc.tables import Run, Segment, SlotStore, join_runs, parse_runs, run_cells
 from protos.layout import RowLayout
 
 LAYOUT = RowLayout(slots=9, block_span=4)  # B = 4, C = 7
@@ -36,6 +36,16 @@ def test_runs_that_continue_one_another_are_one_segment():
     assert join_runs(parsed, C) == [Segment(2 * C, 5), Segment(3 * C, 1), Segment(5 * C + 1, 1)]
     whole_rows = parse_runs(runs_of((1, 0, list(range(C))), (2, 0, list(range(C)))))
     assert join_runs(whole_rows, C) == [Segment(C, 2 * C)]
+
+
+def test_run_cells_are_every_cell_of_the_runs_in_order():
+    # A run continuing into the next row (from row 1's last column), then one inside row 4.
+    packed = runs_of((1, C - 1, [10, 11, 12]), (4, 2, [20, 21]))
+    cells = run_cells(packed, parse_runs(packed), C)
+    assert cells.flat.tolist() == [2 * C - 1, 2 * C, 2 * C + 1, 4 * C + 2, 4 * C + 3]
+    assert cells.values.tolist() == [10, 11, 12, 20, 21]
+    nothing = run_cells(packed[:0], [], C)
+    assert len(nothing.flat) == len(nothing.values) == 0
 
 
 def test_truncated_runs_are_refused():

@@ -9,7 +9,7 @@ import torch
 
 from executor_svc.attention.torch_ref import decode_attention
 from executor_svc.kv_pool import KVPool
-from executor_svc.tables import CELL_TRIPLE, join_runs, last_writes, parse_runs
+from executor_svc.tables import CELL_TRIPLE, join_runs, last_writes, parse_runs, run_cells
 from protos.layout import RowLayout
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-K partials)
@@ -66,7 +66,7 @@ class HostRows:
     def apply(self, runs: np.ndarray, cells: np.ndarray) -> None:
         """A plan's writes, as SlotStore.write_runs and write_cells make them."""
         parsed = parse_runs(runs)
-        staged = np.concatenate([runs[r.offset : r.offset + r.n_cells] for r in parsed]) if parsed else runs[:0]
+        staged = run_cells(runs, parsed, self.layout.columns).values
         at = 0
         for segment in join_runs(parsed, self.layout.columns):
             self._flat[segment.flat_start : segment.flat_start + segment.n_cells] = staged[at : at + segment.n_cells]
