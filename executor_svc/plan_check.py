@@ -184,7 +184,7 @@ def _check_prefill(chunk: executor_pb2.PrefillChunk, index: int, limits: PlanLim
     return PrefillWork(ids, chunk.start, pages, chunk.sample_slot)
 
 
-_NOTHING = np.zeros(0, dtype=np.int32)
+_NO_INTS = np.zeros(0, dtype=np.int32)
 _NO_SAMPLER_F32 = np.zeros((0, SAMPLER_F32), dtype=np.float32)
 _NO_SAMPLER_I32 = np.zeros((0, SAMPLER_I32), dtype=np.int32)
 _STEADY_FIELDS = frozenset({"seq", "bucket"})  # all that a steady step's plan sets
@@ -200,7 +200,7 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
         raise PlanError(f"bucket {bucket} is not one of the buckets {list(limits.buckets)} (or 0)")
     # The steady step, most steps: no arrays to decode or check.
     if bucket == decode_bucket and all(field.name in _STEADY_FIELDS for field, _ in plan.ListFields()):
-        return CheckedPlan(bucket, None, _NOTHING, _NOTHING, _NOTHING, _NO_SAMPLER_F32, _NO_SAMPLER_I32, [], None)
+        return CheckedPlan(bucket, None, _NO_INTS, _NO_INTS, _NO_INTS, _NO_SAMPLER_F32, _NO_SAMPLER_I32, [], None)
     slots = None
     if plan.slots:
         slots = _ints(plan.slots, "slots")

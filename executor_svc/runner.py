@@ -81,7 +81,7 @@ class _ReadBack:
     __slots__ = ("tokens", "done", "replay")
 
     def __init__(self, capacity: int) -> None:
-        self.tokens = torch.empty(capacity, dtype=torch.int64, pin_memory=True)  # tokens: [2 * widest bucket]
+        self.tokens = torch.empty(capacity, dtype=torch.int64, pin_memory=True)  # tokens: [capacity]
         self.done = torch.cuda.Event()
         self.replay = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
@@ -143,11 +143,11 @@ class StepRunner:
         self.graphs = graphs
         self.times = RunnerTimes()
         self._last_replay: tuple[int, torch.cuda.Event] | None = None  # seq and end event of the last replay timed
-        # A step samples at most the widest bucket's prompts and its decode rows (check_plan).
         cuda = self.device.type == "cuda"
         # Steps launch on the device's default stream. Named in each event record: finding the current
         # stream costs a record ~20 µs of Python.
         self._stream = torch.cuda.default_stream(self._cuda_index) if cuda else None
+        # A step samples at most the widest bucket's prompts and its decode rows (check_plan).
         self._read_backs = [_ReadBack(2 * widest) for _ in range(READ_BACK_RING)] if cuda else []
         self._launches = 0
         self._uncollected = 0
