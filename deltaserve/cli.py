@@ -26,12 +26,19 @@ from deltaserve.flags import (
     int_at_least,
     int_list,
     port,
+    prefill_buckets,
     shared_prefix,
     token_ids,
 )
 from deltaserve.logs import configure_logging, get_logger
 from deltaserve.serve import CACHE_PORT, EXECUTOR_PORT, PLANNER_PORT
-from executor_svc.config import DECODE_PATHS, DEFAULT_BUCKETS, DEFAULT_SHARD_LAYERS, ExecutorConfig
+from executor_svc.config import (
+    DECODE_PATHS,
+    DEFAULT_BUCKETS,
+    DEFAULT_PREFILL_BUCKETS,
+    DEFAULT_SHARD_LAYERS,
+    ExecutorConfig,
+)
 from planner_svc.config import PlannerConfig
 
 log = get_logger("deltaserve.cli")
@@ -99,6 +106,14 @@ def _add_model_flags(flags: Flags) -> None:
         default=",".join(map(str, DEFAULT_BUCKETS)),
         metavar="1,2,4,...",
         help="decode batch sizes (one CUDA graph each on a GPU)",
+    )
+    flags.option(
+        "--prefill-buckets",
+        type=prefill_buckets,
+        default=",".join(map(str, DEFAULT_PREFILL_BUCKETS)),
+        metavar="64,128,...",
+        help="prefill token counts captured as CUDA graphs on a GPU (a step's prompt tokens padded to the "
+        "smallest that holds them; more run eager); 'none' for eager prefill",
     )
     flags.option(
         "--decode-path",

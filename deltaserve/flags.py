@@ -111,6 +111,15 @@ def buckets(text: str) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def prefill_buckets(text: str) -> tuple[int, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    sizes = int_list(text)
+    if not sizes or min(sizes) < 1:
+        raise BadValue(f"expected positive token counts such as 256,2048, or none, got {text!r}")
+    return tuple(sizes)
+
+
 def device(text: str) -> str:
     if not _DEVICE.fullmatch(text):
         raise BadValue(f"expected auto, cpu, cuda or cuda:N, got {text!r}")

@@ -52,6 +52,7 @@ def executor_config(args: argparse.Namespace, *, cache: str | None) -> ExecutorC
         pool_pages=args.pool_pages,
         max_seq_len=args.max_seq_len,
         buckets=tuple(args.buckets),
+        prefill_buckets=tuple(args.prefill_buckets),
         decode_path=args.decode_path,
         row_check=args.row_check,
         cache=cache,

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_SHARD_LAYERS = 8
+# CUDA prefill: a step's prompt tokens padded to the smallest of these and replayed as a graph; more run eager.
+DEFAULT_PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
 
 # CUDA decode: captured graphs that read each row off the device tables, or the rows planned on the host
 # every step for FlashInfer (the way engines do it today; the benchmarks' baseline).
@@ -21,6 +23,7 @@ class ExecutorConfig:
     pool_pages: int = 2048  # page 0 (the sink page) included
     max_seq_len: int | None = None  # None = the model's context length
     buckets: tuple[int, ...] = field(default=DEFAULT_BUCKETS)
+    prefill_buckets: tuple[int, ...] = field(default=DEFAULT_PREFILL_BUCKETS)  # () = prefill always eager
     row_check: bool = False  # debug: compare the rows each step reads against the planner's mirror
     decode_path: str = "resident"  # one of DECODE_PATHS (used on CUDA only)
     cache: str | None = None  # the cache service's host:port; None = Park and Restore are refused
@@ -34,6 +37,9 @@ class ExecutorConfig:
         if not self.buckets or any(b < 1 for b in self.buckets):
             raise ValueError(f"buckets must be positive, got {self.buckets}")
         self.buckets = tuple(sorted(set(self.buckets)))
+        if any(b < 1 for b in self.prefill_buckets):
+            raise ValueError(f"prefill_buckets must be positive, got {self.prefill_buckets}")
+        self.prefill_buckets = tuple(sorted(set(self.prefill_buckets)))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.decode_path not in DECODE_PATHS:

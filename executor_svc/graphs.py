@@ -128,7 +128,16 @@ class DecodeGraphs:
 
     def greedy(self, bucket: int) -> bool:
         """Whether every row of the bucket's step is greedy (padding rows read the sink row, which is)."""
-        return not self._samples[self._step_slots[:bucket]].any()
+        return self.greedy_slots(self._step_slots[:bucket])
+
+    def greedy_slots(self, slots: np.ndarray) -> bool:
+        """Whether every one of `slots` samples greedily, by the sampler state the plans wrote."""
+        return not self._samples[slots].any()
+
+    @property
+    def pool(self) -> tuple[int, int] | None:
+        """The memory pool of the decode graphs' captures, for other graphs that never run alongside them."""
+        return self._pool
 
     def prepare(self, bucket: int) -> None:
         """Host-planned: build the step's page lists, lengths and positions from the host rows, upload the

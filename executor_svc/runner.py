@@ -21,6 +21,7 @@ from executor_svc.models.llama import LlamaModel
 from executor_svc.models.loader import load_model, model_fingerprint
 from executor_svc.plan_check import CheckedPlan, PlanLimits, check_plan
 from executor_svc.prefill_batch import PrefillBatch
+from executor_svc.prefill_step import prefill_step
 from executor_svc.sampler import sample
 from executor_svc.tables import SlotStore
 from protos import executor_pb2
@@ -29,6 +30,7 @@ from protos.wire import pack_i32
 
 if TYPE_CHECKING:
     from executor_svc.graphs import DecodeGraphs
+    from executor_svc.prefill_graphs import PrefillGraphs
 
 
 @dataclass(slots=True)
@@ -109,6 +111,7 @@ class StepRunner:
         max_seq_len: int | None = None,
         fingerprint: str = "",
         graphs: DecodeGraphs | None = None,
+        prefill_graphs: PrefillGraphs | None = None,
     ) -> None:
         widest = layout.widest_bucket
         if buckets is None:  # the default buckets that fit, and the widest the layout holds
@@ -141,6 +144,7 @@ class StepRunner:
         )
         self._decode_bucket = 0  # the bucket whose slots the store holds
         self.graphs = graphs
+        self.prefill_graphs = prefill_graphs
         self.times = RunnerTimes()
         self._last_replay: tuple[int, torch.cuda.Event] | None = None  # seq and end event of the last replay timed
         cuda = self.device.type == "cuda"
@@ -258,35 +262,30 @@ class StepRunner:
         return step
 
     def _prefill(self, plan: CheckedPlan) -> tuple[list[torch.Tensor], list[int]]:
-        """Run the plan's prefill chunks as one packed batch; returns the device tokens sampled (one tensor, or
-        none) and the chunks they belong to."""
-        if not plan.prefill:  # most steps: not even inference mode, which costs more to enter than a replay
+        """Run the plan's prefill chunks as one packed batch, replayed in the smallest prefill graph that holds
+        it or else eager; returns the device tokens sampled (one tensor, or none) and the chunks they belong to."""
+        if not plan.prefill:  # most steps
             return [], []
-        with torch.inference_mode():
-            return self._prefill_batch(plan)
+        chunks = [(chunk.token_ids, chunk.start, chunk.pages) for chunk in plan.prefill]
+        slots = [chunk.sample_slot for chunk in plan.prefill]
+        sampled_chunks = [index for index, slot in enumerate(slots) if slot]
+        greedy = self.graphs is not None and self.graphs.greedy_slots(np.array(slots, dtype=np.int64)[sampled_chunks])
+        tokens = None if self.prefill_graphs is None else self.prefill_graphs.launch(chunks, slots, greedy)
+        if tokens is None:
+            with torch.inference_mode():  # not for a replay: it costs more to enter than one
+                tokens = self._prefill_eager(chunks, slots, greedy)
+        return ([tokens], sampled_chunks) if sampled_chunks else ([], [])
 
-    def _prefill_batch(self, plan: CheckedPlan) -> tuple[list[torch.Tensor], list[int]]:
+    def _prefill_eager(self, chunks: list[tuple], slots: list[int], greedy: bool) -> torch.Tensor | None:
         batch = PrefillBatch.build(
-            [(chunk.token_ids, chunk.start, chunk.pages) for chunk in plan.prefill],
-            self.kv_pool.page_size,
-            self.limits.max_seq_len,
-            self.device,
+            chunks, self.kv_pool.page_size, self.limits.max_seq_len, self.device, sample_slots=slots
         )
         # All chunks at once: one matmul per projection; on a GPU the Triton kernels, one attention launch a layer.
-        prefill = self.model.prefill_fused if self.device.type == "cuda" else self.model.prefill
-        logits = prefill(batch, self.kv_pool)  # logits: [N, V]
-        sampling = [(index, chunk) for index, chunk in enumerate(plan.prefill) if chunk.sample_slot]
-        if not sampling:
-            return [], []
-        # chunk index, slot, and the sampler's counter (the position of the token sampled: one past the chunk)
-        picks = np.array(
-            [(index, chunk.sample_slot, chunk.start + len(chunk.token_ids)) for index, chunk in sampling],
-            dtype=np.int64,
-        )
-        chunks, slots, counters = torch.from_numpy(picks.T.copy()).to(self.device)
-        tokens = sample(logits.index_select(0, chunks), *self.store.sampler_params(slots), counters)
-        self.store.store_prefill_tokens(slots, tokens)
-        return [tokens], [index for index, _ in sampling]
+        forward = self.model.prefill_fused if self.device.type == "cuda" else self.model.prefill
+        if not len(batch.sampled_chunks):  # no chunk ends its prompt: the K/V writes are the step
+            forward(batch, self.kv_pool)
+            return None
+        return prefill_step(forward, batch, self.kv_pool, self.store, greedy)
 
     def _read_back(
         self, seq: int, plan: CheckedPlan, sampled: list[torch.Tensor], sampled_chunks: list[int], mismatches: int
@@ -394,7 +393,8 @@ def build_runner(config: ExecutorConfig) -> StepRunner:
 
 def runner_for_model(model: LlamaModel, config: ExecutorConfig, fingerprint: str) -> StepRunner:
     """The runner of a model already on its device: KV pool, slot store, and on CUDA one captured decode
-    graph per bucket (config.decode_path picks resident or host-planned); on the CPU the eager step."""
+    graph per bucket (config.decode_path picks resident or host-planned) and one prefill graph per token
+    bucket; on the CPU the eager step."""
     device, dtype = model.device, model.dtype
     if device.type != "cuda" and config.decode_path != "resident":
         raise ValueError(f"decode_path={config.decode_path} needs a CUDA device (FlashInfer), not {device}")
@@ -402,13 +402,18 @@ def runner_for_model(model: LlamaModel, config: ExecutorConfig, fingerprint: str
     kv_pool = model.make_kv_pool(config.pool_pages, config.page_size, device, dtype)
     layout = RowLayout.build(list(config.buckets), max_seq_len, config.page_size, config.pool_pages)
     store = SlotStore(layout, device)
-    graphs = None
+    graphs = prefill_graphs = None
     if device.type == "cuda":
         from executor_svc.graphs import DecodeGraphs  # Triton and the graph machinery: CUDA only
+        from executor_svc.prefill_graphs import PrefillGraphs
 
         graphs = DecodeGraphs(
             model, kv_pool, store, config.buckets, max_seq_len=max_seq_len, decode_path=config.decode_path
         )
+        if config.prefill_buckets and graphs.capture:
+            prefill_graphs = PrefillGraphs(
+                model, kv_pool, store, config.prefill_buckets, max_seq_len=max_seq_len, pool=graphs.pool
+            )
     return StepRunner(
         model,
         kv_pool,
@@ -419,4 +424,5 @@ def runner_for_model(model: LlamaModel, config: ExecutorConfig, fingerprint: str
         max_seq_len=max_seq_len,
         fingerprint=fingerprint,
         graphs=graphs,
+        prefill_graphs=prefill_graphs,
     )

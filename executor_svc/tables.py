@@ -295,8 +295,8 @@ class SlotStore:
 
     def store_prefill_tokens(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Loop-back of the tokens the prompts' last chunks sampled: last_token[slots[i]] = tokens[i] (both on
-        the device, i64)."""
-        self.last_token.index_copy_(0, slots, tokens)
+        the device, i64); the sink's stays 0 (a padded batch's samples write 0 there)."""
+        self.last_token[slots] = torch.where(slots != 0, tokens, 0)
 
     def mismatches(self, bucket: int, mirror: np.ndarray) -> int:
         """Cells of the bucket's real rows that differ from the planner's mirror (int32[B, C]); reads back."""

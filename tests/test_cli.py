@@ -27,7 +27,7 @@ from deltaserve.cli import main, parse_args
 from deltaserve.flags import default_cache_dir
 from deltaserve.logs import configure_logging, get_logger
 from deltaserve.serve import GIB, cache_config, executor_config, planner_config, wait_for_executor
-from executor_svc.config import DEFAULT_BUCKETS, DEFAULT_SHARD_LAYERS
+from executor_svc.config import DEFAULT_BUCKETS, DEFAULT_PREFILL_BUCKETS, DEFAULT_SHARD_LAYERS
 from planner_svc.client import PlannerClient, build_generate_request, wait_serving
 from protos.wire import unpack_i32
 
@@ -258,6 +258,9 @@ def test_configs_from_flags():
     assert (executor.cache, executor.shard_layers, executor.decode_path) == ("c:9", DEFAULT_SHARD_LAYERS, "resident")
     host_planned = parse(["executor", "--decode-path", "host-planned"])
     assert executor_config(host_planned, cache=None).decode_path == "host-planned"
+    assert executor.prefill_buckets == DEFAULT_PREFILL_BUCKETS
+    assert executor_config(parse(["executor", "--prefill-buckets", "512,64"]), cache=None).prefill_buckets == (64, 512)
+    assert executor_config(parse(["executor", "--prefill-buckets", "none"]), cache=None).prefill_buckets == ()
     assert parse(["up"], DELTASERVE_DECODE_PATH="host-planned").decode_path == "host-planned"
     planner = planner_config(args, executors=["x:1"], cache=None)
     assert (planner.executors, planner.prefill_token_budget, planner.row_check, planner.model) == (

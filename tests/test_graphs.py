@@ -60,11 +60,20 @@ def tiny_model(device: torch.device, dtype: torch.dtype = torch.float32, config=
     return model
 
 
-def graph_runner(model: LlamaModel, decode_path: str) -> StepRunner:
+def graph_runner(model: LlamaModel, decode_path: str, prefill_buckets: tuple[int, ...] = ()) -> StepRunner:
     store = SlotStore(LAYOUT, model.device)
     kv = model.make_kv_pool(POOL_PAGES, PAGE)
-    graphs = DecodeGraphs(model, kv, store, BUCKETS, max_seq_len=model.config.max_seq_len, decode_path=decode_path)
-    return StepRunner(model, kv, store, LAYOUT, True, buckets=BUCKETS, fingerprint="tiny", graphs=graphs)
+    max_seq_len = model.config.max_seq_len
+    graphs = DecodeGraphs(model, kv, store, BUCKETS, max_seq_len=max_seq_len, decode_path=decode_path)
+    prefill_graphs = None
+    if prefill_buckets:
+        from executor_svc.prefill_graphs import PrefillGraphs  # CUDA only
+
+        prefill_graphs = PrefillGraphs(model, kv, store, prefill_buckets, max_seq_len=max_seq_len, pool=graphs.pool)
+    return StepRunner(
+        model, kv, store, LAYOUT, True, buckets=BUCKETS, fingerprint="tiny", graphs=graphs,
+        prefill_graphs=prefill_graphs,
+    )
 
 
 # --- pure pieces --------------------------------------------------------------------------------------
@@ -204,6 +213,22 @@ def test_every_bucket_is_captured_host_plan_free_and_replays_as_eager():
     assert times.graph_us > 0
     # decode steps after decode steps: timed against the replay before them, never shorter than the graph
     assert times.steady_steps > 0 and times.steady_period_us >= times.steady_graph_us > 0
+
+
+@needs_gpu
+@pytest.mark.parametrize("prefill_buckets", [(16,), (8,)])
+def test_prefill_replayed_from_its_graphs_gives_the_eager_tokens_and_pages(prefill_buckets: tuple[int, ...]):
+    """(16,): both prefill steps replay (the first greedy, the second sampling); (8,): the first step's 11
+    tokens fit no bucket and run eager, the second replays."""
+    model = tiny_model(DEVICE)
+    replayed = graph_runner(model, "resident", prefill_buckets)
+    assert replayed.prefill_graphs.states == dict.fromkeys(prefill_buckets, "captured")
+    eager = graph_runner(model, "resident")
+    assert run_script(replayed, [2, 0, 1, 0]) == run_script(eager, [2, 0, 1, 0]) == reference_tokens(model)
+    # the padding wrote only the sink page and slot
+    torch.testing.assert_close(replayed.kv_pool.k[:, 1:], eager.kv_pool.k[:, 1:])
+    torch.testing.assert_close(replayed.kv_pool.v[:, 1:], eager.kv_pool.v[:, 1:])
+    assert replayed.store.last_token[0] == 0 and torch.equal(replayed.store.last_token, eager.store.last_token)
 
 
 @needs_gpu

@@ -19,9 +19,9 @@ if not triton_available():
     pytest.skip("triton cannot run here: no CUDA device and TRITON_INTERPRET is off", allow_module_level=True)
 
 from executor_svc.attention.torch_ref import prefill_attention_batch
-from executor_svc.kernels.prefill_attention import BLOCK_M, paged_prefill_attention, prefill_block_map
+from executor_svc.kernels.prefill_attention import BLOCK_M, paged_prefill_attention
 from executor_svc.kv_pool import KVPool
-from executor_svc.prefill_batch import PrefillBatch
+from executor_svc.prefill_batch import PrefillBatch, PrefillShape
 from tests.test_kernels import tolerance
 
 DEVICE = torch.device("cpu" if interpreting() else "cuda")
@@ -29,7 +29,7 @@ HEADS, KV_HEADS = 9, 3  # SmolLM2's GQA 3:1
 POOL_PAGES = 40
 
 
-def random_batch(page_size: int, seed: int) -> PrefillBatch:
+def random_chunks(page_size: int, seed: int) -> list[tuple[np.ndarray, int, np.ndarray]]:
     """Three chunks: a whole short prompt, a later chunk of a long one (its start in the middle of a page, its
     first positions written before), and a chunk longer than one query block."""
     gen = np.random.default_rng(seed)
@@ -40,7 +40,11 @@ def random_batch(page_size: int, seed: int) -> PrefillBatch:
         count = -(-(start + length) // page_size)
         chunks.append((gen.integers(0, 100, size=length).astype(np.int32), start, order[used : used + count]))
         used += count
-    return PrefillBatch.build(chunks, page_size, max_seq_len=4096, device=DEVICE)
+    return chunks
+
+
+def random_batch(page_size: int, seed: int) -> PrefillBatch:
+    return PrefillBatch.build(random_chunks(page_size, seed), page_size, max_seq_len=4096, device=DEVICE)
 
 
 @pytest.mark.parametrize("head_dim", [8, 64, 128])
@@ -53,7 +57,7 @@ def test_paged_prefill_attention_matches_the_reference(page_size: int, head_dim:
     pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
     q = torch.randn(batch.num_tokens, HEADS, head_dim, generator=gen).to(DEVICE)
     scale = head_dim**-0.5
-    got = paged_prefill_attention(q, pool.k[0], pool.v[0], batch, prefill_block_map(batch, DEVICE), scale)
+    got = paged_prefill_attention(q, pool.k[0], pool.v[0], batch, scale)
     expected = prefill_attention_batch(q, pool.k[0], pool.v[0], batch, scale)
     torch.testing.assert_close(got, expected, **tolerance(torch.float32))
 
@@ -65,18 +69,10 @@ def test_paged_prefill_attention_in_bfloat16():
     pool.k.copy_(torch.randn(pool.k.shape, generator=gen))
     pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
     q = torch.randn(batch.num_tokens, HEADS, 64, generator=gen).to(DEVICE, torch.bfloat16)
-    got = paged_prefill_attention(q, pool.k[0], pool.v[0], batch, prefill_block_map(batch, DEVICE), 0.125)
+    got = paged_prefill_attention(q, pool.k[0], pool.v[0], batch, 0.125)
     expected = prefill_attention_batch(q.float(), pool.k[0].float(), pool.v[0].float(), batch, 0.125)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected, **tolerance(torch.bfloat16))
-
-
-def test_block_map_covers_every_token_once():
-    batch = random_batch(4, seed=0)
-    chunk, first = prefill_block_map(batch, torch.device("cpu"))
-    lengths = batch.lengths.tolist()  # 7, 9, BLOCK_M + 5
-    assert chunk.tolist() == [0, 1, 2, 2]
-    assert first.tolist() == [0, lengths[0], lengths[0] + lengths[1], lengths[0] + lengths[1] + BLOCK_M]
 
 
 def test_refuses_mismatched_shapes():
@@ -84,12 +80,12 @@ def test_refuses_mismatched_shapes():
     pool = KVPool(1, POOL_PAGES, 4, KV_HEADS, 64, torch.float32, DEVICE)
     q = torch.zeros(batch.num_tokens + 1, HEADS, 64, device=DEVICE)
     with pytest.raises(ValueError, match="tokens"):
-        paged_prefill_attention(q, pool.k[0], pool.v[0], batch, prefill_block_map(batch, DEVICE), 0.125)
+        paged_prefill_attention(q, pool.k[0], pool.v[0], batch, 0.125)
     with pytest.raises(ValueError, match="does not fit"):
-        paged_prefill_attention(q[:, :8], pool.k[0], pool.v[0], batch, prefill_block_map(batch, DEVICE), 0.125)
+        paged_prefill_attention(q[:, :8], pool.k[0], pool.v[0], batch, 0.125)
 
 
-def test_fused_prefill_equals_the_torch_path():
+def small_model():
     from executor_svc.models.llama import LlamaConfig, LlamaModel
 
     config = LlamaConfig(
@@ -102,6 +98,11 @@ def test_fused_prefill_equals_the_torch_path():
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.2)
+    return model
+
+
+def test_fused_prefill_equals_the_torch_path():
+    model = small_model()
     batch = random_batch(4, seed=5)
     eager_kv = model.make_kv_pool(num_pages=POOL_PAGES, page_size=4)
     fused_kv = model.make_kv_pool(num_pages=POOL_PAGES, page_size=4)
@@ -110,3 +111,26 @@ def test_fused_prefill_equals_the_torch_path():
     torch.testing.assert_close(fused, eager, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fused_kv.k, eager_kv.k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused_kv.v, eager_kv.v, atol=1e-5, rtol=1e-5)
+
+
+def test_a_padded_batch_computes_what_the_exact_one_does():
+    """A graph's batch: the same chunks padded with tokens, chunks, samples and table columns give the same
+    logits for the sampling chunks and the same pages, but for the sink page the padding writes."""
+    model = small_model()
+    chunks = random_chunks(4, seed=7)
+    slots = [3, 0, 5]  # the middle chunk does not end its prompt
+    exact = PrefillBatch.build(chunks, 4, 4096, DEVICE, sample_slots=slots)
+    shape = PrefillShape(tokens=exact.num_tokens + 50, chunks=6, samples=4, table_width=40)
+    padded = PrefillBatch.build(chunks, 4, 4096, DEVICE, sample_slots=slots, shape=shape)
+    assert padded.token_ids.shape == (shape.tokens,) and padded.block_chunk.shape == (shape.blocks,)
+    assert padded.sample_slots.tolist() == [3, 5, 0, 0]
+    results = []
+    for batch in (exact, padded):
+        kv = model.make_kv_pool(num_pages=POOL_PAGES, page_size=4)
+        logits = model.prefill_fused(batch, kv, select=batch.sample_index)
+        assert torch.isfinite(kv.k).all() and torch.isfinite(kv.v).all()
+        results.append((logits, kv))
+    (exact_logits, exact_kv), (padded_logits, padded_kv) = results
+    torch.testing.assert_close(padded_logits[:2], exact_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded_kv.k[:, 1:], exact_kv.k[:, 1:], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(padded_kv.v[:, 1:], exact_kv.v[:, 1:], atol=1e-6, rtol=1e-6)

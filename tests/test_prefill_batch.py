@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from executor_svc.models.llama import LlamaConfig, LlamaModel
-from executor_svc.prefill_batch import PrefillBatch
+from executor_svc.prefill_batch import QUERY_BLOCK, PrefillBatch, PrefillShape
 
 PAGE = 4
 TINY = LlamaConfig(
@@ -30,11 +30,44 @@ def test_build_lays_out_tokens_positions_writes_and_tables():
     assert batch.positions.tolist() == [0, 1, 2, 6, 7]
     assert batch.write_pages.tolist() == [9, 9, 9, 4, 4]  # positions 6, 7 sit on the second page
     assert batch.write_offsets.tolist() == [0, 1, 2, 2, 3]
-    assert batch.seq_starts.tolist() == [0, 3, 5]
-    assert batch.kv_lens.tolist() == [3, 8]
-    assert batch.block_tables.tolist() == [[9, 0], [3, 4]]  # padded with the sink page
+    # one empty chunk after the real ones: the padding query blocks of a graph's batch point at it
+    assert batch.seq_starts.tolist() == [0, 3, 5, 5]
+    assert batch.kv_lens.tolist() == [3, 8, 0]
+    assert batch.block_tables.tolist() == [[9, 0], [3, 4], [0, 0]]  # padded with the sink page
     assert batch.last_index.tolist() == [2, 4]
     assert batch.num_tokens == 5
+    assert batch.sample_index.tolist() == [] and batch.sampled_chunks.tolist() == []
+
+
+def test_build_lays_out_query_blocks_and_samples():
+    long = chunk(list(range(2, 2 + QUERY_BLOCK + 5)), 0, list(range(1, 1 + -(-(QUERY_BLOCK + 5) // PAGE))))
+    batch = PrefillBatch.build(
+        [chunk([5, 6, 7], 8, [20, 21, 22]), long], PAGE, max_seq_len=128, device=torch.device("cpu"),
+        sample_slots=[0, 7],
+    )
+    # the shape's bound on blocks leaves one over: it points at the empty chunk after the real ones
+    assert batch.block_chunk.tolist() == [0, 1, 1, 2]
+    assert batch.block_first.tolist() == [0, 3, 3 + QUERY_BLOCK, 3 + QUERY_BLOCK + 5]
+    assert batch.sample_index.tolist() == [3 + QUERY_BLOCK + 4]  # the long chunk's last token
+    assert batch.sample_slots.tolist() == [7]
+    assert batch.sample_counters.tolist() == [QUERY_BLOCK + 5]  # the position of the token it samples
+    assert batch.sampled_chunks.tolist() == [1]
+
+
+def test_padding_writes_the_sink_and_points_at_the_empty_chunk():
+    shape = PrefillShape(tokens=8, chunks=3, samples=2, table_width=4)
+    batch = PrefillBatch.build(
+        [chunk([5, 6, 7], 0, [9])], PAGE, max_seq_len=64, device=torch.device("cpu"), sample_slots=[4], shape=shape
+    )
+    assert batch.token_ids.tolist() == [5, 6, 7, 0, 0, 0, 0, 0]
+    assert batch.write_pages.tolist() == [9, 9, 9, 0, 0, 0, 0, 0]  # padding writes the sink page
+    assert batch.seq_starts.tolist() == [0, 3, 3, 3, 3]
+    assert batch.kv_lens.tolist() == [3, 0, 0, 0]
+    assert batch.block_chunk.tolist() == [0, 1, 1, 1]  # shape.blocks = 1 + 3: the rest hold the empty chunk
+    assert batch.block_first.tolist() == [0, 3, 3, 3]
+    assert batch.sample_slots.tolist() == [4, 0]  # a padding sample loops back into the sink slot
+    with pytest.raises(ValueError, match="does not fit the shape"):
+        PrefillBatch.build([chunk([1] * 9, 0, [1, 2, 3])], PAGE, 64, torch.device("cpu"), shape=shape)
 
 
 @pytest.mark.parametrize(

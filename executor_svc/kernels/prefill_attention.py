@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from executor_svc.kernels import interpreting
 from executor_svc.kernels.attention import LOG2E, check_paged_qkv, paged_strides
-from executor_svc.prefill_batch import PrefillBatch
+from executor_svc.prefill_batch import QUERY_BLOCK, PrefillBatch
 
-BLOCK_M = 64  # queries of one chunk per program
+BLOCK_M = QUERY_BLOCK  # queries of one chunk per program (the batch lays out the blocks)
 _BLOCK_N = 64  # key positions per inner step
 
 
@@ -116,44 +115,33 @@ def _paged_prefill_kernel(
     )
 
 
-def prefill_block_map(batch: PrefillBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which chunk each query block belongs to and its first token in the batch: int64[blocks] each, built
-    on the host from the chunk lengths (once per step, shared by every layer)."""
-    blocks_per_chunk = -(-batch.lengths // BLOCK_M)
-    chunk = np.repeat(np.arange(len(batch.lengths)), blocks_per_chunk)
-    offset_in_chunk = np.arange(len(chunk)) - np.repeat(np.cumsum(blocks_per_chunk) - blocks_per_chunk, blocks_per_chunk)
-    first = batch.seq_starts_host[chunk] + offset_in_chunk * BLOCK_M
-    maps = torch.from_numpy(np.stack([chunk, first]).astype(np.int64)).to(device)
-    return maps[0], maps[1]
-
-
 def paged_prefill_attention(
     q: torch.Tensor,
     k_layer: torch.Tensor,
     v_layer: torch.Tensor,
     batch: PrefillBatch,
-    block_map: tuple[torch.Tensor, torch.Tensor],
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of a packed batch: q[T, H, D] -> [T, H, D] in q's dtype. Chunk i's queries sit at
     positions [starts[i], kv_lens[i]) and see their chunk's pages up to themselves, K/V already written.
 
-    k_layer, v_layer: [pages, page_size, kv_heads, D]; block_map from `prefill_block_map(batch)`.
+    k_layer, v_layer: [pages, page_size, kv_heads, D]. Padding tokens of a
+    graph's batch (past its chunks) get zeros.
     """
     check_paged_qkv(q, k_layer, v_layer)
     tokens, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_layer.shape
-    if tokens != batch.num_tokens:
-        raise ValueError(f"q holds {tokens} tokens, the batch {batch.num_tokens}")
-    block_chunk, block_first = block_map
-    out = torch.empty_like(q)
-    _paged_prefill_kernel[(block_chunk.shape[0], heads)](
+    if tokens != batch.token_ids.shape[0]:
+        raise ValueError(f"q holds {tokens} tokens, the batch {batch.token_ids.shape[0]}")
+    # No query block covers the padding tokens: zeros keep their rows finite through the layers after.
+    out = torch.zeros_like(q)
+    _paged_prefill_kernel[(batch.block_chunk.shape[0], heads)](
         q,
         k_layer,
         v_layer,
         out,
-        block_chunk,
-        block_first,
+        batch.block_chunk,
+        batch.block_first,
         batch.seq_starts,
         batch.kv_lens,
         batch.block_tables,

@@ -214,10 +214,10 @@ class LlamaModel(nn.Module):
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     @torch.inference_mode()
-    def prefill(self, batch: PrefillBatch, kv: KVPool) -> torch.Tensor:
+    def prefill(self, batch: PrefillBatch, kv: KVPool, select: torch.Tensor | None = None) -> torch.Tensor:
         """Run a packed batch of chunks (PrefillBatch.build) in torch ops, attention chunk by chunk with SDPA
         (the CPU path); the K/V of each chunk's earlier positions are in its pages already. Returns float32
-        logits[N, V] of each chunk's last position."""
+        logits of the tokens `select` picks (default each chunk's last: [N, V])."""
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         x = self.embed_tokens(batch.token_ids)  # x: [T, hidden]
         for index, layer in enumerate(self.layers):
@@ -225,22 +225,20 @@ class LlamaModel(nn.Module):
             kv.write(index, batch.write_pages, batch.write_offsets, k, v)
             out = prefill_attention_batch(q, kv.k[index], kv.v[index], batch, self.scale)
             x = self._finish_layer(layer, x, out)
-        return self._logits(x.index_select(0, batch.last_index))
+        return self._logits(x.index_select(0, batch.last_index if select is None else select))
 
-    def prefill_fused(self, batch: PrefillBatch, kv: KVPool) -> torch.Tensor:
+    def prefill_fused(self, batch: PrefillBatch, kv: KVPool, select: torch.Tensor | None = None) -> torch.Tensor:
         """`prefill` in the Triton kernels of the decode step, with the batch's causal attention in one launch
-        per layer for all chunks (the GPU path). Returns float32 logits[N, V]."""
-        from executor_svc.kernels.prefill_attention import paged_prefill_attention, prefill_block_map
+        per layer for all chunks (the GPU path; fixed shapes, nothing read back: a graph can hold it)."""
+        from executor_svc.kernels.prefill_attention import paged_prefill_attention
         from executor_svc.kernels.tables import StepInputs
 
-        block_map = prefill_block_map(batch, self.device)
-
         def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
-            return paged_prefill_attention(q, kv.k[layer], kv.v[layer], batch, block_map, self.scale)
+            return paged_prefill_attention(q, kv.k[layer], kv.v[layer], batch, self.scale)
 
         # A prefill token is a row whose stored length before it is its position.
         inputs = StepInputs(batch.token_ids, batch.positions, batch.positions, batch.write_pages, batch.write_offsets)
-        return self.forward_fused(inputs, kv, attend, select=batch.last_index)
+        return self.forward_fused(inputs, kv, attend, select=batch.last_index if select is None else select)
 
     @torch.inference_mode()
     def decode(
