@@ -326,16 +326,17 @@ class StepRunner:
         host = step.host_tokens.to(torch.int32).numpy()
         prefill_tokens = np.full(len(plan.prefill), -1, dtype=np.int32)
         prefill_tokens[chunks] = host[: len(chunks)]
-        if step.marks:
-            self._note_times(step)
+        device_wait_us = self._note_times(step) if step.marks else 0.0
         return executor_pb2.StepOutput(
             seq=step.seq,
             tokens=pack_i32(host[len(chunks) :]),
             prefill_tokens=pack_i32(prefill_tokens),
             row_mismatches=step.mismatches,
+            device_wait_us=round(device_wait_us),
         )
 
-    def _note_times(self, step: LaunchedStep) -> None:
+    def _note_times(self, step: LaunchedStep) -> float:
+        """Adds the step to `times`; returns the device's wait for it (µs, 0 where not measured)."""
         began, applied, prefilled, planned, launched = step.marks
         times = self.times
         times.steps += 1
@@ -345,15 +346,18 @@ class StepRunner:
         times.launch_us += (launched - planned) * 1e6
         times.sync_us += (time.perf_counter() - launched) * 1e6
         if step.replay is None:
-            return
+            return 0.0
         graph_us = step.replay[0].elapsed_time(step.replay[1]) * 1e3
         times.graph_us += graph_us
-        last = self._last_replay
+        last, wait_us = self._last_replay, 0.0
         if last is not None and last[0] == step.seq - 1 and not step.plan.prefill:
+            period_us = last[1].elapsed_time(step.replay[1]) * 1e3
             times.steady_steps += 1
             times.steady_graph_us += graph_us
-            times.steady_period_us += last[1].elapsed_time(step.replay[1]) * 1e3
+            times.steady_period_us += period_us
+            wait_us = max(period_us - graph_us, 0.0)
         self._last_replay = (step.seq, step.replay[1])
+        return wait_us
 
 
 async def launch_step(runner: StepRunner, plan: executor_pb2.StepPlan, compute: Executor) -> LaunchedStep:

@@ -181,7 +181,7 @@ class Engine:
         output = await self.link.recv()
         received = time.perf_counter()
         writes_us = ((self._writes_ended or received) - began) * 1e6 if written else 0.0
-        self.stream_budget.observe(written, writes_us, (received - began) * 1e6)
+        self.stream_budget.observe(written, writes_us, (received - began) * 1e6, output.device_wait_us)
         seq = self._inflight.popleft()
         if output.seq != seq:
             raise RuntimeError(f"executor answered step {output.seq}, expected {seq}")

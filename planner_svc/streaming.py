@@ -67,6 +67,10 @@ class StreamBudget:
     observes how long the released writes ran and how long the loop waited in all: half the slack beyond
     `headroom_us` buys more writes next step, a shortfall cuts them by a quarter. Requests not written keep
     their tokens, which go out joined in one message later (a loaded server streams in bursts, not slower).
+
+    The writes are timed only until they are issued (their completions run on the loop later), so a full loop
+    can look slack. The executor's word settles it: a step whose device waited for its plan more than
+    `idle_us` cuts the writes by a quarter too.
     """
 
     min_writes: int = 8  # every step writes at least this many streams (progress for every client)
@@ -74,25 +78,30 @@ class StreamBudget:
     writes: float = 64.0  # the current allowance
     write_us: float = 30.0  # the running estimate of one write's cost
     max_writes: int = 4096
+    idle_us: float = 40.0  # a device wait for a plan above this is the loop's fault (the steady gap is ~20 µs)
 
     def __post_init__(self) -> None:
         if self.min_writes < 1:
             raise ValueError(f"min_writes must be positive, got {self.min_writes}")
         if self.headroom_us < 0:
             raise ValueError(f"headroom_us must not be negative, got {self.headroom_us}")
+        if self.idle_us < 0:
+            raise ValueError(f"idle_us must not be negative, got {self.idle_us}")
         if not self.min_writes <= self.writes <= self.max_writes:
             raise ValueError(f"writes must be in [{self.min_writes}, {self.max_writes}], got {self.writes}")
 
     def allowance(self) -> int:
         return int(self.writes)
 
-    def observe(self, written: int, writes_us: float, wait_us: float) -> None:
+    def observe(self, written: int, writes_us: float, wait_us: float, device_wait_us: float = 0.0) -> None:
         """One step: `written` streams released, which ran for `writes_us`, within a wait of `wait_us` for
-        the executor's output (the writes included)."""
+        the executor's output (the writes included); the device waited `device_wait_us` for that step's plan."""
         if written:
             self.write_us += 0.25 * (max(writes_us / written, 1.0) - self.write_us)
         slack = wait_us - writes_us - self.headroom_us
-        # The output waited behind the writes for an unknown time: back off by a quarter. Otherwise spend
-        # half the slack: settles in a few steps without swinging past.
-        grown = self.writes * 0.75 if slack < 0 else self.writes + 0.5 * slack / self.write_us
+        # The output waited behind the writes for an unknown time, or the device for the plan: back off by a
+        # quarter. Otherwise spend half the slack, at most a sixteenth more a step: the device's word comes
+        # two steps late, and the slack can be an illusion (above).
+        short = slack < 0 or device_wait_us > self.idle_us
+        grown = self.writes * 0.75 if short else self.writes + min(0.5 * slack / self.write_us, self.writes / 16 + 1)
         self.writes = min(max(grown, self.min_writes), self.max_writes)

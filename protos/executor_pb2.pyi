@@ -83,16 +83,18 @@ class StepPlan(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., bucket: _Optional[int] = ..., slots: _Optional[bytes] = ..., row_runs: _Optional[bytes] = ..., cells: _Optional[bytes] = ..., sampler_slots: _Optional[bytes] = ..., sampler_f32: _Optional[bytes] = ..., sampler_i32: _Optional[bytes] = ..., prefill: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., mirror: _Optional[bytes] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("seq", "tokens", "prefill_tokens", "row_mismatches")
+    __slots__ = ("seq", "tokens", "prefill_tokens", "row_mismatches", "device_wait_us")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROW_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_WAIT_US_FIELD_NUMBER: _ClassVar[int]
     seq: int
     tokens: bytes
     prefill_tokens: bytes
     row_mismatches: int
-    def __init__(self, seq: _Optional[int] = ..., tokens: _Optional[bytes] = ..., prefill_tokens: _Optional[bytes] = ..., row_mismatches: _Optional[int] = ...) -> None: ...
+    device_wait_us: int
+    def __init__(self, seq: _Optional[int] = ..., tokens: _Optional[bytes] = ..., prefill_tokens: _Optional[bytes] = ..., row_mismatches: _Optional[int] = ..., device_wait_us: _Optional[int] = ...) -> None: ...
 
 class ConversationCheckpoint(_message.Message):
     __slots__ = ("position", "pinned", "root")

@@ -38,7 +38,7 @@ def test_token_event_join_keeps_order_and_takes_the_later_finish():
 
 def test_budget_grows_while_the_loop_waits_for_the_gpu():
     budget = StreamBudget(min_writes=2, headroom_us=100.0, writes=4.0, write_us=30.0)
-    for _ in range(20):  # 4 writes of 30 µs inside a 1 ms wait: 780 µs of slack each step
+    for _ in range(60):  # 4 writes of 30 µs inside a 1 ms wait: 780 µs of slack each step
         budget.observe(budget.allowance(), 30.0 * budget.allowance(), 1000.0)
         if budget.allowance() * 30.0 > 900:
             break
@@ -61,6 +61,20 @@ def test_budget_shrinks_when_writes_delay_the_next_output():
     assert max(allowed[-20:]) <= 64 and 55 <= sum(allowed[-20:]) / 20 <= 64
 
 
+def test_budget_backs_off_when_the_device_waited_for_a_plan():
+    """The writes look cheap (timed until issued) and the loop slack, yet the executor says its device sat idle
+    waiting for the plan: the writes shrink until it stops saying so, then grow again."""
+    budget = StreamBudget(min_writes=8, headroom_us=100.0, writes=64.0, write_us=30.0)
+    allowed = []
+    for _ in range(40):
+        written = budget.allowance()
+        allowed.append(written)
+        # issuing a write looks like 10 µs; what they really cost delays the plans once more than 30 go out
+        budget.observe(written, 10.0 * written, 2000.0, device_wait_us=300.0 if written > 30 else 20.0)
+    assert allowed[1] == 48  # cut by a quarter at once
+    assert min(allowed) >= 8 and sum(w > 30 for w in allowed[-20:]) <= 5
+
+
 def test_budget_never_goes_below_its_minimum():
     budget = StreamBudget(min_writes=3, writes=3.0)
     for _ in range(5):
@@ -73,6 +87,7 @@ def test_budget_never_goes_below_its_minimum():
     [
         (dict(min_writes=0), "min_writes must be positive"),
         (dict(headroom_us=-1.0), "headroom_us must not be negative"),
+        (dict(idle_us=-1.0), "idle_us must not be negative"),
         (dict(min_writes=8, writes=4.0), "writes must be in [8, 4096]"),
     ],
 )
