@@ -336,7 +336,9 @@ class StepRunner:
         )
 
     def _note_times(self, step: LaunchedStep) -> float:
-        """Adds the step to `times`; returns the device's wait for it (µs, 0 where not measured)."""
+        """Adds the step to `times`; returns how long the device waited for the step's plan to arrive (µs, 0
+        where not measured): its idle gap before the replay, less this executor's own host work on the step
+        (the host-planned arm's planning, say), which no planner can hurry."""
         began, applied, prefilled, planned, launched = step.marks
         times = self.times
         times.steps += 1
@@ -355,7 +357,7 @@ class StepRunner:
             times.steady_steps += 1
             times.steady_graph_us += graph_us
             times.steady_period_us += period_us
-            wait_us = max(period_us - graph_us, 0.0)
+            wait_us = max(period_us - graph_us - (launched - began) * 1e6, 0.0)
         self._last_replay = (step.seq, step.replay[1])
         return wait_us
 

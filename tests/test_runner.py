@@ -195,6 +195,14 @@ def model(request) -> LlamaModel:
     return tiny_model(device=request.param)
 
 
+def without_timing(outputs: list[executor_pb2.StepOutput]) -> list[executor_pb2.StepOutput]:
+    """The outputs less what the device's timing decides (device_wait_us), to compare two runs."""
+    bare = [executor_pb2.StepOutput.FromString(output.SerializeToString()) for output in outputs]
+    for output in bare:
+        output.ClearField("device_wait_us")
+    return bare
+
+
 def run_script(runner: StepRunner, slots: list[int]) -> dict[int, list[int]]:
     got: dict[int, list[int]] = {1: [], 2: []}
     for plan in scripted_plans(slots):
