@@ -18,6 +18,22 @@ from executor_svc.tables import SlotStore
 log = structlog.get_logger("deltaserve.executor.prefill_graphs")
 
 
+def bucket_shapes(token_buckets: Iterable[int], widest: int, max_seq_len: int, page_size: int) -> list[PrefillShape]:
+    """The padded shape of each token bucket, smallest first. A step's chunks: every one but the last ends its
+    prompt, and at most the widest decode bucket's prompts end (check_plan), so no more chunks than that plus
+    one, nor samples than that, nor pages than a sequence of max_seq_len holds."""
+    width = -(-max_seq_len // page_size)
+    return [
+        PrefillShape(tokens=tokens, chunks=min(tokens, widest + 1), samples=min(tokens, widest), table_width=width)
+        for tokens in sorted(set(token_buckets))
+    ]
+
+
+def smallest_holding(shapes: Sequence[PrefillShape], batch: PrefillShape) -> PrefillShape | None:
+    """The first of `shapes` (smallest first) that a batch of shape `batch` fits, or None."""
+    return next((shape for shape in shapes if shape.holds(batch)), None)
+
+
 class PrefillGraphs:
     """One prefill step per token bucket, captured on CUDA, two variants each (greedy, sampling) as the decode
     graphs have. A step's batch is padded to the smallest bucket that holds it and laid out in one input buffer
@@ -43,13 +59,7 @@ class PrefillGraphs:
         self.kv_pool = kv_pool
         self.store = store
         self.max_seq_len = max_seq_len
-        widest = store.layout.widest_bucket
-        width = -(-max_seq_len // kv_pool.page_size)
-        # A step's chunks: every one but the last ends its prompt, and at most the widest bucket's prompts end.
-        self.shapes = [
-            PrefillShape(tokens=tokens, chunks=min(tokens, widest + 1), samples=min(tokens, widest), table_width=width)
-            for tokens in sorted(set(token_buckets))
-        ]
+        self.shapes = bucket_shapes(token_buckets, store.layout.widest_bucket, max_seq_len, kv_pool.page_size)
         device = store.device
         self._input = torch.zeros(max((s.words for s in self.shapes), default=0), dtype=torch.int64, device=device)
         # The sampled tokens, outside the graphs' memory pool: the step's decode replay, between this replay and
@@ -66,7 +76,7 @@ class PrefillGraphs:
         """Replay the step of the smallest bucket that holds the chunks; their sampled tokens i64[S] on the
         device, or None when no captured bucket holds them."""
         own = PrefillBatch.exact_shape(chunks, sum(1 for slot in sample_slots if slot))
-        shape = next((s for s in self.shapes if s.holds(own) and (s.tokens, greedy) in self._graphs), None)
+        shape = smallest_holding([s for s in self.shapes if (s.tokens, greedy) in self._graphs], own)
         if shape is None:
             return None
         page_size = self.kv_pool.page_size

@@ -27,6 +27,7 @@ from executor_svc.kernels.attention import paged_decode_attention
 from executor_svc.kernels.tables import scatter_cells
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.llama import LlamaModel
+from executor_svc.prefill_batch import PrefillShape
 from executor_svc.runner import StepRunner, runner_for_model
 from executor_svc.tables import SlotStore
 from protos.layout import RowLayout
@@ -82,6 +83,20 @@ def graph_runner(model: LlamaModel, decode_path: str, prefill_buckets: tuple[int
 
 def test_capture_goes_widest_first():
     assert capture_order([4, 1, 16, 2, 4]) == [16, 4, 2, 1]
+
+
+def test_prefill_buckets_are_shaped_for_what_a_step_can_hold():
+    from executor_svc.prefill_graphs import bucket_shapes, smallest_holding
+
+    shapes = bucket_shapes([2048, 64, 512], widest=256, max_seq_len=1000, page_size=16)
+    assert [(s.tokens, s.chunks, s.samples, s.table_width) for s in shapes] == [
+        (64, 64, 64, 63), (512, 257, 256, 63), (2048, 257, 256, 63),
+    ]
+    assert smallest_holding(shapes, PrefillShape(tokens=300, chunks=2, samples=2, table_width=40)).tokens == 512
+    assert smallest_holding(shapes, PrefillShape(tokens=64, chunks=64, samples=64, table_width=63)).tokens == 64
+    assert smallest_holding(shapes, PrefillShape(tokens=64, chunks=65, samples=1, table_width=4)).tokens == 512
+    assert smallest_holding(shapes, PrefillShape(tokens=2049, chunks=1, samples=1, table_width=4)) is None  # eager
+    assert smallest_holding(shapes, PrefillShape(tokens=10, chunks=1, samples=1, table_width=64)) is None
 
 
 def test_decode_path_is_checked():
