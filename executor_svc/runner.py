@@ -73,6 +73,7 @@ class LaunchedStep:
             self.done.synchronize()
 
 
+UINT32_MAX = 2**32 - 1  # StepOutput.device_wait_us
 READ_BACK_RING = 4  # read-backs reused round-robin: more than the steps launched ahead of their collection (2)
 
 
@@ -332,7 +333,7 @@ class StepRunner:
             tokens=pack_i32(host[len(chunks) :]),
             prefill_tokens=pack_i32(prefill_tokens),
             row_mismatches=step.mismatches,
-            device_wait_us=round(device_wait_us),
+            device_wait_us=min(round(device_wait_us), UINT32_MAX),
         )
 
     def _note_times(self, step: LaunchedStep) -> float:

@@ -132,5 +132,23 @@ def test_a_padded_batch_computes_what_the_exact_one_does():
         results.append((logits, kv))
     (exact_logits, exact_kv), (padded_logits, padded_kv) = results
     torch.testing.assert_close(padded_logits[:2], exact_logits, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(padded_logits).all()  # the padding samples too (they read token 0's logits)
     torch.testing.assert_close(padded_kv.k[:, 1:], exact_kv.k[:, 1:], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(padded_kv.v[:, 1:], exact_kv.v[:, 1:], atol=1e-6, rtol=1e-6)
+
+
+def test_padding_tokens_attend_to_nothing_and_get_zeros():
+    chunks = random_chunks(16, seed=4)
+    exact = PrefillBatch.build(chunks, 16, 4096, DEVICE)
+    shape = PrefillShape(tokens=exact.num_tokens + 70, chunks=5, samples=1, table_width=12)
+    padded = PrefillBatch.build(chunks, 16, 4096, DEVICE, shape=shape)
+    gen = torch.Generator().manual_seed(3)
+    pool = KVPool(1, POOL_PAGES, 16, KV_HEADS, 64, torch.float32, DEVICE)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=gen))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
+    q = torch.randn(shape.tokens, HEADS, 64, generator=gen).to(DEVICE)
+    real = exact.num_tokens
+    got = paged_prefill_attention(q, pool.k[0], pool.v[0], padded, 0.125)
+    expected = paged_prefill_attention(q[:real], pool.k[0], pool.v[0], exact, 0.125)
+    torch.testing.assert_close(got[:real], expected, **tolerance(torch.float32))
+    assert not got[real:].any()
