@@ -31,6 +31,7 @@ from executor_svc.prefill_batch import PrefillShape
 from executor_svc.runner import StepRunner, runner_for_model
 from executor_svc.tables import SlotStore
 from protos.layout import RowLayout
+from protos.wire import unpack_i32
 from tests.test_runner import (
     BUCKETS,
     LAYOUT,
@@ -245,6 +246,35 @@ def test_prefill_replayed_from_its_graphs_gives_the_eager_tokens_and_pages(prefi
     torch.testing.assert_close(replayed.kv_pool.k[:, 1:], eager.kv_pool.k[:, 1:])
     torch.testing.assert_close(replayed.kv_pool.v[:, 1:], eager.kv_pool.v[:, 1:])
     assert replayed.store.last_token[0] == 0 and torch.equal(replayed.store.last_token, eager.store.last_token)
+
+
+def prefill_beside_decode_plans() -> list:
+    """A prefills, then decodes alone (bucket 1) while B's last prompt chunk runs in the same step as A's first
+    decode: the step's decode replay runs between the prefill and the read-back of both."""
+    plans = scripted_plans([1])
+    first_decode = plans[2]
+    first_decode.prefill.extend(plans[1].prefill)
+    merged = [plans[0], first_decode, *plans[3:]]
+    for seq, plan in enumerate(merged, start=1):
+        plan.seq = seq
+    return merged
+
+
+@pytest.mark.parametrize("prefill_buckets", [(), pytest.param((16,), marks=needs_gpu)])
+def test_prefill_beside_a_decode_step_gives_each_its_tokens(prefill_buckets: tuple[int, ...]):
+    model = tiny_model(DEVICE)
+    runner = graph_runner(model, "resident", prefill_buckets)
+    got: dict[int, list[int]] = {1: [], 2: []}
+    for plan in prefill_beside_decode_plans():
+        output = runner.run(plan)
+        assert output.row_mismatches == 0
+        for chunk, token in zip(plan.prefill, unpack_i32(output.prefill_tokens), strict=True):
+            if chunk.sample_slot:
+                got[chunk.sample_slot].append(int(token))
+        if plan.bucket:
+            got[1].append(int(unpack_i32(output.tokens)[0]))
+    expected = reference_tokens(model)
+    assert got == {1: expected[1], 2: expected[2][:1]}
 
 
 @needs_gpu
