@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import structlog
@@ -31,6 +31,23 @@ WARMUP_STEPS = 2  # eager runs before a capture: Triton compiles, cuBLAS picks i
 def capture_order(buckets: Iterable[int]) -> list[int]:
     """Widest first, so the narrower graphs reuse the memory the widest one's capture reserved."""
     return sorted(set(buckets), reverse=True)
+
+
+def capture_step(
+    step: Callable[[], torch.Tensor], device: torch.device, pool: tuple[int, int] | None
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Run `step` eagerly on a side stream WARMUP_STEPS times, then capture it into `pool`; returns the graph
+    and the output tensor its replays refill."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.inference_mode():
+        for _ in range(WARMUP_STEPS):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+        output = step()
+    return graph, output
 
 
 class DecodeGraphs:
@@ -229,15 +246,9 @@ class DecodeGraphs:
         try:
             self.prepare(bucket)
             for greedy in (False, True):
-                side = torch.cuda.Stream(self.store.device)
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side), torch.inference_mode():
-                    for _ in range(WARMUP_STEPS):
-                        self._step(bucket, greedy)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-                    captured[(bucket, greedy)] = graph, self._step(bucket, greedy)
+                captured[(bucket, greedy)] = capture_step(
+                    lambda: self._step(bucket, greedy), self.store.device, self._pool  # noqa: B023 (called at once)
+                )
             torch.cuda.synchronize()
         except Exception as err:  # any failure leaves the bucket eager, said why
             self.states[bucket] = f"eager (capture failed: {type(err).__name__}: {err})"

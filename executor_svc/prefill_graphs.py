@@ -8,7 +8,7 @@ import numpy as np
 import structlog
 import torch
 
-from executor_svc.graphs import WARMUP_STEPS, capture_order
+from executor_svc.graphs import capture_order, capture_step
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.llama import LlamaModel
 from executor_svc.prefill_batch import PrefillBatch, PrefillShape
@@ -72,7 +72,9 @@ class PrefillGraphs:
         for tokens in capture_order(s.tokens for s in self.shapes):
             self._build(next(s for s in self.shapes if s.tokens == tokens))
 
-    def launch(self, chunks: Sequence[tuple[np.ndarray, int, np.ndarray]], sample_slots: Sequence[int], greedy: bool):
+    def launch(
+        self, chunks: Sequence[tuple[np.ndarray, int, np.ndarray]], sample_slots: Sequence[int], greedy: bool
+    ) -> torch.Tensor | None:
         """Replay the step of the smallest bucket that holds the chunks; their sampled tokens i64[S] on the
         device, or None when no captured bucket holds them."""
         own = PrefillBatch.exact_shape(chunks, sum(1 for slot in sample_slots if slot))
@@ -90,19 +92,14 @@ class PrefillGraphs:
         """Warm the bucket's two steps up on a batch of padding alone (it writes only the sink page and slot),
         then capture them."""
         batch = PrefillBatch.build([], self.kv_pool.page_size, self.max_seq_len, self.store.device, shape=shape, into=self._input)
+        def step(greedy: bool) -> torch.Tensor:
+            tokens = prefill_step(self.model.prefill_fused, batch, self.kv_pool, self.store, greedy)
+            return self._sampled[: shape.samples].copy_(tokens)
+
         captured = {}
         try:
             for greedy in (False, True):
-                side = torch.cuda.Stream(self.store.device)
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side), torch.inference_mode():
-                    for _ in range(WARMUP_STEPS):
-                        prefill_step(self.model.prefill_fused, batch, self.kv_pool, self.store, greedy)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-                    tokens = prefill_step(self.model.prefill_fused, batch, self.kv_pool, self.store, greedy)
-                    self._sampled[: shape.samples].copy_(tokens)
+                graph, _ = capture_step(lambda: step(greedy), self.store.device, self._pool)  # noqa: B023 (called at once)
                 captured[(shape.tokens, greedy)] = graph
             torch.cuda.synchronize()
         except Exception as err:  # any failure leaves the bucket eager, said why

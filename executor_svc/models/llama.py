@@ -229,7 +229,8 @@ class LlamaModel(nn.Module):
 
     def prefill_fused(self, batch: PrefillBatch, kv: KVPool, select: torch.Tensor | None = None) -> torch.Tensor:
         """`prefill` in the Triton kernels of the decode step, with the batch's causal attention in one launch
-        per layer for all chunks (the GPU path; fixed shapes, nothing read back: a graph can hold it)."""
+        per layer for all chunks (the GPU path; fixed shapes, nothing read back: a graph can hold it). Returns
+        float32 logits of the tokens `select` picks (default each chunk's last)."""
         from executor_svc.kernels.prefill_attention import paged_prefill_attention
         from executor_svc.kernels.tables import StepInputs
 
