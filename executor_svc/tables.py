@@ -106,13 +106,15 @@ class _Staging:
 
     def __init__(self, regions: dict[str, int], device: torch.device) -> None:
         self._cuda = device.type == "cuda"
-        self._target = device
         total = sum(regions.values())
         self._host = torch.zeros(total, dtype=torch.int32, pin_memory=self._cuda)
         self._twin = torch.zeros(total, dtype=torch.int32, device=device) if self._cuda else self._host
         self._host_np = self._host.numpy()
         self._bounds: dict[str, tuple[int, int]] = {}
         self._uploaded: dict[str, torch.cuda.Event] = {}
+        # Uploads run on the step thread's stream, the device's default one; named in each record, since
+        # finding the current stream costs a record ~20 µs of Python.
+        self._stream = torch.cuda.default_stream(device) if self._cuda else None
         start = 0
         for name, words in regions.items():
             self._bounds[name] = (start, words)
@@ -144,7 +146,7 @@ class _Staging:
             return self._host[start : start + words]
         staged = self._twin[start : start + words]
         staged.copy_(self._host[start : start + words], non_blocking=True)
-        self._uploaded[region].record(torch.cuda.current_stream(self._target))
+        self._uploaded[region].record(self._stream)
         return staged
 
 
@@ -178,6 +180,14 @@ class SlotStore:
             device,
         )
         self._flat_rows = self.rows.view(-1)
+        self._scatter_sampler = None
+        if device.type == "cuda":  # one Triton launch per sampler write; compiled here, not in a step
+            from executor_svc.kernels.tables import SamplerState, scatter_sampler
+
+            state = SamplerState(self.temperature, self.top_p, self.top_k, self.seed, self.last_token)
+            self._sampler_state = state
+            self._scatter_sampler = scatter_sampler
+            scatter_sampler(self._staging.device("sampler"), 0, self._sampler_state)
 
     @property
     def max_run_cells(self) -> int:
@@ -254,6 +264,9 @@ class SlotStore:
         staged[k : 3 * k] = np.ascontiguousarray(f32, dtype=np.float32).reshape(-1).view(np.int32)
         staged[3 * k : 7 * k] = np.asarray(i32).reshape(-1)
         words = self._staging.upload("sampler", _SAMPLER_WORDS * k)
+        if self._scatter_sampler is not None:
+            self._scatter_sampler(words, k, self._sampler_state)
+            return
         index = words[:k].long()
         floats = words[k : 3 * k].view(torch.float32).view(k, SAMPLER_F32)
         ints = words[3 * k : 7 * k].view(k, SAMPLER_I32)

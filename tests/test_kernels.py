@@ -22,7 +22,7 @@ if not triton_available():
 from executor_svc.attention.torch_ref import decode_attention
 from executor_svc.kernels.attention import decode_splits, paged_decode_attention
 from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
-from executor_svc.kernels.tables import advance, gather_inputs, scatter_cells
+from executor_svc.kernels.tables import SamplerState, advance, gather_inputs, scatter_cells, scatter_sampler
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.llama import RMSNorm, _rotate_half
 from executor_svc.tables import SlotStore
@@ -99,6 +99,33 @@ def test_scatter_cells_writes_the_first_count_triples_and_spares_the_sink():
     before = store.rows.clone()
     scatter_cells(store.rows, cells.to(DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE))
     torch.testing.assert_close(store.rows, before, rtol=0, atol=0)
+
+
+def sampler_state(store: SlotStore) -> SamplerState:
+    return SamplerState(store.temperature, store.top_p, store.top_k, store.seed, store.last_token)
+
+
+def test_scatter_sampler_matches_the_slot_stores_torch_writes():
+    store = filled_store(16, 5)
+    reference = SlotStore(LAYOUT, torch.device("cpu"))  # the torch writes, whatever DEVICE is
+    reference.last_token.copy_(store.last_token.cpu())
+    slots = np.array([3, 7, 1], dtype=np.int32)
+    f32 = np.array([[0.7, 0.9], [0.0, 1.0], [1.3, 0.5]], dtype=np.float32)
+    # Seeds whose low half has its top bit set and whose high half is negative; last_token -1 keeps slot 7's.
+    i32 = np.array([[40, -5, -2, 17], [0, 123, 0, -1], [5, 2**31 - 1, 7, 0]], dtype=np.int32)
+    reference.write_sampler(slots, f32, i32)
+    words = np.concatenate([slots, f32.reshape(-1).view(np.int32), i32.reshape(-1)])
+    scatter_sampler(torch.from_numpy(words).to(DEVICE), len(slots), sampler_state(store))
+    for name in ("temperature", "top_p", "top_k", "seed", "last_token"):
+        torch.testing.assert_close(getattr(store, name).cpu(), getattr(reference, name), rtol=0, atol=0, msg=name)
+    assert int(store.seed[3]) == (-2 << 32) | (2**32 - 5)
+    # A count of zero writes nothing, and a slot outside [1, S) is dropped (the sink stays greedy, zero).
+    before = [t.clone() for t in sampler_state(store)]
+    scatter_sampler(torch.from_numpy(words).to(DEVICE), 0, sampler_state(store))
+    outside = np.concatenate([[0, LAYOUT.slots], np.ones(4, np.float32).view(np.int32), np.ones(8, np.int32)])
+    scatter_sampler(torch.from_numpy(outside.astype(np.int32)).to(DEVICE), 2, sampler_state(store))
+    for name, after, was in zip(SamplerState._fields, sampler_state(store), before):
+        torch.testing.assert_close(after, was, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("page_size", [4, 16])
