@@ -100,6 +100,7 @@ class DecodeGraphs:
         self._split_counters = torch.zeros(layout.widest_bucket * config.num_kv_heads, dtype=torch.int32, device=device)
         self._step_slots = np.zeros(layout.widest_bucket, dtype=np.int32)  # host copy of store.step_slots
         self._samples = np.zeros(layout.slots, dtype=bool)  # by slot: temperature > 0
+        self._greedy: dict[int, bool] = {}  # bucket -> greedy(bucket), until a plan changes slots or sampling
         self.host_rows: HostRows | None = None
         if decode_path == "host-planned":
             self.host_rows = HostRows(layout)
@@ -138,14 +139,20 @@ class DecodeGraphs:
         table writes, for its host copy of the rows (resident keeps none)."""
         if slots is not None:
             self._step_slots[: len(slots)] = slots
+            self._greedy.clear()
         if len(sampler_slots):
             self._samples[sampler_slots] = sampler_f32[:, 0] > 0
+            self._greedy.clear()
         if self.host_rows is not None:
             self.host_rows.apply(runs, cells)
 
     def greedy(self, bucket: int) -> bool:
-        """Whether every row of the bucket's step is greedy (padding rows read the sink row, which is)."""
-        return self.greedy_slots(self._step_slots[:bucket])
+        """Whether every row of the bucket's step is greedy (padding rows read the sink row, which is). Kept
+        from step to step while the plans change neither: a steady step reads nothing."""
+        greedy = self._greedy.get(bucket)
+        if greedy is None:
+            greedy = self._greedy[bucket] = self.greedy_slots(self._step_slots[:bucket])
+        return greedy
 
     def greedy_slots(self, slots: np.ndarray) -> bool:
         """Whether every one of `slots` samples greedily, by the sampler state the plans wrote."""

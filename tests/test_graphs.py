@@ -188,6 +188,24 @@ def test_steps_of_greedy_rows_take_the_argmax_graph():
     assert not mixed.graphs.greedy(2)
 
 
+def test_greedy_follows_the_plans_that_change_slots_or_sampling():
+    """The greedy flag is kept across steady steps, and a plan that moves rows or rewrites a slot's sampler
+    state changes it."""
+    graphs = graph_runner(tiny_model(DEVICE), "resident").graphs
+    none = np.zeros(0, dtype=np.int32)
+    sampled, greedy = np.array([[0.8, 1.0]], np.float32), np.array([[0.0, 1.0]], np.float32)
+    graphs.note_plan(np.array([1, 2], np.int32), none, none, none, sampled[:0])
+    assert graphs.greedy(2)
+    graphs.note_plan(None, none, none, np.array([2], np.int32), sampled)
+    assert not graphs.greedy(2) and graphs.greedy(1)
+    graphs.note_plan(np.array([1, 3], np.int32), none, none, none, sampled[:0])  # slot 2 leaves the step
+    assert graphs.greedy(2)
+    graphs.note_plan(np.array([2, 1], np.int32), none, none, none, sampled[:0])
+    assert not graphs.greedy(2)
+    graphs.note_plan(None, none, none, np.array([2], np.int32), greedy)
+    assert graphs.greedy(2)
+
+
 def test_a_step_launched_before_the_last_is_collected_gives_the_same_outputs():
     """Step N+1 launches while step N's tokens are still on their way back (as the executor runs them)."""
     model = tiny_model(DEVICE)
