@@ -17,6 +17,7 @@ and mean of each segment per arm and bucket, µs:
     chain      tokens of N back -> N+2 launched: the GPU stays busy while this is shorter than a step
     period     tokens of N back -> tokens of N+1 back
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,11 +47,18 @@ def by_seq(records: list, tag: str) -> dict[int, dict[str, int]]:
     return marks
 
 
-def chains(executor: dict[int, dict[str, int]], planner: dict[int, dict[str, int]]) -> dict[int, dict[str, list]]:
+def chains(
+    executor: dict[int, dict[str, int]], planner: dict[int, dict[str, int]]
+) -> dict[int, dict[str, list]]:
     """Per bucket of step N+2: each segment's durations (µs) over the steps N with every mark present."""
     out: dict[int, dict[str, list]] = {}
     for seq, step in executor.items():
-        later, next_step, sent, resent = executor.get(seq + 2), executor.get(seq + 1), planner.get(seq), planner.get(seq + 2)
+        later, next_step, sent, resent = (
+            executor.get(seq + 2),
+            executor.get(seq + 1),
+            planner.get(seq),
+            planner.get(seq + 2),
+        )
         if not (later and next_step and sent and resent) or "done" not in step or "done" not in next_step:
             continue
         bucket = next((int(name[6:]) for name in later if name.startswith("bucket")), None)
@@ -59,8 +67,13 @@ def chains(executor: dict[int, dict[str, int]], planner: dict[int, dict[str, int
         handed = step.get("yield", sent["recv"])  # in-process: the output is the received one
         read = later.get("read", resent["send0"])  # in-process: the plan is launched as it is sent
         values = (
-            handed - step["done"], sent["recv"] - handed, resent["send0"] - sent["recv"], read - resent["send0"],
-            later["launch0"] - read, later["launch1"] - later["launch0"], later["launch1"] - step["done"],
+            handed - step["done"],
+            sent["recv"] - handed,
+            resent["send0"] - sent["recv"],
+            read - resent["send0"],
+            later["launch0"] - read,
+            later["launch1"] - later["launch0"],
+            later["launch1"] - step["done"],
             next_step["done"] - step["done"],
         )
         segments = out.setdefault(bucket, {name: [] for name in SEGMENTS})
@@ -96,7 +109,9 @@ def analyse(trace_dir: str, grpc_arm: str | None, inprocess_arm: str | None) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--concurrency", default="1,64")
     parser.add_argument("--arms", type=arm_list, default=("resident", "resident-inprocess"))
@@ -107,7 +122,9 @@ def main() -> None:
     args = parser.parse_args()
     grpc_arms = [arm for arm in args.arms if not in_process(arm)]
     if len(grpc_arms) > 1:
-        parser.error(f"at most one gRPC arm a run (the planner's link stamps would mix): got {', '.join(grpc_arms)}")
+        parser.error(
+            f"at most one gRPC arm a run (the planner's link stamps would mix): got {', '.join(grpc_arms)}"
+        )
     with tempfile.TemporaryDirectory() as scratch:
         trace_dir = os.path.join(scratch, "trace")
         env = dict(os.environ, DELTASERVE_CHAIN_TRACE=trace_dir)
@@ -115,20 +132,37 @@ def main() -> None:
             [os.path.join(REPO, "bench", "chain_trace"), REPO, *filter(None, [os.environ.get("PYTHONPATH")])]
         )
         command = [
-            sys.executable, os.path.join(REPO, "bench", "decode.py"), "--arms", ",".join(args.arms),
-            "--concurrency", args.concurrency, "--rounds", str(args.rounds), "--device", args.device,
-            "--out", os.path.join(scratch, "decode.json"), "--plot", os.path.join(scratch, "decode.png"),
+            sys.executable,
+            os.path.join(REPO, "bench", "decode.py"),
+            "--arms",
+            ",".join(args.arms),
+            "--concurrency",
+            args.concurrency,
+            "--rounds",
+            str(args.rounds),
+            "--device",
+            args.device,
+            "--out",
+            os.path.join(scratch, "decode.json"),
+            "--plot",
+            os.path.join(scratch, "decode.png"),
             *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
         ]
         subprocess.run(command, env=env, check=True)
         inprocess_arms = [arm for arm in args.arms if in_process(arm)]
-        rows = analyse(trace_dir, grpc_arms[0] if grpc_arms else None, inprocess_arms[0] if inprocess_arms else None)
+        rows = analyse(
+            trace_dir, grpc_arms[0] if grpc_arms else None, inprocess_arms[0] if inprocess_arms else None
+        )
     commit = args.commit or commit_hash()
     for row in rows:
         row["commit"] = commit
-        print(f"{row['arm']:19s} bucket {row['bucket']:4d} ({row['steps']} steps)  "
-              + "  ".join(f"{name} {row[f'{name}_us_median']:.0f}/{row[f'{name}_us_mean']:.0f}" for name in SEGMENTS),
-              flush=True)
+        print(
+            f"{row['arm']:19s} bucket {row['bucket']:4d} ({row['steps']} steps)  "
+            + "  ".join(
+                f"{name} {row[f'{name}_us_median']:.0f}/{row[f'{name}_us_mean']:.0f}" for name in SEGMENTS
+            ),
+            flush=True,
+        )
     write_json(args.out, rows)
 
 

@@ -1,4 +1,5 @@
 """What every benchmark script records with its figures: the commit, and the JSON file it writes."""
+
 from __future__ import annotations
 
 import json

@@ -13,6 +13,7 @@ Processes as deployed: the gRPC arms run their executor in a child process of it
 planners and the in-process arm's executor share this process. Each record's "executor_process" ("child" or
 "same") says where its executor ran, and its "clients_process" ("child") where its clients did.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -107,8 +108,13 @@ def executor_process(arm: str) -> str:
 
 def executor_config(device: str, pool_pages: int, buckets: tuple[int, ...], arm: str) -> ExecutorConfig:
     return ExecutorConfig(
-        device=device, dtype="bfloat16", page_size=PAGE_SIZE, pool_pages=pool_pages,
-        max_seq_len=MAX_SEQ_LEN, buckets=buckets, decode_path=arm.removesuffix("-inprocess"),
+        device=device,
+        dtype="bfloat16",
+        page_size=PAGE_SIZE,
+        pool_pages=pool_pages,
+        max_seq_len=MAX_SEQ_LEN,
+        buckets=buckets,
+        decode_path=arm.removesuffix("-inprocess"),
     )
 
 
@@ -138,9 +144,14 @@ class LineChild:
         pythonpath = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
         env = dict(os.environ, PYTHONPATH=pythonpath)
         process = await asyncio.create_subprocess_exec(
-            sys.executable, os.path.abspath(__file__), *mode,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env=env, limit=1 << 26,  # the clients' answer to a measurement is one long line
+            sys.executable,
+            os.path.abspath(__file__),
+            *mode,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            limit=1 << 26,  # the clients' answer to a measurement is one long line
         )
         return cls(name, process)
 
@@ -341,18 +352,22 @@ async def measure(
         "step_us": round(step_us, 1),
         # Host microseconds per step: the planner's phases (per step it ran) and the executor's (per decode step).
         "planner_us": {
-            k: per_step(engine[f"{k}_us"], steps) for k in ("plan", "encode", "send", "wait", "stream", "commit")
+            k: per_step(engine[f"{k}_us"], steps)
+            for k in ("plan", "encode", "send", "wait", "stream", "commit")
         },
         # Client streams the planner wrote to per step (the rest of the running requests' tokens waited).
         "streams_written_per_step": per_step(engine["streams_written"], steps),
         "executor_us": {
-            k: per_step(runner[f"{k}_us"], decode_steps) for k in ("apply", "plan", "prefill", "launch", "sync")
+            k: per_step(runner[f"{k}_us"], decode_steps)
+            for k in ("apply", "plan", "prefill", "launch", "sync")
         },
         "graph_us": graph_us,
         # The GPU's share of a steady decode step (no prefill in it), from CUDA events: graph time over the
         # time between consecutive replays' ends.
         "gpu_busy_steady": (
-            round(runner["steady_graph_us"] / runner["steady_period_us"], 3) if runner["steady_period_us"] else None
+            round(runner["steady_graph_us"] / runner["steady_period_us"], 3)
+            if runner["steady_period_us"]
+            else None
         ),
         "steady_period_us": per_step(runner["steady_period_us"], runner["steady_steps"]),
         # Wall time of a step the decode graph did not cover: prefill on the GPU, and the GPU idle.
@@ -502,8 +517,15 @@ async def run(args: argparse.Namespace) -> list[dict]:
                 runner, states = build_runner(random_model(device), config)
             else:
                 child = children[name] = await ExecutorChild.start(
-                    f"{name} executor", "--serve-executor", name, "--device", args.device,
-                    "--pool-pages", str(pool_pages), "--buckets", ",".join(map(str, buckets)),
+                    f"{name} executor",
+                    "--serve-executor",
+                    name,
+                    "--device",
+                    args.device,
+                    "--pool-pages",
+                    str(pool_pages),
+                    "--buckets",
+                    ",".join(map(str, buckets)),
                 )
                 runner, states = None, await child.ready()
             if "error" in states:
@@ -530,7 +552,10 @@ async def run(args: argparse.Namespace) -> list[dict]:
         # Prompts of the measured length at every measured concurrency: the kernels compile, and every bucket's
         # graph makes its first replay, for the shapes the rounds will run.
         for c in concurrencies:
-            warm = [rng.integers(3, SMOLLM2.vocab_size, size=args.prompt_tokens).astype(np.int32) for _ in range(c)]
+            warm = [
+                rng.integers(3, SMOLLM2.vocab_size, size=args.prompt_tokens).astype(np.int32)
+                for _ in range(c)
+            ]
             for arm in arms.values():
                 await measure(arm, clients, warm, 8)
         results: dict[tuple[str, int], list[dict]] = {}
@@ -595,10 +620,16 @@ async def run(args: argparse.Namespace) -> list[dict]:
         records.append(record)
     for name, state in capture.items():
         if "error" in state:
-            records.append({
-                "arm": name, "executor_process": executor_process(name), "clients_process": "child",
-                "error": state["error"], "commit": args.commit or commit_hash(), "gpu": gpu,
-            })
+            records.append(
+                {
+                    "arm": name,
+                    "executor_process": executor_process(name),
+                    "clients_process": "child",
+                    "error": state["error"],
+                    "commit": args.commit or commit_hash(),
+                    "gpu": gpu,
+                }
+            )
     return records
 
 
@@ -613,7 +644,9 @@ def plot(records: list[dict], path: str) -> None:
         return
     figure, axes = plt.subplots(figsize=(6, 4))
     for arm in ARMS:
-        points = sorted((r["concurrency"], r["tok_s"]) for r in records if r.get("arm") == arm and "tok_s" in r)
+        points = sorted(
+            (r["concurrency"], r["tok_s"]) for r in records if r.get("arm") == arm and "tok_s" in r
+        )
         if points:
             axes.plot(*zip(*points), marker="o", label=arm)
     axes.set_xscale("log", base=2)
@@ -628,12 +661,17 @@ def plot(records: list[dict], path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer dir or GGUF (default: the SmolLM2 GGUF)")
     parser.add_argument("--concurrency", default="1,16,64,256")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--arms", type=arm_list, default=ARMS, help=f"comma-separated, of {','.join(ARMS)} (default: all three)"
+        "--arms",
+        type=arm_list,
+        default=ARMS,
+        help=f"comma-separated, of {','.join(ARMS)} (default: all three)",
     )
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=256)

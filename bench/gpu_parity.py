@@ -24,8 +24,18 @@ from bench.common import commit_hash, write_json
 
 REFERENCE = "docs/bench/gpu_parity_reference.json"
 TOPICS = [
-    "volcanoes", "the printing press", "honey bees", "tides", "the violin", "glaciers", "compound interest",
-    "photosynthesis", "the Roman roads", "lightning", "coral reefs", "the steam engine",
+    "volcanoes",
+    "the printing press",
+    "honey bees",
+    "tides",
+    "the violin",
+    "glaciers",
+    "compound interest",
+    "photosynthesis",
+    "the Roman roads",
+    "lightning",
+    "coral reefs",
+    "the steam engine",
 ]
 
 
@@ -38,12 +48,16 @@ def prompts() -> list[list[dict[str, str]]]:
     for i, topic in enumerate(TOPICS):
         more.append([{"role": "user", "content": f"Explain {topic} in three sentences."}])
         sentences = " ".join(
-            f"Note {n}: the study of {topic} recorded observation {n * 7 % 31} on day {n}." for n in range(10 + 3 * i)
+            f"Note {n}: the study of {topic} recorded observation {n * 7 % 31} on day {n}."
+            for n in range(10 + 3 * i)
         )
         more.append(
             [
                 {"role": "system", "content": "You answer from the notes given."},
-                {"role": "user", "content": f"{sentences}\n\nWhich note comes last, and what does it record?"},
+                {
+                    "role": "user",
+                    "content": f"{sentences}\n\nWhich note comes last, and what does it record?",
+                },
             ]
         )
     return chat_prompts() + more
@@ -108,7 +122,9 @@ async def check_stack(args: argparse.Namespace, cases: list[dict]) -> list[dict]
                 "mode": mode,
                 "prompts": len(cases),
                 "equal": sum(d is None for d in differences),
-                "prompt_ids_equal": sum(r.prompt_tokens == len(c["prompt_ids"]) for r, c in zip(results, cases)),
+                "prompt_ids_equal": sum(
+                    r.prompt_tokens == len(c["prompt_ids"]) for r, c in zip(results, cases)
+                ),
                 "first_difference": differences,
                 "prompt_tokens": [len(c["prompt_ids"]) for c in cases],
                 "max_tokens": max_tokens,
@@ -143,7 +159,9 @@ def check(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("what", choices=("reference", "check"))
     parser.add_argument("--reference", default=REFERENCE, help="the transformers answers (JSON)")
     parser.add_argument("--max-tokens", type=int, default=64, help="reference: tokens generated per prompt")

@@ -50,8 +50,13 @@ CASES = {
 async def soak(name: str, model, tokenizer: str | None, steps: int) -> dict:
     pool_pages, buckets, live = CASES[name]
     config = ExecutorConfig(
-        device="cuda", dtype="bfloat16", page_size=PAGE_SIZE, pool_pages=pool_pages,
-        max_seq_len=MAX_SEQ_LEN, buckets=buckets, row_check=True,
+        device="cuda",
+        dtype="bfloat16",
+        page_size=PAGE_SIZE,
+        pool_pages=pool_pages,
+        max_seq_len=MAX_SEQ_LEN,
+        buckets=buckets,
+        row_check=True,
     )
     runner = runner_for_model(model, config, "random-smollm2")
     captured = sum(state.startswith("captured, host-plan-free") for state in runner.graphs.states.values())
@@ -75,7 +80,10 @@ async def soak(name: str, model, tokenizer: str | None, steps: int) -> dict:
                 ]
                 requests += live
                 finished += sum(done for _, _, done in await asyncio.gather(*wave))
-                print(f"{name}: {runner.times.steps} resident steps, {engine.row_mismatches} mismatches", flush=True)
+                print(
+                    f"{name}: {runner.times.steps} resident steps, {engine.row_mismatches} mismatches",
+                    flush=True,
+                )
             while not engine.scheduler.idle:
                 await asyncio.sleep(0.01)
     finally:
@@ -112,7 +120,9 @@ async def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer dir or GGUF (default: the SmolLM2 GGUF)")
     parser.add_argument("--steps", type=int, default=5000, help="resident decode steps per case, at least")
     parser.add_argument("--out", default="docs/bench/gpu_row_check.json")

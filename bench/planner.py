@@ -5,6 +5,7 @@
 
 Prints one line per case and writes them as JSON (case, rows, plan_us_median, message_bytes, commit).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ def measure(rows: int, case: str, steps: int) -> dict:
     page_size = 10 if case == "crossing" else 16
     max_seq_len = 8192
     pool_pages = rows * (max_seq_len // page_size) + 1
-    config = SchedulerConfig(page_size, pool_pages, BUCKETS, max_seq_len, vocab_size=49152,
-                             prefill_token_budget=1 << 20)
+    config = SchedulerConfig(
+        page_size, pool_pages, BUCKETS, max_seq_len, vocab_size=49152, prefill_token_budget=1 << 20
+    )
     scheduler = Scheduler(config, RowLayout.build(list(BUCKETS), max_seq_len, page_size, pool_pages))
     stagger = page_size if case == "crossing" else 1  # steady: every row crosses on the same step
     requests = [Request(f"r{i}", [1] * (100 + i % stagger), 8000) for i in range(rows)]
@@ -74,7 +76,9 @@ def measure(rows: int, case: str, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--out", default="docs/bench/planner.json")
     args = parser.parse_args()
@@ -83,9 +87,12 @@ def main() -> None:
         for rows in (1, 16, 64, 256):
             result = measure(rows, case, args.steps)
             results.append(result)
-            print(f"{case:9s} rows={rows:4d}  plan+encode median {result['plan_us_median']:8.2f} us"
-                  f"  p90 {result['plan_us_p90']:8.2f} us  message {result['message_bytes']:6d} B"
-                  f" (max {result['message_bytes_max']})", flush=True)
+            print(
+                f"{case:9s} rows={rows:4d}  plan+encode median {result['plan_us_median']:8.2f} us"
+                f"  p90 {result['plan_us_p90']:8.2f} us  message {result['message_bytes']:6d} B"
+                f" (max {result['message_bytes_max']})",
+                flush=True,
+            )
     write_json(args.out, results)
 
 

@@ -6,6 +6,7 @@ A conversation of about --tokens tokens is built turn by turn, then its next tur
 in one run: mounted from the pool's retained checkpoint, restored from the cache after a park, and read
 in full (no conversation). Reports time to first token and prompt tokens read for each.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,14 +28,18 @@ from planner_svc.server import start_planner_server
 from protos import client_pb2, client_pb2_grpc
 from protos.wire import unpack_i32
 
-PARAGRAPH = ("The lighthouse keeper wrote in the log every evening: the wind, the ships that passed, the colour of "
-             "the sea, and what the gulls were doing. ")
+PARAGRAPH = (
+    "The lighthouse keeper wrote in the log every evening: the wind, the ships that passed, the colour of "
+    "the sea, and what the gulls were doing. "
+)
 
 
 def chat_request(messages, conversation: str, max_tokens: int) -> client_pb2.GenerateRequest:
     return client_pb2.GenerateRequest(
         chat=client_pb2.ChatMessages(messages=[client_pb2.ChatMessage(**m) for m in messages]),
-        max_tokens=max_tokens, conversation_id=conversation, ignore_eos=True,
+        max_tokens=max_tokens,
+        conversation_id=conversation,
+        ignore_eos=True,
     )
 
 
@@ -46,8 +51,14 @@ async def timed(stub, request) -> dict:
         if first is None and tokens:
             first = time.perf_counter() - began
         last = response
-    return {"ttft_s": round(first, 3), "prompt_tokens": last.prompt_tokens, "read_tokens": last.read_tokens,
-            "reused_tokens": last.reused_tokens, "checkpoint": last.checkpoint, "tokens": tokens}
+    return {
+        "ttft_s": round(first, 3),
+        "prompt_tokens": last.prompt_tokens,
+        "read_tokens": last.read_tokens,
+        "reused_tokens": last.reused_tokens,
+        "checkpoint": last.checkpoint,
+        "tokens": tokens,
+    }
 
 
 async def main_async(args) -> list[dict]:
@@ -55,12 +66,16 @@ async def main_async(args) -> list[dict]:
     cache, cache_port = await start_cache_server(cache_dir, budget_bytes=16 << 30)
     cache_addr = f"127.0.0.1:{cache_port}"
     pool_pages = args.tokens // 16 * 3 + 64
-    runner = await asyncio.to_thread(build_runner, ExecutorConfig(device=args.device, pool_pages=pool_pages,
-                                                                  buckets=(1, 2, 4), cache=cache_addr))
+    runner = await asyncio.to_thread(
+        build_runner,
+        ExecutorConfig(device=args.device, pool_pages=pool_pages, buckets=(1, 2, 4), cache=cache_addr),
+    )
     executor, port = await start_executor_server(runner, cache=cache_addr)
     planner, planner_port = await start_planner_server(
         # Prefix sharing off: the full-read arm must read the whole prompt, not the conversation's pages.
-        PlannerConfig(executors=[f"127.0.0.1:{port}"], cache=cache_addr, prefix_cache=False), port=0)
+        PlannerConfig(executors=[f"127.0.0.1:{port}"], cache=cache_addr, prefix_cache=False),
+        port=0,
+    )
     import grpc
 
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{planner_port}")
@@ -84,12 +99,19 @@ async def main_async(args) -> list[dict]:
     messages.append({"role": "user", "content": "And the ships?"})
     snapshot = await timed(stub, chat_request(messages, "long", 8))
     full_after = await timed(stub, chat_request(messages, "", 8))
-    for arm, result in (("checkpoint", checkpoint), ("full read", full), ("snapshot", snapshot),
-                        ("full read (next turn)", full_after)):
+    for arm, result in (
+        ("checkpoint", checkpoint),
+        ("full read", full),
+        ("snapshot", snapshot),
+        ("full read (next turn)", full_after),
+    ):
         result.pop("tokens")
         results.append({"arm": arm, **result, "device": args.device, "commit": commit})
-        print(f"{arm:22s} ttft {result['ttft_s']:8.3f} s  read {result['read_tokens']:6d} of "
-              f"{result['prompt_tokens']:6d} tokens  ({result['checkpoint']})", flush=True)
+        print(
+            f"{arm:22s} ttft {result['ttft_s']:8.3f} s  read {result['read_tokens']:6d} of "
+            f"{result['prompt_tokens']:6d} tokens  ({result['checkpoint']})",
+            flush=True,
+        )
     await channel.close()
     for server in (planner, executor, cache):
         await server.stop(None)
@@ -97,7 +119,9 @@ async def main_async(args) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, default=8000)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="docs/bench/resume.json")

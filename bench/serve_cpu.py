@@ -5,6 +5,7 @@
 Both arms serve the same model (a runner each), alternated, two rounds each, so the gRPC hop's cost
 is the difference. Greedy, ignore_eos, a short chat prompt per request.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,12 @@ async def run_arm(addr: str, concurrency: int, max_tokens: int) -> dict:
     async with PlannerClient(addr) as client:
         await client.generate_all(chat=PROMPT, max_tokens=4)  # warm-up
         began = time.perf_counter()
-        results = await asyncio.gather(*(
-            client.generate_all(chat=PROMPT, max_tokens=max_tokens, ignore_eos=True) for _ in range(concurrency)
-        ))
+        results = await asyncio.gather(
+            *(
+                client.generate_all(chat=PROMPT, max_tokens=max_tokens, ignore_eos=True)
+                for _ in range(concurrency)
+            )
+        )
         elapsed = time.perf_counter() - began
     tokens = sum(len(r.token_ids) for r in results)
     return {"tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed}
@@ -61,18 +65,30 @@ async def main_async(args) -> list[dict]:
             for arm, addr in arms.items():
                 rounds[arm].append((await run_arm(addr, concurrency, args.max_tokens))["tok_s"])
         for arm, values in rounds.items():
-            result = {"arm": arm, "concurrency": concurrency, "tok_s": round(statistics.mean(values), 1),
-                      "rounds": [round(v, 1) for v in values], "max_tokens": args.max_tokens,
-                      "device": args.device, "commit": commit, "host": platform.node()}
+            result = {
+                "arm": arm,
+                "concurrency": concurrency,
+                "tok_s": round(statistics.mean(values), 1),
+                "rounds": [round(v, 1) for v in values],
+                "max_tokens": args.max_tokens,
+                "device": args.device,
+                "commit": commit,
+                "host": platform.node(),
+            }
             results.append(result)
-            print(f"{arm:10s} c={concurrency:3d}  {result['tok_s']:8.1f} tok/s  rounds {result['rounds']}", flush=True)
+            print(
+                f"{arm:10s} c={concurrency:3d}  {result['tok_s']:8.1f} tok/s  rounds {result['rounds']}",
+                flush=True,
+            )
     for server in reversed(servers):
         await server.stop(None)
     return results
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -1,4 +1,5 @@
 """Executor settings, checked where they are made."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,7 +34,9 @@ class ExecutorConfig:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.pool_pages < 2:
-            raise ValueError(f"pool_pages must be at least 2 (page 0 is the sink page), got {self.pool_pages}")
+            raise ValueError(
+                f"pool_pages must be at least 2 (page 0 is the sink page), got {self.pool_pages}"
+            )
         if not self.buckets or any(b < 1 for b in self.buckets):
             raise ValueError(f"buckets must be positive, got {self.buckets}")
         self.buckets = tuple(sorted(set(self.buckets)))

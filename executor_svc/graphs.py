@@ -97,7 +97,9 @@ class DecodeGraphs:
             for bucket in self.buckets
         }
         # The split-K partitions' arrival counters, one per (row, KV head): the attention leaves them zero.
-        self._split_counters = torch.zeros(layout.widest_bucket * config.num_kv_heads, dtype=torch.int32, device=device)
+        self._split_counters = torch.zeros(
+            layout.widest_bucket * config.num_kv_heads, dtype=torch.int32, device=device
+        )
         self._step_slots = np.zeros(layout.widest_bucket, dtype=np.int32)  # host copy of store.step_slots
         self._samples = np.zeros(layout.slots, dtype=bool)  # by slot: temperature > 0
         self._greedy: dict[int, bool] = {}  # bucket -> greedy(bucket), until a plan changes slots or sampling
@@ -254,7 +256,9 @@ class DecodeGraphs:
             self.prepare(bucket)
             for greedy in (False, True):
                 captured[(bucket, greedy)] = capture_step(
-                    lambda: self._step(bucket, greedy), self.store.device, self._pool  # noqa: B023 (called at once)
+                    lambda: self._step(bucket, greedy),
+                    self.store.device,
+                    self._pool,  # noqa: B023 (called at once)
                 )
             torch.cuda.synchronize()
         except Exception as err:  # any failure leaves the bucket eager, said why

@@ -200,7 +200,9 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
         raise PlanError(f"bucket {bucket} is not one of the buckets {list(limits.buckets)} (or 0)")
     # The steady step, most steps: no arrays to decode or check.
     if bucket == decode_bucket and all(field.name in _STEADY_FIELDS for field, _ in plan.ListFields()):
-        return CheckedPlan(bucket, None, _NO_INTS, _NO_INTS, _NO_INTS, _NO_SAMPLER_F32, _NO_SAMPLER_I32, [], None)
+        return CheckedPlan(
+            bucket, None, _NO_INTS, _NO_INTS, _NO_INTS, _NO_SAMPLER_F32, _NO_SAMPLER_I32, [], None
+        )
     slots = None
     if plan.slots:
         slots = _ints(plan.slots, "slots")

@@ -63,7 +63,9 @@ class PrefillBatch:
     write_pages: torch.Tensor  # [T]: the page each token's K/V goes to
     write_offsets: torch.Tensor  # [T]: its offset in that page
     seq_starts: torch.Tensor  # [N + 2]: chunk i's tokens are [seq_starts[i], seq_starts[i + 1]) of T
-    kv_lens: torch.Tensor  # [N + 1]: positions each chunk's last query sees, starts + lengths (0: empty chunk)
+    kv_lens: (
+        torch.Tensor
+    )  # [N + 1]: positions each chunk's last query sees, starts + lengths (0: empty chunk)
     block_tables: torch.Tensor  # [N + 1, W]: each chunk's pages in order, zero-padded (the sink page)
     last_index: torch.Tensor  # [N]: the index in T of each chunk's last token
     block_chunk: torch.Tensor  # [blocks]: the chunk of each query block of the attention
@@ -120,8 +122,12 @@ class PrefillBatch:
         short = page_counts * page_size < ends
         if short.any():
             i = int(np.flatnonzero(short)[0])
-            raise ValueError(f"chunk {i}: {page_counts[i]} pages of {page_size} cannot hold {ends[i]} positions")
-        slots = np.asarray(sample_slots, dtype=np.int64) if len(sample_slots) else np.zeros(len(chunks), np.int64)
+            raise ValueError(
+                f"chunk {i}: {page_counts[i]} pages of {page_size} cannot hold {ends[i]} positions"
+            )
+        slots = (
+            np.asarray(sample_slots, dtype=np.int64) if len(sample_slots) else np.zeros(len(chunks), np.int64)
+        )
         if len(slots) != len(chunks):
             raise ValueError(f"{len(slots)} sample slots for {len(chunks)} chunks")
         sampled = np.flatnonzero(slots)
@@ -139,7 +145,9 @@ class PrefillBatch:
         sample_index, slots_out, counters = parts[10:]
         if n:
             token_ids[:total] = np.concatenate([ids for ids, _, _ in chunks])
-            positions[:total] = np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in zip(starts, ends)])
+            positions[:total] = np.concatenate(
+                [np.arange(s, e, dtype=np.int64) for s, e in zip(starts, ends)]
+            )
             table_rows = tables.reshape(shape.chunks + 1, shape.table_width)
             for i, (_, _, pages) in enumerate(chunks):
                 table_rows[i, : len(pages)] = pages
@@ -168,7 +176,9 @@ class PrefillBatch:
         if into is None:
             into = torch.empty(shape.words, dtype=torch.int64, device=device)
         if into.dtype != torch.int64 or into.numel() < shape.words:
-            raise ValueError(f"the batch needs {shape.words} int64 words, the buffer holds {into.numel()} {into.dtype}")
+            raise ValueError(
+                f"the batch needs {shape.words} int64 words, the buffer holds {into.numel()} {into.dtype}"
+            )
         into[: shape.words].copy_(packed, non_blocking=True)
         views = into[: shape.words].split(shape.sizes)
         return cls(

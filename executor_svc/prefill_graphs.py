@@ -18,13 +18,17 @@ from executor_svc.tables import SlotStore
 log = structlog.get_logger("deltaserve.executor.prefill_graphs")
 
 
-def bucket_shapes(token_buckets: Iterable[int], widest: int, max_seq_len: int, page_size: int) -> list[PrefillShape]:
+def bucket_shapes(
+    token_buckets: Iterable[int], widest: int, max_seq_len: int, page_size: int
+) -> list[PrefillShape]:
     """The padded shape of each token bucket, smallest first. A step's chunks: every one but the last ends its
     prompt, and at most the widest decode bucket's prompts end (check_plan), so no more chunks than that plus
     one, nor samples than that, nor pages than a sequence of max_seq_len holds."""
     width = -(-max_seq_len // page_size)
     return [
-        PrefillShape(tokens=tokens, chunks=min(tokens, widest + 1), samples=min(tokens, widest), table_width=width)
+        PrefillShape(
+            tokens=tokens, chunks=min(tokens, widest + 1), samples=min(tokens, widest), table_width=width
+        )
         for tokens in sorted(set(token_buckets))
     ]
 
@@ -61,11 +65,15 @@ class PrefillGraphs:
         self.max_seq_len = max_seq_len
         self.shapes = bucket_shapes(token_buckets, store.layout.widest_bucket, max_seq_len, kv_pool.page_size)
         device = store.device
-        self._input = torch.zeros(max((s.words for s in self.shapes), default=0), dtype=torch.int64, device=device)
+        self._input = torch.zeros(
+            max((s.words for s in self.shapes), default=0), dtype=torch.int64, device=device
+        )
         # The sampled tokens, outside the graphs' memory pool: the step's decode replay, between this replay and
         # the read-back, may reuse the pool's memory (the pool is the decode graphs', and a graph's outputs in
         # it are safe only until another graph of the pool runs).
-        self._sampled = torch.zeros(max((s.samples for s in self.shapes), default=0), dtype=torch.int64, device=device)
+        self._sampled = torch.zeros(
+            max((s.samples for s in self.shapes), default=0), dtype=torch.int64, device=device
+        )
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.states: dict[int, str] = {}  # token bucket -> what the log line said
         self._pool = torch.cuda.graph_pool_handle() if pool is None else pool
@@ -83,7 +91,13 @@ class PrefillGraphs:
             return None
         page_size = self.kv_pool.page_size
         PrefillBatch.build(
-            chunks, page_size, self.max_seq_len, self.store.device, sample_slots=sample_slots, shape=shape, into=self._input
+            chunks,
+            page_size,
+            self.max_seq_len,
+            self.store.device,
+            sample_slots=sample_slots,
+            shape=shape,
+            into=self._input,
         )
         self._graphs[(shape.tokens, greedy)].replay()
         return self._sampled[: own.samples]
@@ -91,7 +105,10 @@ class PrefillGraphs:
     def _build(self, shape: PrefillShape) -> None:
         """Warm the bucket's two steps up on a batch of padding alone (it writes only the sink page and slot),
         then capture them."""
-        batch = PrefillBatch.build([], self.kv_pool.page_size, self.max_seq_len, self.store.device, shape=shape, into=self._input)
+        batch = PrefillBatch.build(
+            [], self.kv_pool.page_size, self.max_seq_len, self.store.device, shape=shape, into=self._input
+        )
+
         def step(greedy: bool) -> torch.Tensor:
             tokens = prefill_step(self.model.prefill_fused, batch, self.kv_pool, self.store, greedy)
             return self._sampled[: shape.samples].copy_(tokens)
@@ -108,4 +125,6 @@ class PrefillGraphs:
             return
         self._graphs.update(captured)
         self.states[shape.tokens] = "captured"
-        log.info(f"prefill bucket {shape.tokens} tokens: captured", chunks=shape.chunks, samples=shape.samples)
+        log.info(
+            f"prefill bucket {shape.tokens} tokens: captured", chunks=shape.chunks, samples=shape.samples
+        )

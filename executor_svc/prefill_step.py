@@ -14,7 +14,9 @@ from executor_svc.tables import SlotStore
 Forward = Callable[..., torch.Tensor]  # LlamaModel.prefill (torch ops) or prefill_fused (Triton kernels)
 
 
-def prefill_step(forward: Forward, batch: PrefillBatch, kv: KVPool, store: SlotStore, greedy: bool) -> torch.Tensor:
+def prefill_step(
+    forward: Forward, batch: PrefillBatch, kv: KVPool, store: SlotStore, greedy: bool
+) -> torch.Tensor:
     """The batch's forward, then the tokens of its sampling chunks (i64[S], on the device), looped back into
     their slots. Reads nothing back: a CUDA graph can hold it."""
     logits = forward(batch, kv, select=batch.sample_index)  # logits: [S, V]

@@ -74,7 +74,9 @@ class LaunchedStep:
 
 
 UINT32_MAX = 2**32 - 1  # StepOutput.device_wait_us
-READ_BACK_RING = 4  # read-backs reused round-robin: more than the steps launched ahead of their collection (2)
+READ_BACK_RING = (
+    4  # read-backs reused round-robin: more than the steps launched ahead of their collection (2)
+)
 
 
 class _ReadBack:
@@ -147,7 +149,9 @@ class StepRunner:
         self.graphs = graphs
         self.prefill_graphs = prefill_graphs
         self.times = RunnerTimes()
-        self._last_replay: tuple[int, torch.cuda.Event] | None = None  # seq and end event of the last replay timed
+        self._last_replay: tuple[int, torch.cuda.Event] | None = (
+            None  # seq and end event of the last replay timed
+        )
         cuda = self.device.type == "cuda"
         # Steps launch on the device's default stream. Named in each event record: finding the current
         # stream costs a record ~20 µs of Python.
@@ -255,7 +259,9 @@ class StepRunner:
             replay[1].record(self._stream)
         launched = time.perf_counter()
         mismatches = 0
-        if self.row_check and plan.mirror is not None:  # debug: waits for the step, before the next changes rows
+        if (
+            self.row_check and plan.mirror is not None
+        ):  # debug: waits for the step, before the next changes rows
             mismatches = graphs.row_mismatches(plan.bucket, plan.mirror)
         step = self._read_back(seq, plan, sampled, sampled_chunks, mismatches)
         step.marks = (began, applied, prefilled, planned, launched)
@@ -270,7 +276,9 @@ class StepRunner:
         chunks = [(chunk.token_ids, chunk.start, chunk.pages) for chunk in plan.prefill]
         slots = [chunk.sample_slot for chunk in plan.prefill]
         sampled_chunks = [index for index, slot in enumerate(slots) if slot]
-        greedy = self.graphs is not None and self.graphs.greedy_slots(np.array(slots, dtype=np.int64)[sampled_chunks])
+        greedy = self.graphs is not None and self.graphs.greedy_slots(
+            np.array(slots, dtype=np.int64)[sampled_chunks]
+        )
         tokens = None if self.prefill_graphs is None else self.prefill_graphs.launch(chunks, slots, greedy)
         if tokens is None:
             with torch.inference_mode():  # not for a replay: it costs more to enter than one
@@ -289,7 +297,12 @@ class StepRunner:
         return prefill_step(forward, batch, self.kv_pool, self.store, greedy)
 
     def _read_back(
-        self, seq: int, plan: CheckedPlan, sampled: list[torch.Tensor], sampled_chunks: list[int], mismatches: int
+        self,
+        seq: int,
+        plan: CheckedPlan,
+        sampled: list[torch.Tensor],
+        sampled_chunks: list[int],
+        mismatches: int,
     ) -> LaunchedStep:
         """Queue one copy of every token sampled this step (prefill chunks first, then the decode rows) to
         the host, behind the step's work: no wait here."""
@@ -302,7 +315,9 @@ class StepRunner:
         done = None
         if self._read_backs and sampled:
             if self._uncollected == READ_BACK_RING:
-                raise RuntimeError(f"{READ_BACK_RING} steps launched and not collected: their read-backs are all taken")
+                raise RuntimeError(
+                    f"{READ_BACK_RING} steps launched and not collected: their read-backs are all taken"
+                )
             read_back = self._read_backs[self._launches % READ_BACK_RING]
             self._launches += 1
             self._uncollected += 1

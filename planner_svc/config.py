@@ -1,4 +1,5 @@
 """Planner settings, checked where they are made."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

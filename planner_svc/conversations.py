@@ -1,4 +1,5 @@
 """Conversations kept between turns: their tokens, KV pages and checkpoints, and where a new turn mounts."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -94,7 +95,9 @@ class Conversations:
         if not keep:
             mount = Mount(diverged_at=diverged)
             if conversation.tokens:
-                mount.checkpoint = f"none (no retained checkpoint covers a page of the {common} common tokens)"
+                mount.checkpoint = (
+                    f"none (no retained checkpoint covers a page of the {common} common tokens)"
+                )
             release, conversation.pages, conversation.tokens = conversation.pages, [], []
             return mount, release
         conversation.retention.mount(position)
@@ -105,8 +108,16 @@ class Conversations:
         conversation.pages, conversation.tokens = [], conversation.tokens[:reused]
         return mount, release
 
-    def finish_turn(self, conversation: Conversation, tokens: list[int], pages: list[int], checkpoints: list[int],
-                    *, root: int | None = None, pinned: int | None = None) -> list[int]:
+    def finish_turn(
+        self,
+        conversation: Conversation,
+        tokens: list[int],
+        pages: list[int],
+        checkpoints: list[int],
+        *,
+        root: int | None = None,
+        pinned: int | None = None,
+    ) -> list[int]:
         """The turn ended: its tokens' KV is in `pages`; checkpoints are taken at the given positions.
 
         Returns the pages beyond the tokens (to free)."""

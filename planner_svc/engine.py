@@ -1,4 +1,5 @@
 """The step loop of one executor group: plan, send two deep, commit outputs, hand tokens to requests."""
+
 from __future__ import annotations
 
 import asyncio

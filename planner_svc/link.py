@@ -1,4 +1,5 @@
 """The planner's link to one executor: a gRPC step stream, or the runner called in this process."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,5 @@
 """The KV page pool of one executor group: free list, refcounts, and a prefix index of full pages."""
+
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,5 @@
 """Parking conversations in the cache service through their executor, restoring them, relieving KV pressure."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +28,9 @@ class ParkError(Exception):
 class Parking:
     def __init__(self, cache_address: str | None):
         self.cache_address = cache_address
-        self._channel = grpc.aio.insecure_channel(cache_address, options=CHANNEL_OPTIONS) if cache_address else None
+        self._channel = (
+            grpc.aio.insecure_channel(cache_address, options=CHANNEL_OPTIONS) if cache_address else None
+        )
         self._cache = cache_pb2_grpc.CacheStub(self._channel) if self._channel else None
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._relieving: set[Engine] = set()
@@ -39,8 +42,10 @@ class Parking:
     async def park(self, engine: Engine, conversation: Conversation) -> executor_pb2.ParkPagesReply:
         """Move its pages to the cache; the caller holds the conversation's lock."""
         if conversation.busy:
-            raise ParkError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"conversation {conversation.conversation_id!r} is running a turn")
+            raise ParkError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"conversation {conversation.conversation_id!r} is running a turn",
+            )
         if not conversation.pages:
             return executor_pb2.ParkPagesReply(bytes=0)  # already parked, or nothing read yet
         retention = conversation.retention
@@ -65,8 +70,12 @@ class Parking:
         engine.scheduler.return_pages(conversation.pages)
         conversation.pages, conversation.parked = [], True
         engine.wake()
-        log.info("conversation parked", conversation=conversation.conversation_id, bytes=reply.bytes,
-                 tokens=len(conversation.tokens))
+        log.info(
+            "conversation parked",
+            conversation=conversation.conversation_id,
+            bytes=reply.bytes,
+            tokens=len(conversation.tokens),
+        )
         return reply
 
     async def restore(self, engine: Engine, conversation: Conversation) -> str | None:
@@ -74,7 +83,9 @@ class Parking:
 
         Returns None when there was nothing to restore, "restored", or why the conversation falls back
         to reading its prompt again (never silently)."""
-        tokens = len(conversation.tokens) if conversation.parked else await self._snapshot_tokens(conversation)
+        tokens = (
+            len(conversation.tokens) if conversation.parked else await self._snapshot_tokens(conversation)
+        )
         if not tokens:
             return None
         page_size = engine.scheduler.config.page_size
@@ -82,11 +93,20 @@ class Parking:
         if pages is None:
             return self._fall_back(conversation, "the pool has no room for the snapshot now")
         try:
-            reply = await engine.link.restore(executor_pb2.RestorePagesRequest(
-                conversation_id=conversation.conversation_id, tenant=conversation.tenant, pages=pack_i32(pages)))
+            reply = await engine.link.restore(
+                executor_pb2.RestorePagesRequest(
+                    conversation_id=conversation.conversation_id,
+                    tenant=conversation.tenant,
+                    pages=pack_i32(pages),
+                )
+            )
         except (grpc.aio.AioRpcError, LinkError) as error:
             engine.scheduler.return_pages(pages)  # partly written at worst: nobody reads them
-            reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else str(error)
+            reason = (
+                f"{error.code().name}: {error.details()}"
+                if isinstance(error, grpc.aio.AioRpcError)
+                else str(error)
+            )
             return self._fall_back(conversation, f"snapshot refused: {reason}")
         conversation.tokens = unpack_i32(reply.token_ids).tolist()
         conversation.retention = Retention(conversation.retention.config)
@@ -97,8 +117,11 @@ class Parking:
         return "restored"
 
     def _fall_back(self, conversation: Conversation, reason: str) -> str:
-        log.warning("conversation will read its prompt again", conversation=conversation.conversation_id,
-                    reason=reason)
+        log.warning(
+            "conversation will read its prompt again",
+            conversation=conversation.conversation_id,
+            reason=reason,
+        )
         conversation.forget()  # holds no pages here
         return f"none ({reason})"
 
@@ -107,8 +130,12 @@ class Parking:
         if self._cache is None:
             return 0
         try:
-            reply = await self._cache.List(cache_pb2.ListRequest(
-                tenant=conversation.tenant, conversation_id=conversation.conversation_id), timeout=10)
+            reply = await self._cache.List(
+                cache_pb2.ListRequest(
+                    tenant=conversation.tenant, conversation_id=conversation.conversation_id
+                ),
+                timeout=10,
+            )
         except grpc.aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.NOT_FOUND:
                 log.warning("cache not reachable; the prompt is read in full", error=error.details())
@@ -133,8 +160,11 @@ class Parking:
                 try:
                     await self.park(engine, conversation)
                 except ParkError as error:
-                    log.warning("KV pressure: dropping a conversation's pages; its next turn reads again",
-                                conversation=conversation.conversation_id, park_error=str(error))
+                    log.warning(
+                        "KV pressure: dropping a conversation's pages; its next turn reads again",
+                        conversation=conversation.conversation_id,
+                        park_error=str(error),
+                    )
                     engine.scheduler.return_pages(conversation.forget())
                     engine.wake()
         finally:

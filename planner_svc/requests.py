@@ -1,4 +1,5 @@
 """A request's host truth: prompt, sampling, pages, progress and the tokens it has produced."""
+
 from __future__ import annotations
 
 import enum

@@ -1,4 +1,5 @@
 """Checkpoint retention per conversation (DESIGN §4): which prefix checkpoints stay under the cap."""
+
 from __future__ import annotations
 
 import bisect

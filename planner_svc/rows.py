@@ -1,4 +1,5 @@
 """The host mirror of every slot-store row, and the encoder that turns a step's changes into row deltas."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,7 +32,9 @@ class RowMirror:
         self.rows[:] = 0
         self._last_slots = None
 
-    def whole_row(self, kv_len: int, pages: list[int], pos_offset: int = 0, state_slot: int = 0) -> np.ndarray:
+    def whole_row(
+        self, kv_len: int, pages: list[int], pos_offset: int = 0, state_slot: int = 0
+    ) -> np.ndarray:
         """The cells of a row written whole: narrow columns then the block table up to the pages it has."""
         if len(pages) > self.layout.block_span:
             raise ValueError(f"{len(pages)} pages exceed the block span of {self.layout.block_span}")

@@ -1,4 +1,5 @@
 """The sampler state written with a whole row: per-slot temperature, top-p, top-k, seed and last token."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,5 @@
 """Admission against the page budget, chunked prefill, decode row choice and the plan of each step."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -62,7 +63,9 @@ class SchedulerConfig:
 class Scheduler:
     """The host truth of one executor group: requests, pages, slots and the row mirror."""
 
-    def __init__(self, config: SchedulerConfig, layout: RowLayout, conversations: Conversations | None = None):
+    def __init__(
+        self, config: SchedulerConfig, layout: RowLayout, conversations: Conversations | None = None
+    ):
         self.config = config
         self.conversations = conversations
         self.layout = layout
@@ -93,7 +96,9 @@ class Scheduler:
         ids = np.asarray(request.prompt_ids)
         bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
         if bad.size:
-            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
+            raise ValueError(
+                f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})"
+            )
         request.max_tokens = min(request.max_tokens, limit - request.prompt_len + 1)
         need, have = request.pages_needed(self.config.page_size), self.pages.total
         if need > have:
@@ -237,8 +242,9 @@ class Scheduler:
             request.prefilled = end
             if self.config.prefix_cache:
                 full = end // page_size
-                self.pages.register(page_hashes(request.prompt_ids[: full * page_size], page_size),
-                                    request.pages[:full])
+                self.pages.register(
+                    page_hashes(request.prompt_ids[: full * page_size], page_size), request.pages[:full]
+                )
             if end == request.prompt_len:
                 chunk.sample_slot = -1  # set from this step's slot assignment
                 finals.append(request)

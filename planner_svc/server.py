@@ -1,4 +1,5 @@
 """The planner's client API over gRPC: Generate, Abort, model and server info, health and reflection."""
+
 from __future__ import annotations
 
 import asyncio
@@ -38,7 +39,9 @@ def build_engine(
     description: executor_pb2.ExecutorDescription, link: ExecutorLink, config: PlannerConfig, parking: Parking
 ) -> Engine:
     layout = RowLayout(slots=description.slots, block_span=description.block_span)
-    conversations = Conversations(description.page_size, RetentionConfig(config.retention_cap, config.retention_policy))
+    conversations = Conversations(
+        description.page_size, RetentionConfig(config.retention_cap, config.retention_policy)
+    )
     scheduler = Scheduler(
         SchedulerConfig(
             page_size=description.page_size,
@@ -72,7 +75,9 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         # (transformers 5.17 on the GPU machine did not report <|im_end|> for SmolLM2's GGUF; requests
         # ran past their end).
         described = self.description
-        self.eos_token_id = described.eos_token_id if described.HasField("eos_token_id") else tokenizer.eos_token_id
+        self.eos_token_id = (
+            described.eos_token_id if described.HasField("eos_token_id") else tokenizer.eos_token_id
+        )
         self._requests: dict[str, tuple[Request, Engine]] = {}
         self._turns: dict[tuple[str, str], Request] = {}  # the latest turn of each conversation
 
@@ -112,7 +117,9 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 log.info("shared prefix not marked", reason=why)
             req.pinned = tokens
 
-    def _make_request(self, request: client_pb2.GenerateRequest, request_id: str) -> tuple[Request, list | None]:
+    def _make_request(
+        self, request: client_pb2.GenerateRequest, request_id: str
+    ) -> tuple[Request, list | None]:
         prompt_ids, messages = self._prompt(request)
         if not prompt_ids:
             raise ValueError("the prompt is empty: give text, chat messages or token ids")
@@ -134,13 +141,17 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         later): the next turn waits for that. A turn still streaming is a conflict."""
         previous = self._turns.get(conversation.key)
         if conversation.busy and (previous is None or previous.finish is None):
-            raise ParkError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"conversation {conversation.conversation_id!r} is already running a turn")
+            raise ParkError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"conversation {conversation.conversation_id!r} is already running a turn",
+            )
         deadline = asyncio.get_running_loop().time() + patience_s
         while conversation.busy:
             if asyncio.get_running_loop().time() > deadline:
-                raise ParkError(grpc.StatusCode.UNAVAILABLE,
-                                f"conversation {conversation.conversation_id!r}: the previous turn did not end")
+                raise ParkError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"conversation {conversation.conversation_id!r}: the previous turn did not end",
+                )
             await asyncio.sleep(0.002)
 
     def _engine_of(self, tenant: str, conversation_id: str) -> tuple[Engine, Conversation]:
@@ -156,11 +167,18 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         await self._previous_turn_done(conversation)
         engine.scheduler.check(req)  # refuse bad input before touching the conversation
         note = await self.parking.restore(engine, conversation) if not conversation.pages else None
-        mount, release = engine.scheduler.conversations.mount(conversation, req.prompt_ids, note == "restored")
+        mount, release = engine.scheduler.conversations.mount(
+            conversation, req.prompt_ids, note == "restored"
+        )
         engine.scheduler.return_pages(release)
         if note not in (None, "restored"):
             mount.checkpoint = note
-        req.pages, req.reused, req.prefilled, req.conversation = mount.pages, mount.reused, mount.reused, conversation
+        req.pages, req.reused, req.prefilled, req.conversation = (
+            mount.pages,
+            mount.reused,
+            mount.reused,
+            conversation,
+        )
         return mount
 
     async def Generate(self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -168,13 +186,17 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
             if request_id in self._requests:
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already running")
+                await context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already running"
+                )
             mount = Mount()
             try:
                 req, messages = self._make_request(request, request_id)
                 if request.conversation_id:
                     self._marks(request, req, messages)
-                    engine, conversation = self._engine_of(request.tenant or "default", request.conversation_id)
+                    engine, conversation = self._engine_of(
+                        request.tenant or "default", request.conversation_id
+                    )
                     async with self.parking.lock(conversation):
                         mount = await self._mount(engine, conversation, req)
                         queue = engine.submit(req)
@@ -229,8 +251,13 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 response.read_tokens = req.prompt_len - req.reused
                 response.checkpoint = self._mounted(req, mount)
                 response.diverged_at = mount.diverged_at
-                log.info("request finished", finish=event.finish.value, tokens=len(req.output_ids),
-                         reused=req.reused, checkpoint=response.checkpoint)
+                log.info(
+                    "request finished",
+                    finish=event.finish.value,
+                    tokens=len(req.output_ids),
+                    reused=req.reused,
+                    checkpoint=response.checkpoint,
+                )
                 yield response
                 return
             yield response
@@ -272,12 +299,17 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         if note is None:
             if not conversation.tokens:  # opened by this call only: leave no trace
                 engine.scheduler.conversations.remove(conversation)
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no parked conversation {request.conversation_id!r}")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no parked conversation {request.conversation_id!r}"
+            )
         if note != "restored":
-            await context.abort(grpc.StatusCode.DATA_LOSS if "DATA_LOSS" in note else grpc.StatusCode.UNAVAILABLE,
-                                f"conversation {request.conversation_id!r} was not restored: {note}")
-        return client_pb2.ResumeResponse(tokens=len(conversation.tokens),
-                                         checkpoints=conversation.retention.positions)
+            await context.abort(
+                grpc.StatusCode.DATA_LOSS if "DATA_LOSS" in note else grpc.StatusCode.UNAVAILABLE,
+                f"conversation {request.conversation_id!r} was not restored: {note}",
+            )
+        return client_pb2.ResumeResponse(
+            tokens=len(conversation.tokens), checkpoints=conversation.retention.positions
+        )
 
     async def ListConversations(
         self, request: client_pb2.ListConversationsRequest, context: grpc.aio.ServicerContext
@@ -285,8 +317,12 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         tenant = request.tenant or "default"
         listed = [
             client_pb2.Conversation(
-                conversation_id=c.conversation_id, tokens=len(c.tokens), checkpoints=c.retention.positions,
-                parked=c.parked, pages=len(c.pages), pinned_prefix=c.retention.pinned or 0,
+                conversation_id=c.conversation_id,
+                tokens=len(c.tokens),
+                checkpoints=c.retention.positions,
+                parked=c.parked,
+                pages=len(c.pages),
+                pinned_prefix=c.retention.pinned or 0,
             )
             for engine in self.engines
             for c in engine.scheduler.conversations.of_tenant(tenant)

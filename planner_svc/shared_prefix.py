@@ -1,5 +1,6 @@
 """Resolve a request's shared read-only prefix ({messages: K}, {message: I, chars: N}, {tokens: N}) to a
 token count: the longest common start of the prompt's ids and the ids of that prefix alone."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

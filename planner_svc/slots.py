@@ -1,4 +1,5 @@
 """The slot cache of DESIGN §2: which slot-store row each request holds, and who gets displaced."""
+
 from __future__ import annotations
 
 import heapq

@@ -1,5 +1,6 @@
 """Which requests' new tokens go to their client streams this step: the oldest waiting first, as many as
 the time the step loop would otherwise spend waiting for the executor pays for."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -78,7 +79,9 @@ class StreamBudget:
     writes: float = 64.0  # the current allowance
     write_us: float = 30.0  # the running estimate of one write's cost
     max_writes: int = 4096
-    idle_us: float = 40.0  # a device wait for a plan above this is the loop's fault (the steady gap is ~20 µs)
+    idle_us: float = (
+        40.0  # a device wait for a plan above this is the loop's fault (the steady gap is ~20 µs)
+    )
 
     def __post_init__(self) -> None:
         if self.min_writes < 1:
@@ -103,5 +106,9 @@ class StreamBudget:
         # quarter. Otherwise spend half the slack, at most a sixteenth more a step: the device's word comes
         # two steps late, and the slack can be an illusion (above).
         short = slack < 0 or device_wait_us > self.idle_us
-        grown = self.writes * 0.75 if short else self.writes + min(0.5 * slack / self.write_us, self.writes / 16 + 1)
+        grown = (
+            self.writes * 0.75
+            if short
+            else self.writes + min(0.5 * slack / self.write_us, self.writes / 16 + 1)
+        )
         self.writes = min(max(grown, self.min_writes), self.max_writes)

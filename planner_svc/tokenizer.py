@@ -1,4 +1,5 @@
 """Prompts to token ids with the model's own tokenizer and chat template, and tokens back to text."""
+
 from __future__ import annotations
 
 import os

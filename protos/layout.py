@@ -1,4 +1,5 @@
 """The column layout of a slot-store row, shared by the planner's mirror and the executor's table."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """Arrays on the wire: little-endian packed int32/float32 bytes, decoded without copying."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,5 @@
 """Shared fixtures: the real stack (executor + planner over gRPC on loopback) serving SmolLM2 in fp32."""
+
 from __future__ import annotations
 
 import asyncio
@@ -86,6 +87,9 @@ def prefill_logits(model, kv, ids, start: int, pages):
     from executor_svc.prefill_batch import PrefillBatch
 
     batch = PrefillBatch.build(
-        [(ids.cpu().numpy(), start, pages.cpu().numpy())], kv.page_size, model.config.max_seq_len, model.device
+        [(ids.cpu().numpy(), start, pages.cpu().numpy())],
+        kv.page_size,
+        model.config.max_seq_len,
+        model.device,
     )
     return model.prefill(batch, kv)[0]

@@ -11,7 +11,12 @@ def test_chain_segments_add_up_from_the_stamps():
     for seq in range(4):
         t = 1000 * seq  # one step a millisecond
         executor[seq] = {
-            "read": t + 10, "launch0": t + 12, "launch1": t + 20, "bucket1": 0, "done": t + 700, "yield": t + 740,
+            "read": t + 10,
+            "launch0": t + 12,
+            "launch1": t + 20,
+            "bucket1": 0,
+            "done": t + 700,
+            "yield": t + 740,
         }
         planner[seq] = {"send0": t, "send1": t + 5, "recv": t + 800}
     executor = {s: {k: v * 1000 for k, v in m.items()} for s, m in executor.items()}

@@ -255,11 +255,17 @@ def test_configs_from_flags():
         512,
     )
     assert (executor.dtype, executor.device, executor.row_check) == ("float32", "cpu", True)
-    assert (executor.cache, executor.shard_layers, executor.decode_path) == ("c:9", DEFAULT_SHARD_LAYERS, "resident")
+    assert (executor.cache, executor.shard_layers, executor.decode_path) == (
+        "c:9",
+        DEFAULT_SHARD_LAYERS,
+        "resident",
+    )
     host_planned = parse(["executor", "--decode-path", "host-planned"])
     assert executor_config(host_planned, cache=None).decode_path == "host-planned"
     assert executor.prefill_buckets == DEFAULT_PREFILL_BUCKETS
-    assert executor_config(parse(["executor", "--prefill-buckets", "512,64"]), cache=None).prefill_buckets == (64, 512)
+    assert executor_config(
+        parse(["executor", "--prefill-buckets", "512,64"]), cache=None
+    ).prefill_buckets == (64, 512)
     assert executor_config(parse(["executor", "--prefill-buckets", "none"]), cache=None).prefill_buckets == ()
     assert parse(["up"], DELTASERVE_DECODE_PATH="host-planned").decode_path == "host-planned"
     planner = planner_config(args, executors=["x:1"], cache=None)

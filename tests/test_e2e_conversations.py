@@ -1,5 +1,6 @@
 """Conversations over the real stack with the cache service: reuse across turns, park and restart,
 history rewrites, corrupted snapshots, shared prefixes and KV pressure (issue 4)."""
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,9 @@ class CachedStack:
         cache, cache_port = await start_cache_server(self.cache_dir, budget_bytes=2 << 30)
         address = f"127.0.0.1:{cache_port}"
         self.stack, servers = await start_stack(
-            ExecutorConfig(device="cpu", dtype="float32", pool_pages=self.pool_pages, buckets=SMOL_BUCKETS,
-                           cache=address),
+            ExecutorConfig(
+                device="cpu", dtype="float32", pool_pages=self.pool_pages, buckets=SMOL_BUCKETS, cache=address
+            ),
             PlannerConfig(cache=address, prefill_token_budget=512),
         )
         self.servers = [*servers, cache]
@@ -57,10 +59,14 @@ async def cached(tmp_path_factory):
 async def turn(client, chat, conversation="", max_tokens=8, **fields):
     """One Generate, gathering the final message's mount details."""
     tokens, last = [], None
-    async for response in client._stub.Generate(client_pb2.GenerateRequest(
-        chat=client_pb2.ChatMessages(messages=[client_pb2.ChatMessage(**m) for m in chat]),
-        max_tokens=max_tokens, conversation_id=conversation, **fields,
-    )):
+    async for response in client._stub.Generate(
+        client_pb2.GenerateRequest(
+            chat=client_pb2.ChatMessages(messages=[client_pb2.ChatMessage(**m) for m in chat]),
+            max_tokens=max_tokens,
+            conversation_id=conversation,
+            **fields,
+        )
+    ):
         tokens += unpack_i32(response.token_ids).tolist()
         last = response
     return tokens, last
@@ -76,8 +82,10 @@ async def test_second_turn_reuses_the_first(cached):
     async with PlannerClient(stack.addr) as client:
         first, done = await turn(client, chat, "reuse")
         assert done.read_tokens == done.prompt_tokens - done.reused_tokens
-        chat2 = chat + [{"role": "assistant", "content": reply(stack, first)},
-                        {"role": "user", "content": "Name another."}]
+        chat2 = chat + [
+            {"role": "assistant", "content": reply(stack, first)},
+            {"role": "user", "content": "Name another."},
+        ]
         second, done2 = await turn(client, chat2, "reuse")
         fresh, _ = await turn(client, chat2)  # no conversation: a full read
     first_prompt = done.prompt_tokens
@@ -103,8 +111,10 @@ async def test_park_restart_resume_equals_never_parked(cached, tmp_path):
         assert conversation.parked and not conversation.pages
     await cached.stop()  # every service restarts; only the cache directory remains
     stack = await cached.start()
-    chat2 = chat + [{"role": "assistant", "content": reply(stack, first)},
-                    {"role": "user", "content": "And the smallest?"}]
+    chat2 = chat + [
+        {"role": "assistant", "content": reply(stack, first)},
+        {"role": "user", "content": "And the smallest?"},
+    ]
     async with PlannerClient(stack.addr) as client:
         resumed = await client._stub.Resume(client_pb2.ResumeRequest(conversation_id="parked"))
         conversation = stack.scheduler.conversations.get("default", "parked")
@@ -158,8 +168,10 @@ async def test_corrupted_snapshot_is_refused_and_the_prompt_read_again(cached):
             byte = f.read(1)
             f.seek(100)
             f.write(bytes([byte[0] ^ 0xFF]))
-        chat2 = chat + [{"role": "assistant", "content": reply(stack, first)},
-                        {"role": "user", "content": "And dog?"}]
+        chat2 = chat + [
+            {"role": "assistant", "content": reply(stack, first)},
+            {"role": "user", "content": "And dog?"},
+        ]
         tokens, done = await turn(client, chat2, "corrupt")
         full, _ = await turn(client, chat2)
     assert "none (snapshot refused: DATA_LOSS" in done.checkpoint
@@ -225,7 +237,9 @@ async def test_cache_down_generation_works_and_parking_is_refused(tmp_path):
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await client._stub.Park(client_pb2.ParkRequest(conversation_id="nocache"))
             assert caught.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
-            assert "cache" in caught.value.details().lower() or "unavailable" in caught.value.details().lower()
+            assert (
+                "cache" in caught.value.details().lower() or "unavailable" in caught.value.details().lower()
+            )
             # nothing changed: the conversation still holds its pages and continues from them
             conversation = stack.stack.scheduler.conversations.get("default", "nocache")
             assert conversation.pages and not conversation.parked
@@ -239,16 +253,26 @@ async def test_kv_pressure_parks_the_coldest_conversation(tmp_path):
     try:
         s = stack.stack
         async with PlannerClient(s.addr) as client:
-            await turn(client, [SYSTEM, {"role": "user", "content": "First chat " * 200}], "cold", max_tokens=2)
+            await turn(
+                client, [SYSTEM, {"role": "user", "content": "First chat " * 200}], "cold", max_tokens=2
+            )
             await s.wait_idle()
             cold = s.scheduler.conversations.get("default", "cold")
             assert cold.pages
             big = await client.generate_all(token_ids=[5 + i % 40 for i in range(1500)], max_tokens=4)
             assert big.finish_reason == "length"
             assert cold.parked and not cold.pages
-            _, done = await turn(client, [SYSTEM, {"role": "user", "content": "First chat " * 200},
-                                          {"role": "assistant", "content": "ok"},
-                                          {"role": "user", "content": "again"}], "cold", max_tokens=2)
+            _, done = await turn(
+                client,
+                [
+                    SYSTEM,
+                    {"role": "user", "content": "First chat " * 200},
+                    {"role": "assistant", "content": "ok"},
+                    {"role": "user", "content": "again"},
+                ],
+                "cold",
+                max_tokens=2,
+            )
             assert done.checkpoint.startswith("snapshot@") and done.reused_tokens > 0
     finally:
         await stack.stop()

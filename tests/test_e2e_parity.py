@@ -1,4 +1,5 @@
 """Greedy tokens through the real planner and executor over gRPC equal Hugging Face's, token for token."""
+
 from __future__ import annotations
 
 import asyncio

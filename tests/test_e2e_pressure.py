@@ -1,4 +1,5 @@
 """Under KV pressure (a pool too small for every request at once) all requests still finish correctly."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +21,9 @@ POOL_PAGES = 161  # 160 usable pages of 16 tokens: one long prompt, or the short
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def small_pool_stack():
     stack, servers = await start_stack(
-        ExecutorConfig(device="cpu", dtype="float32", pool_pages=POOL_PAGES, buckets=SMOL_BUCKETS, row_check=True),
+        ExecutorConfig(
+            device="cpu", dtype="float32", pool_pages=POOL_PAGES, buckets=SMOL_BUCKETS, row_check=True
+        ),
         PlannerConfig(row_check=True, prefill_token_budget=512),
     )
     yield stack

@@ -1,4 +1,5 @@
 """What a client sees over real gRPC: seeded sampling, bad input refused cleanly, aborts and disconnects."""
+
 from __future__ import annotations
 
 import asyncio
@@ -55,8 +56,16 @@ async def expect_status(coro, code: grpc.StatusCode, message: str):
         (dict(token_ids=[1] * 9000, max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "context is 8192"),
         (dict(text="hi", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be positive"),
         (dict(text="hi", max_tokens=-3), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be positive"),
-        (dict(text="hi", max_tokens=4, top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
-        (dict(text="hi", max_tokens=4, top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
+        (
+            dict(text="hi", max_tokens=4, top_p=0.0),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p must be in (0, 1]",
+        ),
+        (
+            dict(text="hi", max_tokens=4, top_p=1.5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p must be in (0, 1]",
+        ),
         (dict(text="hi", max_tokens=4, temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
         (dict(text="hi", max_tokens=4, top_k=-1), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
         (dict(token_ids=[5, 49152], max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "token id 49152"),
@@ -73,12 +82,15 @@ async def test_bad_input_is_refused_and_changes_nothing(smol_stack, fields, code
 
 async def test_duplicate_request_id_and_unknown_abort(smol_stack):
     async with PlannerClient(smol_stack.addr) as client:
-        stream = client.generate(text="Count to one hundred:", max_tokens=200, ignore_eos=True, request_id="dup")
+        stream = client.generate(
+            text="Count to one hundred:", max_tokens=200, ignore_eos=True, request_id="dup"
+        )
         first = await stream.__anext__()
         assert first.request_id == "dup"
         await expect_status(
             client.generate_all(text="hello", max_tokens=2, request_id="dup"),
-            grpc.StatusCode.ALREADY_EXISTS, "already running",
+            grpc.StatusCode.ALREADY_EXISTS,
+            "already running",
         )
         assert await client.abort("no-such-request") is False  # idempotent, not an error
         assert await client.abort("dup") is True
@@ -111,8 +123,13 @@ async def test_streams_written_one_a_step_still_get_every_token(smol_stack):
     engine = smol_stack.engine
     prompts = [f"Count from {n} to {n + 20}:" for n in range(4)]
     async with PlannerClient(smol_stack.addr) as client:
-        free = await asyncio.gather(*(client.generate_all(text=p, max_tokens=8, ignore_eos=True) for p in prompts))
-        saved, engine.stream_budget = engine.stream_budget, StreamBudget(min_writes=1, writes=1.0, max_writes=1)
+        free = await asyncio.gather(
+            *(client.generate_all(text=p, max_tokens=8, ignore_eos=True) for p in prompts)
+        )
+        saved, engine.stream_budget = (
+            engine.stream_budget,
+            StreamBudget(min_writes=1, writes=1.0, max_writes=1),
+        )
         try:
             messages = [0] * len(prompts)
 

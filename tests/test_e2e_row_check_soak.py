@@ -1,6 +1,7 @@
 """A randomized soak over real gRPC with the row check on: admits, finishes, aborts, page crossings and
 displaced rows, on a tiny random model. Every row a step reads equals the planner's mirror (0 mismatches),
 and answers under that churn (greedy and seeded) equal the same requests run alone."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,15 @@ async def start_tiny_stack(pool_pages: int):
 
     model = tiny_model()
     layout = RowLayout.build(list(BUCKETS), TINY.max_seq_len, PAGE, pool_pages)
-    runner = StepRunner(model, model.make_kv_pool(pool_pages, PAGE), SlotStore(layout, model.device), layout,
-                        True, buckets=BUCKETS, fingerprint="tiny")
+    runner = StepRunner(
+        model,
+        model.make_kv_pool(pool_pages, PAGE),
+        SlotStore(layout, model.device),
+        layout,
+        True,
+        buckets=BUCKETS,
+        fingerprint="tiny",
+    )
     executor, port = await start_executor_server(runner)
     planner, planner_port = await start_planner_server(
         PlannerConfig(row_check=True, prefill_token_budget=24), port=0, links=[GrpcLink(f"127.0.0.1:{port}")]
@@ -56,7 +64,9 @@ async def test_row_check_soak(pool_pages):
             # Answers under churn (greedy and seeded) equal the same request alone: rows written whole were right.
             for fields, tokens, finished in results:
                 if finished:
-                    alone = await client.generate_all(**{**fields, "request_id": fields["request_id"] + "-alone"})
+                    alone = await client.generate_all(
+                        **{**fields, "request_id": fields["request_id"] + "-alone"}
+                    )
                     assert tokens == alone.token_ids
     finally:
         for server in servers:

@@ -72,9 +72,18 @@ def graph_runner(model: LlamaModel, decode_path: str, prefill_buckets: tuple[int
     if prefill_buckets:
         from executor_svc.prefill_graphs import PrefillGraphs  # CUDA only
 
-        prefill_graphs = PrefillGraphs(model, kv, store, prefill_buckets, max_seq_len=max_seq_len, pool=graphs.pool)
+        prefill_graphs = PrefillGraphs(
+            model, kv, store, prefill_buckets, max_seq_len=max_seq_len, pool=graphs.pool
+        )
     return StepRunner(
-        model, kv, store, LAYOUT, True, buckets=BUCKETS, fingerprint="tiny", graphs=graphs,
+        model,
+        kv,
+        store,
+        LAYOUT,
+        True,
+        buckets=BUCKETS,
+        fingerprint="tiny",
+        graphs=graphs,
         prefill_graphs=prefill_graphs,
     )
 
@@ -91,12 +100,22 @@ def test_prefill_buckets_are_shaped_for_what_a_step_can_hold():
 
     shapes = bucket_shapes([2048, 64, 512], widest=256, max_seq_len=1000, page_size=16)
     assert [(s.tokens, s.chunks, s.samples, s.table_width) for s in shapes] == [
-        (64, 64, 64, 63), (512, 257, 256, 63), (2048, 257, 256, 63),
+        (64, 64, 64, 63),
+        (512, 257, 256, 63),
+        (2048, 257, 256, 63),
     ]
-    assert smallest_holding(shapes, PrefillShape(tokens=300, chunks=2, samples=2, table_width=40)).tokens == 512
-    assert smallest_holding(shapes, PrefillShape(tokens=64, chunks=64, samples=64, table_width=63)).tokens == 64
-    assert smallest_holding(shapes, PrefillShape(tokens=64, chunks=65, samples=1, table_width=4)).tokens == 512
-    assert smallest_holding(shapes, PrefillShape(tokens=2049, chunks=1, samples=1, table_width=4)) is None  # eager
+    assert (
+        smallest_holding(shapes, PrefillShape(tokens=300, chunks=2, samples=2, table_width=40)).tokens == 512
+    )
+    assert (
+        smallest_holding(shapes, PrefillShape(tokens=64, chunks=64, samples=64, table_width=63)).tokens == 64
+    )
+    assert (
+        smallest_holding(shapes, PrefillShape(tokens=64, chunks=65, samples=1, table_width=4)).tokens == 512
+    )
+    assert (
+        smallest_holding(shapes, PrefillShape(tokens=2049, chunks=1, samples=1, table_width=4)) is None
+    )  # eager
     assert smallest_holding(shapes, PrefillShape(tokens=10, chunks=1, samples=1, table_width=64)) is None
 
 
@@ -263,7 +282,9 @@ def test_prefill_replayed_from_its_graphs_gives_the_eager_tokens_and_pages(prefi
     # the padding wrote only the sink page and slot
     torch.testing.assert_close(replayed.kv_pool.k[:, 1:], eager.kv_pool.k[:, 1:])
     torch.testing.assert_close(replayed.kv_pool.v[:, 1:], eager.kv_pool.v[:, 1:])
-    assert replayed.store.last_token[0] == 0 and torch.equal(replayed.store.last_token, eager.store.last_token)
+    assert replayed.store.last_token[0] == 0 and torch.equal(
+        replayed.store.last_token, eager.store.last_token
+    )
 
 
 def prefill_beside_decode_plans() -> list:
@@ -317,7 +338,9 @@ def test_flashinfer_attention_matches_the_resident_kernel():
     kv.v.normal_()
     q = torch.randn(4, heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
     scale = head_dim**-0.5
-    resident = paged_decode_attention(q, kv.k[0], kv.v[0], store.rows, store.step_slots[:4], BLOCK_TABLE, page, scale)
+    resident = paged_decode_attention(
+        q, kv.k[0], kv.v[0], store.rows, store.step_slots[:4], BLOCK_TABLE, page, scale
+    )
     flashinfer = FlashInferDecode((4,), kv, heads, span, scale)
     flashinfer.plan(4, plan_from_rows(rows, slots, page))
     torch.testing.assert_close(flashinfer.attend(4, 0, q), resident, atol=2e-2, rtol=2e-2)

@@ -117,7 +117,9 @@ def test_scatter_sampler_matches_the_slot_stores_torch_writes():
     words = np.concatenate([slots, f32.reshape(-1).view(np.int32), i32.reshape(-1)])
     scatter_sampler(torch.from_numpy(words).to(DEVICE), len(slots), sampler_state(store))
     for name in ("temperature", "top_p", "top_k", "seed", "last_token"):
-        torch.testing.assert_close(getattr(store, name).cpu(), getattr(reference, name), rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(
+            getattr(store, name).cpu(), getattr(reference, name), rtol=0, atol=0, msg=name
+        )
     assert int(store.seed[3]) == (-2 << 32) | (2**32 - 5)
     # A count of zero writes nothing, and a slot outside [1, S) is dropped (the sink stays greedy, zero).
     before = [t.clone() for t in sampler_state(store)]
@@ -302,4 +304,6 @@ def test_paged_decode_attention_refuses_short_or_mistyped_counters():
     store, slots, q, k_layer, v_layer = attention_case(4, 64, torch.float32, 5)
     for counters in (torch.zeros(3, dtype=torch.int32), torch.zeros(12, dtype=torch.int64)):
         with pytest.raises(ValueError, match=r"counters must be int32\[>= 12\]"):
-            paged_decode_attention(q, k_layer, v_layer, store.rows, slots, BLOCK_TABLE, 4, 0.125, 2, counters.to(DEVICE))
+            paged_decode_attention(
+                q, k_layer, v_layer, store.rows, slots, BLOCK_TABLE, 4, 0.125, 2, counters.to(DEVICE)
+            )

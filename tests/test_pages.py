@@ -1,4 +1,5 @@
 """PagePool: refcounts, the sink page, the prefix index and cached-page eviction, against a simple model."""
+
 from __future__ import annotations
 
 import hashlib
@@ -120,8 +121,13 @@ def test_page_hashes_name_the_whole_prefix():
 
 def test_page_hashes_are_stable_across_processes():
     code = "from planner_svc.pages import page_hashes; print(page_hashes(list(range(64)), 16)[-1].hex())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": ".", "PYTHONHASHSEED": "123"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": ".", "PYTHONHASHSEED": "123"},
+    )
     assert out.stdout.strip() == page_hashes(list(range(64)), 16)[-1].hex()
 
 

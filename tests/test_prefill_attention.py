@@ -89,9 +89,20 @@ def small_model():
     from executor_svc.models.llama import LlamaConfig, LlamaModel
 
     config = LlamaConfig(
-        vocab_size=100, hidden_size=64, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
-        intermediate_size=96, rope_theta=10000.0, rms_eps=1e-5, max_seq_len=4096, tie_embeddings=True,
-        eos_token_id=1, bos_token_id=None, name="small",
+        vocab_size=100,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        rope_theta=10000.0,
+        rms_eps=1e-5,
+        max_seq_len=4096,
+        tie_embeddings=True,
+        eos_token_id=1,
+        bos_token_id=None,
+        name="small",
     )
     torch.manual_seed(0)
     model = LlamaModel(config, DEVICE, torch.float32)

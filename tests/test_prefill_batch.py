@@ -12,8 +12,19 @@ from executor_svc.prefill_batch import QUERY_BLOCK, PrefillBatch, PrefillShape
 
 PAGE = 4
 TINY = LlamaConfig(
-    vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
-    rope_theta=10000.0, rms_eps=1e-5, max_seq_len=64, tie_embeddings=True, eos_token_id=1, bos_token_id=None,
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    rope_theta=10000.0,
+    rms_eps=1e-5,
+    max_seq_len=64,
+    tie_embeddings=True,
+    eos_token_id=1,
+    bos_token_id=None,
     name="tiny",
 )
 
@@ -42,7 +53,10 @@ def test_build_lays_out_tokens_positions_writes_and_tables():
 def test_build_lays_out_query_blocks_and_samples():
     long = chunk(list(range(2, 2 + QUERY_BLOCK + 5)), 0, list(range(1, 1 + -(-(QUERY_BLOCK + 5) // PAGE))))
     batch = PrefillBatch.build(
-        [chunk([5, 6, 7], 8, [20, 21, 22]), long], PAGE, max_seq_len=128, device=torch.device("cpu"),
+        [chunk([5, 6, 7], 8, [20, 21, 22]), long],
+        PAGE,
+        max_seq_len=128,
+        device=torch.device("cpu"),
         sample_slots=[0, 7],
     )
     # the shape's bound on blocks leaves one over: it points at the empty chunk after the real ones
@@ -57,7 +71,12 @@ def test_build_lays_out_query_blocks_and_samples():
 def test_padding_writes_the_sink_and_points_at_the_empty_chunk():
     shape = PrefillShape(tokens=8, chunks=3, samples=2, table_width=4)
     batch = PrefillBatch.build(
-        [chunk([5, 6, 7], 0, [9])], PAGE, max_seq_len=64, device=torch.device("cpu"), sample_slots=[4], shape=shape
+        [chunk([5, 6, 7], 0, [9])],
+        PAGE,
+        max_seq_len=64,
+        device=torch.device("cpu"),
+        sample_slots=[4],
+        shape=shape,
     )
     assert batch.token_ids.tolist() == [5, 6, 7, 0, 0, 0, 0, 0]
     assert batch.write_pages.tolist() == [9, 9, 9, 0, 0, 0, 0, 0]  # padding writes the sink page
@@ -76,7 +95,10 @@ def test_padding_writes_the_sink_and_points_at_the_empty_chunk():
         ([], "at least one chunk"),
         ([chunk([1, 2], 0, [])], "0 pages of 4 cannot hold 2 positions"),
         ([chunk([1] * 5, 0, [1])], "1 pages of 4 cannot hold 5 positions"),
-        ([chunk([1, 2], 63, list(range(1, 18)))], r"positions \[63, 65\) are empty or exceed the context of 64"),
+        (
+            [chunk([1, 2], 63, list(range(1, 18)))],
+            r"positions \[63, 65\) are empty or exceed the context of 64",
+        ),
         ([chunk([], 0, [1])], "are empty"),
     ],
 )

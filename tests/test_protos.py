@@ -1,4 +1,5 @@
 """The generated protocol code is committed; regenerating it from the .proto files gives no diff."""
+
 from __future__ import annotations
 
 import pathlib
@@ -16,8 +17,14 @@ def test_regenerating_protos_gives_no_diff(tmp_path):
     (tmp_path / "protos").mkdir()
     for name in PROTOS:
         shutil.copy(ROOT / "protos" / f"{name}.proto", tmp_path / "protos" / f"{name}.proto")
-    args = ["protoc", f"-I{tmp_path}", f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",
-            f"--grpc_python_out={tmp_path}", *(str(tmp_path / "protos" / f"{name}.proto") for name in PROTOS)]
+    args = [
+        "protoc",
+        f"-I{tmp_path}",
+        f"--python_out={tmp_path}",
+        f"--pyi_out={tmp_path}",
+        f"--grpc_python_out={tmp_path}",
+        *(str(tmp_path / "protos" / f"{name}.proto") for name in PROTOS),
+    ]
     assert grpc_tools.main(args) == 0
     for name in GENERATED:
         fresh = (tmp_path / "protos" / name).read_text()

@@ -1,4 +1,5 @@
 """Retention: spread and lru run turn by turn, the root/pin/newest rules, then a soak against an oracle."""
+
 from __future__ import annotations
 
 import math

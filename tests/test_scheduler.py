@@ -1,4 +1,5 @@
 """The scheduler's plans, applied to a numpy copy of the device rows, describe every request exactly."""
+
 from __future__ import annotations
 
 import random
@@ -16,8 +17,13 @@ PAGE = 4
 
 def make_scheduler(pool_pages=64, buckets=(1, 2, 4), max_seq_len=64, budget=16, row_check=True):
     config = SchedulerConfig(
-        page_size=PAGE, pool_pages=pool_pages, buckets=buckets, max_seq_len=max_seq_len,
-        vocab_size=100, prefill_token_budget=budget, row_check=row_check,
+        page_size=PAGE,
+        pool_pages=pool_pages,
+        buckets=buckets,
+        max_seq_len=max_seq_len,
+        vocab_size=100,
+        prefill_token_budget=budget,
+        row_check=row_check,
     )
     return Scheduler(config, RowLayout.build(list(buckets), max_seq_len, PAGE, pool_pages))
 
@@ -168,8 +174,12 @@ def test_soak_kv_and_slot_pressure(seed, pool_pages):
 
     def on_step(seq):
         if seq % 3 == 0 and len(requests) < 60:
-            r = req(len(requests), prompt_len=rng.randrange(1, 30), max_tokens=rng.randrange(1, 25),
-                    stops=frozenset({rng.randrange(3, 100)}))
+            r = req(
+                len(requests),
+                prompt_len=rng.randrange(1, 30),
+                max_tokens=rng.randrange(1, 25),
+                stops=frozenset({rng.randrange(3, 100)}),
+            )
             scheduler.add(r)
             requests.append(r)
         if rng.random() < 0.05 and requests:
@@ -206,10 +216,13 @@ def test_steady_message_size_does_not_grow_with_the_batch():
 
     sizes = {}
     for rows in (1, 16, 64):
-        scheduler = make_scheduler(pool_pages=rows * 20 + 1, buckets=(1, 16, 64), max_seq_len=80, budget=4096,
-                                   row_check=False)
+        scheduler = make_scheduler(
+            pool_pages=rows * 20 + 1, buckets=(1, 16, 64), max_seq_len=80, budget=4096, row_check=False
+        )
         for i in range(rows):
-            scheduler.add(req(i, prompt_len=5 + i % PAGE, max_tokens=60))  # staggered: some row crosses every step
+            scheduler.add(
+                req(i, prompt_len=5 + i % PAGE, max_tokens=60)
+            )  # staggered: some row crosses every step
         rng, pending, steady = random.Random(0), [], []
         for seq in range(12):
             if len(pending) >= 2:

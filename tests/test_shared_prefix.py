@@ -1,4 +1,5 @@
 """Shared prefixes resolve to the longest common start of the prompt's ids; malformed ones are refused."""
+
 from __future__ import annotations
 
 import re

@@ -1,4 +1,5 @@
 """SlotCache: the DESIGN §2 rules one by one, then a soak against a brute-force oracle."""
+
 from __future__ import annotations
 
 import random

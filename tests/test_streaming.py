@@ -1,4 +1,5 @@
 """Which requests' tokens go to their streams each step: the oldest first, within the writes a step pays for."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,10 @@ def test_pending_tokens_join_per_request_and_go_oldest_first():
     pending.add("c", 4, Finish.STOP)
     assert len(pending) == 3
     first = pending.take(2)
-    assert [(key, event.token_ids, event.finish) for key, event in first] == [("a", [1, 3], None), ("b", [2], None)]
+    assert [(key, event.token_ids, event.finish) for key, event in first] == [
+        ("a", [1, 3], None),
+        ("b", [2], None),
+    ]
     pending.add("a", 5, Finish.LENGTH)  # a's new token is now the youngest
     assert [(key, event.token_ids) for key, event in pending.take(5)] == [("c", [4]), ("a", [5])]
     assert len(pending) == 0 and pending.take(3) == []

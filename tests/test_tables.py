@@ -101,7 +101,9 @@ def test_advance_and_loop_back_skip_padding_and_keep_the_sink_row_zero(store: Sl
     # A narrower bucket reads the first rows of the same slots.
     store.advance(1)
     assert store.rows[:, KV_LEN].tolist()[:3] == [0, 7, 11]
-    store.store_prefill_tokens(torch.tensor([5, 7], device=store.device), torch.tensor([77, 78], device=store.device))
+    store.store_prefill_tokens(
+        torch.tensor([5, 7], device=store.device), torch.tensor([77, 78], device=store.device)
+    )
     assert store.last_token[5].item() == 77 and store.last_token[7].item() == 78
 
 

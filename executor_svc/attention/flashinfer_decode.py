@@ -69,7 +69,9 @@ class HostRows:
         staged = run_cells(runs, parsed, self.layout.columns).values
         at = 0
         for segment in join_runs(parsed, self.layout.columns):
-            self._flat[segment.flat_start : segment.flat_start + segment.n_cells] = staged[at : at + segment.n_cells]
+            self._flat[segment.flat_start : segment.flat_start + segment.n_cells] = staged[
+                at : at + segment.n_cells
+            ]
             at += segment.n_cells
         if len(cells):
             triples = cells.reshape(-1, CELL_TRIPLE)
@@ -99,7 +101,9 @@ class TorchPagedDecode:
 
     def attend(self, bucket: int, layer: int, q: torch.Tensor) -> torch.Tensor:
         kv = self._kv
-        return decode_attention(q, kv.k[layer], kv.v[layer], self._tables[:bucket], self._lengths[:bucket], self._scale)
+        return decode_attention(
+            q, kv.k[layer], kv.v[layer], self._tables[:bucket], self._lengths[:bucket], self._scale
+        )
 
 
 def import_flashinfer():
@@ -120,9 +124,7 @@ class FlashInferDecode:
     captured; `plan` rewrites those buffers and the wrapper's schedule before each replay.
     """
 
-    def __init__(
-        self, buckets: tuple[int, ...], kv: KVPool, num_heads: int, span: int, scale: float
-    ) -> None:
+    def __init__(self, buckets: tuple[int, ...], kv: KVPool, num_heads: int, span: int, scale: float) -> None:
         flashinfer = import_flashinfer()
         _, _, page_size, kv_heads, head_dim = kv.k.shape
         device = kv.k.device

@@ -82,5 +82,7 @@ def prefill_attention_batch(
     for i, (start, length, count) in enumerate(zip(batch.starts, batch.lengths, batch.page_counts)):
         first = int(batch.seq_starts_host[i])
         pages = batch.block_tables[i, : int(count)]
-        outs.append(prefill_attention(q[first : first + int(length)], k_layer, v_layer, pages, int(start), scale))
+        outs.append(
+            prefill_attention(q[first : first + int(length)], k_layer, v_layer, pages, int(start), scale)
+        )
     return torch.cat(outs)

@@ -154,7 +154,12 @@ def _paged_decode_kernel(
             out = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
             for part in range(SPLITS):
                 weight = tl.exp2(
-                    tl.load(part_lse_ptr + first_part + part, mask=real_head, other=float("-inf"), cache_modifier=".cg")
+                    tl.load(
+                        part_lse_ptr + first_part + part,
+                        mask=real_head,
+                        other=float("-inf"),
+                        cache_modifier=".cg",
+                    )
                     - top
                 )
                 partial = tl.load(
@@ -240,7 +245,9 @@ def paged_decode_attention(
     if counters is None:
         counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device)
     if counters.dtype != torch.int32 or counters.numel() < batch * kv_heads:
-        raise ValueError(f"counters must be int32[>= {batch * kv_heads}], got {counters.dtype}[{counters.numel()}]")
+        raise ValueError(
+            f"counters must be int32[>= {batch * kv_heads}], got {counters.dtype}[{counters.numel()}]"
+        )
     group = heads // kv_heads
     out = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
     if splits == 1:

@@ -47,7 +47,9 @@ def _gemv_kernel(
     # w: [BLOCK_N, BLOCK_K], loaded once for every row
     w = tl.load(weight_ptr + n[:, None] * k_in + k[None, :], mask=tile, other=0.0).to(tl.float32)
     if GATED:
-        w_up = tl.load(weight_ptr + (n + n_out)[:, None] * k_in + k[None, :], mask=tile, other=0.0).to(tl.float32)
+        w_up = tl.load(weight_ptr + (n + n_out)[:, None] * k_in + k[None, :], mask=tile, other=0.0).to(
+            tl.float32
+        )
     if NORM:
         norm_weight = tl.load(norm_weight_ptr + k, mask=live_k, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
@@ -96,7 +98,9 @@ def gemv(
     if x.stride(1) != 1 or not weight.is_contiguous() or x.dtype != weight.dtype:
         raise ValueError("x and weight must share a dtype, x contiguous along K and weight contiguous")
     residual, norm_weight, eps = norm if norm is not None else (None, weight, 0.0)
-    if norm is not None and (norm_weight.shape != (k_in,) or (residual is not None and residual.shape != x.shape)):
+    if norm is not None and (
+        norm_weight.shape != (k_in,) or (residual is not None and residual.shape != x.shape)
+    ):
         raise ValueError(f"norm weight must be [{k_in}] and residual [{rows}, {k_in}]")
     n_out = n_weights // 2 if gated else n_weights
     out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)

@@ -84,12 +84,20 @@ def _paged_prefill_kernel(
         within = keys % PAGE
         # k, v: [BLOCK_N, DIM_BLOCK]
         k = tl.load(
-            k_ptr + pages[:, None] * stride_kp + within[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+            k_ptr
+            + pages[:, None] * stride_kp
+            + within[:, None] * stride_kt
+            + kv_head * stride_kh
+            + d[None, :],
             mask=live_k[:, None] & live_d[None, :],
             other=0.0,
         )
         v = tl.load(
-            v_ptr + pages[:, None] * stride_vp + within[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+            v_ptr
+            + pages[:, None] * stride_vp
+            + within[:, None] * stride_vt
+            + kv_head * stride_vh
+            + d[None, :],
             mask=live_k[:, None] & live_d[None, :],
             other=0.0,
         )

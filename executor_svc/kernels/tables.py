@@ -83,7 +83,14 @@ def _advance_kernel(rows_ptr, slots_ptr, batch, columns, KV_LEN: tl.constexpr, B
 
 @triton.jit(do_not_specialize=["count"])  # it varies step to step: one compile serves all
 def _scatter_sampler_kernel(
-    words_ptr, count, slots, temperature_ptr, top_p_ptr, top_k_ptr, seed_ptr, last_token_ptr,
+    words_ptr,
+    count,
+    slots,
+    temperature_ptr,
+    top_p_ptr,
+    top_k_ptr,
+    seed_ptr,
+    last_token_ptr,
     BLOCK: tl.constexpr,
 ):
     index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

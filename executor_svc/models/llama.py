@@ -227,7 +227,9 @@ class LlamaModel(nn.Module):
             x = self._finish_layer(layer, x, out)
         return self._logits(x.index_select(0, batch.last_index if select is None else select))
 
-    def prefill_fused(self, batch: PrefillBatch, kv: KVPool, select: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill_fused(
+        self, batch: PrefillBatch, kv: KVPool, select: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`prefill` in the Triton kernels of the decode step, with the batch's causal attention in one launch
         per layer for all chunks (the GPU path; fixed shapes, nothing read back: a graph can hold it). Returns
         float32 logits of the tokens `select` picks (default each chunk's last)."""
@@ -238,7 +240,9 @@ class LlamaModel(nn.Module):
             return paged_prefill_attention(q, kv.k[layer], kv.v[layer], batch, self.scale)
 
         # A prefill token is a row whose stored length before it is its position.
-        inputs = StepInputs(batch.token_ids, batch.positions, batch.positions, batch.write_pages, batch.write_offsets)
+        inputs = StepInputs(
+            batch.token_ids, batch.positions, batch.positions, batch.write_pages, batch.write_offsets
+        )
         return self.forward_fused(inputs, kv, attend, select=batch.last_index if select is None else select)
 
     @torch.inference_mode()
@@ -335,12 +339,22 @@ class LlamaModel(nn.Module):
             k = qkv[:, q_end:k_end].view(batch, kv_heads, head_dim)
             v = qkv[:, k_end:].view(batch, kv_heads, head_dim)
             q = rope_kv_write(
-                q, k, v, inputs.positions, self.rope_cos, self.rope_sin,
-                kv.k[index], kv.v[index], inputs.write_page, inputs.write_offset,
+                q,
+                k,
+                v,
+                inputs.positions,
+                self.rope_cos,
+                self.rope_sin,
+                kv.k[index],
+                kv.v[index],
+                inputs.write_page,
+                inputs.write_offset,
             )
             x = project(attend(index, q).flatten(1), layer.self_attn.o_proj.weight)
             # act: [B, I], SiLU(gate) * up
-            act, residual = norm_project(x, residual, layer.post_attention_layernorm.weight, gate_up_weight, True)
+            act, residual = norm_project(
+                x, residual, layer.post_attention_layernorm.weight, gate_up_weight, True
+            )
             x = project(act, layer.mlp.down_proj.weight)
         if select is not None:
             x, residual = x.index_select(0, select), residual.index_select(0, select)
@@ -370,7 +384,15 @@ class LlamaModel(nn.Module):
 
         def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
             return paged_decode_attention(
-                q, kv.k[layer], kv.v[layer], rows, step_slots, RowLayout.BLOCK_TABLE, page_size, self.scale, splits,
+                q,
+                kv.k[layer],
+                kv.v[layer],
+                rows,
+                step_slots,
+                RowLayout.BLOCK_TABLE,
+                page_size,
+                self.scale,
+                splits,
                 split_counters,
             )
 
