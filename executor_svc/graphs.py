@@ -256,9 +256,9 @@ class DecodeGraphs:
             self.prepare(bucket)
             for greedy in (False, True):
                 captured[(bucket, greedy)] = capture_step(
-                    lambda: self._step(bucket, greedy),
+                    lambda: self._step(bucket, greedy),  # noqa: B023 (called at once)
                     self.store.device,
-                    self._pool,  # noqa: B023 (called at once)
+                    self._pool,
                 )
             torch.cuda.synchronize()
         except Exception as err:  # any failure leaves the bucket eager, said why
