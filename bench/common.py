@@ -1,4 +1,5 @@
-"""What every benchmark script records with its figures: the commit, and the JSON file it writes."""
+"""What every benchmark script shares: the commit and the JSON file it records with its figures, and the model
+shape it fills with random weights."""
 
 from __future__ import annotations
 
@@ -19,3 +20,27 @@ def write_json(path: str, results: list[dict]) -> None:
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
         f.write("\n")
+
+
+def smollm2_config(**overrides):
+    """SmolLM2-135M's shape (what the benchmarks fill with random weights); overrides name what differs."""
+    from executor_svc.models.llama import LlamaConfig
+
+    fields = dict(
+        vocab_size=49152,
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        rope_theta=100000.0,
+        rms_eps=1e-5,
+        max_seq_len=8192,
+        tie_embeddings=True,
+        eos_token_id=2,
+        bos_token_id=1,
+        name="SmolLM2-135M (random bf16 weights)",
+    )
+    fields.update(overrides)
+    return LlamaConfig(**fields)

@@ -38,9 +38,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deltaserve.aio
-from bench.common import commit_hash, write_json
+from bench.common import commit_hash, smollm2_config, write_json
 from executor_svc.config import DEFAULT_BUCKETS, ExecutorConfig
-from executor_svc.models.llama import LlamaConfig, LlamaModel
+from executor_svc.models.llama import LlamaModel
 from executor_svc.runner import StepRunner, runner_for_model
 from executor_svc.server import start_executor_server
 from planner_svc.config import PlannerConfig
@@ -58,22 +58,7 @@ TIMES_TIMEOUT_S = 30.0
 MEASURE_TIMEOUT_S = 1800.0
 CLOSE_TIMEOUT_S = 10.0
 STDERR_TAIL_LINES = 40
-SMOLLM2 = LlamaConfig(
-    vocab_size=49152,
-    hidden_size=576,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    intermediate_size=1536,
-    rope_theta=100000.0,
-    rms_eps=1e-5,
-    max_seq_len=8192,
-    tie_embeddings=True,
-    eos_token_id=2,
-    bos_token_id=1,
-    name="SmolLM2-135M (random bf16 weights)",
-)
+SMOLLM2 = smollm2_config()
 
 
 def random_model(device: torch.device) -> LlamaModel:

@@ -93,3 +93,28 @@ def prefill_logits(model, kv, ids, start: int, pages):
         model.device,
     )
     return model.prefill(batch, kv)[0]
+
+
+def tiny_llama_config(**overrides):
+    """The tests' tiny random Llama (64 tokens, 2 layers, 4 heads over 2 KV heads of 8); a test that needs another
+    shape names only what differs."""
+    from executor_svc.models.llama import LlamaConfig
+
+    fields = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        rope_theta=10000.0,
+        rms_eps=1e-5,
+        max_seq_len=64,
+        tie_embeddings=True,
+        eos_token_id=2,
+        bos_token_id=1,
+        name="tiny-llama",
+    )
+    fields.update(overrides)
+    return LlamaConfig(**fields)

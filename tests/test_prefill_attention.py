@@ -22,6 +22,7 @@ from executor_svc.attention.torch_ref import prefill_attention_batch
 from executor_svc.kernels.prefill_attention import BLOCK_M, paged_prefill_attention
 from executor_svc.kv_pool import KVPool
 from executor_svc.prefill_batch import PrefillBatch, PrefillShape
+from tests.conftest import tiny_llama_config
 from tests.test_kernels import tolerance
 
 DEVICE = torch.device("cpu" if interpreting() else "cuda")
@@ -86,20 +87,15 @@ def test_refuses_mismatched_shapes():
 
 
 def small_model():
-    from executor_svc.models.llama import LlamaConfig, LlamaModel
+    from executor_svc.models.llama import LlamaModel
 
-    config = LlamaConfig(
+    config = tiny_llama_config(
         vocab_size=100,
         hidden_size=64,
-        num_layers=2,
         num_heads=6,
-        num_kv_heads=2,
         head_dim=16,
         intermediate_size=96,
-        rope_theta=10000.0,
-        rms_eps=1e-5,
         max_seq_len=4096,
-        tie_embeddings=True,
         eos_token_id=1,
         bos_token_id=None,
         name="small",

@@ -7,26 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc.models.llama import LlamaConfig, LlamaModel
+from executor_svc.models.llama import LlamaModel
 from executor_svc.prefill_batch import QUERY_BLOCK, PrefillBatch, PrefillShape
+from tests.conftest import tiny_llama_config
 
 PAGE = 4
-TINY = LlamaConfig(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    rope_theta=10000.0,
-    rms_eps=1e-5,
-    max_seq_len=64,
-    tie_embeddings=True,
-    eos_token_id=1,
-    bos_token_id=None,
-    name="tiny",
-)
+TINY = tiny_llama_config(intermediate_size=48, eos_token_id=1, bos_token_id=None, name="tiny")
 
 
 def chunk(ids: list[int], start: int, pages: list[int]) -> tuple[np.ndarray, int, np.ndarray]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from executor_svc.device import resolve_device, resolve_dtype
-from executor_svc.models.llama import LlamaConfig, LlamaModel
+from executor_svc.models.llama import LlamaModel
 from executor_svc.plan_check import PlanError
 from executor_svc.runner import StepRunner, collect_when_ready
 from executor_svc.sampler import sample
@@ -18,27 +18,12 @@ from executor_svc.tables import SlotStore
 from protos import executor_pb2
 from protos.layout import RowLayout
 from protos.wire import pack_f32, pack_i32, unpack_i32
-from tests.conftest import prefill_logits
+from tests.conftest import prefill_logits, tiny_llama_config
 
 PAGE = 4
 POOL_PAGES = 32
 BUCKETS = (1, 2, 4)
-TINY = LlamaConfig(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=64,
-    rope_theta=10000.0,
-    rms_eps=1e-5,
-    max_seq_len=64,
-    tie_embeddings=True,
-    eos_token_id=2,
-    bos_token_id=1,
-    name="tiny-llama",
-)
+TINY = tiny_llama_config()
 LAYOUT = RowLayout.build(list(BUCKETS), TINY.max_seq_len, PAGE, POOL_PAGES)  # 9 slots of 3 + 16 columns
 KV_LEN, BLOCK_TABLE = RowLayout.KV_LEN, RowLayout.BLOCK_TABLE
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
