@@ -100,6 +100,7 @@ class Conversations:
                 )
             release, conversation.pages, conversation.tokens = conversation.pages, [], []
             return mount, release
+        assert position is not None  # keep > 0
         conversation.retention.mount(position)
         reused = keep * self.page_size
         label = f"{'snapshot' if restored else 'checkpoint'}@{position}"

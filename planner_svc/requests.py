@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from planner_svc.conversations import Conversation
 
 
 class Finish(enum.Enum):
@@ -55,7 +59,7 @@ class Request:
     finish: Finish | None = None
 
     # Reuse of KV already in the pool: a conversation's mounted pages, or a shared prefix.
-    conversation: object | None = None  # planner_svc.conversations.Conversation
+    conversation: Conversation | None = None
     reused: int = 0  # prompt tokens whose KV `pages` already hold at admission
     root: int | None = None  # end of the system prompt: a checkpoint kept while the cap allows
     pinned: int | None = None  # a shared read-only prefix: a checkpoint never evicted

@@ -87,6 +87,7 @@ class RowMirror:
     @property
     def last_slots(self) -> np.ndarray:
         """The slots of the last decode step encoded (padding included)."""
+        assert self._last_slots is not None, "no decode step encoded yet"
         return self._last_slots
 
     def advance(self) -> None:

@@ -188,6 +188,7 @@ class Scheduler:
         onto a page it lacks: a request holds all its pages from admission)."""
         self._steady_left -= 1
         last = self._steady
+        assert last is not None  # a repeat follows a steady step
         step = PlannedStep(seq, bucket=last.bucket, rows=last.rows)
         if self.config.row_check:
             step.mirror = self.mirror.read(self._steady_slots).tobytes()
@@ -224,7 +225,8 @@ class Scheduler:
 
     def _plan_prefill(self, step: PlannedStep) -> list[Request]:
         """Chunks of admitted prompts up to the token budget; returns the requests whose prompt ends."""
-        budget, finals = self.config.prefill_token_budget, []
+        budget = self.config.prefill_token_budget
+        finals: list[Request] = []
         page_size = self.config.page_size
         for request in list(self.prefilling):
             if budget == 0 or len(finals) == self.layout.widest_bucket:

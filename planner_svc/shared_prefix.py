@@ -25,6 +25,7 @@ def resolve_shared_prefix(
     if kind is None:
         return None, "no shared prefix"
     if kind == "tokens":
+        assert isinstance(value, int)
         if value < 0:
             raise ValueError(f"shared_prefix.tokens must be >= 0, got {value}")
         ids = prompt_ids[:value]
@@ -32,10 +33,12 @@ def resolve_shared_prefix(
         if messages is None:
             raise ValueError(f"shared_prefix.{kind} needs a chat prompt")
         if kind == "messages":
+            assert isinstance(value, int)
             if not 0 <= value <= len(messages):
                 raise ValueError(f"shared_prefix.messages must be in [0, {len(messages)}], got {value}")
             ids = render(messages[:value]) if value else []
         else:
+            assert isinstance(value, tuple)  # kind "message": (index, chars)
             index, chars = value
             if not 0 <= index < len(messages) or chars < 0:
                 raise ValueError(

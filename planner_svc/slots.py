@@ -68,7 +68,7 @@ class SlotCache:
         if len(request_ids) > self.widest_bucket:
             raise ValueError(f"{len(request_ids)} rows exceed the widest bucket {self.widest_bucket}")
         slot_of = self._slot_of
-        slots = list(map(slot_of.get, request_ids))
+        slots: list = list(map(slot_of.get, request_ids))  # None for a row without a slot, until given one
         if len(set(request_ids)) != len(request_ids):
             raise ValueError(f"plan {seq} lists a request twice")
         self._last_seq = seq
