@@ -43,8 +43,8 @@ from deltaserve.logs import configure_logging
 configure_logging("warning")  # log lines go to stderr; stdout carries the port
 
 async def main():
-    server, port = await start_cache_server({root!r}, {budget})
-    print(port, flush=True)
+    server = await start_cache_server({root!r}, {budget})
+    print(server.port, flush=True)
     await server.wait_for_termination()
 
 asyncio.run(main())

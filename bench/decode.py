@@ -47,6 +47,7 @@ from planner_svc.config import PlannerConfig
 from planner_svc.link import GrpcLink, InProcessLink
 from planner_svc.server import start_planner_server
 from protos import client_pb2, client_pb2_grpc, executor_pb2
+from protos.rpc import StartedServer
 from protos.wire import pack_i32, unpack_i32
 
 ARMS = ("resident", "host-planned", "resident-inprocess")
@@ -260,7 +261,7 @@ class Arm:
     link: RecordingLink
     address: str  # the planner's, for the clients
     planner: object  # the PlannerServicer
-    server: grpc.aio.Server  # the planner's
+    server: StartedServer  # the planner's
     runner: StepRunner | None = None  # an in-process arm's
     child: ExecutorChild | None = None  # a gRPC arm's executor
 
@@ -370,8 +371,8 @@ async def start_arm(
 ) -> Arm:
     """The arm's planner, linked to its runner in this process or to its child's executor over gRPC."""
     link = RecordingLink(InProcessLink(runner) if child is None else GrpcLink(f"127.0.0.1:{child.port}"))
-    planner_server, planner_port = await start_planner_server(planner_config, port=0, links=[link])
-    return Arm(name, link, f"127.0.0.1:{planner_port}", planner_server.planner, planner_server, runner, child)
+    planner = await start_planner_server(planner_config, port=0, links=[link])
+    return Arm(name, link, f"127.0.0.1:{planner.port}", planner.servicer, planner, runner, child)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -441,8 +442,8 @@ async def serve_executor(args: argparse.Namespace, stop: asyncio.Event) -> None:
     if runner is None:
         protocol.write(json.dumps(states) + "\n")
         return
-    server, port = await start_executor_server(runner)
-    protocol.write(json.dumps({"port": port, "capture": states}) + "\n")
+    server = await start_executor_server(runner)
+    protocol.write(json.dumps({"port": server.port, "capture": states}) + "\n")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     # The only request is {"times": true}; the runner's floats are safe to read from answer_lines' thread.
     await answer_lines(protocol, lambda request: asdict(runner.times), stop)

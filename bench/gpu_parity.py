@@ -98,16 +98,16 @@ async def check_stack(args: argparse.Namespace, cases: list[dict]) -> list[dict]
     )
     runner = await asyncio.to_thread(build_runner, config)
     states = runner.graphs.states if runner.graphs else {}
-    executor, port = await start_executor_server(runner)
-    planner, planner_port = await start_planner_server(
+    executor = await start_executor_server(runner)
+    planner = await start_planner_server(
         PlannerConfig(model=args.model, row_check=args.row_check, prefill_token_budget=512),
         port=0,
-        links=[GrpcLink(f"127.0.0.1:{port}")],
+        links=[GrpcLink(f"127.0.0.1:{executor.port}")],
     )
-    engine = planner.planner.engines[0]
+    engine = planner.servicer.engines[0]
     records = []
     try:
-        async with PlannerClient(f"127.0.0.1:{planner_port}") as client:
+        async with PlannerClient(f"127.0.0.1:{planner.port}") as client:
             one_at_a_time = [await client.generate_all(chat=c["chat"], max_tokens=max_tokens) for c in cases]
             all_at_once = await asyncio.gather(
                 *(client.generate_all(chat=c["chat"], max_tokens=max_tokens) for c in cases)

@@ -60,19 +60,19 @@ async def soak(name: str, model, tokenizer: str | None, steps: int) -> dict:
     )
     runner = runner_for_model(model, config, "random-smollm2")
     captured = sum(state.startswith("captured, host-plan-free") for state in runner.graphs.states.values())
-    executor, port = await start_executor_server(runner)
-    planner, planner_port = await start_planner_server(
+    executor = await start_executor_server(runner)
+    planner = await start_planner_server(
         PlannerConfig(model=tokenizer, row_check=True, prefill_token_budget=96, prefix_cache=False),
         port=0,
-        links=[GrpcLink(f"127.0.0.1:{port}")],
+        links=[GrpcLink(f"127.0.0.1:{executor.port}")],
     )
-    engine = planner.planner.engines[0]
+    engine = planner.servicer.engines[0]
     displaced = DisplacedCounter(engine.scheduler.slots)
     rng = random.Random(name)
     requests = finished = 0
     began = time.perf_counter()
     try:
-        async with PlannerClient(f"127.0.0.1:{planner_port}") as client:
+        async with PlannerClient(f"127.0.0.1:{planner.port}") as client:
             while runner.times.steps < steps:
                 wave = [
                     one_request(client, rng, requests + i, SMOLLM2.vocab_size, longest=300, tokens_up_to=120)

@@ -63,24 +63,24 @@ async def timed(stub, request) -> dict:
 
 async def main_async(args) -> list[dict]:
     cache_dir = tempfile.mkdtemp(prefix="deltaserve-resume-")
-    cache, cache_port = await start_cache_server(cache_dir, budget_bytes=16 << 30)
-    cache_addr = f"127.0.0.1:{cache_port}"
+    cache = await start_cache_server(cache_dir, budget_bytes=16 << 30)
+    cache_addr = f"127.0.0.1:{cache.port}"
     pool_pages = args.tokens // 16 * 3 + 64
     runner = await asyncio.to_thread(
         build_runner,
         ExecutorConfig(device=args.device, pool_pages=pool_pages, buckets=(1, 2, 4), cache=cache_addr),
     )
-    executor, port = await start_executor_server(runner, cache=cache_addr)
-    planner, planner_port = await start_planner_server(
+    executor = await start_executor_server(runner, cache=cache_addr)
+    planner = await start_planner_server(
         # Prefix sharing off: the full-read arm must read the whole prompt, not the conversation's pages.
-        PlannerConfig(executors=[f"127.0.0.1:{port}"], cache=cache_addr, prefix_cache=False),
+        PlannerConfig(executors=[f"127.0.0.1:{executor.port}"], cache=cache_addr, prefix_cache=False),
         port=0,
     )
     import grpc
 
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{planner_port}")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{planner.port}")
     stub = client_pb2_grpc.PlannerStub(channel)
-    tokenizer = planner.planner.tokenizer
+    tokenizer = planner.servicer.tokenizer
     messages = [{"role": "system", "content": "You keep a lighthouse log."}]
     turn = 0
     while len(tokenizer.apply_chat_template(messages)["input_ids"]) < args.tokens:

@@ -49,14 +49,17 @@ async def main_async(args) -> list[dict]:
     # One runner per arm: an executor's tables and pool belong to the one planner that drives it.
     config = ExecutorConfig(device=args.device, pool_pages=1024, buckets=(1, 2, 4, 8, 16))
     grpc_runner, local_runner = [await asyncio.to_thread(build_runner, config) for _ in range(2)]
-    executor_server, executor_port = await start_executor_server(grpc_runner)
+    executor_server = await start_executor_server(grpc_runner)
     arms = {}
     servers = [executor_server]
-    links = (("grpc", GrpcLink(f"127.0.0.1:{executor_port}")), ("in-process", InProcessLink(local_runner)))
+    links = (
+        ("grpc", GrpcLink(f"127.0.0.1:{executor_server.port}")),
+        ("in-process", InProcessLink(local_runner)),
+    )
     for arm, link in links:
-        server, port = await start_planner_server(PlannerConfig(), port=0, links=[link])
+        server = await start_planner_server(PlannerConfig(), port=0, links=[link])
         servers.append(server)
-        arms[arm] = f"127.0.0.1:{port}"
+        arms[arm] = f"127.0.0.1:{server.port}"
     results = []
     commit = commit_hash()
     for concurrency in args.concurrency:

@@ -6,10 +6,10 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 
-from cache_svc import CHANNEL_OPTIONS, CHUNK_BYTES
+from cache_svc import CHUNK_BYTES
 from cache_svc.store import DEFAULT_TENANT
-from planner_svc.client import wait_serving
 from protos import cache_pb2, cache_pb2_grpc
+from protos.rpc import CHANNEL_OPTIONS, wait_serving
 from protos.wire import pack_i32, unpack_i32
 
 

@@ -7,10 +7,8 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from cache_svc import CHANNEL_OPTIONS, CHUNK_BYTES
+from cache_svc import CHUNK_BYTES
 from cache_svc.index import IndexEntry, OverBudget, SnapshotIndex
 from cache_svc.store import (
     DEFAULT_TENANT,
@@ -26,6 +24,7 @@ from cache_svc.store import (
     SnapshotNotFound,
 )
 from protos import cache_pb2, cache_pb2_grpc
+from protos.rpc import StartedServer, start_server
 from protos.wire import pack_i32, unpack_i32
 
 log = structlog.get_logger("deltaserve.cache.server")
@@ -233,42 +232,31 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
 async def start_cache_server(
     root_dir: str, budget_bytes: int, host: str = "127.0.0.1", port: int = 0
-) -> tuple[grpc.aio.Server, int]:
-    """Opens (or rebuilds) the index under root_dir, then serves Cache, grpc.health.v1 and reflection.
-
-    Returns the started server and its bound port (0 = any free port); `server.cache` is the servicer.
-    Stopping the server closes the index.
+) -> StartedServer[CacheServicer]:
+    """Opens (or rebuilds) the index under root_dir, then serves Cache, grpc.health.v1 and reflection
+    on host:port (0 = any free port). Stopping the server closes the index.
     """
     index = await asyncio.to_thread(SnapshotIndex, root_dir, budget_bytes)
-    servicer = CacheServicer(index)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    cache_pb2_grpc.add_CacheServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        index.close()
-        raise OSError(f"cannot listen on {host}:{port}")
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    server.cache = servicer
-    original_stop = server.stop
 
-    async def stop(grace: float | None = None):
-        await original_stop(grace)
+    async def close_index() -> None:
         index.close()
 
-    server.stop = stop
+    started = await start_server(
+        CacheServicer(index),
+        cache_pb2_grpc.add_CacheServicer_to_server,
+        (SERVICE_NAME,),
+        host,
+        port,
+        on_stop=[close_index],
+    )
     stat = index.stat(DEFAULT_TENANT)
     log.info(
         "cache listening",
-        address=f"{host}:{bound}",
+        address=f"{host}:{started.port}",
         root=root_dir,
         snapshots=stat.count,
         size_bytes=stat.size_bytes,
         budget_bytes=budget_bytes,
         index_rebuilt=index.rebuilt,
     )
-    return server, bound
+    return started

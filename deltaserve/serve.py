@@ -13,9 +13,9 @@ import grpc
 from deltaserve.aio import until_stopped
 from deltaserve.logs import get_logger
 from executor_svc.config import ExecutorConfig
-from planner_svc.client import wait_serving
 from planner_svc.config import PlannerConfig
 from protos import executor_pb2, executor_pb2_grpc
+from protos.rpc import CHANNEL_OPTIONS, wait_serving
 
 PLANNER_PORT = 50051
 EXECUTOR_PORT = 50061
@@ -89,7 +89,7 @@ def dial_address(host: str, port: int) -> str:
 
 
 async def _describe_executor(addr: str) -> executor_pb2.ExecutorDescription:
-    async with grpc.aio.insecure_channel(addr) as channel:
+    async with grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS) as channel:
         return await executor_pb2_grpc.ExecutorStub(channel).Describe(
             executor_pb2.DescribeRequest(), timeout=10
         )
@@ -111,9 +111,9 @@ async def _start_cache(
     """Starts the cache service, to be stopped with `servers`; returns (address to dial, bound port)."""
     from cache_svc.server import start_cache_server
 
-    server, bound = await start_cache_server(config.root_dir, config.budget_bytes, host, port)
-    servers.push_async_callback(server.stop, SHUTDOWN_GRACE_S)
-    return dial_address(host, bound), bound
+    started = await start_cache_server(config.root_dir, config.budget_bytes, host, port)
+    servers.push_async_callback(started.stop, SHUTDOWN_GRACE_S)
+    return dial_address(host, started.port), started.port
 
 
 async def _serve_until_stopped(stop: asyncio.Event, **listening) -> None:
@@ -143,22 +143,22 @@ async def serve_up(
         runner = await _load_runner(executor_cfg)
         if stop.is_set():
             return 0
-        executor_server, executor_port = await start_executor_server(
+        executor = await start_executor_server(
             runner,
             host="127.0.0.1",
             port=0,
             cache=executor_cfg.cache,
             shard_layers=executor_cfg.shard_layers,
         )
-        servers.push_async_callback(executor_server.stop, SHUTDOWN_GRACE_S)
-        executor_addr = f"127.0.0.1:{executor_port}"
+        servers.push_async_callback(executor.stop, SHUTDOWN_GRACE_S)
+        executor_addr = f"127.0.0.1:{executor.port}"
         planner_cfg.executors = [executor_addr]
-        planner_server, port = await start_planner_server(planner_cfg, args.host, args.port)
-        servers.push_async_callback(planner_server.stop, SHUTDOWN_GRACE_S)
+        planner = await start_planner_server(planner_cfg, args.host, args.port)
+        servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
         described = await _describe_executor(executor_addr)
         await _serve_until_stopped(
             stop,
-            addr=f"{args.host}:{port}",
+            addr=f"{args.host}:{planner.port}",
             device=described.device,
             model=described.model_name,
             dtype=described.dtype,
@@ -176,14 +176,14 @@ async def serve_executor(args: argparse.Namespace, config: ExecutorConfig, stop:
     if stop.is_set():
         return 0
     async with contextlib.AsyncExitStack() as servers:
-        server, port = await start_executor_server(
+        executor = await start_executor_server(
             runner, host=args.host, port=args.port, cache=config.cache, shard_layers=config.shard_layers
         )
-        servers.push_async_callback(server.stop, SHUTDOWN_GRACE_S)
-        described = await _describe_executor(dial_address(args.host, port))
+        servers.push_async_callback(executor.stop, SHUTDOWN_GRACE_S)
+        described = await _describe_executor(dial_address(args.host, executor.port))
         await _serve_until_stopped(
             stop,
-            addr=f"{args.host}:{port}",
+            addr=f"{args.host}:{executor.port}",
             device=described.device,
             model=described.model_name,
             dtype=described.dtype,
@@ -215,12 +215,12 @@ async def serve_planner(args: argparse.Namespace, config: PlannerConfig, stop: a
             log.info("stopped before the executors were up")
             return 0
     async with contextlib.AsyncExitStack() as servers:
-        server, port = await start_planner_server(config, args.host, args.port)
-        servers.push_async_callback(server.stop, SHUTDOWN_GRACE_S)
+        planner = await start_planner_server(config, args.host, args.port)
+        servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
         described = await _describe_executor(config.executors[0])
         await _serve_until_stopped(
             stop,
-            addr=f"{args.host}:{port}",
+            addr=f"{args.host}:{planner.port}",
             executors=config.executors,
             device=described.device,
             model=described.model_name,

@@ -8,22 +8,16 @@ from collections.abc import AsyncIterator, Awaitable
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from executor_svc.config import DEFAULT_SHARD_LAYERS
 from executor_svc.plan_check import PlanError
 from executor_svc.runner import LaunchedStep, StepRunner, collect_when_ready, launch_step
 from executor_svc.snapshots import SnapshotRefused, Snapshots
 from protos import executor_pb2, executor_pb2_grpc
+from protos.rpc import StartedServer, start_server
 
 log = structlog.get_logger("deltaserve.executor.server")
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 PLANS_IN_FLIGHT = 2  # the step running and the next one (DESIGN §3)
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 
@@ -134,25 +128,13 @@ async def start_executor_server(
     *,
     cache: str | None = None,
     shard_layers: int = DEFAULT_SHARD_LAYERS,
-) -> tuple[grpc.aio.Server, int]:
+) -> StartedServer[ExecutorServicer]:
     """Serve Executor, grpc.health.v1 (SERVING) and reflection on host:port (0 = any free port).
 
     `cache` and `shard_layers` are ExecutorConfig's: the cache service Park and Restore use (None
     refuses them) and the layers per snapshot shard.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer = ExecutorServicer(runner, cache=cache, shard_layers=shard_layers)
-    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server,
+    return await start_server(
+        servicer, executor_pb2_grpc.add_ExecutorServicer_to_server, (SERVICE_NAME,), host, port
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound

@@ -1,16 +1,14 @@
-"""Async client of the planner's API (deltaserve.v1.Planner), plus a health wait usable for any service."""
+"""Async client of the planner's API (deltaserve.v1.Planner)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import client_pb2, client_pb2_grpc
+from protos.rpc import CHANNEL_OPTIONS, wait_serving
 from protos.wire import pack_i32, unpack_i32
 
 FINISH_REASONS = {
@@ -18,9 +16,6 @@ FINISH_REASONS = {
     client_pb2.FINISH_REASON_LENGTH: "length",
     client_pb2.FINISH_REASON_ABORT: "abort",
 }
-
-# Statuses that mean "not up yet": keep polling.
-_NOT_YET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 @dataclass(slots=True)
@@ -56,36 +51,6 @@ class ConversationInfo:
     parked: bool  # its pages live in the cache service
     pages: int  # KV pages it holds in the pool
     pinned_prefix: int  # tokens of its pinned shared prefix; 0: none
-
-
-async def wait_serving(
-    channel: grpc.aio.Channel, timeout: float, *, service: str = "", poll_s: float = 0.2
-) -> None:
-    """Polls the standard gRPC health service until it answers SERVING.
-
-    Raises TimeoutError (saying what was last seen) when `timeout` seconds pass first, and the
-    grpc.aio.AioRpcError itself for errors other than "not up yet" (UNIMPLEMENTED: no health service).
-    """
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    last_seen = "no answer"
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"not serving after {timeout:g} s ({last_seen})")
-        try:
-            reply = await stub.Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=min(remaining, 2.0)
-            )
-        except grpc.aio.AioRpcError as error:
-            if error.code() not in _NOT_YET:
-                raise
-            last_seen = f"{error.code().name}: {error.details()}"
-        else:
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-            last_seen = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
 def _chat_messages(chat: Sequence[Mapping[str, str]]) -> client_pb2.ChatMessages:
@@ -176,7 +141,7 @@ class PlannerClient:
 
     def __init__(self, addr: str) -> None:
         self.addr = addr
-        self._channel = grpc.aio.insecure_channel(addr)
+        self._channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
         self._stub = client_pb2_grpc.PlannerStub(self._channel)
 
     async def __aenter__(self) -> PlannerClient:

@@ -10,12 +10,7 @@ from typing import Protocol
 import grpc
 
 from protos import executor_pb2, executor_pb2_grpc
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+from protos.rpc import CHANNEL_OPTIONS
 
 
 class LinkError(Exception):

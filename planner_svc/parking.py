@@ -9,9 +9,10 @@ import structlog
 
 from planner_svc.conversations import Conversation
 from planner_svc.engine import Engine
-from planner_svc.link import CHANNEL_OPTIONS, LinkError
+from planner_svc.link import LinkError
 from planner_svc.retention import Retention
 from protos import cache_pb2, cache_pb2_grpc, executor_pb2
+from protos.rpc import CHANNEL_OPTIONS
 from protos.wire import pack_i32, unpack_i32
 
 log = structlog.get_logger("deltaserve.planner.parking")

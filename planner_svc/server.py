@@ -7,13 +7,11 @@ import uuid
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from planner_svc.config import PlannerConfig
 from planner_svc.conversations import Conversation, Conversations, Mount, common_prefix
 from planner_svc.engine import Engine
-from planner_svc.link import CHANNEL_OPTIONS, ExecutorLink, GrpcLink
+from planner_svc.link import ExecutorLink, GrpcLink
 from planner_svc.parking import ParkError, Parking
 from planner_svc.requests import Finish, Request, Sampling
 from planner_svc.retention import RetentionConfig
@@ -23,11 +21,13 @@ from planner_svc.streaming import TokenEvent
 from planner_svc.tokenizer import IncrementalDetokenizer, chat_ids, load_tokenizer, text_ids
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.layout import RowLayout
+from protos.rpc import StartedServer, start_server
 from protos.wire import pack_i32, unpack_i32
 
 log = structlog.get_logger("deltaserve.planner")
 
 VERSION = "0.1.0"
+SERVICE_NAME = client_pb2.DESCRIPTOR.services_by_name["Planner"].full_name
 _FINISH = {
     Finish.STOP: client_pb2.FINISH_REASON_STOP,
     Finish.LENGTH: client_pb2.FINISH_REASON_LENGTH,
@@ -371,10 +371,10 @@ async def start_planner_server(
     host: str = "127.0.0.1",
     port: int = 0,
     links: list[ExecutorLink] | None = None,
-) -> tuple[grpc.aio.Server, int]:
+) -> StartedServer[PlannerServicer]:
     """Attach to the executors (waiting until they answer), then serve the client API.
 
-    Returns the started server and its bound port; `server.planner` is the servicer.
+    Stopping the returned server stops the engines and closes the cache channel.
     """
     if links is None:
         if not config.executors:
@@ -393,25 +393,15 @@ async def start_planner_server(
     for engine in engines:
         await engine.start()
     servicer = PlannerServicer(engines, descriptions, tokenizer, parking)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    client_pb2_grpc.add_PlannerServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    service_names = (client_pb2.DESCRIPTOR.services_by_name["Planner"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection((*service_names, health.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(service_names[0], health_pb2.HealthCheckResponse.SERVING)
-    server.planner = servicer
-    original_stop = server.stop
-
-    async def stop(grace: float | None = None):
-        await original_stop(grace)
-        for engine in engines:
-            await engine.stop()
-        await parking.close()
-
-    server.stop = stop
-    log.info("planner listening", address=f"{host}:{bound}", executors=[link.address for link in links])
-    return server, bound
+    started = await start_server(
+        servicer,
+        client_pb2_grpc.add_PlannerServicer_to_server,
+        (SERVICE_NAME,),
+        host,
+        port,
+        on_stop=[*(engine.stop for engine in engines), parking.close],
+    )
+    log.info(
+        "planner listening", address=f"{host}:{started.port}", executors=[link.address for link in links]
+    )
+    return started

@@ -45,13 +45,13 @@ async def start_stack(executor: ExecutorConfig, planner: PlannerConfig | None = 
     from planner_svc.server import start_planner_server
 
     runner = await asyncio.to_thread(build_runner, executor)
-    executor_server, executor_port = await start_executor_server(
+    executor_server = await start_executor_server(
         runner, cache=executor.cache, shard_layers=executor.shard_layers
     )
     planner = planner or PlannerConfig()
-    planner.executors = [f"127.0.0.1:{executor_port}"]
-    planner_server, planner_port = await start_planner_server(planner, port=0)
-    stack = Stack(f"127.0.0.1:{planner_port}", planner_server.planner, runner)
+    planner.executors = [f"127.0.0.1:{executor_server.port}"]
+    planner_server = await start_planner_server(planner, port=0)
+    stack = Stack(f"127.0.0.1:{planner_server.port}", planner_server.servicer, runner)
     return stack, (planner_server, executor_server)
 
 

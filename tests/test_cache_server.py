@@ -42,8 +42,8 @@ def snapshot(conversation_id="conv", sizes=(1000, 0, 3000), *, tenant="default",
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def served(tmp_path):
-    server, port = await start_cache_server(str(tmp_path), budget_bytes=64 * MiB)
-    client = CacheClient(f"127.0.0.1:{port}")
+    server = await start_cache_server(str(tmp_path), budget_bytes=64 * MiB)
+    client = CacheClient(f"127.0.0.1:{server.port}")
     yield server, client, tmp_path
     await client.close()
     await server.stop(None)
@@ -205,9 +205,9 @@ async def test_malformed_puts_are_invalid_argument_and_change_nothing(served):
 
 
 async def test_budget_evicts_and_refuses(tmp_path):
-    server, port = await start_cache_server(str(tmp_path), budget_bytes=10_000)
+    server = await start_cache_server(str(tmp_path), budget_bytes=10_000)
     try:
-        async with CacheClient(f"127.0.0.1:{port}") as client:
+        async with CacheClient(f"127.0.0.1:{server.port}") as client:
             await client.put(*snapshot("pinned", (2000, 2000), pinned=True))
             await client.put(*snapshot("a", (3000,)))
             assert (await client.put(*snapshot("b", (3000,))))["evicted"] == 0
@@ -229,10 +229,10 @@ async def test_budget_evicts_and_refuses(tmp_path):
 
 
 async def test_a_restarted_server_keeps_its_snapshots(tmp_path):
-    server, port = await start_cache_server(str(tmp_path), budget_bytes=64 * MiB)
+    server = await start_cache_server(str(tmp_path), budget_bytes=64 * MiB)
     stored = {}
     try:
-        async with CacheClient(f"127.0.0.1:{port}") as client:
+        async with CacheClient(f"127.0.0.1:{server.port}") as client:
             for i, tenant in enumerate(("alice", "bob")):
                 manifest, blobs = snapshot(f"conv-{i}", seed=i, tenant=tenant)
                 stored[tenant] = (await client.put(manifest, blobs))["key"], blobs
@@ -241,9 +241,9 @@ async def test_a_restarted_server_keeps_its_snapshots(tmp_path):
         await server.stop(None)
     os.unlink(os.path.join(tmp_path, "index.sqlite3"))  # a lost index as well: rebuilt from the manifests
     for _ in range(2):
-        server, port = await start_cache_server(str(tmp_path), budget_bytes=64 * MiB)
+        server = await start_cache_server(str(tmp_path), budget_bytes=64 * MiB)
         try:
-            async with CacheClient(f"127.0.0.1:{port}") as client:
+            async with CacheClient(f"127.0.0.1:{server.port}") as client:
                 assert {t: [i["key"] for i in await client.list(t)] for t in stored} == {
                     t: [i["key"] for i in listed[t]] for t in stored
                 }

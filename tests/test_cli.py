@@ -28,7 +28,8 @@ from deltaserve.flags import default_cache_dir
 from deltaserve.logs import configure_logging, get_logger
 from deltaserve.serve import GIB, cache_config, executor_config, planner_config, wait_for_executor
 from executor_svc.config import DEFAULT_BUCKETS, DEFAULT_PREFILL_BUCKETS, DEFAULT_SHARD_LAYERS
-from planner_svc.client import PlannerClient, build_generate_request, wait_serving
+from planner_svc.client import PlannerClient, build_generate_request
+from protos.rpc import wait_serving
 from protos.wire import unpack_i32
 
 REPO = Path(__file__).resolve().parent.parent

@@ -33,8 +33,8 @@ class CachedStack:
         self.servers = []
 
     async def start(self):
-        cache, cache_port = await start_cache_server(self.cache_dir, budget_bytes=2 << 30)
-        address = f"127.0.0.1:{cache_port}"
+        cache = await start_cache_server(self.cache_dir, budget_bytes=2 << 30)
+        address = f"127.0.0.1:{cache.port}"
         self.stack, servers = await start_stack(
             ExecutorConfig(
                 device="cpu", dtype="float32", pool_pages=self.pool_pages, buckets=SMOL_BUCKETS, cache=address

@@ -36,11 +36,13 @@ async def start_tiny_stack(pool_pages: int):
         buckets=BUCKETS,
         fingerprint="tiny",
     )
-    executor, port = await start_executor_server(runner)
-    planner, planner_port = await start_planner_server(
-        PlannerConfig(row_check=True, prefill_token_budget=24), port=0, links=[GrpcLink(f"127.0.0.1:{port}")]
+    executor = await start_executor_server(runner)
+    planner = await start_planner_server(
+        PlannerConfig(row_check=True, prefill_token_budget=24),
+        port=0,
+        links=[GrpcLink(f"127.0.0.1:{executor.port}")],
     )
-    return f"127.0.0.1:{planner_port}", planner.planner, (planner, executor)
+    return f"127.0.0.1:{planner.port}", planner.servicer, (planner, executor)
 
 
 @pytest.mark.parametrize("pool_pages", [24, 400], ids=["kv-pressure", "slot-pressure"])

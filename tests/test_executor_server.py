@@ -24,8 +24,8 @@ def model():
 @pytest_asyncio.fixture(loop_scope="session")
 async def served(model):
     runner = tiny_runner(model)
-    server, port = await start_executor_server(runner, port=0)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    server = await start_executor_server(runner, port=0)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     yield runner, channel
     await channel.close()
     await server.stop(None)

@@ -53,8 +53,8 @@ class Served:
         served = cls()
         served.runner = make_runner(model, fingerprint)
         # One layer per shard: the tiny model's two layers make two shards, so a shard can go bad alone.
-        served.server, port = await start_executor_server(served.runner, port=0, cache=cache, shard_layers=1)
-        served.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        served.server = await start_executor_server(served.runner, port=0, cache=cache, shard_layers=1)
+        served.channel = grpc.aio.insecure_channel(f"127.0.0.1:{served.server.port}")
         served.stub = executor_pb2_grpc.ExecutorStub(served.channel)
         return served
 
@@ -117,11 +117,12 @@ async def cache(tmp_path):
     class Cache:
         async def restart(self) -> None:
             await self.server.stop(None)
-            self.server, _ = await start_cache_server(str(tmp_path), CACHE_BUDGET, port=self.port)
+            self.server = await start_cache_server(str(tmp_path), CACHE_BUDGET, port=self.port)
 
     running = Cache()
     running.root = str(tmp_path)
-    running.server, running.port = await start_cache_server(str(tmp_path), CACHE_BUDGET, port=0)
+    running.server = await start_cache_server(str(tmp_path), CACHE_BUDGET, port=0)
+    running.port = running.server.port
     running.addr = f"127.0.0.1:{running.port}"
     yield running
     await running.server.stop(None)

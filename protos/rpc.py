@@ -1,0 +1,139 @@
+"""The gRPC floor below every service: channel options, a health wait, and one way to start a server.
+
+A server starts with the standard health service (SERVING for "" and its own services once it listens),
+reflection, and a checked bind without port reuse: a port that is taken is an error naming it, not a
+second server silently sharing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# One limit for every channel and server. 64 MiB: the largest of the three the services had (the cache
+# had 16 MiB), so nothing that passed before is refused now. What comes near it: a cache header or a
+# restore reply carrying a long conversation's token ids (4 bytes a token), and a row-check mirror of
+# every row a wide step reads. Snapshot bytes stream in chunks of a few MiB, far below it.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+# A server binds its port alone: with SO_REUSEPORT two servers could listen on one port and split the
+# connections between them.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+# Statuses that mean "not up yet": keep polling.
+_NOT_YET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+Servicer = TypeVar("Servicer")
+
+
+async def wait_serving(
+    channel: grpc.aio.Channel, timeout: float, *, service: str = "", poll_s: float = 0.2
+) -> None:
+    """Polls the standard gRPC health service until it answers SERVING.
+
+    Raises TimeoutError (saying what was last seen) when `timeout` seconds pass first, and the
+    grpc.aio.AioRpcError itself for errors other than "not up yet" (UNIMPLEMENTED: no health service).
+    """
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    last_seen = "no answer"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"not serving after {timeout:g} s ({last_seen})")
+        try:
+            reply = await stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=min(remaining, 2.0)
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() not in _NOT_YET:
+                raise
+            last_seen = f"{error.code().name}: {error.details()}"
+        else:
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            last_seen = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
+@dataclass(slots=True)
+class StartedServer(Generic[Servicer]):
+    """A server that listens: its bound port, its servicer, its health service, and what its stop closes."""
+
+    server: grpc.aio.Server
+    port: int  # the port bound (the one asked for, or the free one picked for port 0)
+    servicer: Servicer
+    health: health.aio.HealthServicer
+    services: tuple[str, ...]  # the full names of the services it serves (health and reflection aside)
+    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # run after the server stops
+
+    async def set_serving(self, serving: bool) -> None:
+        """What health says for "" and each of the server's services."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.services):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stops the server (in-flight calls get `grace` seconds), then closes what it used, in order."""
+        await self.server.stop(grace)
+        for close in self.on_stop:
+            await close()
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_server(
+    servicer: Servicer,
+    add_to_server: Callable[[Servicer, grpc.aio.Server], None],
+    services: Sequence[str],
+    host: str,
+    port: int,
+    *,
+    on_stop: Sequence[Callable[[], Awaitable[None]]] = (),
+) -> StartedServer[Servicer]:
+    """Serves `servicer` (registered by its generated `add_..._to_server`), health and reflection on
+    host:port (0: any free port), and says SERVING for "" and each of `services` once it listens.
+
+    A port that does not bind (taken by another server, or an address not of this machine) raises OSError
+    naming it; nothing is left listening then, and `on_stop` has run (what the caller opened is closed).
+    """
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    add_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    started = StartedServer(server, 0, servicer, health_servicer, tuple(services), list(on_stop))
+    try:
+        started.port = _bind(server, host, port)
+        await server.start()
+    except BaseException:
+        await started.stop(None)
+        raise
+    await started.set_serving(True)
+    return started
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """The port bound on host:port; OSError naming the port when it does not bind."""
+    address = f"{host}:{port}"
+    why = f"cannot listen on {address}: port {port} is taken, or {host} is not an address of this machine"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as error:  # grpcio raises here where older versions returned 0
+        raise OSError(why) from error
+    if bound == 0:
+        raise OSError(why)
+    return bound
