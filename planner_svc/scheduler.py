@@ -225,8 +225,7 @@ class Scheduler:
 
     def _plan_prefill(self, step: PlannedStep) -> list[Request]:
         """Chunks of admitted prompts up to the token budget; returns the requests whose prompt ends."""
-        budget = self.config.prefill_token_budget
-        finals: list[Request] = []
+        budget, finals = self.config.prefill_token_budget, list[Request]()
         page_size = self.config.page_size
         for request in list(self.prefilling):
             if budget == 0 or len(finals) == self.layout.widest_bucket:
