@@ -39,12 +39,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deltaserve.aio
 from bench.common import commit_hash, smollm2_config, write_json
+from bench.in_process import InProcessLink
 from executor_svc.config import DEFAULT_BUCKETS, ExecutorConfig
 from executor_svc.models.llama import LlamaModel
 from executor_svc.runner import StepRunner, runner_for_model
 from executor_svc.server import start_executor_server
 from planner_svc.config import PlannerConfig
-from planner_svc.link import GrpcLink, InProcessLink
+from planner_svc.link import GrpcLink
 from planner_svc.server import start_planner_server
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.rpc import StartedServer

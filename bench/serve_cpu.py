@@ -19,12 +19,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import commit_hash, write_json
+from bench.in_process import InProcessLink
 from executor_svc.config import ExecutorConfig
 from executor_svc.runner import build_runner
 from executor_svc.server import start_executor_server
 from planner_svc.client import PlannerClient
 from planner_svc.config import PlannerConfig
-from planner_svc.link import GrpcLink, InProcessLink
+from planner_svc.link import GrpcLink
 from planner_svc.server import start_planner_server
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}]

@@ -1,10 +1,7 @@
-"""The planner's link to one executor: a gRPC step stream, or the runner called in this process."""
+"""The planner's link to one executor: a gRPC step stream (bench/in_process.py has one in this process)."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-from collections import deque
 from typing import Protocol
 
 import grpc
@@ -14,7 +11,7 @@ from protos.rpc import CHANNEL_OPTIONS
 
 
 class LinkError(Exception):
-    """What a link cannot do (the in-process link has no cache)."""
+    """What a link cannot do (the benchmarks' in-process link has no cache)."""
 
 
 class ExecutorLink(Protocol):
@@ -70,46 +67,3 @@ class GrpcLink:
             self._call.cancel()
             self._call = None
         await self._channel.close()
-
-
-class InProcessLink:
-    """Launches plans from this process's event loop as the executor does (`launch_step`) and polls their
-    outputs there: the executor's own steps without the gRPC hop (the benchmark's baseline for it)."""
-
-    def __init__(self, runner):
-        self.address = "in-process"
-        self._runner = runner
-        self._compute = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="cpu-steps", initializer=runner.bind_thread
-        )
-        self._launched: deque[asyncio.Task] = deque()  # each plan's launch, in order
-
-    async def describe(self) -> executor_pb2.ExecutorDescription:
-        return self._runner.describe()
-
-    async def open(self) -> None:
-        self._runner.bind_thread()
-
-    async def send(self, plan: executor_pb2.StepPlan) -> None:
-        from executor_svc.runner import launch_step  # the executor's side, here in-process
-
-        # Runs at the loop's next turn, ahead of the stream writes this step releases.
-        self._launched.append(asyncio.ensure_future(launch_step(self._runner, plan, self._compute)))
-
-    async def recv(self) -> executor_pb2.StepOutput:
-        from executor_svc.runner import collect_when_ready
-
-        return await collect_when_ready(self._runner, await self._launched.popleft())
-
-    async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:
-        raise LinkError("the in-process link has no cache service: parking needs a gRPC executor")
-
-    async def restore(self, request: executor_pb2.RestorePagesRequest) -> executor_pb2.RestorePagesReply:
-        raise LinkError("the in-process link has no cache service: restoring needs a gRPC executor")
-
-    async def close(self) -> None:
-        for launch in self._launched:
-            launch.cancel()
-        self._launched.clear()
-        self._runner.forget_launched()
-        self._compute.shutdown(wait=True, cancel_futures=True)

@@ -27,6 +27,7 @@ if _TRACE_DIR:
 
     atexit.register(_write)
 
+    import bench.in_process as _in_process
     import executor_svc.runner as _runner
     import executor_svc.server as _server
     import planner_svc.link as _link
@@ -80,4 +81,4 @@ if _TRACE_DIR:
     _runner.StepRunner.collect = _wrap_collect(_runner.StepRunner.collect)
     _server.ExecutorServicer.Steps = _wrap_steps(_server.ExecutorServicer.Steps)
     _wrap_link(_link.GrpcLink, "g")
-    _wrap_link(_link.InProcessLink, "i")
+    _wrap_link(_in_process.InProcessLink, "i")
