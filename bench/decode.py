@@ -390,7 +390,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 def compile_only() -> None:
     """Build FlashInfer's decode kernel for this shape (its JIT cache then serves the benchmark)."""
-    from executor_svc.attention.flashinfer_decode import FlashInferDecode, plan_from_rows
+    from executor_svc.attention.host_planned import FlashInferDecode, plan_from_rows
     from executor_svc.kv_pool import KVPool
     from protos.layout import RowLayout
 

@@ -1,15 +1,92 @@
-"""Decoding and checking a StepPlan against what this executor holds, before anything is written."""
+"""A StepPlan off the wire, parsed and checked once against what this executor holds, before anything is
+written: the CheckedPlan that the slot store, the prefill and the attention backends read as it is."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from executor_svc.tables import CELL_TRIPLE, SAMPLER_F32, SAMPLER_I32, parse_runs, run_cells
 from protos import executor_pb2
 from protos.layout import RowLayout
 from protos.wire import unpack_f32, unpack_i32
+
+RUN_HEADER = 3  # (slot, first_col, n_cells) before a run's cells
+SAMPLER_F32 = 2  # temperature, top_p
+SAMPLER_I32 = 4  # top_k, seed_lo, seed_hi, last_token
+
+
+class Run(NamedTuple):
+    slot: int
+    first_col: int
+    n_cells: int
+    offset: int  # index of the run's first cell in the packed array
+
+
+class Segment(NamedTuple):
+    flat_start: int  # slot * C + first_col of its first run, in the flattened rows
+    n_cells: int
+
+
+class RunCells(NamedTuple):
+    flat: np.ndarray  # int64[n]: each cell's place in the flattened rows (slot * C + col, runs continuing on)
+    values: np.ndarray  # int32[n]: what it holds
+
+
+class RowWrites(NamedTuple):
+    """A plan's row runs, parsed: every cell's value in run order, and where they go as segments of the
+    flattened rows (runs that continue one another joined), so each segment is one copy."""
+
+    values: np.ndarray  # int32[n]
+    segments: list[Segment]  # their lengths sum to n
+
+
+def parse_runs(runs: np.ndarray) -> list[Run]:
+    """Split packed runs `(slot, first_col, n_cells, cells...)...` into headers; ValueError if truncated."""
+    parsed = []
+    at, end = 0, len(runs)
+    while at < end:
+        if at + RUN_HEADER > end:
+            raise ValueError(f"row_runs: a run header at int {at} is cut short ({end - at} ints left)")
+        slot, first_col, n_cells = int(runs[at]), int(runs[at + 1]), int(runs[at + 2])
+        if n_cells < 1:
+            raise ValueError(f"row_runs: the run at int {at} has {n_cells} cells; a run has at least one")
+        if at + RUN_HEADER + n_cells > end:
+            raise ValueError(f"row_runs: the run at int {at} names {n_cells} cells but the bytes end first")
+        parsed.append(Run(slot, first_col, n_cells, at + RUN_HEADER))
+        at += RUN_HEADER + n_cells
+    return parsed
+
+
+def run_cells(runs: np.ndarray, parsed: list[Run], columns: int) -> RunCells:
+    """Every cell of the parsed runs at once, in run order: a few numpy passes, whatever the number of runs
+    (a plan of new rows has one run each)."""
+    count = len(parsed)
+    starts = np.fromiter((run.slot * columns + run.first_col for run in parsed), np.int64, count)
+    offsets = np.fromiter((run.offset for run in parsed), np.int64, count)
+    lengths = np.fromiter((run.n_cells for run in parsed), np.int64, count)
+    # within[i]: cell i's index inside its own run
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return RunCells(np.repeat(starts, lengths) + within, runs[np.repeat(offsets, lengths) + within])
+
+
+def join_runs(parsed: list[Run], columns: int) -> list[Segment]:
+    """Runs in order, each joined to the one before when it starts where that one ended (row-major)."""
+    segments: list[Segment] = []
+    for run in parsed:
+        flat_start = run.slot * columns + run.first_col
+        if segments and segments[-1].flat_start + segments[-1].n_cells == flat_start:
+            segments[-1] = Segment(segments[-1].flat_start, segments[-1].n_cells + run.n_cells)
+        else:
+            segments.append(Segment(flat_start, run.n_cells))
+    return segments
+
+
+def row_writes(runs: np.ndarray, columns: int) -> RowWrites:
+    """Packed runs parsed into RowWrites, unchecked (check_plan checks a plan's; tests build their own)."""
+    parsed = parse_runs(runs)
+    return RowWrites(run_cells(runs, parsed, columns).values, join_runs(parsed, columns))
 
 
 class PlanError(ValueError):
@@ -27,15 +104,14 @@ class PlanLimits:
     page_size: int
     pool_pages: int
     max_run_cells: int
-    max_cells: int
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillWork:
+class PrefillWork(NamedTuple):
+    """One prefill chunk, in the (ids, start, pages) form PrefillBatch.build takes."""
+
     token_ids: np.ndarray  # int32[n]
     start: int
-    pages: np.ndarray  # int32[p]
-    sample_slot: int
+    pages: np.ndarray  # int32[p]: the sequence's pages covering [0, start + n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +120,12 @@ class CheckedPlan:
 
     bucket: int
     slots: np.ndarray | None  # int32[bucket]; None = the rows of the previous decode step
-    runs: np.ndarray  # packed runs
-    cells: np.ndarray  # packed triples
+    rows: RowWrites  # the row runs, parsed
     sampler_slots: np.ndarray  # int32[k]
     sampler_f32: np.ndarray  # float32[k, 2]
     sampler_i32: np.ndarray  # int32[k, 4]
     prefill: list[PrefillWork]
+    sample_slots: list[int]  # per prefill chunk: the slot it samples into, 0 where it does not
     mirror: np.ndarray | None  # int32[bucket, C]
 
 
@@ -84,7 +160,7 @@ def _check_cell_values(columns: np.ndarray, values: np.ndarray, limits: PlanLimi
             raise PlanError(f"{field}: {name} value {int(values[bad][0])} is outside [{low}, {high})")
 
 
-def _check_runs(runs: np.ndarray, limits: PlanLimits) -> None:
+def _check_runs(runs: np.ndarray, limits: PlanLimits) -> RowWrites:
     columns, slots = limits.layout.columns, limits.layout.slots
     try:
         parsed = parse_runs(runs)
@@ -105,24 +181,11 @@ def _check_runs(runs: np.ndarray, limits: PlanLimits) -> None:
         total += run.n_cells
     if total > limits.max_run_cells:
         raise PlanError(f"row_runs: {total} cells, more than the {limits.max_run_cells} a step can write")
-    if parsed:
-        cells = run_cells(runs, parsed, columns)
-        _check_cell_values(cells.flat % columns, cells.values, limits, "row_runs")
-
-
-def _check_cells(triples: np.ndarray, limits: PlanLimits) -> None:
-    if len(triples) % CELL_TRIPLE:
-        raise PlanError(f"cells: {len(triples)} ints is not a whole number of (slot, col, value) triples")
-    if not len(triples):  # a steady step's: no numpy passes over nothing
-        return
-    triples = triples.reshape(-1, CELL_TRIPLE)
-    if len(triples) > limits.max_cells:
-        raise PlanError(f"cells: {len(triples)} triples, more than the {limits.max_cells} a step can write")
-    _check_slots(triples[:, 0], 1, limits, "cells")
-    bad = (triples[:, 1] < 0) | (triples[:, 1] >= limits.layout.columns)
-    if bad.any():
-        raise PlanError(f"cells: column {int(triples[bad, 1][0])} is outside [0, {limits.layout.columns})")
-    _check_cell_values(triples[:, 1], triples[:, 2], limits, "cells")
+    if not parsed:
+        return NO_ROW_WRITES
+    cells = run_cells(runs, parsed, columns)
+    _check_cell_values(cells.flat % columns, cells.values, limits, "row_runs")
+    return RowWrites(cells.values, join_runs(parsed, columns))
 
 
 def _check_sampler(
@@ -181,13 +244,24 @@ def _check_prefill(chunk: executor_pb2.PrefillChunk, index: int, limits: PlanLim
         )
     if not 0 <= chunk.sample_slot < limits.layout.slots:
         raise PlanError(f"{field}: sample_slot {chunk.sample_slot} is outside [0, {limits.layout.slots})")
-    return PrefillWork(ids, chunk.start, pages, chunk.sample_slot)
+    return PrefillWork(ids, chunk.start, pages)
 
 
 _NO_INTS = np.zeros(0, dtype=np.int32)
+NO_ROW_WRITES = RowWrites(_NO_INTS, [])
 _NO_SAMPLER_F32 = np.zeros((0, SAMPLER_F32), dtype=np.float32)
 _NO_SAMPLER_I32 = np.zeros((0, SAMPLER_I32), dtype=np.int32)
 _STEADY_FIELDS = frozenset({"seq", "bucket"})  # all that a steady step's plan sets
+_STEADY: dict[int, CheckedPlan] = {}  # bucket -> its steady plan: nothing to write, nothing to build
+
+
+def _steady(bucket: int) -> CheckedPlan:
+    plan = _STEADY.get(bucket)
+    if plan is None:
+        plan = _STEADY[bucket] = CheckedPlan(
+            bucket, None, NO_ROW_WRITES, _NO_INTS, _NO_SAMPLER_F32, _NO_SAMPLER_I32, [], [], None
+        )
+    return plan
 
 
 def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: int) -> CheckedPlan:
@@ -200,9 +274,7 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
         raise PlanError(f"bucket {bucket} is not one of the buckets {list(limits.buckets)} (or 0)")
     # The steady step, most steps: no arrays to decode or check.
     if bucket == decode_bucket and all(field.name in _STEADY_FIELDS for field, _ in plan.ListFields()):
-        return CheckedPlan(
-            bucket, None, _NO_INTS, _NO_INTS, _NO_INTS, _NO_SAMPLER_F32, _NO_SAMPLER_I32, [], None
-        )
+        return _steady(bucket)
     slots = None
     if plan.slots:
         slots = _ints(plan.slots, "slots")
@@ -216,15 +288,13 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
             f"slots: empty (the previous decode step's rows) but bucket {bucket} differs from "
             f"the rows held ({held})"
         )
-    runs = _ints(plan.row_runs, "row_runs")
-    _check_runs(runs, limits)
-    cells = _ints(plan.cells, "cells")
-    _check_cells(cells, limits)
+    rows = _check_runs(_ints(plan.row_runs, "row_runs"), limits)
     sampler_slots, sampler_f32, sampler_i32 = _check_sampler(plan, limits)
     prefill = [_check_prefill(chunk, index, limits) for index, chunk in enumerate(plan.prefill)]
     # The planner samples at most the widest bucket's prompts in a step (and the decode rows): the read-back
     # buffers are sized for that.
-    sampling = sum(1 for chunk in prefill if chunk.sample_slot)
+    sample_slots = [chunk.sample_slot for chunk in plan.prefill]
+    sampling = sum(1 for slot in sample_slots if slot)
     if sampling > limits.layout.widest_bucket:
         raise PlanError(
             f"prefill: {sampling} chunks sample, more than the widest bucket ({limits.layout.widest_bucket})"
@@ -238,4 +308,6 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
                 f"(bucket {bucket} x {columns} columns of int32)"
             )
         mirror = unpack_i32(plan.mirror).reshape(bucket, columns)
-    return CheckedPlan(bucket, slots, runs, cells, sampler_slots, sampler_f32, sampler_i32, prefill, mirror)
+    return CheckedPlan(
+        bucket, slots, rows, sampler_slots, sampler_f32, sampler_i32, prefill, sample_slots, mirror
+    )

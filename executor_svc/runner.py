@@ -1,4 +1,5 @@
-"""The executor's step: write the tables, run the prefill chunks and the decode, sample."""
+"""The executor's step, top to bottom: check the plan -> apply it to the slot store -> prefill -> decode (replay
+the bucket's graph) -> read the sampled tokens back."""
 
 from __future__ import annotations
 
@@ -8,29 +9,24 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from executor_svc.attention import decode_attention
 from executor_svc.config import DEFAULT_BUCKETS, ExecutorConfig
+from executor_svc.decode_graphs import DecodeGraphs
 from executor_svc.device import resolve_device, resolve_dtype
 from executor_svc.kv_pool import KVPool
-from executor_svc.model_files import resolve_model_path
 from executor_svc.models.llama import LlamaModel
 from executor_svc.models.loader import load_model, model_fingerprint
-from executor_svc.plan_check import CheckedPlan, PlanLimits, check_plan
-from executor_svc.prefill_batch import PrefillBatch
-from executor_svc.prefill_step import prefill_step
-from executor_svc.sampler import sample
-from executor_svc.tables import SlotStore
+from executor_svc.plan import CheckedPlan, PlanLimits, check_plan
+from executor_svc.prefill.graphs import PrefillGraphs
+from executor_svc.slot_store import SlotStore
 from protos import executor_pb2
 from protos.layout import RowLayout
+from protos.model_files import resolve_model_path
 from protos.wire import pack_i32
-
-if TYPE_CHECKING:
-    from executor_svc.graphs import DecodeGraphs
-    from executor_svc.prefill_graphs import PrefillGraphs
 
 
 @dataclass(slots=True)
@@ -38,7 +34,7 @@ class RunnerTimes:
     """Host microseconds per phase of the steps run with decode graphs, summed (for the benchmarks)."""
 
     steps: int = 0
-    apply_us: float = 0.0  # decode and check the plan, write the tables, stage the cells
+    apply_us: float = 0.0  # decode and check the plan, write it into the slot store
     plan_us: float = 0.0  # host-planned only: page lists, lengths, positions and the attention's plan
     prefill_us: float = 0.0  # eager prefill chunks (launches; the GPU runs them behind)
     launch_us: float = 0.0  # the graph replay call
@@ -98,8 +94,8 @@ class StepRunner:
     are back, so the loop can launch step N+1 while step N still runs (the tokens loop back on the device:
     step N+1 needs nothing from the host). `run` is the two in a row.
 
-    Without `graphs` the decode step is the eager torch model (the CPU path); with them it is a replay
-    of the bucket's graph, which scatters the staged cells itself.
+    Without `graphs` the decode step is the torch one, eager (the CPU path); without `prefill_graphs` every
+    prefill runs eager.
     """
 
     def __init__(
@@ -133,7 +129,8 @@ class StepRunner:
         self.row_check = row_check
         self.fingerprint = fingerprint
         self.device = store.device
-        if self.device.type == "cuda":  # "cuda" alone means the device current where the runner is built
+        cuda = self.device.type == "cuda"
+        if cuda:  # "cuda" alone means the device current where the runner is built
             self._cuda_index = torch.cuda.current_device() if self.device.index is None else self.device.index
         self.limits = PlanLimits(
             layout=layout,
@@ -143,16 +140,16 @@ class StepRunner:
             page_size=kv_pool.page_size,
             pool_pages=kv_pool.num_pages,
             max_run_cells=store.max_run_cells,
-            max_cells=store.max_cells,
         )
-        self._decode_bucket = 0  # the bucket whose slots the store holds
+        if graphs is None:
+            attention = decode_attention("torch", model, kv_pool, store, buckets, max_seq_len)
+            graphs = DecodeGraphs(model, store, attention, buckets, capture=False)
+        if prefill_graphs is None:
+            prefill_graphs = PrefillGraphs(model, kv_pool, store, (), max_seq_len=max_seq_len)
         self.graphs = graphs
         self.prefill_graphs = prefill_graphs
         self.times = RunnerTimes()
-        self._last_replay: tuple[int, torch.cuda.Event] | None = (
-            None  # seq and end event of the last replay timed
-        )
-        cuda = self.device.type == "cuda"
+        self._last_replay: tuple[int, torch.cuda.Event] | None = None  # seq and end event of the last timed
         # Steps launch on the device's default stream. Named in each event record: finding the current
         # stream costs a record ~20 µs of Python.
         self._stream = torch.cuda.default_stream(self._cuda_index) if cuda else None
@@ -198,103 +195,31 @@ class StepRunner:
         """Queue one step's work; raises PlanError (having changed nothing) for a malformed plan. Steps launch
         in order, from one thread."""
         began = time.perf_counter()
-        checked = check_plan(plan, self.limits, self._decode_bucket)
-        if self.graphs is None:
-            return self._run_checked(plan.seq, checked)
-        return self._launch_replay(plan.seq, checked, began)
-
-    @torch.inference_mode()
-    def _run_checked(self, seq: int, plan: CheckedPlan) -> LaunchedStep:
-        store = self.store
-        if plan.slots is not None:
-            store.set_slots(plan.slots)
-            self._decode_bucket = plan.bucket
-        store.write_runs(plan.runs)
-        store.write_cells(plan.cells)
-        store.write_sampler(plan.sampler_slots, plan.sampler_f32, plan.sampler_i32)
-
-        sampled, sampled_chunks = self._prefill(plan)
-
-        mismatches = 0
-        if plan.bucket:
-            if self.row_check and plan.mirror is not None:
-                mismatches = store.mismatches(plan.bucket, plan.mirror)
-            inputs = store.gather(plan.bucket)
-            logits = self.model.decode(
-                inputs.tokens, inputs.positions, inputs.kv_lens, inputs.block_tables, self.kv_pool
-            )
-            tokens = sample(logits, *inputs.sampler, inputs.positions + 1)
-            store.store_tokens(plan.bucket, tokens)
-            store.advance(plan.bucket)
-            sampled.append(tokens)
-        return self._read_back(seq, plan, sampled, sampled_chunks, mismatches)
-
-    def _launch_replay(self, seq: int, plan: CheckedPlan, began: float) -> LaunchedStep:
-        """The CUDA path: table writes from the pinned staging, cells staged for the graph's own scatter,
-        prefill eagerly, one replay, one read-back of the tokens queued behind it."""
-        store, graphs = self.store, self.graphs
-        if plan.slots is not None:
-            store.set_slots(plan.slots)
-            self._decode_bucket = plan.bucket
-        store.write_runs(plan.runs)
-        if plan.bucket:
-            store.stage_cells(plan.cells)
-        else:  # no graph runs this step to scatter them
-            store.write_cells(plan.cells)
-        store.write_sampler(plan.sampler_slots, plan.sampler_f32, plan.sampler_i32)
-        graphs.note_plan(plan.slots, plan.runs, plan.cells, plan.sampler_slots, plan.sampler_f32)
+        checked = check_plan(plan, self.limits, self.store.bucket)
+        self.store.apply(checked)
         applied = time.perf_counter()
-
-        sampled, sampled_chunks = self._prefill(plan)
+        sampled, sampled_chunks = [], []
+        if checked.prefill:  # most steps have none
+            tokens = self.prefill_graphs.run(checked)
+            if tokens is not None:
+                sampled.append(tokens)
+                sampled_chunks = [index for index, slot in enumerate(checked.sample_slots) if slot]
         prefilled = time.perf_counter()
-        if not plan.bucket:
-            return self._read_back(seq, plan, sampled, sampled_chunks, 0)
-        graphs.prepare(plan.bucket)
-        planned = time.perf_counter()
-        replay = self._read_backs[self._launches % READ_BACK_RING].replay if graphs.capture else None
-        if replay is not None:
-            replay[0].record(self._stream)
-        sampled.append(graphs.launch(plan.bucket))
-        if replay is not None:
-            replay[1].record(self._stream)
+        timing = None
+        if self.graphs.capture:
+            timing = self._read_backs[self._launches % READ_BACK_RING].replay
+        tokens = self.graphs.launch(checked, timing)
+        if tokens is None:  # no decode step
+            return self._read_back(plan.seq, checked, sampled, sampled_chunks, 0)
+        sampled.append(tokens)
         launched = time.perf_counter()
         mismatches = 0
-        if (
-            self.row_check and plan.mirror is not None
-        ):  # debug: waits for the step, before the next changes rows
-            mismatches = graphs.row_mismatches(plan.bucket, plan.mirror)
-        step = self._read_back(seq, plan, sampled, sampled_chunks, mismatches)
-        step.marks = (began, applied, prefilled, planned, launched)
-        step.replay = replay
+        if self.row_check and checked.mirror is not None:  # debug: waits for the step
+            mismatches = self.store.row_check(checked.bucket, checked.mirror)
+        step = self._read_back(plan.seq, checked, sampled, sampled_chunks, mismatches)
+        step.marks = (began, applied, prefilled, self.graphs.planned_at, launched)
+        step.replay = timing
         return step
-
-    def _prefill(self, plan: CheckedPlan) -> tuple[list[torch.Tensor], list[int]]:
-        """Run the plan's prefill chunks as one packed batch, replayed in the smallest prefill graph that holds
-        it or else eager; returns the device tokens sampled (one tensor, or none) and the chunks they belong to."""
-        if not plan.prefill:  # most steps
-            return [], []
-        chunks = [(chunk.token_ids, chunk.start, chunk.pages) for chunk in plan.prefill]
-        slots = [chunk.sample_slot for chunk in plan.prefill]
-        sampled_chunks = [index for index, slot in enumerate(slots) if slot]
-        greedy = self.graphs is not None and self.graphs.greedy_slots(
-            np.array(slots, dtype=np.int64)[sampled_chunks]
-        )
-        tokens = None if self.prefill_graphs is None else self.prefill_graphs.launch(chunks, slots, greedy)
-        if tokens is None:
-            with torch.inference_mode():  # not for a replay: it costs more to enter than one
-                tokens = self._prefill_eager(chunks, slots, greedy)
-        return ([tokens], sampled_chunks) if sampled_chunks else ([], [])
-
-    def _prefill_eager(self, chunks: list[tuple], slots: list[int], greedy: bool) -> torch.Tensor | None:
-        batch = PrefillBatch.build(
-            chunks, self.kv_pool.page_size, self.limits.max_seq_len, self.device, sample_slots=slots
-        )
-        # All chunks at once: one matmul per projection; on a GPU the Triton kernels, one attention launch a layer.
-        forward = self.model.prefill_fused if self.device.type == "cuda" else self.model.prefill
-        if not len(batch.sampled_chunks):  # no chunk ends its prompt: the K/V writes are the step
-            forward(batch, self.kv_pool)
-            return None
-        return prefill_step(forward, batch, self.kv_pool, self.store, greedy)
 
     def _read_back(
         self,
@@ -382,7 +307,7 @@ async def launch_step(runner: StepRunner, plan: executor_pb2.StepPlan, compute: 
     """Launch a plan from the event loop. On a GPU the launch only queues work, inline here: a hop to another
     thread costs more than the launch. On the CPU the step computes as it launches, so it runs on `compute`
     (one thread, steps in order) and the loop stays free meanwhile."""
-    if runner.graphs is not None:
+    if runner.device.type == "cuda":
         return runner.launch(plan)
     return await asyncio.get_running_loop().run_in_executor(compute, runner.launch, plan)
 
@@ -415,23 +340,20 @@ def build_runner(config: ExecutorConfig) -> StepRunner:
 
 def runner_for_model(model: LlamaModel, config: ExecutorConfig, fingerprint: str) -> StepRunner:
     """The runner of a model already on its device: KV pool, slot store, and on CUDA one captured decode
-    graph per bucket (config.decode_path picks resident or host-planned) and one prefill graph per token
-    bucket; on the CPU the eager step."""
+    graph per bucket (config.decode_path picks resident or host-planned attention) and one prefill graph
+    per token bucket; on the CPU the eager torch step."""
     device, dtype = model.device, model.dtype
-    if device.type != "cuda" and config.decode_path != "resident":
+    cuda = device.type == "cuda"
+    if not cuda and config.decode_path != "resident":
         raise ValueError(f"decode_path={config.decode_path} needs a CUDA device (FlashInfer), not {device}")
     max_seq_len = config.max_seq_len or model.config.max_seq_len
     kv_pool = model.make_kv_pool(config.pool_pages, config.page_size, device, dtype)
     layout = RowLayout.build(list(config.buckets), max_seq_len, config.page_size, config.pool_pages)
     store = SlotStore(layout, device)
     graphs = prefill_graphs = None
-    if device.type == "cuda":
-        from executor_svc.graphs import DecodeGraphs  # Triton and the graph machinery: CUDA only
-        from executor_svc.prefill_graphs import PrefillGraphs
-
-        graphs = DecodeGraphs(
-            model, kv_pool, store, config.buckets, max_seq_len=max_seq_len, decode_path=config.decode_path
-        )
+    if cuda:
+        attention = decode_attention(config.decode_path, model, kv_pool, store, config.buckets, max_seq_len)
+        graphs = DecodeGraphs(model, store, attention, config.buckets)
         if config.prefill_buckets and graphs.capture:
             prefill_graphs = PrefillGraphs(
                 model, kv_pool, store, config.prefill_buckets, max_seq_len=max_seq_len, pool=graphs.pool

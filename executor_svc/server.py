@@ -10,7 +10,7 @@ import grpc
 import structlog
 
 from executor_svc.config import DEFAULT_SHARD_LAYERS
-from executor_svc.plan_check import PlanError
+from executor_svc.plan import PlanError
 from executor_svc.runner import LaunchedStep, StepRunner, collect_when_ready, launch_step
 from executor_svc.snapshots import SnapshotRefused, Snapshots
 from protos import executor_pb2, executor_pb2_grpc

@@ -1,4 +1,6 @@
-"""The slot store: device-resident decode rows, per-slot sampler state and loop-back tokens (DESIGN §2)."""
+"""The slot store: the one owner of the device rows, each slot's sampler state and loop-back token, the step's
+slots (device and host copy) and which slots sample (DESIGN §2). `apply` writes a checked plan into it; the
+decode graphs and the attention backends only read what it holds."""
 
 from __future__ import annotations
 
@@ -7,20 +9,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from executor_svc.plan import SAMPLER_F32, SAMPLER_I32, CheckedPlan, RowWrites
 from protos.layout import RowLayout
 
-RUN_HEADER = 3  # (slot, first_col, n_cells) before a run's cells
-CELL_TRIPLE = 3  # (slot, col, value)
-SAMPLER_F32 = 2  # temperature, top_p
-SAMPLER_I32 = 4  # top_k, seed_lo, seed_hi, last_token
 _SAMPLER_WORDS = 1 + SAMPLER_F32 + SAMPLER_I32  # staged per slot: the slot, then its values
-
-
-class Run(NamedTuple):
-    slot: int
-    first_col: int
-    n_cells: int
-    offset: int  # index of the run's first cell in the packed array
 
 
 class SamplerParams(NamedTuple):
@@ -36,64 +28,6 @@ class DecodeInputs(NamedTuple):
     kv_lens: torch.Tensor  # i32[B]: stored length before the step
     block_tables: torch.Tensor  # i32[B, W]
     sampler: SamplerParams
-
-
-class Segment(NamedTuple):
-    flat_start: int  # slot * C + first_col of its first run, in the flattened rows
-    n_cells: int
-
-
-def parse_runs(runs: np.ndarray) -> list[Run]:
-    """Split packed runs `(slot, first_col, n_cells, cells...)...` into headers; ValueError if truncated."""
-    parsed = []
-    at, end = 0, len(runs)
-    while at < end:
-        if at + RUN_HEADER > end:
-            raise ValueError(f"row_runs: a run header at int {at} is cut short ({end - at} ints left)")
-        slot, first_col, n_cells = int(runs[at]), int(runs[at + 1]), int(runs[at + 2])
-        if n_cells < 1:
-            raise ValueError(f"row_runs: the run at int {at} has {n_cells} cells; a run has at least one")
-        if at + RUN_HEADER + n_cells > end:
-            raise ValueError(f"row_runs: the run at int {at} names {n_cells} cells but the bytes end first")
-        parsed.append(Run(slot, first_col, n_cells, at + RUN_HEADER))
-        at += RUN_HEADER + n_cells
-    return parsed
-
-
-class RunCells(NamedTuple):
-    flat: np.ndarray  # int64[n]: each cell's place in the flattened rows (slot * C + col, runs continuing on)
-    values: np.ndarray  # int32[n]: what it holds
-
-
-def run_cells(runs: np.ndarray, parsed: list[Run], columns: int) -> RunCells:
-    """Every cell of the parsed runs at once, in run order: a few numpy passes, whatever the number of runs
-    (a plan of new rows has one run each)."""
-    count = len(parsed)
-    starts = np.fromiter((run.slot * columns + run.first_col for run in parsed), np.int64, count)
-    offsets = np.fromiter((run.offset for run in parsed), np.int64, count)
-    lengths = np.fromiter((run.n_cells for run in parsed), np.int64, count)
-    # within[i]: cell i's index inside its own run
-    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return RunCells(np.repeat(starts, lengths) + within, runs[np.repeat(offsets, lengths) + within])
-
-
-def join_runs(parsed: list[Run], columns: int) -> list[Segment]:
-    """Runs in order, each joined to the one before when it starts where that one ended (row-major)."""
-    segments: list[Segment] = []
-    for run in parsed:
-        flat_start = run.slot * columns + run.first_col
-        if segments and segments[-1].flat_start + segments[-1].n_cells == flat_start:
-            segments[-1] = Segment(segments[-1].flat_start, segments[-1].n_cells + run.n_cells)
-        else:
-            segments.append(Segment(flat_start, run.n_cells))
-    return segments
-
-
-def last_writes(flat: np.ndarray) -> np.ndarray:
-    """Indices into `flat` (flattened cell positions) of the last write to each cell."""
-    # np.unique keeps the first occurrence, so look from the end to keep the last.
-    _, last_from_end = np.unique(flat[::-1], return_index=True)
-    return len(flat) - 1 - last_from_end
 
 
 class _Staging:
@@ -153,7 +87,10 @@ class _Staging:
 class SlotStore:
     """`rows: int32[S, C]` on the device and per-slot sampler state; row 0 is the sink row, zero forever.
 
-    Every method is tensor work on the device: nothing is read back (but `mismatches`, a debug check)
+    `apply` is how a plan comes in (its parts, `set_slots`, `write_runs` and `write_sampler`, are public for
+    the tests alone). The step's slots are held here once, on the device for the graphs (`step_slots`) and
+    on the host (`host_slots`) for what the host decides: which graph variant (`greedy`), the host-planned
+    attention's plan, the row check. Nothing is read back from the device (but `mismatches`, a debug check)
     and nothing grows after construction.
     """
 
@@ -168,89 +105,69 @@ class SlotStore:
         self.seed = torch.zeros(slots, dtype=torch.int64, device=device)
         self.last_token = torch.zeros(slots, dtype=torch.int64, device=device)  # loop-back: [S]
         self.step_slots = torch.zeros(widest, dtype=torch.int64, device=device)  # the bucket's slots: [B]
-        # The largest flush: B whole rows as runs, as many cells as triples, every slot's sampler state.
+        self._host_slots = np.zeros(widest, dtype=np.int32)  # step_slots' host copy: [B]
+        self.bucket = 0  # the bucket whose slots are held (0 before the first decode step)
+        self._samples = np.zeros(slots, dtype=bool)  # by slot: temperature > 0
+        self._greedy: dict[int, bool] = {}  # bucket -> greedy(bucket), until a plan changes slots or sampling
+        # The largest flush: B whole rows as runs, every slot's sampler state.
         self._staging = _Staging(
-            {
-                "slots": widest,
-                "runs": widest * columns,
-                "cells": 2 * widest * columns,
-                "cell_triples": 1 + CELL_TRIPLE * widest * columns,  # count, then as many triples as "cells"
-                "sampler": _SAMPLER_WORDS * (slots - 1),
-            },
-            device,
+            {"slots": widest, "runs": widest * columns, "sampler": _SAMPLER_WORDS * (slots - 1)}, device
         )
         self._flat_rows = self.rows.view(-1)
-        self._scatter_sampler = None
+        self._kernels = None
         if device.type == "cuda":  # one Triton launch per sampler write; compiled here, not in a step
-            from executor_svc.kernels.tables import SamplerState, scatter_sampler
+            from executor_svc.kernels import slot_ops as kernels
 
-            state = SamplerState(self.temperature, self.top_p, self.top_k, self.seed, self.last_token)
+            self._kernels = kernels
+            state = kernels.SamplerState(self.temperature, self.top_p, self.top_k, self.seed, self.last_token)
             self._sampler_state = state
-            self._scatter_sampler = scatter_sampler
-            scatter_sampler(self._staging.device("sampler"), 0, self._sampler_state)
+            kernels.scatter_sampler(self._staging.device("sampler"), 0, state)
 
     @property
     def max_run_cells(self) -> int:
         return self._staging.capacity("runs")
 
-    @property
-    def max_cells(self) -> int:
-        return self._staging.capacity("cells") // 2
+    # --- writes: a plan, applied ------------------------------------------------------------------------
+
+    def apply(self, plan: CheckedPlan) -> None:
+        """Write a checked plan: the step's slots, the row runs, the sampler state. A steady step's plan
+        holds none of them and costs three tests."""
+        if plan.slots is not None:
+            self.set_slots(plan.slots)
+        if plan.rows.segments:
+            self.write_runs(plan.rows)
+        if len(plan.sampler_slots):
+            self.write_sampler(plan.sampler_slots, plan.sampler_f32, plan.sampler_i32)
 
     def set_slots(self, slots: np.ndarray) -> None:
         """The slot of each row of the next decode buckets (0 for padding rows)."""
+        bucket = len(slots)
+        self._host_slots[:bucket] = slots
         staged = self._staging.host("slots")
-        staged[: len(slots)] = slots
-        self.step_slots[: len(slots)].copy_(self._staging.upload("slots", len(slots)))
+        staged[:bucket] = slots
+        self.step_slots[:bucket].copy_(self._staging.upload("slots", bucket))
+        self.bucket = bucket
+        self._greedy.clear()
 
-    def write_runs(self, runs: np.ndarray) -> None:
-        """Copy packed runs into the rows. A run covers n_cells of the flattened rows from (slot, first_col),
-        so joined whole rows are one run; runs that continue one another are one copy."""
-        parsed = parse_runs(runs)
-        if not parsed:
-            return
-        values = run_cells(runs, parsed, self.layout.columns).values
-        filled = len(values)
-        self._staging.host("runs")[:filled] = values
-        cells = self._staging.upload("runs", filled)
+    def pad_slots(self, bucket: int) -> None:
+        """Every row of the bucket padding and no bucket held (the graphs' warm-up and capture: their steps
+        write only the sink page and change no row)."""
+        self.step_slots[:bucket].zero_()
+        self._host_slots[:bucket] = 0
+        self.bucket = 0
+        self._greedy.clear()
+
+    def write_runs(self, writes: RowWrites) -> None:
+        """Copy parsed row runs into the rows: one upload, then one copy per segment (joined whole rows are
+        one segment)."""
+        values = writes.values
+        self._staging.host("runs")[: len(values)] = values
+        cells = self._staging.upload("runs", len(values))
         at = 0
-        for segment in join_runs(parsed, self.layout.columns):
+        for segment in writes.segments:
             end = segment.flat_start + segment.n_cells
             self._flat_rows[segment.flat_start : end].copy_(cells[at : at + segment.n_cells])
             at += segment.n_cells
-
-    def write_cells(self, triples: np.ndarray) -> None:
-        """Packed `(slot, col, value)` triples; where a cell repeats, the last triple wins."""
-        if len(triples) == 0:
-            return
-        triples = triples.reshape(-1, CELL_TRIPLE)
-        flat = triples[:, 0].astype(np.int64) * self.layout.columns + triples[:, 1]
-        chosen = last_writes(flat)
-        n = len(chosen)
-        staged = self._staging.host("cells")
-        staged[:n] = flat[chosen]
-        staged[n : 2 * n] = triples[chosen, 2]
-        cells = self._staging.upload("cells", 2 * n)
-        self._flat_rows[cells[:n].long()] = cells[n:]
-
-    def stage_cells(self, triples: np.ndarray) -> None:
-        """Stage packed `(slot, col, value)` triples for the scatter that opens a decode graph: the count, then
-        the triples (the last of repeats kept), in one upload; nothing staged leaves the count as the step
-        left it (zero)."""
-        if len(triples) == 0:
-            return
-        triples = triples.reshape(-1, CELL_TRIPLE)
-        chosen = last_writes(triples[:, 0].astype(np.int64) * self.layout.columns + triples[:, 1])
-        n = len(chosen)
-        staged = self._staging.host("cell_triples")
-        staged[0] = n
-        staged[1 : 1 + CELL_TRIPLE * n] = triples[chosen].reshape(-1)
-        self._staging.upload("cell_triples", 1 + CELL_TRIPLE * n)
-
-    def staged_cells(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What `stage_cells` fills, at fixed device addresses: triples int32[capacity, 3] and count int32[1]."""
-        region = self._staging.device("cell_triples")
-        return region[1:].view(-1, CELL_TRIPLE), region[:1]
 
     def write_sampler(self, slots: np.ndarray, f32: np.ndarray, i32: np.ndarray) -> None:
         """Sampler state of slots written whole: f32[k, 2] (temperature, top_p) and i32[k, 4]
@@ -259,13 +176,15 @@ class SlotStore:
         k = len(slots)
         if k == 0:
             return
+        self._samples[slots] = f32[:, 0] > 0
+        self._greedy.clear()
         staged = self._staging.host("sampler")
         staged[:k] = slots
         staged[k : 3 * k] = np.ascontiguousarray(f32, dtype=np.float32).reshape(-1).view(np.int32)
         staged[3 * k : 7 * k] = np.asarray(i32).reshape(-1)
         words = self._staging.upload("sampler", _SAMPLER_WORDS * k)
-        if self._scatter_sampler is not None:
-            self._scatter_sampler(words, k, self._sampler_state)
+        if self._kernels is not None:
+            self._kernels.scatter_sampler(words, k, self._sampler_state)
             return
         index = words[:k].long()
         floats = words[k : 3 * k].view(torch.float32).view(k, SAMPLER_F32)
@@ -277,6 +196,24 @@ class SlotStore:
         self.seed[index] = (ints[:, 2].long() << 32) | (ints[:, 1].long() & 0xFFFFFFFF)
         last = ints[:, 3].long()
         self.last_token[index] = torch.where(last >= 0, last, self.last_token[index])
+
+    # --- the step's slots, read -------------------------------------------------------------------------
+
+    def host_slots(self, bucket: int) -> np.ndarray:
+        """The host copy of the bucket's slots (0 = padding): what the step reads, for the host's decisions."""
+        return self._host_slots[:bucket]
+
+    def greedy(self, bucket: int) -> bool:
+        """Whether every row of the bucket's step is greedy (padding rows read the sink row, which is). Kept
+        from step to step while the plans change neither slots nor sampling: a steady step reads nothing."""
+        greedy = self._greedy.get(bucket)
+        if greedy is None:
+            greedy = self._greedy[bucket] = self.greedy_slots(self._host_slots[:bucket])
+        return greedy
+
+    def greedy_slots(self, slots: np.ndarray) -> bool:
+        """Whether every one of `slots` samples greedily, by the sampler state the plans wrote."""
+        return not self._samples[slots].any()
 
     def sampler_params(self, slots: torch.Tensor | slice) -> SamplerParams:
         """The sampler state of `slots` (an index tensor, or a slice to index with no host-to-device copy)."""
@@ -296,8 +233,11 @@ class SlotStore:
             sampler=self.sampler_params(slots),
         )
 
+    # --- the step's own writes (inside the graphs: no host work) ----------------------------------------
+
     def advance(self, bucket: int) -> None:
-        """KV_LEN += 1 for each real row of the bucket; padding rows (slot 0) add nothing."""
+        """KV_LEN += 1 for each real row of the bucket; padding rows (slot 0) add nothing. (The Triton step
+        uses kernels.slot_ops.advance, which this is the reference of.)"""
         slots = self.step_slots[:bucket]
         self.rows[:, RowLayout.KV_LEN].index_add_(0, slots, (slots != 0).to(torch.int32))
 
@@ -311,9 +251,18 @@ class SlotStore:
         the device, i64); the sink's stays 0 (a padded batch's samples write 0 there)."""
         self.last_token[slots] = torch.where(slots != 0, tokens, 0)
 
+    # --- the row check (debug) --------------------------------------------------------------------------
+
     def mismatches(self, bucket: int, mirror: np.ndarray) -> int:
         """Cells of the bucket's real rows that differ from the planner's mirror (int32[B, C]); reads back."""
         slots = self.step_slots[:bucket]
         expected = torch.from_numpy(np.array(mirror, dtype=np.int32).reshape(bucket, self.layout.columns))
         differ = self.rows.index_select(0, slots) != expected.to(self.device)
         return int((differ & (slots != 0)[:, None]).sum())
+
+    def row_check(self, bucket: int, mirror: np.ndarray) -> int:
+        """The row check after a decode step: the planner's mirror holds the rows as the step read them, and
+        the step has since advanced each real row's length by one. Waits for the step."""
+        expected = np.array(mirror, dtype=np.int32).reshape(bucket, self.layout.columns)
+        expected[self._host_slots[:bucket] != 0, RowLayout.KV_LEN] += 1
+        return self.mismatches(bucket, expected)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from executor_svc.model_files import resolve_model_path
+from protos.model_files import resolve_model_path
 
 
 def load_tokenizer(model: str | None):

@@ -59,12 +59,11 @@ class PrefillChunk(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., start: _Optional[int] = ..., pages: _Optional[bytes] = ..., sample_slot: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("seq", "bucket", "slots", "row_runs", "cells", "sampler_slots", "sampler_f32", "sampler_i32", "prefill", "mirror")
+    __slots__ = ("seq", "bucket", "slots", "row_runs", "sampler_slots", "sampler_f32", "sampler_i32", "prefill", "mirror")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     ROW_RUNS_FIELD_NUMBER: _ClassVar[int]
-    CELLS_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_F32_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_I32_FIELD_NUMBER: _ClassVar[int]
@@ -74,13 +73,12 @@ class StepPlan(_message.Message):
     bucket: int
     slots: bytes
     row_runs: bytes
-    cells: bytes
     sampler_slots: bytes
     sampler_f32: bytes
     sampler_i32: bytes
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillChunk]
     mirror: bytes
-    def __init__(self, seq: _Optional[int] = ..., bucket: _Optional[int] = ..., slots: _Optional[bytes] = ..., row_runs: _Optional[bytes] = ..., cells: _Optional[bytes] = ..., sampler_slots: _Optional[bytes] = ..., sampler_f32: _Optional[bytes] = ..., sampler_i32: _Optional[bytes] = ..., prefill: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., mirror: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., bucket: _Optional[int] = ..., slots: _Optional[bytes] = ..., row_runs: _Optional[bytes] = ..., sampler_slots: _Optional[bytes] = ..., sampler_f32: _Optional[bytes] = ..., sampler_i32: _Optional[bytes] = ..., prefill: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., mirror: _Optional[bytes] = ...) -> None: ...
 
 class StepOutput(_message.Message):
     __slots__ = ("seq", "tokens", "prefill_tokens", "row_mismatches", "device_wait_us")

@@ -84,7 +84,7 @@ PARITY_TOKENS = 24
 
 def prefill_logits(model, kv, ids, start: int, pages):
     """Logits [V] of the last position of one chunk of one sequence (ids, pages: tensors), via the batch path."""
-    from executor_svc.prefill_batch import PrefillBatch
+    from executor_svc.prefill.batch import PrefillBatch
 
     batch = PrefillBatch.build(
         [(ids.cpu().numpy(), start, pages.cpu().numpy())],
@@ -92,7 +92,25 @@ def prefill_logits(model, kv, ids, start: int, pages):
         model.config.max_seq_len,
         model.device,
     )
-    return model.prefill(batch, kv)[0]
+    return prefill_forward(model, kv, batch)[0]
+
+
+def prefill_forward(model, kv, batch, fused: bool = False, select=None):
+    """The model's forward over a packed prefill batch, in torch ops or (fused) the Triton kernels: float32
+    logits of the tokens `select` picks (default each chunk's last)."""
+    from executor_svc.attention.prefill import PrefillAttention
+
+    attention = PrefillAttention(kv, model.scale, batch, fused)
+    return model.forward(batch.inputs, attention, select=batch.last_index if select is None else select)
+
+
+def decode_logits(model, kv, tokens, positions, kv_lens, block_tables):
+    """The model's torch decode of one token for each row: tokens, positions int64[B]; kv_lens int32[B]
+    (stored before this step); block_tables int32[B, W]. Float32 logits [B, V]."""
+    from executor_svc.attention.torch_ref import TorchDecode
+
+    attention = TorchDecode(None, kv, model.scale)
+    return model.forward(attention.over(tokens, positions, kv_lens, block_tables), attention)
 
 
 def tiny_llama_config(**overrides):

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from executor_svc.model_files import default_model_path
+from protos.model_files import default_model_path
 
 EOS_TOKEN_ID = 2
 

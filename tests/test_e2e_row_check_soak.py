@@ -22,7 +22,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 async def start_tiny_stack(pool_pages: int):
     from executor_svc.runner import StepRunner
-    from executor_svc.tables import SlotStore
+    from executor_svc.slot_store import SlotStore
     from protos.layout import RowLayout
 
     model = tiny_model()

@@ -1,4 +1,4 @@
-"""Decode graphs: the host-planned arm's host rows and plan inputs, the staged in-graph scatter, and the graph
+"""Decode graphs: the host-planned arm's host rows and plan inputs, and the graph
 step (resident and host-planned) against the eager runner, eagerly on the CPU under TRITON_INTERPRET=1;
 capture, replay and FlashInfer on a GPU (skipped here, with the reason)."""
 
@@ -20,16 +20,17 @@ from executor_svc.kernels import interpreting, triton_available
 if not triton_available():
     pytest.skip("triton cannot run here: no CUDA device and TRITON_INTERPRET is off", allow_module_level=True)
 
-from executor_svc.attention.flashinfer_decode import HostRows, plan_from_rows
+from executor_svc.attention import decode_attention
+from executor_svc.attention.host_planned import HostRows, plan_from_rows
 from executor_svc.config import ExecutorConfig
-from executor_svc.graphs import DecodeGraphs, capture_order
+from executor_svc.decode_graphs import DecodeGraphs, capture_order
 from executor_svc.kernels.attention import paged_decode_attention
-from executor_svc.kernels.tables import scatter_cells
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.llama import LlamaModel
-from executor_svc.prefill_batch import PrefillShape
+from executor_svc.plan import row_writes
+from executor_svc.prefill.batch import PrefillShape
 from executor_svc.runner import StepRunner, runner_for_model
-from executor_svc.tables import SlotStore
+from executor_svc.slot_store import SlotStore
 from protos.layout import RowLayout
 from protos.wire import unpack_i32
 from tests.test_runner import (
@@ -67,10 +68,11 @@ def graph_runner(model: LlamaModel, decode_path: str, prefill_buckets: tuple[int
     store = SlotStore(LAYOUT, model.device)
     kv = model.make_kv_pool(POOL_PAGES, PAGE)
     max_seq_len = model.config.max_seq_len
-    graphs = DecodeGraphs(model, kv, store, BUCKETS, max_seq_len=max_seq_len, decode_path=decode_path)
+    attention = decode_attention(decode_path, model, kv, store, BUCKETS, max_seq_len)
+    graphs = DecodeGraphs(model, store, attention, BUCKETS)
     prefill_graphs = None
     if prefill_buckets:
-        from executor_svc.prefill_graphs import PrefillGraphs  # CUDA only
+        from executor_svc.prefill.graphs import PrefillGraphs  # CUDA only
 
         prefill_graphs = PrefillGraphs(
             model, kv, store, prefill_buckets, max_seq_len=max_seq_len, pool=graphs.pool
@@ -96,7 +98,7 @@ def test_capture_goes_widest_first():
 
 
 def test_prefill_buckets_are_shaped_for_what_a_step_can_hold():
-    from executor_svc.prefill_graphs import bucket_shapes, smallest_holding
+    from executor_svc.prefill.graphs import bucket_shapes, smallest_holding
 
     shapes = bucket_shapes([2048, 64, 512], widest=256, max_seq_len=1000, page_size=16)
     assert [(s.tokens, s.chunks, s.samples, s.table_width) for s in shapes] == [
@@ -154,31 +156,18 @@ def test_host_rows_follow_the_slot_store():
     store, host = SlotStore(layout, torch.device("cpu")), HostRows(layout)
     c = layout.columns
     slots = np.array([2, 0, 4, 1], dtype=np.int32)
-    # Two whole rows joined into one run, a run of a row's tail, repeated cells (the last wins).
+    # Two whole rows joined into one run, a run of a row's tail, repeated one-cell runs (the last wins).
     runs = np.array([2, 0, 2 * c, *range(2 * c), 4, 3, 2, 50, 51], dtype=np.int32)
-    cells = np.array([2, KV_LEN, 6, 4, BLOCK_TABLE + 3, 13, 2, KV_LEN, 16], dtype=np.int32)
+    cells = [2, KV_LEN, 1, 6, 4, BLOCK_TABLE + 3, 1, 13, 2, KV_LEN, 1, 16]
+    writes = row_writes(np.concatenate([runs, np.array(cells, dtype=np.int32)]), c)
     store.set_slots(slots)
-    store.write_runs(runs)
-    store.write_cells(cells)
-    host.apply(runs, cells)
+    store.write_runs(writes)
+    host.apply(writes)
     np.testing.assert_array_equal(host.rows, store.rows.numpy())
     store.advance(4)
     host.advance(slots)
     np.testing.assert_array_equal(host.rows, store.rows.numpy())
     assert not host.rows[0].any()
-
-
-def test_staged_cells_scatter_as_written_cells():
-    staged, written = SlotStore(LAYOUT, DEVICE), SlotStore(LAYOUT, DEVICE)
-    cells = np.array([2, KV_LEN, 6, 4, BLOCK_TABLE + 3, 13, 2, KV_LEN, 16, 1, POS_OFFSET, 3], dtype=np.int32)
-    staged.stage_cells(cells)
-    triples, count = staged.staged_cells()
-    assert triples.shape == (staged.max_cells, 3) and int(count) == 3  # the repeat dropped
-    scatter_cells(staged.rows, triples, count)
-    written.write_cells(cells)
-    assert torch.equal(staged.rows, written.rows)
-    staged.stage_cells(cells[:0])  # nothing staged: the count stays as the step left it
-    assert int(count) == 3
 
 
 # --- the graph step, eager on the CPU (and captured on a GPU) ------------------------------------------
@@ -202,27 +191,27 @@ def test_steps_of_greedy_rows_take_the_argmax_graph():
     model = tiny_model(DEVICE)
     greedy_only, mixed = graph_runner(model, "resident"), graph_runner(model, "resident")
     got = run_script(greedy_only, [1, 0])  # A (greedy) decodes alone; B (sampled) only prefills
-    assert greedy_only.graphs.greedy(2) and got[1] == reference_tokens(model)[1]
+    assert greedy_only.store.greedy(2) and got[1] == reference_tokens(model)[1]
     run_script(mixed, [1, 2])
-    assert not mixed.graphs.greedy(2)
+    assert not mixed.store.greedy(2)
 
 
 def test_greedy_follows_the_plans_that_change_slots_or_sampling():
     """The greedy flag is kept across steady steps, and a plan that moves rows or rewrites a slot's sampler
     state changes it."""
-    graphs = graph_runner(tiny_model(DEVICE), "resident").graphs
-    none = np.zeros(0, dtype=np.int32)
+    store = graph_runner(tiny_model(DEVICE), "resident").store
     sampled, greedy = np.array([[0.8, 1.0]], np.float32), np.array([[0.0, 1.0]], np.float32)
-    graphs.note_plan(np.array([1, 2], np.int32), none, none, none, sampled[:0])
-    assert graphs.greedy(2)
-    graphs.note_plan(None, none, none, np.array([2], np.int32), sampled)
-    assert not graphs.greedy(2) and graphs.greedy(1)
-    graphs.note_plan(np.array([1, 3], np.int32), none, none, none, sampled[:0])  # slot 2 leaves the step
-    assert graphs.greedy(2)
-    graphs.note_plan(np.array([2, 1], np.int32), none, none, none, sampled[:0])
-    assert not graphs.greedy(2)
-    graphs.note_plan(None, none, none, np.array([2], np.int32), greedy)
-    assert graphs.greedy(2)
+    keep_token = np.array([[0, 0, 0, -1]], np.int32)
+    store.set_slots(np.array([1, 2], np.int32))
+    assert store.greedy(2)
+    store.write_sampler(np.array([2], np.int32), sampled, keep_token)
+    assert not store.greedy(2) and store.greedy(1)
+    store.set_slots(np.array([1, 3], np.int32))  # slot 2 leaves the step
+    assert store.greedy(2)
+    store.set_slots(np.array([2, 1], np.int32))
+    assert not store.greedy(2)
+    store.write_sampler(np.array([2], np.int32), greedy, keep_token)
+    assert store.greedy(2)
 
 
 def test_a_step_launched_before_the_last_is_collected_gives_the_same_outputs():
@@ -319,7 +308,7 @@ def test_prefill_beside_a_decode_step_gives_each_its_tokens(prefill_buckets: tup
 @needs_gpu
 def test_flashinfer_attention_matches_the_resident_kernel():
     pytest.importorskip("flashinfer", reason="FlashInfer is not installed")
-    from executor_svc.attention.flashinfer_decode import FlashInferDecode
+    from executor_svc.attention.host_planned import FlashInferDecode
 
     # SmolLM2's attention shape (GQA 3:1, head_dim 64) in bf16, the build the benchmark uses.
     page, span, heads, kv_heads, head_dim = 16, 8, 9, 3, 64

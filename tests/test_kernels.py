@@ -22,10 +22,10 @@ if not triton_available():
 from executor_svc.attention.torch_ref import decode_attention
 from executor_svc.kernels.attention import decode_splits, paged_decode_attention
 from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
-from executor_svc.kernels.tables import SamplerState, advance, gather_inputs, scatter_cells, scatter_sampler
+from executor_svc.kernels.slot_ops import SamplerState, advance, gather_inputs, scatter_sampler
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.llama import RMSNorm, _rotate_half
-from executor_svc.tables import SlotStore
+from executor_svc.slot_store import SlotStore
 from protos.layout import RowLayout
 
 DEVICE = torch.device("cpu" if interpreting() else "cuda")
@@ -80,27 +80,6 @@ def test_triton_is_available_only_where_it_can_run(monkeypatch: pytest.MonkeyPat
 # --- tables ---------------------------------------------------------------------------------------
 
 
-def test_scatter_cells_writes_the_first_count_triples_and_spares_the_sink():
-    store, expected = filled_store(16, 1), filled_store(16, 1)
-    triples = np.array(
-        [[2, KV_LEN, 40], [5, BLOCK_TABLE + 7, 13], [1, POS_OFFSET, 3], [8, C - 1, 9], [0, KV_LEN, 77]],
-        dtype=np.int32,
-    )
-    capacity = 24
-    cells = torch.full((capacity, 3), 0, dtype=torch.int32)
-    cells[: len(triples)] = torch.from_numpy(triples)
-    cells[len(triples) :] = torch.tensor([3, KV_LEN, 555], dtype=torch.int32)  # stale: past the count
-    n_cells = torch.tensor([len(triples)], dtype=torch.int32)
-    scatter_cells(store.rows, cells.to(DEVICE), n_cells.to(DEVICE))
-    expected.write_cells(triples[:-1].reshape(-1))  # the sink-row cell is dropped by the kernel
-    torch.testing.assert_close(store.rows, expected.rows, rtol=0, atol=0)
-    assert int(store.rows[0].abs().sum()) == 0
-    # A count of zero writes nothing.
-    before = store.rows.clone()
-    scatter_cells(store.rows, cells.to(DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE))
-    torch.testing.assert_close(store.rows, before, rtol=0, atol=0)
-
-
 def sampler_state(store: SlotStore) -> SamplerState:
     return SamplerState(store.temperature, store.top_p, store.top_k, store.seed, store.last_token)
 
@@ -140,7 +119,7 @@ def test_gather_inputs_matches_the_slot_store(page_size: int):
     expected = store.gather(4)
     for name in ("tokens", "positions", "kv_lens"):
         torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=0, atol=0, msg=name)
-    # As LlamaModel.decode places the step's K/V.
+    # As the torch decode (TorchDecode) places the step's K/V.
     kv_lens = expected.kv_lens
     write_page = expected.block_tables.gather(1, (kv_lens // page_size).long()[:, None])[:, 0]
     torch.testing.assert_close(got.write_page, write_page, rtol=0, atol=0)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from executor_svc.kv_pool import KVPool
-from executor_svc.model_files import default_model_path
 from executor_svc.models.llama import LlamaModel
 from executor_svc.models.loader import load_model, model_fingerprint
-from tests.conftest import prefill_logits
+from protos.model_files import default_model_path
+from tests.conftest import decode_logits, prefill_logits
 from tests.hf_reference import EOS_TOKEN_ID, chat_ids, chat_prompts, hf_greedy
 
 NEW_TOKENS = 24
@@ -81,12 +81,13 @@ def test_single_row_decode_matches_hf(model, cases, prefilled):
         generated = [token]
         while token != EOS_TOKEN_ID and len(generated) < NEW_TOKENS:
             kv_len = len(prompt) + len(generated) - 1  # the last token's K/V is not stored yet
-            logits = model.decode(
+            logits = decode_logits(
+                model,
+                kv,
                 torch.tensor([token]),
                 torch.tensor([kv_len]),
                 torch.tensor([kv_len], dtype=torch.int32),
                 block_table,
-                kv,
             )
             token = int(logits[0].argmax())
             generated.append(token)
@@ -113,7 +114,7 @@ def test_batched_decode_with_padding_matches_hf(model, cases, prefilled):
                 tokens[row] = generated[i][-1]
                 kv_lens[row] = len(cases[i][0]) + len(generated[i]) - 1
                 tables[row] = block_tables[row]
-        logits = model.decode(tokens, kv_lens.long(), kv_lens, tables, kv)
+        logits = decode_logits(model, kv, tokens, kv_lens.long(), kv_lens, tables)
         assert not logits.isnan().any(), "padding rows must not produce NaN"
         for i, row in enumerate(real_rows):
             if active[i]:
@@ -183,12 +184,13 @@ def test_safetensors_directory_matches_hf(tmp_path):
     generated = [int(prefill_logits(ours, kv, ids[6:], 6, pages).argmax())]
     while len(generated) < len(expected):
         kv_len = len(prompt) + len(generated) - 1
-        logits = ours.decode(
+        logits = decode_logits(
+            ours,
+            kv,
             torch.tensor([generated[-1]]),
             torch.tensor([kv_len]),
             torch.tensor([kv_len], dtype=torch.int32),
             pages[None, :],
-            kv,
         )
         generated.append(int(logits[0].argmax()))
     assert generated == expected

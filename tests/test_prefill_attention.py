@@ -21,8 +21,8 @@ if not triton_available():
 from executor_svc.attention.torch_ref import prefill_attention_batch
 from executor_svc.kernels.prefill_attention import BLOCK_M, paged_prefill_attention
 from executor_svc.kv_pool import KVPool
-from executor_svc.prefill_batch import PrefillBatch, PrefillShape
-from tests.conftest import tiny_llama_config
+from executor_svc.prefill.batch import PrefillBatch, PrefillShape
+from tests.conftest import prefill_forward, tiny_llama_config
 from tests.test_kernels import tolerance
 
 DEVICE = torch.device("cpu" if interpreting() else "cuda")
@@ -113,8 +113,8 @@ def test_fused_prefill_equals_the_torch_path():
     batch = random_batch(4, seed=5)
     eager_kv = model.make_kv_pool(num_pages=POOL_PAGES, page_size=4)
     fused_kv = model.make_kv_pool(num_pages=POOL_PAGES, page_size=4)
-    eager = model.prefill(batch, eager_kv)
-    fused = model.prefill_fused(batch, fused_kv)
+    eager = prefill_forward(model, eager_kv, batch)
+    fused = prefill_forward(model, fused_kv, batch, fused=True)
     torch.testing.assert_close(fused, eager, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fused_kv.k, eager_kv.k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused_kv.v, eager_kv.v, atol=1e-5, rtol=1e-5)
@@ -134,7 +134,7 @@ def test_a_padded_batch_computes_what_the_exact_one_does():
     results = []
     for batch in (exact, padded):
         kv = model.make_kv_pool(num_pages=POOL_PAGES, page_size=4)
-        logits = model.prefill_fused(batch, kv, select=batch.sample_index)
+        logits = prefill_forward(model, kv, batch, fused=True, select=batch.sample_index)
         assert torch.isfinite(kv.k).all() and torch.isfinite(kv.v).all()
         results.append((logits, kv))
     (exact_logits, exact_kv), (padded_logits, padded_kv) = results

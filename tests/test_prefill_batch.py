@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from executor_svc.models.llama import LlamaModel
-from executor_svc.prefill_batch import QUERY_BLOCK, PrefillBatch, PrefillShape
-from tests.conftest import tiny_llama_config
+from executor_svc.prefill.batch import QUERY_BLOCK, PrefillBatch, PrefillShape
+from tests.conftest import prefill_forward, tiny_llama_config
 
 PAGE = 4
 TINY = tiny_llama_config(intermediate_size=48, eos_token_id=1, bos_token_id=None, name="tiny")
@@ -114,7 +114,9 @@ def test_batched_prefill_equals_one_chunk_at_a_time(tiny: LlamaModel):
 
     def run(groups: list[list[tuple]]) -> tuple[torch.Tensor, object]:
         kv = tiny.make_kv_pool(num_pages=16, page_size=PAGE)
-        logits = [tiny.prefill(PrefillBatch.build(group, PAGE, 64, tiny.device), kv) for group in groups]
+        logits = [
+            prefill_forward(tiny, kv, PrefillBatch.build(group, PAGE, 64, tiny.device)) for group in groups
+        ]
         return torch.cat(logits[1:]), kv
 
     batched, kv_batched = run([[earlier], step])

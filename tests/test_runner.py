@@ -11,14 +11,14 @@ import torch
 
 from executor_svc.device import resolve_device, resolve_dtype
 from executor_svc.models.llama import LlamaModel
-from executor_svc.plan_check import PlanError
+from executor_svc.plan import PlanError
 from executor_svc.runner import StepRunner, collect_when_ready
 from executor_svc.sampler import sample
-from executor_svc.tables import SlotStore
+from executor_svc.slot_store import SlotStore
 from protos import executor_pb2
 from protos.layout import RowLayout
 from protos.wire import pack_f32, pack_i32, unpack_i32
-from tests.conftest import prefill_logits, tiny_llama_config
+from tests.conftest import decode_logits, prefill_logits, tiny_llama_config
 
 PAGE = 4
 POOL_PAGES = 32
@@ -100,7 +100,7 @@ def scripted_plans(slots: list[int]) -> list[executor_pb2.StepPlan]:
     """Prefill A and B, then decode steps over `slots` (A at slot 1, B at slot 2, zeros pad).
 
     Rows go whole at the first decode step, holding only the pages they need; each page crossing
-    after that is one cell, as the planner sends them.
+    after that is a run of one cell.
     """
     bucket = len(slots)
     plans = [
@@ -130,7 +130,7 @@ def scripted_plans(slots: list[int]) -> list[executor_pb2.StepPlan]:
                 if lens[s] % PAGE == 0
             ]
             if crossings:
-                plan.cells = pack_i32(crossings)
+                plan.row_runs = pack_i32([v for slot, col, page in crossings for v in (slot, col, 1, page)])
         mirror = np.zeros((bucket, LAYOUT.columns), dtype=np.int32)
         for row, slot in enumerate(slots):
             if slot:
@@ -167,8 +167,13 @@ def reference_tokens(model: LlamaModel) -> dict[int, list[int]]:
         table[0, : len(pages)] = page_ids
         for step in range(DECODE_STEPS):
             position = torch.tensor([len(prompt) + step], device=device)
-            logits = model.decode(
-                torch.tensor([tokens[-1]], device=device), position, position.to(torch.int32), table, kv
+            logits = decode_logits(
+                model,
+                kv,
+                torch.tensor([tokens[-1]], device=device),
+                position,
+                position.to(torch.int32),
+                table,
             )
             tokens.append(int(sample(logits, *params, position + 1)))
         out[slot] = tokens
@@ -329,9 +334,7 @@ BAD_PLANS = [
     (dict(row_runs=pack_i32([8, 5, 15, *[0] * 15])), "runs past the last row"),
     (dict(row_runs=pack_i32([1, 0, 4, 0, 0])), "bytes end first"),
     (dict(row_runs=pack_runs((1, [3, 0, 0, 32]))), "block-table page value 32 is outside [0, 32)"),
-    (dict(cells=pack_i32([1, 0])), "not a whole number of (slot, col, value) triples"),
-    (dict(cells=pack_i32([1, 25, 0])), "cells: column 25 is outside [0, 19)"),
-    (dict(cells=pack_i32([1, KV_LEN, 65])), "KV_LEN value 65 is outside [0, 65)"),
+    (dict(row_runs=pack_i32([1, KV_LEN, 1, 65])), "KV_LEN value 65 is outside [0, 65)"),
     (
         dict(sampler_slots=pack_i32([1]), sampler_f32=pack_f32([1.0]), sampler_i32=pack_i32([0, 0, 0, -1])),
         "1 slots need 8 bytes of sampler_f32",
@@ -369,7 +372,6 @@ def test_malformed_plans_are_refused_and_change_nothing(model: LlamaModel, field
     plan = executor_pb2.StepPlan(
         seq=9,
         row_runs=pack_runs((3, [5, 0, 0, 1, 2])),
-        cells=pack_i32([1, KV_LEN, 3]),
         prefill=[prefill_chunk([4, 5], 0, [20], 4)],
         **sampler_fields([(4, 0.5, 1.0, 0, 9)]),
     )

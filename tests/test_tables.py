@@ -1,4 +1,4 @@
-"""The slot store: row runs and cells, sampler state, gather, advance, loop-back and the row check."""
+"""The slot store: row runs, sampler state, gather, advance, loop-back and the row check."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc.tables import Run, Segment, SlotStore, join_runs, parse_runs, run_cells
+from executor_svc.plan import Run, Segment, join_runs, parse_runs, row_writes, run_cells
+from executor_svc.slot_store import SlotStore
 from protos.layout import RowLayout
 
 LAYOUT = RowLayout(slots=9, block_span=4)  # B = 4, C = 7
@@ -21,6 +22,11 @@ def runs_of(*runs: tuple[int, int, list[int]]) -> np.ndarray:
     for slot, first_col, cells in runs:
         packed += [slot, first_col, len(cells), *cells]
     return np.array(packed, dtype=np.int32)
+
+
+def writes_of(*runs: tuple[int, int, list[int]]):
+    """The runs parsed, as a checked plan holds them."""
+    return row_writes(runs_of(*runs), C)
 
 
 @pytest.fixture(params=DEVICES)
@@ -57,22 +63,16 @@ def test_truncated_runs_are_refused():
         parse_runs(np.array([1, 0, 0], dtype=np.int32))
 
 
-def test_write_runs_and_cells(store: SlotStore):
-    store.write_runs(runs_of((2, 0, [5, 0, 0]), (2, 3, [7, 8]), (4, 0, [3, 1, 0, 9, 10, 11, 12])))
+def test_write_runs(store: SlotStore):
+    store.write_runs(writes_of((2, 0, [5, 0, 0]), (2, 3, [7, 8]), (4, 0, [3, 1, 0, 9, 10, 11, 12])))
     expected = np.zeros((LAYOUT.slots, C), dtype=np.int32)
     expected[2, :5] = [5, 0, 0, 7, 8]
     expected[4] = [3, 1, 0, 9, 10, 11, 12]
     np.testing.assert_array_equal(store.rows.cpu().numpy(), expected)
 
-    # A repeated cell: the last triple wins.
-    store.write_cells(np.array([2, KV_LEN, 6, 4, BLOCK_TABLE + 3, 13, 2, KV_LEN, 16], dtype=np.int32))
-    expected[2, KV_LEN] = 16
-    expected[4, BLOCK_TABLE + 3] = 13
-    np.testing.assert_array_equal(store.rows.cpu().numpy(), expected)
-
 
 def test_gather_reads_rows_by_slot(store: SlotStore):
-    store.write_runs(runs_of((3, 0, [5, 2, 0, 1, 2, 0, 0]), (6, 0, [17, 0, 0, 3, 4, 5, 0])))
+    store.write_runs(writes_of((3, 0, [5, 2, 0, 1, 2, 0, 0]), (6, 0, [17, 0, 0, 3, 4, 5, 0])))
     store.write_sampler(
         np.array([3, 6], dtype=np.int32),
         np.array([[0.7, 0.9], [0.0, 1.0]], dtype=np.float32),
@@ -90,7 +90,7 @@ def test_gather_reads_rows_by_slot(store: SlotStore):
 
 
 def test_advance_and_loop_back_skip_padding_and_keep_the_sink_row_zero(store: SlotStore):
-    store.write_runs(runs_of((1, 0, [4, 0, 0, 1]), (2, 0, [9, 0, 0, 2, 3])))
+    store.write_runs(writes_of((1, 0, [4, 0, 0, 1]), (2, 0, [9, 0, 0, 2, 3])))
     store.set_slots(np.array([1, 0, 2, 0], dtype=np.int32))
     store.advance(4)
     store.advance(4)
@@ -125,7 +125,7 @@ def test_sampler_write_keeps_or_overwrites_the_loop_back_token(store: SlotStore)
 
 def test_mismatches_count_real_rows_only(store: SlotStore):
     row = [3, 0, 0, 1, 2, 0, 0]
-    store.write_runs(runs_of((4, 0, row)))
+    store.write_runs(writes_of((4, 0, row)))
     store.set_slots(np.array([4, 0], dtype=np.int32))
     mirror = np.array([row, [0] * C], dtype=np.int32)
     assert store.mismatches(2, mirror) == 0
@@ -138,8 +138,8 @@ def test_mismatches_count_real_rows_only(store: SlotStore):
 def test_back_to_back_writes_do_not_clobber_each_other(store: SlotStore):
     # Each write refills the same staging region; on CUDA it must wait for the previous upload.
     for step in range(40):
-        store.write_runs(runs_of((1 + step % 8, 0, [step] * C)))
-        store.write_cells(np.array([1 + (step + 3) % 8, KV_LEN, 1000 + step], dtype=np.int32))
+        store.write_runs(writes_of((1 + step % 8, 0, [step] * C)))
+        store.write_runs(writes_of((1 + (step + 3) % 8, KV_LEN, [1000 + step])))
     rows = store.rows.cpu().numpy()
     for slot in range(1, 9):
         last_run = max(step for step in range(40) if 1 + step % 8 == slot)
@@ -159,8 +159,8 @@ def test_table_work_and_sampling_never_wait_for_the_gpu():
     try:
         for _ in range(3):
             store.set_slots(np.array([1, 0, 2, 0], dtype=np.int32))
-            store.write_runs(runs_of((1, 0, [4, 0, 0, 1]), (2, 0, [9, 0, 0, 2, 3])))
-            store.write_cells(np.array([1, BLOCK_TABLE + 1, 5], dtype=np.int32))
+            store.write_runs(writes_of((1, 0, [4, 0, 0, 1]), (2, 0, [9, 0, 0, 2, 3])))
+            store.write_runs(writes_of((1, BLOCK_TABLE + 1, [5])))
             store.write_sampler(
                 np.array([1, 2], dtype=np.int32),
                 np.array([[0.8, 0.9], [0.0, 1.0]], np.float32),

@@ -1,4 +1,6 @@
-"""The host-planned decode arm: a host copy of the rows, page lists rebuilt every step, FlashInfer's plan()."""
+"""The host-planned decode arm (the way engines do it today; the benchmarks' baseline): a host copy of the
+rows, each step's page lists, lengths and positions rebuilt from it on the host, and the attention planned
+there (FlashInfer's plan() on CUDA, torch's block tables on the CPU) before the replay."""
 
 from __future__ import annotations
 
@@ -7,9 +9,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from executor_svc.attention import StepInputs
 from executor_svc.attention.torch_ref import decode_attention
 from executor_svc.kv_pool import KVPool
-from executor_svc.tables import CELL_TRIPLE, join_runs, last_writes, parse_runs, run_cells
+from executor_svc.plan import CheckedPlan, RowWrites
+from executor_svc.slot_store import SlotStore
 from protos.layout import RowLayout
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-K partials)
@@ -60,24 +64,16 @@ class HostRows:
 
     def __init__(self, layout: RowLayout) -> None:
         self.layout = layout
-        self.rows = np.zeros((layout.slots, layout.columns), dtype=np.int32)
+        self.rows = np.zeros((layout.slots, layout.columns), dtype=np.int32)  # rows: [S, C]
         self._flat = self.rows.reshape(-1)
 
-    def apply(self, runs: np.ndarray, cells: np.ndarray) -> None:
-        """A plan's writes, as SlotStore.write_runs and write_cells make them."""
-        parsed = parse_runs(runs)
-        staged = run_cells(runs, parsed, self.layout.columns).values
+    def apply(self, writes: RowWrites) -> None:
+        """A plan's row writes, as SlotStore.write_runs makes them."""
         at = 0
-        for segment in join_runs(parsed, self.layout.columns):
-            self._flat[segment.flat_start : segment.flat_start + segment.n_cells] = staged[
-                at : at + segment.n_cells
-            ]
-            at += segment.n_cells
-        if len(cells):
-            triples = cells.reshape(-1, CELL_TRIPLE)
-            flat = triples[:, 0].astype(np.int64) * self.layout.columns + triples[:, 1]
-            chosen = last_writes(flat)
-            self._flat[flat[chosen]] = triples[chosen, 2]
+        for segment in writes.segments:
+            end = at + segment.n_cells
+            self._flat[segment.flat_start : segment.flat_start + segment.n_cells] = writes.values[at:end]
+            at = end
 
     def advance(self, slots: np.ndarray) -> None:
         """KV_LEN += 1 for the real rows of a step (slots of a bucket are distinct; 0 is padding)."""
@@ -165,3 +161,69 @@ class FlashInferDecode:
     def attend(self, bucket: int, layer: int, q: torch.Tensor) -> torch.Tensor:
         # q comes as a view into the fused qkv projection; FlashInfer is given a dense copy.
         return self._wrappers[bucket].run(q.contiguous(), (self._kv.k[layer], self._kv.v[layer]))
+
+
+class HostPlannedDecode:
+    """The decode attention planned on the host every step from HostRows, the executor's host copy of the
+    rows (fed each plan's parsed row writes): FlashInfer on CUDA, torch over the same block tables on the
+    CPU (for checks). The step's inputs (positions, write locations) are planned on the host too."""
+
+    fused = True
+    kind = "host-planned (attention planned on the host)"
+
+    def __init__(self, store: SlotStore, kv: KVPool, scale: float, buckets: tuple[int, ...], num_heads: int):
+        layout = store.layout
+        device = store.device
+        cuda = device.type == "cuda"
+        self.store = store
+        self.kv = kv
+        self.host_rows = HostRows(layout)
+        widest, span = layout.widest_bucket, layout.block_span
+        # The host's inputs of a step: [positions (i64) | write_page | write_offset], filled then uploaded.
+        self._host_inputs = torch.zeros(widest, 4, dtype=torch.int32, pin_memory=cuda)  # [B, 4]
+        self._device_inputs = torch.zeros(widest, 4, dtype=torch.int32, device=device)  # [B, 4]
+        # Recorded after each replay: the host buffers above and FlashInfer's plan buffers are single, so
+        # the next step's planning waits for the step that reads them (the host-planned arm's price for
+        # launching ahead).
+        self._replayed = torch.cuda.Event() if cuda else None
+        self._attention = (
+            FlashInferDecode(buckets, kv, num_heads, span, scale)
+            if cuda
+            else TorchPagedDecode(buckets, kv, span, scale)
+        )
+
+    def plan(self, plan: CheckedPlan) -> None:
+        if plan.rows.segments:
+            self.host_rows.apply(plan.rows)
+
+    def prepare(self, bucket: int) -> None:
+        """Build the step's page lists, lengths and positions from the host rows, upload the inputs and plan
+        the attention."""
+        if self._replayed is not None:
+            self._replayed.synchronize()
+        plan = plan_from_rows(self.host_rows.rows, self.store.host_slots(bucket), self.kv.page_size)
+        staged = self._host_inputs[:bucket].numpy()
+        staged[:, 0:2] = plan.positions.astype(np.int64)[:, None].view(np.int32)
+        staged[:, 2] = plan.write_page
+        staged[:, 3] = plan.write_offset
+        # Non-blocking from pinned memory: the wait above saw the previous copy done.
+        self._device_inputs[:bucket].copy_(self._host_inputs[:bucket], non_blocking=True)
+        self._attention.plan(bucket, plan)
+
+    def inputs(self, bucket: int) -> StepInputs:
+        store, inputs = self.store, self._device_inputs[:bucket]
+        return StepInputs(
+            tokens=store.last_token.index_select(0, store.step_slots[:bucket]),
+            positions=inputs[:, 0:2].contiguous().view(torch.int64)[:, 0],
+            kv_lens=inputs[:, 2],  # unused by the forward; the write location says it all
+            write_page=inputs[:, 2].contiguous(),
+            write_offset=inputs[:, 3].contiguous(),
+        )
+
+    def forward(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        return self._attention.attend(q.shape[0], layer, q)
+
+    def stepped(self, bucket: int) -> None:
+        self.host_rows.advance(self.store.host_slots(bucket))
+        if self._replayed is not None:
+            self._replayed.record()

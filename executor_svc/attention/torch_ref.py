@@ -1,4 +1,5 @@
-"""Plain torch paged attention: gathers each row's pages through its block table (the CPU reference)."""
+"""Plain torch paged attention: gathers each row's pages through its block table (the CPU path and the
+reference the kernels are checked against)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from executor_svc.attention import StepInputs
+
 if TYPE_CHECKING:
-    from executor_svc.prefill_batch import PrefillBatch
+    from executor_svc.kv_pool import KVPool
+    from executor_svc.plan import CheckedPlan
+    from executor_svc.prefill.batch import PrefillBatch
+    from executor_svc.slot_store import SlotStore
 
 
 def decode_attention(
@@ -86,3 +92,49 @@ def prefill_attention_batch(
             prefill_attention(q[first : first + int(length)], k_layer, v_layer, pages, int(start), scale)
         )
     return torch.cat(outs)
+
+
+class TorchDecode:
+    """The decode step in torch ops (the CPU path): each row's block table gathered off the slot store by
+    slot, attention by `decode_attention`. Nothing planned on the host."""
+
+    fused = False
+    kind = "torch"
+
+    def __init__(self, store: SlotStore | None, kv: KVPool, scale: float) -> None:
+        self.store = store  # None: the inputs are given with `over` (the reference tests)
+        self.kv = kv
+        self.scale = scale
+        # Set by `over` for the layers' attention of the same step:
+        self._tables = torch.zeros(0, 0, dtype=torch.int32)  # the step's block tables: [B, W]
+        self._lengths = torch.zeros(0, dtype=torch.int32)  # positions each row attends, its own included: [B]
+
+    def plan(self, plan: CheckedPlan) -> None:
+        pass
+
+    def prepare(self, bucket: int) -> None:
+        pass
+
+    def inputs(self, bucket: int) -> StepInputs:
+        assert self.store is not None, "TorchDecode without a slot store takes its inputs from `over`"
+        rows = self.store.gather(bucket)
+        return self.over(rows.tokens, rows.positions, rows.kv_lens, rows.block_tables)
+
+    def over(
+        self, tokens: torch.Tensor, positions: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor
+    ) -> StepInputs:
+        """The inputs of rows given directly: tokens, positions i64[B], kv_lens i32[B] (stored before this
+        step), block_tables i32[B, W]. The token's K/V goes to page block_tables[b, kv_lens[b] // P], offset
+        kv_lens[b] % P, and the row attends over kv_lens[b] + 1 positions. Padding rows: token 0, length 0,
+        block table of zeros (the sink page)."""
+        page_size = self.kv.page_size
+        self._tables, self._lengths = block_tables, kv_lens + 1
+        write_page = block_tables.gather(1, (kv_lens // page_size).long()[:, None])[:, 0]
+        return StepInputs(tokens, positions, kv_lens, write_page, kv_lens % page_size)
+
+    def forward(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        kv = self.kv
+        return decode_attention(q, kv.k[layer], kv.v[layer], self._tables, self._lengths, self.scale)
+
+    def stepped(self, bucket: int) -> None:
+        pass

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from executor_svc.kernels import interpreting
 from executor_svc.kernels.attention import LOG2E, check_paged_qkv, paged_strides
-from executor_svc.prefill_batch import QUERY_BLOCK, PrefillBatch
+from executor_svc.prefill.batch import QUERY_BLOCK, PrefillBatch
 
 BLOCK_M = QUERY_BLOCK  # queries of one chunk per program (the batch lays out the blocks)
 _BLOCK_N = 64  # key positions per inner step

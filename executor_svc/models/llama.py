@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -10,16 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor_svc.attention.torch_ref import decode_attention, prefill_attention_batch
 from executor_svc.kv_pool import KVPool
-from protos.layout import RowLayout
 
 if TYPE_CHECKING:
-    from executor_svc.kernels.tables import StepInputs
-    from executor_svc.prefill_batch import PrefillBatch
-
-# attend(layer, q[B, H, D]) -> [B, H, D]: the decode attention of one layer, whatever backend reads the pages.
-Attend = Callable[[int, torch.Tensor], torch.Tensor]
+    from executor_svc.attention import Attention, StepInputs
 
 
 @dataclass(slots=True)
@@ -142,9 +135,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaModel(nn.Module):
     """Parameter names follow Hugging Face's Llama with the leading `model.` dropped.
 
-    `prefill` runs a step's prompt chunks as one packed batch, eagerly; `decode` runs one token for each of B rows as
-    fixed-shape tensor work (no host reads outside the CPU attention trim), ready for graph capture.
-    `decode_resident` is the same step in Triton kernels that read each row off the slot store by slot.
+    One entry point, `forward(inputs, attention)`: a position for each of B rows, whether the rows are a
+    decode step's or a packed prefill batch's tokens, eager or captured. The attention backend reads the
+    pages and says which ops the rest of the layer runs in (Triton kernels or torch ops).
     """
 
     def __init__(self, config: LlamaConfig, device: torch.device | str, dtype: torch.dtype) -> None:
@@ -214,65 +207,28 @@ class LlamaModel(nn.Module):
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     @torch.inference_mode()
-    def prefill(self, batch: PrefillBatch, kv: KVPool, select: torch.Tensor | None = None) -> torch.Tensor:
-        """Run a packed batch of chunks (PrefillBatch.build) in torch ops, attention chunk by chunk with SDPA
-        (the CPU path); the K/V of each chunk's earlier positions are in its pages already. Returns float32
-        logits of the tokens `select` picks (default each chunk's last: [N, V])."""
-        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
-        x = self.embed_tokens(batch.token_ids)  # x: [T, hidden]
+    def forward(
+        self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One position for each of B rows, writing its K/V to (inputs.write_page, inputs.write_offset) of
+        attention.kv; `select` the rows that need logits (default all). Returns float32 logits[B or
+        len(select), V]. Fixed shapes; no host reads (but the CPU attention's trim to the longest row)."""
+        if attention.fused:
+            return self._forward_kernels(inputs, attention, select)
+        return self._forward_torch(inputs, attention, select)
+
+    def _forward_torch(
+        self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The layers in torch ops (the CPU path and the reference)."""
+        kv = attention.kv
+        cos, sin = self.rope_cos[inputs.positions], self.rope_sin[inputs.positions]
+        x = self.embed_tokens(inputs.tokens)  # x: [B, hidden]
         for index, layer in enumerate(self.layers):
             q, k, v = self._project_qkv(layer, x, cos, sin)
-            kv.write(index, batch.write_pages, batch.write_offsets, k, v)
-            out = prefill_attention_batch(q, kv.k[index], kv.v[index], batch, self.scale)
-            x = self._finish_layer(layer, x, out)
-        return self._logits(x.index_select(0, batch.last_index if select is None else select))
-
-    def prefill_fused(
-        self, batch: PrefillBatch, kv: KVPool, select: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """`prefill` in the Triton kernels of the decode step, with the batch's causal attention in one launch
-        per layer for all chunks (the GPU path; fixed shapes, nothing read back: a graph can hold it). Returns
-        float32 logits of the tokens `select` picks (default each chunk's last)."""
-        from executor_svc.kernels.prefill_attention import paged_prefill_attention
-        from executor_svc.kernels.tables import StepInputs
-
-        def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
-            return paged_prefill_attention(q, kv.k[layer], kv.v[layer], batch, self.scale)
-
-        # A prefill token is a row whose stored length before it is its position.
-        inputs = StepInputs(
-            batch.token_ids, batch.positions, batch.positions, batch.write_pages, batch.write_offsets
-        )
-        return self.forward_fused(inputs, kv, attend, select=batch.last_index if select is None else select)
-
-    @torch.inference_mode()
-    def decode(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        kv_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-        kv: KVPool,
-    ) -> torch.Tensor:
-        """One new token per row: tokens, positions int64[B]; kv_lens int32[B] (stored before this step);
-        block_tables int32[B, W]. Returns float32 logits[B, V].
-
-        The token's K/V goes to page block_tables[b, kv_lens[b] // P], offset kv_lens[b] % P, and the row
-        attends over kv_lens[b] + 1 positions. Padding rows: token 0, length 0, block table of zeros
-        (the sink page).
-        """
-        page_size = kv.page_size
-        write_pages = block_tables.gather(1, (kv_lens // page_size).long()[:, None])[:, 0]
-        write_offsets = kv_lens % page_size
-        attn_lens = kv_lens + 1
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        x = self.embed_tokens(tokens)  # x: [B, hidden]
-        for index, layer in enumerate(self.layers):
-            q, k, v = self._project_qkv(layer, x, cos, sin)
-            kv.write(index, write_pages, write_offsets, k, v)
-            out = decode_attention(q, kv.k[index], kv.v[index], block_tables, attn_lens, self.scale)
-            x = self._finish_layer(layer, x, out)
-        return self._logits(x)
+            kv.write(index, inputs.write_page, inputs.write_offset, k, v)
+            x = self._finish_layer(layer, x, attention.forward(index, q))
+        return self._logits(x if select is None else x.index_select(0, select))
 
     def _fused_projections(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (qkv [(H + 2 KVH) * D, hidden], gate_up [2 I, hidden]): one matmul where the eager
@@ -299,18 +255,15 @@ class LlamaModel(nn.Module):
             joined.append(weights)
         return joined[0], joined[1]
 
-    @torch.inference_mode()
-    def forward_fused(
-        self, inputs: StepInputs, kv: KVPool, attend: Attend, select: torch.Tensor | None = None
+    def _forward_kernels(
+        self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
     ) -> torch.Tensor:
-        """One position for each of B rows with the Triton kernels, writing its K/V: a decode step's rows
-        (inputs from `gather_inputs`, or built on the host) or a packed prefill batch's tokens. `attend` is the
-        attention backend; `select` the rows that need logits (default all). Returns float32 logits[B or
-        len(select), V]. Fixed shapes, no host reads."""
+        """The layers in the Triton kernels: fused projections, rope with the K/V write, norms with the
+        residual."""
         from executor_svc.kernels import gemv
         from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
 
-        cfg = self.config
+        cfg, kv = self.config, attention.kv
         heads, kv_heads, head_dim, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps
         q_end = heads * head_dim
         k_end = q_end + kv_heads * head_dim
@@ -350,7 +303,7 @@ class LlamaModel(nn.Module):
                 inputs.write_page,
                 inputs.write_offset,
             )
-            x = project(attend(index, q).flatten(1), layer.self_attn.o_proj.weight)
+            x = project(attention.forward(index, q).flatten(1), layer.self_attn.o_proj.weight)
             # act: [B, I], SiLU(gate) * up
             act, residual = norm_project(
                 x, residual, layer.post_attention_layernorm.weight, gate_up_weight, True
@@ -361,39 +314,3 @@ class LlamaModel(nn.Module):
         h, _ = rmsnorm_residual(x, residual, self.norm.weight, eps)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, head).float()
-
-    def decode_resident(
-        self,
-        rows: torch.Tensor,
-        step_slots: torch.Tensor,
-        last_token: torch.Tensor,
-        kv: KVPool,
-        splits: int = 1,
-        split_counters: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode step that reads everything off the slot store by slot: rows int32[S, C], step_slots [B]
-        (0 = padding, which reads the sink row), last_token i64[S] (the loop-back buffer). Attention takes
-        `splits` split-K partitions (fixed per captured bucket; `split_counters` as paged_decode_attention's
-        counters). Returns float32 logits[B, V] and the rows'
-        positions i64[B] (the sampler's counter is position + 1)."""
-        from executor_svc.kernels.attention import paged_decode_attention
-        from executor_svc.kernels.tables import gather_inputs
-
-        page_size = kv.page_size
-        inputs = gather_inputs(rows, step_slots, last_token, page_size)
-
-        def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
-            return paged_decode_attention(
-                q,
-                kv.k[layer],
-                kv.v[layer],
-                rows,
-                step_slots,
-                RowLayout.BLOCK_TABLE,
-                page_size,
-                self.scale,
-                splits,
-                split_counters,
-            )
-
-        return self.forward_fused(inputs, kv, attend), inputs.positions

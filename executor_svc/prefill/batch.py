@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from executor_svc.attention import StepInputs
+
 QUERY_BLOCK = 64  # queries of one chunk per program of the prefill attention kernel: the block map's unit
 
 
@@ -82,6 +84,14 @@ class PrefillBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
+
+    @property
+    def inputs(self) -> StepInputs:
+        """The tokens as the model's rows: a prefill token is a row whose stored length before it is its
+        position."""
+        return StepInputs(
+            self.token_ids, self.positions, self.positions, self.write_pages, self.write_offsets
+        )
 
     @staticmethod
     def exact_shape(chunks: Sequence[tuple[np.ndarray, int, np.ndarray]], samples: int) -> PrefillShape:

@@ -1,4 +1,5 @@
-"""Prefill steps per padded token count, captured as CUDA graphs: forward -> sample -> loop-back."""
+"""A step's prefill chunks as one packed batch, replayed from the graph of the smallest token bucket that
+holds it (captured on CUDA), else eager: forward -> sample -> loop-back."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import numpy as np
 import structlog
 import torch
 
-from executor_svc.graphs import capture_order, capture_step
+from executor_svc.attention.prefill import PrefillAttention
+from executor_svc.decode_graphs import capture_order, capture_step
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.llama import LlamaModel
-from executor_svc.prefill_batch import PrefillBatch, PrefillShape
-from executor_svc.prefill_step import prefill_step
-from executor_svc.tables import SlotStore
+from executor_svc.plan import CheckedPlan
+from executor_svc.prefill.batch import PrefillBatch, PrefillShape
+from executor_svc.sampler import sample
+from executor_svc.slot_store import SlotStore
 
 log = structlog.get_logger("deltaserve.executor.prefill_graphs")
 
@@ -38,10 +41,26 @@ def smallest_holding(shapes: Sequence[PrefillShape], batch: PrefillShape) -> Pre
     return next((shape for shape in shapes if shape.holds(batch)), None)
 
 
+def prefill_step(
+    model: LlamaModel, attention: PrefillAttention, store: SlotStore, greedy: bool
+) -> torch.Tensor:
+    """The body of a prefill step, captured or eager: the batch's forward, then the tokens of its sampling
+    chunks (i64[S], on the device), looped back into their slots. Reads nothing back."""
+    batch = attention.batch
+    logits = model.forward(batch.inputs, attention, select=batch.sample_index)  # logits: [S, V]
+    if greedy:  # the argmax that `sample` takes for greedy rows, without the rest
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = sample(logits, *store.sampler_params(batch.sample_slots), batch.sample_counters)
+    store.store_prefill_tokens(batch.sample_slots, tokens)
+    return tokens
+
+
 class PrefillGraphs:
     """One prefill step per token bucket, captured on CUDA, two variants each (greedy, sampling) as the decode
     graphs have. A step's batch is padded to the smallest bucket that holds it and laid out in one input buffer
-    that every graph reads; a batch no bucket holds runs eagerly (`launch` returns None).
+    that every graph reads; a batch no bucket holds (every batch, without buckets or off CUDA) runs eagerly,
+    in the Triton kernels on CUDA and in torch ops elsewhere.
 
     Eager, the step is ~300 kernel launches (~20 ms of host time for 2048 tokens on the H200, against ~2 ms
     of GPU work); replayed, one launch.
@@ -57,14 +76,16 @@ class PrefillGraphs:
         max_seq_len: int,
         pool: tuple[int, int] | None = None,
     ) -> None:
-        if store.device.type != "cuda":
+        device = store.device
+        self.fused = device.type == "cuda"  # the Triton kernels, one attention launch a layer for all chunks
+        token_buckets = tuple(token_buckets)
+        if token_buckets and not self.fused:
             raise ValueError("prefill graphs need a CUDA device")
         self.model = model
         self.kv_pool = kv_pool
         self.store = store
         self.max_seq_len = max_seq_len
         self.shapes = bucket_shapes(token_buckets, store.layout.widest_bucket, max_seq_len, kv_pool.page_size)
-        device = store.device
         self._input = torch.zeros(
             max((s.words for s in self.shapes), default=0), dtype=torch.int64, device=device
         )
@@ -76,15 +97,39 @@ class PrefillGraphs:
         )
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.states: dict[int, str] = {}  # token bucket -> what the log line said
-        self._pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        self._pool = pool if pool is not None or not self.shapes else torch.cuda.graph_pool_handle()
         for tokens in capture_order(s.tokens for s in self.shapes):
             self._build(next(s for s in self.shapes if s.tokens == tokens))
+
+    def run(self, plan: CheckedPlan) -> torch.Tensor | None:
+        """Run the plan's prefill chunks; the tokens of those that sample (i64, on the device, in chunk order),
+        or None where none samples."""
+        chunks, slots = plan.prefill, plan.sample_slots
+        sampling = [slot for slot in slots if slot]
+        greedy = self.store.greedy_slots(np.array(sampling, dtype=np.int64))
+        tokens = self.launch(chunks, slots, greedy)
+        if tokens is None:
+            with torch.inference_mode():  # not for a replay: it costs more to enter than one
+                tokens = self._eager(chunks, slots, greedy)
+        return tokens if sampling else None
+
+    def _eager(self, chunks: Sequence[tuple], slots: Sequence[int], greedy: bool) -> torch.Tensor | None:
+        batch = PrefillBatch.build(
+            chunks, self.kv_pool.page_size, self.max_seq_len, self.store.device, sample_slots=slots
+        )
+        attention = PrefillAttention(self.kv_pool, self.model.scale, batch, self.fused)
+        if not len(batch.sampled_chunks):  # no chunk ends its prompt: the K/V writes are the step
+            self.model.forward(batch.inputs, attention, select=batch.last_index)
+            return None
+        return prefill_step(self.model, attention, self.store, greedy)
 
     def launch(
         self, chunks: Sequence[tuple[np.ndarray, int, np.ndarray]], sample_slots: Sequence[int], greedy: bool
     ) -> torch.Tensor | None:
         """Replay the step of the smallest bucket that holds the chunks; their sampled tokens i64[S] on the
         device, or None when no captured bucket holds them."""
+        if not self._graphs:
+            return None
         own = PrefillBatch.exact_shape(chunks, sum(1 for slot in sample_slots if slot))
         shape = smallest_holding([s for s in self.shapes if (s.tokens, greedy) in self._graphs], own)
         if shape is None:
@@ -108,9 +153,10 @@ class PrefillGraphs:
         batch = PrefillBatch.build(
             [], self.kv_pool.page_size, self.max_seq_len, self.store.device, shape=shape, into=self._input
         )
+        attention = PrefillAttention(self.kv_pool, self.model.scale, batch, fused=True)
 
         def step(greedy: bool) -> torch.Tensor:
-            tokens = prefill_step(self.model.prefill_fused, batch, self.kv_pool, self.store, greedy)
+            tokens = prefill_step(self.model, attention, self.store, greedy)
             return self._sampled[: shape.samples].copy_(tokens)
 
         captured = {}

@@ -1,5 +1,4 @@
-"""Triton versions of the slot store's table work: scatter staged cells, gather a bucket's inputs, advance,
-scatter sampler state."""
+"""Triton versions of the slot store's work: gather a bucket's inputs by slot, advance, scatter sampler state."""
 
 from __future__ import annotations
 
@@ -9,30 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
+from executor_svc.attention import StepInputs
 from protos.layout import RowLayout
 
 _ROWS_PER_PROGRAM = 128  # bucket rows per program of gather/advance (buckets go up to 256)
-_CELLS_PER_PROGRAM = 256
-
-
-class StepInputs(NamedTuple):
-    tokens: torch.Tensor  # i64[B]: each row's loop-back token
-    positions: torch.Tensor  # i64[B]: KV_LEN + POS_OFFSET
-    kv_lens: torch.Tensor  # i32[B]: stored length before the step
-    write_page: torch.Tensor  # i32[B]: the page the step's K/V goes to
-    write_offset: torch.Tensor  # i32[B]: its position in that page
-
-
-@triton.jit
-def _scatter_cells_kernel(rows_ptr, cells_ptr, count_ptr, capacity, slots, columns, BLOCK: tl.constexpr):
-    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = (index < tl.load(count_ptr)) & (index < capacity)
-    slot = tl.load(cells_ptr + index * 3, mask=live, other=0).to(tl.int64)
-    col = tl.load(cells_ptr + index * 3 + 1, mask=live, other=0)
-    value = tl.load(cells_ptr + index * 3 + 2, mask=live, other=0)
-    # The host checks every cell; this keeps a bad one off the sink row and off memory past the table.
-    inside = live & (slot > 0) & (slot < slots) & (col >= 0) & (col < columns)
-    tl.store(rows_ptr + slot * columns + col, value, mask=inside)
 
 
 @triton.jit
@@ -135,27 +114,6 @@ def scatter_sampler(words: torch.Tensor, count: int, state: SamplerState) -> Non
 def _check_rows(rows: torch.Tensor) -> None:
     if rows.dtype != torch.int32 or rows.dim() != 2 or not rows.is_contiguous():
         raise ValueError(f"rows must be a contiguous int32[S, C], got {rows.dtype} {tuple(rows.shape)}")
-
-
-def scatter_cells(rows: torch.Tensor, cells: torch.Tensor, n_cells: torch.Tensor) -> None:
-    """rows[slot, col] = value for the first n_cells[0] triples of cells int32[capacity, 3] (slot, col, value).
-
-    The launch covers the whole capacity and masks by the count on the device, so it never depends on the
-    step. The triples must name distinct cells (SlotStore keeps the last of repeats before staging); cells
-    aimed at the sink row or outside the table are dropped.
-    """
-    _check_rows(rows)
-    if cells.dtype != torch.int32 or cells.dim() != 2 or cells.shape[1] != 3 or not cells.is_contiguous():
-        raise ValueError(
-            f"cells must be a contiguous int32[capacity, 3], got {cells.dtype} {tuple(cells.shape)}"
-        )
-    if n_cells.dtype != torch.int32 or n_cells.numel() != 1:
-        raise ValueError(f"n_cells must be one int32, got {n_cells.dtype} of {n_cells.numel()} elements")
-    capacity = cells.shape[0]
-    grid = (triton.cdiv(capacity, _CELLS_PER_PROGRAM),)
-    _scatter_cells_kernel[grid](
-        rows, cells, n_cells, capacity, rows.shape[0], rows.shape[1], _CELLS_PER_PROGRAM
-    )
 
 
 def gather_inputs(
