@@ -15,7 +15,7 @@ from cache_svc.server import start_cache_server
 from executor_svc.runner import StepRunner
 from executor_svc.server import start_executor_server
 from executor_svc.slot_store import SlotStore
-from executor_svc.snapshots import RESTORE_FIRST_USE_BYTES, restore_fits, shard_ranges
+from executor_svc.snapshot_checks import RESTORE_FIRST_USE_BYTES, restore_fits, shard_ranges
 from protos import executor_pb2, executor_pb2_grpc
 from protos.wire import pack_i32, unpack_i32
 from tests.test_runner import BUCKETS, LAYOUT, PAGE, POOL_PAGES, TINY, prefill_chunk, tiny_model
