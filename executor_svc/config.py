@@ -9,7 +9,7 @@ DEFAULT_SHARD_LAYERS = 8
 # CUDA prefill: a step's prompt tokens padded to the smallest of these and replayed as a graph; more run eager.
 DEFAULT_PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
 
-# CUDA decode: captured graphs that read each row off the device tables, or the rows planned on the host
+# CUDA decode: captured graphs that read each row off the slot store, or the rows planned on the host
 # every step for FlashInfer (the way engines do it today; the benchmarks' baseline).
 DECODE_PATHS = ("resident", "host-planned")
 

@@ -18,11 +18,12 @@ class PrefillAttention:
         self.scale = scale
         self.batch = batch
         self.fused = fused
+        self._attend = prefill_attention_batch
+        if fused:
+            from executor_svc.kernels.prefill_attention import paged_prefill_attention  # Triton: CUDA only
+
+            self._attend = paged_prefill_attention
 
     def forward(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         kv = self.kv
-        if self.fused:
-            from executor_svc.kernels.prefill_attention import paged_prefill_attention  # Triton
-
-            return paged_prefill_attention(q, kv.k[layer], kv.v[layer], self.batch, self.scale)
-        return prefill_attention_batch(q, kv.k[layer], kv.v[layer], self.batch, self.scale)
+        return self._attend(q, kv.k[layer], kv.v[layer], self.batch, self.scale)
