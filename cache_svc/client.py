@@ -152,10 +152,12 @@ class CacheClient:
                 chunks[part.chunk.shard].append(part.chunk.data)
         return manifest_dict(header), [b"".join(pieces) for pieces in chunks]
 
-    async def list(self, tenant: str = DEFAULT_TENANT, conversation_id: str | None = None) -> list[dict]:
+    async def list(
+        self, tenant: str = DEFAULT_TENANT, conversation_id: str | None = None, timeout: float | None = None
+    ) -> list[dict]:
         """The tenant's snapshots, most recently used first (NOT_FOUND for a conversation it has none of)."""
         reply = await self._stub.List(
-            cache_pb2.ListRequest(tenant=tenant, conversation_id=conversation_id or "")
+            cache_pb2.ListRequest(tenant=tenant, conversation_id=conversation_id or ""), timeout=timeout
         )
         return [_info_dict(info) for info in reply.snapshots]
 

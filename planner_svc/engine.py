@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from planner_svc.conversations import Conversation
 from planner_svc.link import ExecutorLink
 from planner_svc.requests import Finish, Request
 from planner_svc.scheduler import PlannedStep, Scheduler
@@ -79,6 +80,7 @@ class Engine:
         self._inflight: deque[int] = deque()
         self.failure: str | None = None  # set when the executor was lost; new requests are refused
         self.on_blocked = on_blocked  # called when the queue's head waits for pages (KV pressure)
+        self._turn_waiters: list[tuple[Conversation, asyncio.Future[None]]] = []
 
     @property
     def load(self) -> int:
@@ -107,6 +109,29 @@ class Engine:
         self._wake.set()
         return queue
 
+    def turn_ended(self, conversation: Conversation) -> asyncio.Future[None]:
+        """Done once the conversation runs no turn: its last turn's last step committed (or it had none)."""
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if conversation.busy:
+            self._turn_waiters.append((conversation, ended))
+        else:
+            ended.set_result(None)
+        return ended
+
+    def _turns_ended(self) -> None:
+        """After a commit or an abort (what ends a turn): wake those waiting for it."""
+        if not self._turn_waiters:
+            return
+        waiting = []
+        for conversation, ended in self._turn_waiters:
+            if ended.done():  # its waiter gave up
+                continue
+            if conversation.busy:
+                waiting.append((conversation, ended))
+            else:
+                ended.set_result(None)
+        self._turn_waiters = waiting
+
     def wake(self) -> None:
         """Something outside the loop changed the schedule (pages returned): plan again."""
         self._wake.set()
@@ -120,6 +145,7 @@ class Engine:
             queue = self._queues.pop(request, None)
             if queue is not None:
                 queue.put_nowait(TokenEvent([], Finish.ABORT))
+        self._turns_ended()
         self._wake.set()
         return aborted
 
@@ -194,6 +220,7 @@ class Engine:
         for request, token in produced:
             if request in queues:  # not aborted meanwhile
                 pending.add(request, token, request.finish)
+        self._turns_ended()
         self.steps += 1
         times = self.times
         times.steps += 1
@@ -208,3 +235,4 @@ class Engine:
             self._pending.drop(request)
             queue.put_nowait(TokenEvent([], Finish.ABORT, error=message))
         self._queues.clear()
+        self._turns_ended()

@@ -9,7 +9,7 @@ import grpc
 import structlog
 
 from planner_svc.config import PlannerConfig
-from planner_svc.conversations import Conversation, Conversations, Mount, common_prefix
+from planner_svc.conversations import Conversations, Mount, common_prefix
 from planner_svc.engine import Engine
 from planner_svc.link import ExecutorLink, GrpcLink
 from planner_svc.parking import ParkError, Parking
@@ -19,6 +19,7 @@ from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
 from planner_svc.shared_prefix import resolve_shared_prefix
 from planner_svc.streaming import TokenEvent
 from planner_svc.tokenizer import IncrementalDetokenizer, chat_ids, load_tokenizer, text_ids
+from planner_svc.turns import Turns
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.layout import RowLayout
 from protos.rpc import StartedServer, start_server
@@ -36,7 +37,7 @@ _FINISH = {
 
 
 def build_engine(
-    description: executor_pb2.ExecutorDescription, link: ExecutorLink, config: PlannerConfig, parking: Parking
+    description: executor_pb2.ExecutorDescription, link: ExecutorLink, config: PlannerConfig
 ) -> Engine:
     layout = RowLayout(slots=description.slots, block_span=description.block_span)
     conversations = Conversations(
@@ -56,7 +57,7 @@ def build_engine(
         layout,
         conversations,
     )
-    return Engine(scheduler, link, inflight_plans=config.inflight_plans, on_blocked=parking.relieve)
+    return Engine(scheduler, link, inflight_plans=config.inflight_plans)
 
 
 class PlannerServicer(client_pb2_grpc.PlannerServicer):
@@ -65,10 +66,10 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         engines: list[Engine],
         descriptions: list[executor_pb2.ExecutorDescription],
         tokenizer,
-        parking: Parking,
+        turns: Turns,
     ):
         self.engines = engines
-        self.parking = parking
+        self.turns = turns
         self.description = descriptions[0]
         self.tokenizer = tokenizer
         # The model's end-of-sequence id where the executor names it: tokenizer versions differ on it
@@ -79,7 +80,6 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             described.eos_token_id if described.HasField("eos_token_id") else tokenizer.eos_token_id
         )
         self._requests: dict[str, tuple[Request, Engine]] = {}
-        self._turns: dict[tuple[str, str], Request] = {}  # the latest turn of each conversation
 
     def _prompt(self, request: client_pb2.GenerateRequest) -> tuple[list[int], list[dict[str, str]] | None]:
         """The prompt's ids, and its chat messages when it came as a chat."""
@@ -136,51 +136,6 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         req = Request(request_id, prompt_ids, request.max_tokens, sampling, frozenset(stops))
         return req, messages
 
-    async def _previous_turn_done(self, conversation: Conversation, patience_s: float = 10.0) -> None:
-        """A turn whose answer was sent still owns the pages until its last step commits (one step
-        later): the next turn waits for that. A turn still streaming is a conflict."""
-        previous = self._turns.get(conversation.key)
-        if conversation.busy and (previous is None or previous.finish is None):
-            raise ParkError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"conversation {conversation.conversation_id!r} is already running a turn",
-            )
-        deadline = asyncio.get_running_loop().time() + patience_s
-        while conversation.busy:
-            if asyncio.get_running_loop().time() > deadline:
-                raise ParkError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"conversation {conversation.conversation_id!r}: the previous turn did not end",
-                )
-            await asyncio.sleep(0.002)
-
-    def _engine_of(self, tenant: str, conversation_id: str) -> tuple[Engine, Conversation]:
-        for engine in self.engines:
-            conversation = engine.scheduler.conversations.get(tenant, conversation_id)
-            if conversation is not None:
-                return engine, conversation
-        engine = min(self.engines, key=lambda e: e.load)
-        return engine, engine.scheduler.conversations.open(tenant, conversation_id)
-
-    async def _mount(self, engine: Engine, conversation: Conversation, req: Request) -> Mount:
-        """Restore a parked conversation if need be, then reuse its pages up to the best checkpoint."""
-        await self._previous_turn_done(conversation)
-        engine.scheduler.check(req)  # refuse bad input before touching the conversation
-        note = await self.parking.restore(engine, conversation) if not conversation.pages else None
-        mount, release = engine.scheduler.conversations.mount(
-            conversation, req.prompt_ids, note == "restored"
-        )
-        engine.scheduler.return_pages(release)
-        if note not in (None, "restored"):
-            mount.checkpoint = note
-        req.pages, req.reused, req.prefilled, req.conversation = (
-            mount.pages,
-            mount.reused,
-            mount.reused,
-            conversation,
-        )
-        return mount
-
     async def Generate(self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         request_id = request.request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
@@ -194,15 +149,11 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 req, messages = self._make_request(request, request_id)
                 if request.conversation_id:
                     self._marks(request, req, messages)
-                    engine, conversation = self._engine_of(
-                        request.tenant or "default", request.conversation_id
+                    engine, queue, mount = await self.turns.start(
+                        req, request.tenant or "default", request.conversation_id
                     )
-                    async with self.parking.lock(conversation):
-                        mount = await self._mount(engine, conversation, req)
-                        queue = engine.submit(req)
-                        self._turns[conversation.key] = req
                 else:
-                    engine = min(self.engines, key=lambda e: e.load)
+                    engine = self.turns.least_loaded()
                     queue = engine.submit(req)
             except ValueError as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
@@ -277,36 +228,19 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         return client_pb2.AbortResponse(aborted=engine.abort(req))
 
     async def Park(self, request: client_pb2.ParkRequest, context: grpc.aio.ServicerContext):
-        engine, conversation = self._known(request.tenant or "default", request.conversation_id)
-        if conversation is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no conversation {request.conversation_id!r}")
         try:
-            async with self.parking.lock(conversation):
-                await self._previous_turn_done(conversation)
-                reply = await self.parking.park(engine, conversation)
+            reply, conversation = await self.turns.park(request.tenant or "default", request.conversation_id)
         except ParkError as error:
-            log.warning("park refused", conversation=request.conversation_id, error=str(error))
+            if error.code != grpc.StatusCode.NOT_FOUND:
+                log.warning("park refused", conversation=request.conversation_id, error=str(error))
             await context.abort(error.code, str(error))
         return client_pb2.ParkResponse(bytes=reply.bytes, tokens=len(conversation.tokens))
 
     async def Resume(self, request: client_pb2.ResumeRequest, context: grpc.aio.ServicerContext):
-        tenant = request.tenant or "default"
-        engine, conversation = self._known(tenant, request.conversation_id)
-        if conversation is None:
-            engine, conversation = self._engine_of(tenant, request.conversation_id)
-        async with self.parking.lock(conversation):
-            note = await self.parking.restore(engine, conversation) if not conversation.pages else "restored"
-        if note is None:
-            if not conversation.tokens:  # opened by this call only: leave no trace
-                engine.scheduler.conversations.remove(conversation)
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"no parked conversation {request.conversation_id!r}"
-            )
-        if note != "restored":
-            await context.abort(
-                grpc.StatusCode.DATA_LOSS if "DATA_LOSS" in note else grpc.StatusCode.UNAVAILABLE,
-                f"conversation {request.conversation_id!r} was not restored: {note}",
-            )
+        try:
+            conversation = await self.turns.resume(request.tenant or "default", request.conversation_id)
+        except ParkError as error:
+            await context.abort(error.code, str(error))
         return client_pb2.ResumeResponse(
             tokens=len(conversation.tokens), checkpoints=conversation.retention.positions
         )
@@ -329,13 +263,6 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             if c.tokens or c.busy
         ]
         return client_pb2.ListConversationsResponse(conversations=listed)
-
-    def _known(self, tenant: str, conversation_id: str) -> tuple[Engine | None, Conversation | None]:
-        for engine in self.engines:
-            conversation = engine.scheduler.conversations.get(tenant, conversation_id)
-            if conversation is not None:
-                return engine, conversation
-        return None, None
 
     async def GetModelInfo(self, request: client_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
         d = self.description
@@ -389,10 +316,11 @@ async def start_planner_server(
         raise ValueError(f"the executors serve different models: {sorted(fingerprints)}")
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
     parking = Parking(config.cache)
-    engines = [build_engine(d, link, config, parking) for d, link in zip(descriptions, links)]
+    engines = [build_engine(d, link, config) for d, link in zip(descriptions, links)]
+    turns = Turns(engines, parking)
     for engine in engines:
         await engine.start()
-    servicer = PlannerServicer(engines, descriptions, tokenizer, parking)
+    servicer = PlannerServicer(engines, descriptions, tokenizer, turns)
     started = await start_server(
         servicer,
         client_pb2_grpc.add_PlannerServicer_to_server,

@@ -1,0 +1,168 @@
+"""A conversation's turns: which executor group serves it, mounting its checkpoint (or restoring its
+snapshot first), one turn at a time under its turn lock, parking and relieving KV pressure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import structlog
+
+from planner_svc.conversations import Conversation, Mount
+from planner_svc.engine import Engine
+from planner_svc.parking import ParkError, Parking, Restore
+from planner_svc.requests import Request
+from planner_svc.streaming import TokenEvent
+from protos import executor_pb2
+
+log = structlog.get_logger("deltaserve.planner.turns")
+
+TURN_END_PATIENCE_S = 10.0  # how long a new turn waits for the previous one's last step to commit
+
+
+class Turns:
+    def __init__(self, engines: list[Engine], parking: Parking):
+        self.engines = engines
+        self.parking = parking
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._latest: dict[tuple[str, str], Request] = {}  # the latest turn of each conversation
+        self._relieving: set[Engine] = set()
+        for engine in engines:
+            engine.on_blocked = self.relieve
+
+    def lock(self, conversation: Conversation) -> asyncio.Lock:
+        """Held while a conversation is mounted, parked or restored, so those never interleave."""
+        return self._locks.setdefault(conversation.key, asyncio.Lock())
+
+    # ---- routing ----
+
+    def least_loaded(self) -> Engine:
+        return min(self.engines, key=lambda e: e.load)
+
+    def find(self, tenant: str, conversation_id: str) -> tuple[Engine | None, Conversation | None]:
+        """The engine holding the conversation, if any holds it."""
+        for engine in self.engines:
+            conversation = engine.scheduler.conversations.get(tenant, conversation_id)
+            if conversation is not None:
+                return engine, conversation
+        return None, None
+
+    def route(self, tenant: str, conversation_id: str) -> tuple[Engine, Conversation]:
+        """The engine holding the conversation, else a new conversation on the least loaded one."""
+        engine, conversation = self.find(tenant, conversation_id)
+        if engine is not None and conversation is not None:
+            return engine, conversation
+        engine = self.least_loaded()
+        return engine, engine.scheduler.conversations.open(tenant, conversation_id)
+
+    # ---- turns ----
+
+    async def start(
+        self, req: Request, tenant: str, conversation_id: str
+    ) -> tuple[Engine, asyncio.Queue[TokenEvent], Mount]:
+        """Mount the conversation's best checkpoint for `req` (restoring it first if parked) and submit it.
+
+        Raises ParkError (a turn already running, or the previous one not ending), ValueError and
+        CapacityError for a request the scheduler refuses, ConnectionError for a lost executor."""
+        engine, conversation = self.route(tenant, conversation_id)
+        async with self.lock(conversation):
+            mount = await self._mount(engine, conversation, req)
+            queue = engine.submit(req)
+            self._latest[conversation.key] = req
+        return engine, queue, mount
+
+    async def _mount(self, engine: Engine, conversation: Conversation, req: Request) -> Mount:
+        await self._previous_turn_done(engine, conversation)
+        engine.scheduler.check(req)  # refuse bad input before touching the conversation
+        outcome = await self.parking.restore(engine, conversation) if not conversation.pages else None
+        mount, release = engine.scheduler.conversations.mount(
+            conversation, req.prompt_ids, outcome is not None and outcome.restored
+        )
+        engine.scheduler.return_pages(release)
+        if outcome is not None and outcome.status is Restore.FELL_BACK:
+            mount.checkpoint = outcome.note
+        req.pages, req.reused, req.prefilled, req.conversation = (
+            mount.pages,
+            mount.reused,
+            mount.reused,
+            conversation,
+        )
+        return mount
+
+    async def _previous_turn_done(self, engine: Engine, conversation: Conversation) -> None:
+        """A turn whose answer was sent still owns the pages until its last step commits (one step
+        later): the next turn waits for that. A turn still streaming is a conflict."""
+        previous = self._latest.get(conversation.key)
+        if conversation.busy and (previous is None or previous.finish is None):
+            raise ParkError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"conversation {conversation.conversation_id!r} is already running a turn",
+            )
+        try:
+            await asyncio.wait_for(engine.turn_ended(conversation), TURN_END_PATIENCE_S)
+        except TimeoutError:
+            raise ParkError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"conversation {conversation.conversation_id!r}: the previous turn did not end",
+            ) from None
+
+    # ---- parking ----
+
+    async def park(
+        self, tenant: str, conversation_id: str
+    ) -> tuple[executor_pb2.ParkPagesReply, Conversation]:
+        """Move an idle conversation's pages to the cache (ParkError: NOT_FOUND, FAILED_PRECONDITION,
+        the cache's status)."""
+        engine, conversation = self.find(tenant, conversation_id)
+        if engine is None or conversation is None:
+            raise ParkError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
+        async with self.lock(conversation):
+            await self._previous_turn_done(engine, conversation)
+            return await self.parking.park(engine, conversation), conversation
+
+    async def resume(self, tenant: str, conversation_id: str) -> Conversation:
+        """Restore a parked conversation's pages (ParkError: NOT_FOUND with nothing to restore, DATA_LOSS for
+        a snapshot that failed its checks, UNAVAILABLE for any other refusal)."""
+        engine, conversation = self.route(tenant, conversation_id)
+        async with self.lock(conversation):
+            outcome = await self.parking.restore(engine, conversation) if not conversation.pages else None
+        if outcome is None or outcome.restored:
+            return conversation
+        if outcome.status is Restore.NOTHING:
+            if not conversation.tokens:  # opened by this call only: leave no trace
+                engine.scheduler.conversations.remove(conversation)
+            raise ParkError(grpc.StatusCode.NOT_FOUND, f"no parked conversation {conversation_id!r}")
+        raise ParkError(
+            grpc.StatusCode.DATA_LOSS if outcome.data_loss else grpc.StatusCode.UNAVAILABLE,
+            f"conversation {conversation_id!r} was not restored: {outcome.note}",
+        )
+
+    # ---- KV pressure ----
+
+    def relieve(self, engine: Engine) -> None:
+        """KV pressure: park the coldest idle conversation (or drop its pages without a cache), once at a time."""
+        if engine in self._relieving or engine.scheduler.conversations is None:
+            return
+        conversation = engine.scheduler.conversations.coldest_idle()
+        if conversation is None:
+            return
+        self._relieving.add(engine)
+        asyncio.get_running_loop().create_task(self._relieve(engine, conversation))
+
+    async def _relieve(self, engine: Engine, conversation: Conversation) -> None:
+        try:
+            async with self.lock(conversation):
+                if conversation.busy or not conversation.pages:
+                    return
+                try:
+                    await self.parking.park(engine, conversation)
+                except ParkError as error:
+                    log.warning(
+                        "KV pressure: dropping a conversation's pages; its next turn reads again",
+                        conversation=conversation.conversation_id,
+                        park_error=str(error),
+                    )
+                    engine.scheduler.return_pages(conversation.forget())
+                    engine.wake()
+        finally:
+            self._relieving.discard(engine)
