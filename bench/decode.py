@@ -46,6 +46,7 @@ from executor_svc.runner import StepRunner, runner_for_model
 from executor_svc.server import start_executor_server
 from planner_svc.config import PlannerConfig
 from planner_svc.link import GrpcLink
+from planner_svc.scheduler import SchedulingConfig
 from planner_svc.server import start_planner_server
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.rpc import StartedServer
@@ -488,7 +489,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
     pages_per_request = -(-(args.prompt_tokens + args.output_tokens + 1) // PAGE_SIZE)
     pool_pages = widest * pages_per_request + 64
     buckets = tuple(b for b in DEFAULT_BUCKETS if b < widest) + (widest,)
-    planner_config = PlannerConfig(model=args.tokenizer, prefix_cache=False)
+    planner_config = PlannerConfig(model=args.tokenizer, scheduling=SchedulingConfig(prefix_cache=False))
     runners: dict[str, StepRunner] = {}
     children: dict[str, ExecutorChild] = {}
     capture: dict[str, dict] = {}

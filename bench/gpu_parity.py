@@ -90,6 +90,7 @@ async def check_stack(args: argparse.Namespace, cases: list[dict]) -> list[dict]
     from planner_svc.client import PlannerClient
     from planner_svc.config import PlannerConfig
     from planner_svc.link import GrpcLink
+    from planner_svc.scheduler import SchedulingConfig
     from planner_svc.server import start_planner_server
 
     max_tokens = cases[0]["max_tokens"]
@@ -100,7 +101,10 @@ async def check_stack(args: argparse.Namespace, cases: list[dict]) -> list[dict]
     states = runner.graphs.states if runner.graphs else {}
     executor = await start_executor_server(runner)
     planner = await start_planner_server(
-        PlannerConfig(model=args.model, row_check=args.row_check, prefill_token_budget=512),
+        PlannerConfig(
+            model=args.model,
+            scheduling=SchedulingConfig(row_check=args.row_check, prefill_token_budget=512),
+        ),
         port=0,
         links=[GrpcLink(f"127.0.0.1:{executor.port}")],
     )

@@ -36,6 +36,7 @@ from executor_svc.server import start_executor_server
 from planner_svc.client import PlannerClient
 from planner_svc.config import PlannerConfig
 from planner_svc.link import GrpcLink
+from planner_svc.scheduler import SchedulingConfig
 from planner_svc.server import start_planner_server
 
 PAGE_SIZE = 16
@@ -62,7 +63,10 @@ async def soak(name: str, model, tokenizer: str | None, steps: int) -> dict:
     captured = sum(state.startswith("captured, host-plan-free") for state in runner.graphs.states.values())
     executor = await start_executor_server(runner)
     planner = await start_planner_server(
-        PlannerConfig(model=tokenizer, row_check=True, prefill_token_budget=96, prefix_cache=False),
+        PlannerConfig(
+            model=tokenizer,
+            scheduling=SchedulingConfig(row_check=True, prefill_token_budget=96, prefix_cache=False),
+        ),
         port=0,
         links=[GrpcLink(f"127.0.0.1:{executor.port}")],
     )

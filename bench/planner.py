@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import commit_hash, write_json
 from planner_svc.engine import to_proto
 from planner_svc.requests import Request
-from planner_svc.scheduler import Scheduler, SchedulerConfig
+from planner_svc.scheduler import Scheduler, SchedulerConfig, SchedulingConfig
 from protos.layout import RowLayout
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -35,7 +35,12 @@ def measure(rows: int, case: str, steps: int) -> dict:
     max_seq_len = 8192
     pool_pages = rows * (max_seq_len // page_size) + 1
     config = SchedulerConfig(
-        page_size, pool_pages, BUCKETS, max_seq_len, vocab_size=49152, prefill_token_budget=1 << 20
+        page_size,
+        pool_pages,
+        BUCKETS,
+        max_seq_len,
+        vocab_size=49152,
+        settings=SchedulingConfig(prefill_token_budget=1 << 20),
     )
     scheduler = Scheduler(config, RowLayout.build(list(BUCKETS), max_seq_len, page_size, pool_pages))
     stagger = page_size if case == "crossing" else 1  # steady: every row crosses on the same step

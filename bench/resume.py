@@ -24,6 +24,7 @@ from executor_svc.config import ExecutorConfig
 from executor_svc.runner import build_runner
 from executor_svc.server import start_executor_server
 from planner_svc.config import PlannerConfig
+from planner_svc.scheduler import SchedulingConfig
 from planner_svc.server import start_planner_server
 from protos import client_pb2, client_pb2_grpc
 from protos.wire import unpack_i32
@@ -73,7 +74,11 @@ async def main_async(args) -> list[dict]:
     executor = await start_executor_server(runner, cache=cache_addr)
     planner = await start_planner_server(
         # Prefix sharing off: the full-read arm must read the whole prompt, not the conversation's pages.
-        PlannerConfig(executors=[f"127.0.0.1:{executor.port}"], cache=cache_addr, prefix_cache=False),
+        PlannerConfig(
+            executors=[f"127.0.0.1:{executor.port}"],
+            cache=cache_addr,
+            scheduling=SchedulingConfig(prefix_cache=False),
+        ),
         port=0,
     )
     import grpc

@@ -40,6 +40,7 @@ from executor_svc.config import (
     ExecutorConfig,
 )
 from planner_svc.config import PlannerConfig
+from planner_svc.retention import POLICIES
 
 log = get_logger("deltaserve.cli")
 
@@ -153,7 +154,7 @@ def _add_planner_flags(flags: Flags) -> None:
     flags.option(
         "--prefill-token-budget",
         type=int_at_least(1),
-        default=defaults.prefill_token_budget,
+        default=defaults.scheduling.prefill_token_budget,
         metavar="N",
         help="prompt tokens read per step (chunked prefill)",
     )
@@ -167,20 +168,20 @@ def _add_planner_flags(flags: Flags) -> None:
     flags.option(
         "--retention-cap",
         type=int_at_least(1),
-        default=defaults.retention_cap,
+        default=defaults.retention.cap,
         metavar="N",
         help="checkpoints kept per conversation",
     )
     flags.option(
         "--retention-policy",
-        default=defaults.retention_policy,
-        choices=("spread", "lru"),
+        default=defaults.retention.policy,
+        choices=POLICIES,
         help="which checkpoint goes when a conversation has too many: spread thins them out "
         "geometrically back from the newest, lru drops the least recently used",
     )
     flags.switch(
         "--prefix-cache",
-        default=defaults.prefix_cache,
+        default=defaults.scheduling.prefix_cache,
         help="share the full KV pages of identical prompt starts across requests",
     )
 

@@ -14,6 +14,8 @@ from deltaserve.aio import until_stopped
 from deltaserve.logs import get_logger
 from executor_svc.config import ExecutorConfig
 from planner_svc.config import PlannerConfig
+from planner_svc.retention import RetentionConfig
+from planner_svc.scheduler import SchedulingConfig
 from protos import executor_pb2, executor_pb2_grpc
 from protos.rpc import CHANNEL_OPTIONS, wait_serving
 
@@ -64,13 +66,14 @@ def planner_config(args: argparse.Namespace, *, executors: list[str], cache: str
     return PlannerConfig(
         executors=executors,
         model=args.model,
-        prefill_token_budget=args.prefill_token_budget,
         max_waiting=args.max_waiting,
-        row_check=args.row_check,
-        prefix_cache=args.prefix_cache,
         cache=cache,
-        retention_cap=args.retention_cap,
-        retention_policy=args.retention_policy,
+        scheduling=SchedulingConfig(
+            prefill_token_budget=args.prefill_token_budget,
+            row_check=args.row_check,
+            prefix_cache=args.prefix_cache,
+        ),
+        retention=RetentionConfig(cap=args.retention_cap, policy=args.retention_policy),
     )
 
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal
+from typing import Literal, get_args
 
-POLICIES = ("lru", "spread")
+Policy = Literal["lru", "spread"]  # the names of the eviction policies, here only
+POLICIES: tuple[Policy, ...] = get_args(Policy)
 
 
 @dataclass(slots=True)
 class RetentionConfig:
     cap: int = 6  # checkpoints kept per conversation; only a pin can hold it above this
-    policy: Literal["lru", "spread"] = "spread"
+    policy: Policy = "spread"
 
     def __post_init__(self) -> None:
         if self.cap < 1:

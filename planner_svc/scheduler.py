@@ -44,19 +44,30 @@ class PlannedStep:
 
 
 @dataclass(slots=True)
-class SchedulerConfig:
-    page_size: int
-    pool_pages: int  # page 0 included
-    buckets: tuple[int, ...]
-    max_seq_len: int
-    vocab_size: int
-    prefill_token_budget: int = 2048
-    row_check: bool = False
+class SchedulingConfig:
+    """The planner's settings of every scheduler (PlannerConfig.scheduling); checked where made."""
+
+    prefill_token_budget: int = 2048  # prompt tokens read per step (chunked prefill)
+    row_check: bool = False  # ship the mirror of every row read, for the executor to compare
     prefix_cache: bool = True  # share full prompt pages across requests by a hash chain of their tokens
 
     def __post_init__(self) -> None:
         if self.prefill_token_budget < 1:
             raise ValueError(f"prefill_token_budget must be positive, got {self.prefill_token_budget}")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """One executor group's shape, as its executor describes it, and the planner's settings."""
+
+    page_size: int
+    pool_pages: int  # page 0 included
+    buckets: tuple[int, ...]
+    max_seq_len: int
+    vocab_size: int
+    settings: SchedulingConfig = field(default_factory=SchedulingConfig)
+
+    def __post_init__(self) -> None:
         self.buckets = tuple(sorted(self.buckets))
 
 
@@ -190,7 +201,7 @@ class Scheduler:
         last = self._steady
         assert last is not None  # a repeat follows a steady step
         step = PlannedStep(seq, bucket=last.bucket, rows=last.rows)
-        if self.config.row_check:
+        if self.config.settings.row_check:
             step.mirror = self.mirror.read(self._steady_slots).tobytes()
         self.mirror.advance()
         for request in last.rows:
@@ -225,7 +236,7 @@ class Scheduler:
 
     def _plan_prefill(self, step: PlannedStep) -> list[Request]:
         """Chunks of admitted prompts up to the token budget; returns the requests whose prompt ends."""
-        budget, finals = self.config.prefill_token_budget, list[Request]()
+        budget, finals = self.config.settings.prefill_token_budget, list[Request]()
         page_size = self.config.page_size
         for request in list(self.prefilling):
             if budget == 0 or len(finals) == self.layout.widest_bucket:
@@ -241,7 +252,7 @@ class Scheduler:
                 sample_slot=0,
             )
             request.prefilled = end
-            if self.config.prefix_cache:
+            if self.config.settings.prefix_cache:
                 full = end // page_size
                 self.pages.register(
                     page_hashes(request.prompt_ids[: full * page_size], page_size), request.pages[:full]
@@ -278,7 +289,7 @@ class Scheduler:
         step.bucket = bucket
         step.rows = ready
         step.delta = self.mirror.encode(slots, whole)
-        if self.config.row_check:
+        if self.config.settings.row_check:
             step.mirror = self.mirror.read(slots).tobytes()
         self.mirror.advance()
 
@@ -322,7 +333,7 @@ class Scheduler:
         page_size = self.config.page_size
         while self.waiting and self._can_admit(self.waiting[0]):
             request = self.waiting.popleft()
-            if self.config.prefix_cache and not request.pages:
+            if self.config.settings.prefix_cache and not request.pages:
                 self._match_prefix(request)
             # Every page it can write, now: its decode steps then never cross onto a page the device
             # row lacks, so a steady step's plan stays the seq and the bucket at any batch size.

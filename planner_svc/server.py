@@ -14,7 +14,6 @@ from planner_svc.engine import Engine
 from planner_svc.link import ExecutorLink, GrpcLink
 from planner_svc.parking import ParkError, Parking
 from planner_svc.requests import Finish, Request, Sampling
-from planner_svc.retention import RetentionConfig
 from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
 from planner_svc.shared_prefix import resolve_shared_prefix
 from planner_svc.streaming import TokenEvent
@@ -40,9 +39,7 @@ def build_engine(
     description: executor_pb2.ExecutorDescription, link: ExecutorLink, config: PlannerConfig
 ) -> Engine:
     layout = RowLayout(slots=description.slots, block_span=description.block_span)
-    conversations = Conversations(
-        description.page_size, RetentionConfig(config.retention_cap, config.retention_policy)
-    )
+    conversations = Conversations(description.page_size, config.retention)
     scheduler = Scheduler(
         SchedulerConfig(
             page_size=description.page_size,
@@ -50,9 +47,7 @@ def build_engine(
             buckets=tuple(description.buckets),
             max_seq_len=description.max_seq_len,
             vocab_size=description.vocab_size,
-            prefill_token_budget=config.prefill_token_budget,
-            row_check=config.row_check,
-            prefix_cache=config.prefix_cache,
+            settings=config.scheduling,
         ),
         layout,
         conversations,

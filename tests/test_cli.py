@@ -270,13 +270,23 @@ def test_configs_from_flags():
     assert executor_config(parse(["executor", "--prefill-buckets", "none"]), cache=None).prefill_buckets == ()
     assert parse(["up"], DELTASERVE_DECODE_PATH="host-planned").decode_path == "host-planned"
     planner = planner_config(args, executors=["x:1"], cache=None)
-    assert (planner.executors, planner.prefill_token_budget, planner.row_check, planner.model) == (
+    assert (
+        planner.executors,
+        planner.scheduling.prefill_token_budget,
+        planner.scheduling.row_check,
+        planner.model,
+    ) == (
         ["x:1"],
         64,
         True,
         None,
     )
-    assert (planner.cache, planner.retention_cap, planner.retention_policy, planner.prefix_cache) == (
+    assert (
+        planner.cache,
+        planner.retention.cap,
+        planner.retention.policy,
+        planner.scheduling.prefix_cache,
+    ) == (
         None,
         6,
         "spread",
@@ -297,7 +307,7 @@ def test_cache_flags_of_executor_and_planner_and_their_env():
     )
     planner = parse(["planner", "--executor", "e:1"], **env)
     config = planner_config(planner, executors=planner.executor, cache=planner.cache)
-    assert (config.cache, config.retention_cap, config.retention_policy, config.prefix_cache) == (
+    assert (config.cache, config.retention.cap, config.retention.policy, config.scheduling.prefix_cache) == (
         "cache:50071",
         3,
         "lru",

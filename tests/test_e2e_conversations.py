@@ -15,6 +15,7 @@ from cache_svc.store import snapshot_key
 from executor_svc.config import ExecutorConfig
 from planner_svc.client import PlannerClient
 from planner_svc.config import PlannerConfig
+from planner_svc.scheduler import SchedulingConfig
 from protos import client_pb2
 from protos.wire import unpack_i32
 from tests.conftest import SMOL_BUCKETS, start_stack, stop_stack
@@ -39,7 +40,7 @@ class CachedStack:
             ExecutorConfig(
                 device="cpu", dtype="float32", pool_pages=self.pool_pages, buckets=SMOL_BUCKETS, cache=address
             ),
-            PlannerConfig(cache=address, prefill_token_budget=512),
+            PlannerConfig(cache=address, scheduling=SchedulingConfig(prefill_token_budget=512)),
         )
         self.servers = [*servers, cache]
         return self.stack

@@ -11,6 +11,7 @@ import pytest_asyncio
 from executor_svc.config import ExecutorConfig
 from planner_svc.client import PlannerClient
 from planner_svc.config import PlannerConfig
+from planner_svc.scheduler import SchedulingConfig
 from tests.conftest import PARITY_TOKENS, SMOL_BUCKETS, start_stack, stop_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -24,7 +25,7 @@ async def small_pool_stack():
         ExecutorConfig(
             device="cpu", dtype="float32", pool_pages=POOL_PAGES, buckets=SMOL_BUCKETS, row_check=True
         ),
-        PlannerConfig(row_check=True, prefill_token_budget=512),
+        PlannerConfig(scheduling=SchedulingConfig(row_check=True, prefill_token_budget=512)),
     )
     yield stack
     await stop_stack(servers)

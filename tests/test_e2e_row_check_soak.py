@@ -14,6 +14,7 @@ from executor_svc.server import start_executor_server
 from planner_svc.client import PlannerClient
 from planner_svc.config import PlannerConfig
 from planner_svc.link import GrpcLink
+from planner_svc.scheduler import SchedulingConfig
 from planner_svc.server import start_planner_server
 from tests.test_runner import BUCKETS, PAGE, TINY, tiny_model
 
@@ -38,7 +39,7 @@ async def start_tiny_stack(pool_pages: int):
     )
     executor = await start_executor_server(runner)
     planner = await start_planner_server(
-        PlannerConfig(row_check=True, prefill_token_budget=24),
+        PlannerConfig(scheduling=SchedulingConfig(row_check=True, prefill_token_budget=24)),
         port=0,
         links=[GrpcLink(f"127.0.0.1:{executor.port}")],
     )

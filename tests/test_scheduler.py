@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from planner_svc.requests import Finish, Request, Sampling
-from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
+from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig, SchedulingConfig
 from protos.layout import RowLayout
 from protos.wire import unpack_i32
 
@@ -22,8 +22,7 @@ def make_scheduler(pool_pages=64, buckets=(1, 2, 4), max_seq_len=64, budget=16, 
         buckets=buckets,
         max_seq_len=max_seq_len,
         vocab_size=100,
-        prefill_token_budget=budget,
-        row_check=row_check,
+        settings=SchedulingConfig(prefill_token_budget=budget, row_check=row_check),
     )
     return Scheduler(config, RowLayout.build(list(buckets), max_seq_len, PAGE, pool_pages))
 
