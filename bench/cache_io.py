@@ -31,7 +31,7 @@ from bench.common import commit_hash, write_json  # noqa: E402
 from cache_svc import CHUNK_BYTES  # noqa: E402
 from cache_svc.client import CacheClient  # noqa: E402
 from cache_svc.index import SnapshotIndex  # noqa: E402
-from cache_svc.store import Checkpoint, Manifest, Shard  # noqa: E402
+from cache_svc.manifest import Checkpoint, Manifest, Shard  # noqa: E402
 
 TENANT, CONVERSATION = "bench", "bench-conversation"
 SERVER_SCRIPT = """

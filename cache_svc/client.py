@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import grpc
 
 from cache_svc import CHUNK_BYTES
-from cache_svc.store import DEFAULT_TENANT
+from cache_svc.manifest import DEFAULT_TENANT
 from protos import cache_pb2, cache_pb2_grpc
 from protos.rpc import CHANNEL_OPTIONS, wait_serving
 from protos.wire import pack_i32, unpack_i32
@@ -17,7 +17,7 @@ def put_parts(manifest: Mapping, shards: Sequence) -> Iterator[cache_pb2.Snapsho
     """A Put's stream: the header, then each shard's bytes in chunks of at most CHUNK_BYTES.
 
     `manifest` holds tenant (default "default"), conversation_id, token_ids, checkpoints
-    ([{"position", "pinned"}]), model_fingerprint, num_layers, page_size, dtype, attributes (optional)
+    ([{"position", "pinned", "root"}], the flags optional), model_fingerprint, num_layers, page_size, dtype, attributes (optional)
     and shards ([{"layers": [a, b]}, with "sha256" optional]), one per blob of `shards` (bytes-like).
     Fields left out are sent empty, and the service says what is missing.
     """
@@ -31,7 +31,9 @@ def put_parts(manifest: Mapping, shards: Sequence) -> Iterator[cache_pb2.Snapsho
             conversation_id=manifest.get("conversation_id", ""),
             token_ids=pack_i32(manifest.get("token_ids", ())),
             checkpoints=[
-                cache_pb2.Checkpoint(position=c["position"], pinned=c.get("pinned", False))
+                cache_pb2.Checkpoint(
+                    position=c["position"], pinned=c.get("pinned", False), root=c.get("root", False)
+                )
                 for c in manifest.get("checkpoints", ())
             ],
             model_fingerprint=manifest.get("model_fingerprint", ""),
@@ -64,7 +66,9 @@ def manifest_dict(header: cache_pb2.SnapshotManifest) -> dict:
         "tenant": header.tenant,
         "conversation_id": header.conversation_id,
         "token_ids": unpack_i32(header.token_ids).tolist(),
-        "checkpoints": [{"position": c.position, "pinned": c.pinned} for c in header.checkpoints],
+        "checkpoints": [
+            {"position": c.position, "pinned": c.pinned, "root": c.root} for c in header.checkpoints
+        ],
         "model_fingerprint": header.model_fingerprint,
         "num_layers": header.num_layers,
         "page_size": header.page_size,

@@ -15,17 +15,15 @@ from dataclasses import dataclass
 
 import structlog
 
-from cache_svc.store import (
+from cache_svc.manifest import (
     CorruptSnapshot,
     Manifest,
     ModelMismatch,
-    PendingSnapshot,
-    ShardReader,
     SnapshotError,
     SnapshotNotFound,
-    SnapshotStore,
     snapshot_key,
 )
+from cache_svc.store import PendingSnapshot, ShardReader, SnapshotStore
 
 log = structlog.get_logger("deltaserve.cache.index")
 

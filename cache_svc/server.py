@@ -10,7 +10,7 @@ import structlog
 
 from cache_svc import CHUNK_BYTES
 from cache_svc.index import IndexEntry, OverBudget, SnapshotIndex
-from cache_svc.store import (
+from cache_svc.manifest import (
     DEFAULT_TENANT,
     Checkpoint,
     CorruptSnapshot,
@@ -18,11 +18,11 @@ from cache_svc.store import (
     LayerRangeError,
     Manifest,
     ModelMismatch,
-    PendingSnapshot,
     Shard,
     SnapshotError,
     SnapshotNotFound,
 )
+from cache_svc.store import PendingSnapshot
 from protos import cache_pb2, cache_pb2_grpc
 from protos.rpc import StartedServer, start_server
 from protos.wire import pack_i32, unpack_i32
@@ -51,7 +51,7 @@ def manifest_from_header(header: cache_pb2.SnapshotManifest) -> Manifest:
         tenant=header.tenant or DEFAULT_TENANT,
         conversation_id=header.conversation_id,
         token_ids=tuple(unpack_i32(header.token_ids).tolist()),
-        checkpoints=tuple(Checkpoint(c.position, c.pinned) for c in header.checkpoints),
+        checkpoints=tuple(Checkpoint(c.position, c.pinned, c.root) for c in header.checkpoints),
         model_fingerprint=header.model_fingerprint,
         num_layers=header.num_layers,
         page_size=header.page_size,
@@ -68,7 +68,8 @@ def manifest_header(manifest: Manifest, indices: Sequence[int]) -> cache_pb2.Sna
         conversation_id=manifest.conversation_id,
         token_ids=pack_i32(manifest.token_ids),
         checkpoints=[
-            cache_pb2.Checkpoint(position=c.position, pinned=c.pinned) for c in manifest.checkpoints
+            cache_pb2.Checkpoint(position=c.position, pinned=c.pinned, root=c.root)
+            for c in manifest.checkpoints
         ],
         model_fingerprint=manifest.model_fingerprint,
         num_layers=manifest.num_layers,

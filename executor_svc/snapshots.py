@@ -36,7 +36,7 @@ from executor_svc.snapshot_checks import (
     shard_ranges,
     snapshot_fingerprint,
 )
-from protos import executor_pb2
+from protos import cache_pb2, executor_pb2
 from protos.wire import pack_i32
 
 log = structlog.get_logger("deltaserve.executor.snapshots")
@@ -83,18 +83,19 @@ class Snapshots:
             "tenant": request.tenant,
             "conversation_id": request.conversation_id,
             "token_ids": tokens,
-            "checkpoints": [{"position": c.position, "pinned": c.pinned} for c in request.checkpoints],
+            "checkpoints": [
+                {"position": c.position, "pinned": c.pinned, "root": c.root} for c in request.checkpoints
+            ],
             "model_fingerprint": self._fingerprint,
             "num_layers": self._num_layers,
             "page_size": page_size,
             "dtype": str(self._pool.k.dtype).removeprefix("torch."),
             "shards": [{"layers": [begin, end]} for begin, end in self._shards],
-            "attributes": {  # the cache's Checkpoint has no root flag: the roots travel here
+            "attributes": {
                 "kv_layout": SHARD_LAYOUT,
                 "pages": str(len(pages)),
                 "kv_heads": str(kv_heads),
                 "head_dim": str(head_dim),
-                "root_positions": ",".join(str(c.position) for c in request.checkpoints if c.root),
             },
         }
         try:
@@ -136,7 +137,6 @@ class Snapshots:
         await asyncio.get_running_loop().run_in_executor(
             self._copies, self._write_pages, pages, ranges, blobs
         )
-        roots = {int(p) for p in manifest["attributes"].get("root_positions", "").split(",") if p}
         log.info(
             "restored",
             conversation_id=request.conversation_id,
@@ -148,9 +148,7 @@ class Snapshots:
         return executor_pb2.RestorePagesReply(
             token_ids=pack_i32(manifest["token_ids"]),
             checkpoints=[
-                executor_pb2.ConversationCheckpoint(
-                    position=c["position"], pinned=c["pinned"], root=c["position"] in roots
-                )
+                cache_pb2.Checkpoint(position=c["position"], pinned=c["pinned"], root=c["root"])
                 for c in manifest["checkpoints"]
             ],
         )

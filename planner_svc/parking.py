@@ -13,7 +13,7 @@ from planner_svc.conversations import Conversation
 from planner_svc.engine import Engine
 from planner_svc.link import LinkError
 from planner_svc.retention import Retention
-from protos import executor_pb2
+from protos import cache_pb2, executor_pb2
 from protos.wire import pack_i32, unpack_i32
 
 log = structlog.get_logger("deltaserve.planner.parking")
@@ -76,9 +76,7 @@ class Parking:
             token_ids=pack_i32(conversation.tokens),
             pages=pack_i32(conversation.pages),
             checkpoints=[
-                executor_pb2.ConversationCheckpoint(
-                    position=p, pinned=p == retention.pinned, root=p == retention.root
-                )
+                cache_pb2.Checkpoint(position=p, pinned=p == retention.pinned, root=p == retention.root)
                 for p in retention.positions
             ],
         )

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/cache.proto\x12\rdeltaserve.v1\".\n\nCheckpoint\x12\x10\n\x08position\x18\x01 \x01(\x05\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"W\n\tShardInfo\x12\x13\n\x0blayer_begin\x18\x01 \x01(\x05\x12\x11\n\tlayer_end\x18\x02 \x01(\x05\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"\x97\x03\n\x10SnapshotManifest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12.\n\x0b\x63heckpoints\x18\x04 \x03(\x0b\x32\x19.deltaserve.v1.Checkpoint\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x12\n\nnum_layers\x18\x06 \x01(\x05\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12(\n\x06shards\x18\t \x03(\x0b\x32\x18.deltaserve.v1.ShardInfo\x12\x43\n\nattributes\x18\n \x03(\x0b\x32/.deltaserve.v1.SnapshotManifest.AttributesEntry\x12\x0b\n\x03key\x18\x0b \x01(\t\x12\x17\n\x0f\x63reated_unix_ns\x18\x0c \x01(\x03\x1a\x31\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\nShardChunk\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"u\n\x0cSnapshotPart\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.deltaserve.v1.SnapshotManifestH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.deltaserve.v1.ShardChunkH\x00\x42\x06\n\x04part\"<\n\x08PutReply\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07\x65victed\x18\x03 \x01(\x05\"x\n\nGetRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x13\n\x0blayer_begin\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\"6\n\x0bListRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\"\xbb\x01\n\x0cSnapshotInfo\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x19\n\x11last_used_unix_ns\x18\x04 \x01(\x03\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\x12\x17\n\x0f\x63reated_unix_ns\x18\x08 \x01(\x03\";\n\tListReply\x12.\n\tsnapshots\x18\x01 \x03(\x0b\x32\x1b.deltaserve.v1.SnapshotInfo\"8\n\rDeleteRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\".\n\x0b\x44\x65leteReply\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\"\x1d\n\x0bStatRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\x8b\x01\n\tStatReply\x12\r\n\x05\x63ount\x18\x01 \x01(\x05\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x03 \x01(\x03\x12\x14\n\x0cpinned_bytes\x18\x04 \x01(\x03\x12\x14\n\x0ctenant_count\x18\x05 \x01(\x05\x12\x19\n\x11tenant_size_bytes\x18\x06 \x01(\x03\x32\xc7\x02\n\x05\x43\x61\x63he\x12=\n\x03Put\x12\x1b.deltaserve.v1.SnapshotPart\x1a\x17.deltaserve.v1.PutReply(\x01\x12?\n\x03Get\x12\x19.deltaserve.v1.GetRequest\x1a\x1b.deltaserve.v1.SnapshotPart0\x01\x12<\n\x04List\x12\x1a.deltaserve.v1.ListRequest\x1a\x18.deltaserve.v1.ListReply\x12\x42\n\x06\x44\x65lete\x12\x1c.deltaserve.v1.DeleteRequest\x1a\x1a.deltaserve.v1.DeleteReply\x12<\n\x04Stat\x12\x1a.deltaserve.v1.StatRequest\x1a\x18.deltaserve.v1.StatReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/cache.proto\x12\rdeltaserve.v1\"<\n\nCheckpoint\x12\x10\n\x08position\x18\x01 \x01(\x05\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\x12\x0c\n\x04root\x18\x03 \x01(\x08\"W\n\tShardInfo\x12\x13\n\x0blayer_begin\x18\x01 \x01(\x05\x12\x11\n\tlayer_end\x18\x02 \x01(\x05\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"\x97\x03\n\x10SnapshotManifest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12.\n\x0b\x63heckpoints\x18\x04 \x03(\x0b\x32\x19.deltaserve.v1.Checkpoint\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x12\n\nnum_layers\x18\x06 \x01(\x05\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12(\n\x06shards\x18\t \x03(\x0b\x32\x18.deltaserve.v1.ShardInfo\x12\x43\n\nattributes\x18\n \x03(\x0b\x32/.deltaserve.v1.SnapshotManifest.AttributesEntry\x12\x0b\n\x03key\x18\x0b \x01(\t\x12\x17\n\x0f\x63reated_unix_ns\x18\x0c \x01(\x03\x1a\x31\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\nShardChunk\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"u\n\x0cSnapshotPart\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.deltaserve.v1.SnapshotManifestH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.deltaserve.v1.ShardChunkH\x00\x42\x06\n\x04part\"<\n\x08PutReply\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07\x65victed\x18\x03 \x01(\x05\"x\n\nGetRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x13\n\x0blayer_begin\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\"6\n\x0bListRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\"\xbb\x01\n\x0cSnapshotInfo\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x19\n\x11last_used_unix_ns\x18\x04 \x01(\x03\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\x12\x17\n\x0f\x63reated_unix_ns\x18\x08 \x01(\x03\";\n\tListReply\x12.\n\tsnapshots\x18\x01 \x03(\x0b\x32\x1b.deltaserve.v1.SnapshotInfo\"8\n\rDeleteRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\".\n\x0b\x44\x65leteReply\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\"\x1d\n\x0bStatRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\x8b\x01\n\tStatReply\x12\r\n\x05\x63ount\x18\x01 \x01(\x05\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x03 \x01(\x03\x12\x14\n\x0cpinned_bytes\x18\x04 \x01(\x03\x12\x14\n\x0ctenant_count\x18\x05 \x01(\x05\x12\x19\n\x11tenant_size_bytes\x18\x06 \x01(\x03\x32\xc7\x02\n\x05\x43\x61\x63he\x12=\n\x03Put\x12\x1b.deltaserve.v1.SnapshotPart\x1a\x17.deltaserve.v1.PutReply(\x01\x12?\n\x03Get\x12\x19.deltaserve.v1.GetRequest\x1a\x1b.deltaserve.v1.SnapshotPart0\x01\x12<\n\x04List\x12\x1a.deltaserve.v1.ListRequest\x1a\x18.deltaserve.v1.ListReply\x12\x42\n\x06\x44\x65lete\x12\x1c.deltaserve.v1.DeleteRequest\x1a\x1a.deltaserve.v1.DeleteReply\x12<\n\x04Stat\x12\x1a.deltaserve.v1.StatRequest\x1a\x18.deltaserve.v1.StatReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SNAPSHOTMANIFEST_ATTRIBUTESENTRY']._loaded_options = None
   _globals['_SNAPSHOTMANIFEST_ATTRIBUTESENTRY']._serialized_options = b'8\001'
   _globals['_CHECKPOINT']._serialized_start=37
-  _globals['_CHECKPOINT']._serialized_end=83
-  _globals['_SHARDINFO']._serialized_start=85
-  _globals['_SHARDINFO']._serialized_end=172
-  _globals['_SNAPSHOTMANIFEST']._serialized_start=175
-  _globals['_SNAPSHOTMANIFEST']._serialized_end=582
-  _globals['_SNAPSHOTMANIFEST_ATTRIBUTESENTRY']._serialized_start=533
-  _globals['_SNAPSHOTMANIFEST_ATTRIBUTESENTRY']._serialized_end=582
-  _globals['_SHARDCHUNK']._serialized_start=584
-  _globals['_SHARDCHUNK']._serialized_end=625
-  _globals['_SNAPSHOTPART']._serialized_start=627
-  _globals['_SNAPSHOTPART']._serialized_end=744
-  _globals['_PUTREPLY']._serialized_start=746
-  _globals['_PUTREPLY']._serialized_end=806
-  _globals['_GETREQUEST']._serialized_start=808
-  _globals['_GETREQUEST']._serialized_end=928
-  _globals['_LISTREQUEST']._serialized_start=930
-  _globals['_LISTREQUEST']._serialized_end=984
-  _globals['_SNAPSHOTINFO']._serialized_start=987
-  _globals['_SNAPSHOTINFO']._serialized_end=1174
-  _globals['_LISTREPLY']._serialized_start=1176
-  _globals['_LISTREPLY']._serialized_end=1235
-  _globals['_DELETEREQUEST']._serialized_start=1237
-  _globals['_DELETEREQUEST']._serialized_end=1293
-  _globals['_DELETEREPLY']._serialized_start=1295
-  _globals['_DELETEREPLY']._serialized_end=1341
-  _globals['_STATREQUEST']._serialized_start=1343
-  _globals['_STATREQUEST']._serialized_end=1372
-  _globals['_STATREPLY']._serialized_start=1375
-  _globals['_STATREPLY']._serialized_end=1514
-  _globals['_CACHE']._serialized_start=1517
-  _globals['_CACHE']._serialized_end=1844
+  _globals['_CHECKPOINT']._serialized_end=97
+  _globals['_SHARDINFO']._serialized_start=99
+  _globals['_SHARDINFO']._serialized_end=186
+  _globals['_SNAPSHOTMANIFEST']._serialized_start=189
+  _globals['_SNAPSHOTMANIFEST']._serialized_end=596
+  _globals['_SNAPSHOTMANIFEST_ATTRIBUTESENTRY']._serialized_start=547
+  _globals['_SNAPSHOTMANIFEST_ATTRIBUTESENTRY']._serialized_end=596
+  _globals['_SHARDCHUNK']._serialized_start=598
+  _globals['_SHARDCHUNK']._serialized_end=639
+  _globals['_SNAPSHOTPART']._serialized_start=641
+  _globals['_SNAPSHOTPART']._serialized_end=758
+  _globals['_PUTREPLY']._serialized_start=760
+  _globals['_PUTREPLY']._serialized_end=820
+  _globals['_GETREQUEST']._serialized_start=822
+  _globals['_GETREQUEST']._serialized_end=942
+  _globals['_LISTREQUEST']._serialized_start=944
+  _globals['_LISTREQUEST']._serialized_end=998
+  _globals['_SNAPSHOTINFO']._serialized_start=1001
+  _globals['_SNAPSHOTINFO']._serialized_end=1188
+  _globals['_LISTREPLY']._serialized_start=1190
+  _globals['_LISTREPLY']._serialized_end=1249
+  _globals['_DELETEREQUEST']._serialized_start=1251
+  _globals['_DELETEREQUEST']._serialized_end=1307
+  _globals['_DELETEREPLY']._serialized_start=1309
+  _globals['_DELETEREPLY']._serialized_end=1355
+  _globals['_STATREQUEST']._serialized_start=1357
+  _globals['_STATREQUEST']._serialized_end=1386
+  _globals['_STATREPLY']._serialized_start=1389
+  _globals['_STATREPLY']._serialized_end=1528
+  _globals['_CACHE']._serialized_start=1531
+  _globals['_CACHE']._serialized_end=1858
 # @@protoc_insertion_point(module_scope)

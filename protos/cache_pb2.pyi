@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Checkpoint(_message.Message):
-    __slots__ = ("position", "pinned")
+    __slots__ = ("position", "pinned", "root")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
     position: int
     pinned: bool
-    def __init__(self, position: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    root: bool
+    def __init__(self, position: _Optional[int] = ..., pinned: _Optional[bool] = ..., root: _Optional[bool] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
     __slots__ = ("layer_begin", "layer_end", "size_bytes", "sha256")

@@ -1,3 +1,4 @@
+from protos import cache_pb2 as _cache_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -94,16 +95,6 @@ class StepOutput(_message.Message):
     device_wait_us: int
     def __init__(self, seq: _Optional[int] = ..., tokens: _Optional[bytes] = ..., prefill_tokens: _Optional[bytes] = ..., row_mismatches: _Optional[int] = ..., device_wait_us: _Optional[int] = ...) -> None: ...
 
-class ConversationCheckpoint(_message.Message):
-    __slots__ = ("position", "pinned", "root")
-    POSITION_FIELD_NUMBER: _ClassVar[int]
-    PINNED_FIELD_NUMBER: _ClassVar[int]
-    ROOT_FIELD_NUMBER: _ClassVar[int]
-    position: int
-    pinned: bool
-    root: bool
-    def __init__(self, position: _Optional[int] = ..., pinned: _Optional[bool] = ..., root: _Optional[bool] = ...) -> None: ...
-
 class ParkPagesRequest(_message.Message):
     __slots__ = ("conversation_id", "tenant", "token_ids", "checkpoints", "pages")
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -114,9 +105,9 @@ class ParkPagesRequest(_message.Message):
     conversation_id: str
     tenant: str
     token_ids: bytes
-    checkpoints: _containers.RepeatedCompositeFieldContainer[ConversationCheckpoint]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[_cache_pb2.Checkpoint]
     pages: bytes
-    def __init__(self, conversation_id: _Optional[str] = ..., tenant: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[ConversationCheckpoint, _Mapping]]] = ..., pages: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, conversation_id: _Optional[str] = ..., tenant: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[_cache_pb2.Checkpoint, _Mapping]]] = ..., pages: _Optional[bytes] = ...) -> None: ...
 
 class ParkPagesReply(_message.Message):
     __slots__ = ("bytes",)
@@ -139,5 +130,5 @@ class RestorePagesReply(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
-    checkpoints: _containers.RepeatedCompositeFieldContainer[ConversationCheckpoint]
-    def __init__(self, token_ids: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[ConversationCheckpoint, _Mapping]]] = ...) -> None: ...
+    checkpoints: _containers.RepeatedCompositeFieldContainer[_cache_pb2.Checkpoint]
+    def __init__(self, token_ids: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[_cache_pb2.Checkpoint, _Mapping]]] = ...) -> None: ...

@@ -9,14 +9,8 @@ import sqlite3
 import pytest
 
 from cache_svc.index import INDEX_NAME, OverBudget, SnapshotIndex
-from cache_svc.store import (
-    MANIFEST_NAME,
-    CorruptSnapshot,
-    LayerRangeError,
-    ModelMismatch,
-    SnapshotNotFound,
-    snapshot_key,
-)
+from cache_svc.manifest import CorruptSnapshot, LayerRangeError, ModelMismatch, SnapshotNotFound, snapshot_key
+from cache_svc.store import MANIFEST_NAME
 from tests.test_cache_store import blobs_for, make_manifest
 
 

@@ -29,7 +29,10 @@ def snapshot(conversation_id="conv", sizes=(1000, 0, 3000), *, tenant="default",
         "tenant": tenant,
         "conversation_id": conversation_id,
         "token_ids": list(range(5, 45)),
-        "checkpoints": [{"position": 16, "pinned": pinned}, {"position": 40, "pinned": False}],
+        "checkpoints": [
+            {"position": 16, "pinned": pinned, "root": True},  # each checkpoint's flags travel with it
+            {"position": 40, "pinned": False, "root": False},
+        ],
         "model_fingerprint": "model-a",
         "num_layers": 2 * len(sizes),
         "page_size": 16,

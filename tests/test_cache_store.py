@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -13,20 +14,18 @@ import textwrap
 import numpy as np
 import pytest
 
-from cache_svc.store import (
-    MANIFEST_NAME,
+from cache_svc.manifest import (
     Checkpoint,
     CorruptSnapshot,
     InvalidSnapshot,
     LayerRangeError,
     Manifest,
-    PendingSnapshot,
     Shard,
     SnapshotNotFound,
-    SnapshotStore,
     snapshot_key,
     token_key,
 )
+from cache_svc.store import MANIFEST_NAME, PendingSnapshot, SnapshotStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,6 +92,28 @@ def test_round_trip_is_byte_for_byte(tmp_path):
         == manifest
     )
     assert files_of(store, manifest.key) == sorted([MANIFEST_NAME] + [s.blob for s in stored.shards])
+
+
+def test_checkpoint_flags_round_trip_and_an_older_manifest_keeps_its_roots(tmp_path):
+    store = SnapshotStore(str(tmp_path))
+    manifest = dataclasses.replace(
+        make_manifest(), checkpoints=(Checkpoint(8, root=True), Checkpoint(16, pinned=True), Checkpoint(40))
+    )
+    store.put(manifest, blobs_for(manifest))
+    assert store.read_manifest(manifest.key).checkpoints == manifest.checkpoints
+
+    # A manifest written before Checkpoint had `root`: no flag, the roots in the executor's attribute.
+    path = os.path.join(store.snapshot_dir(manifest.key), MANIFEST_NAME)
+    with open(path, "rb") as f:
+        fields = json.load(f)
+    for checkpoint in fields["checkpoints"]:
+        del checkpoint["root"]
+    fields["attributes"]["root_positions"] = "8"
+    with open(path, "w") as f:
+        json.dump(fields, f)
+    older = store.read_manifest(manifest.key)
+    assert older.checkpoints == manifest.checkpoints
+    assert older.attributes == manifest.attributes
 
 
 def test_a_newer_put_replaces_the_older_and_removes_its_blobs(tmp_path):

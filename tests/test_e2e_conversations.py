@@ -10,8 +10,8 @@ import pytest
 import pytest_asyncio
 import torch
 
+from cache_svc.manifest import snapshot_key
 from cache_svc.server import start_cache_server
-from cache_svc.store import snapshot_key
 from executor_svc.config import ExecutorConfig
 from planner_svc.client import PlannerClient
 from planner_svc.config import PlannerConfig

@@ -16,7 +16,7 @@ from executor_svc.runner import StepRunner
 from executor_svc.server import start_executor_server
 from executor_svc.slot_store import SlotStore
 from executor_svc.snapshot_checks import RESTORE_FIRST_USE_BYTES, restore_fits, shard_ranges
-from protos import executor_pb2, executor_pb2_grpc
+from protos import cache_pb2, executor_pb2, executor_pb2_grpc
 from protos.wire import pack_i32, unpack_i32
 from tests.test_runner import BUCKETS, LAYOUT, PAGE, POOL_PAGES, TINY, prefill_chunk, tiny_model
 
@@ -26,8 +26,8 @@ CACHE_BUDGET = 64 * 1024 * 1024
 PROMPT = [5, 17, 3, 40, 22, 9, 11, 60, 2, 31]  # 10 tokens: 3 pages of 4
 PARKED_PAGES = [3, 4, 5]
 CHECKPOINTS = [
-    executor_pb2.ConversationCheckpoint(position=4, pinned=True, root=True),
-    executor_pb2.ConversationCheckpoint(position=10),
+    cache_pb2.Checkpoint(position=4, pinned=True, root=True),
+    cache_pb2.Checkpoint(position=10),
 ]
 TENANT, CONVERSATION = "acme", "chat-1"
 
@@ -213,7 +213,7 @@ async def test_bad_pages_are_invalid_argument_and_change_nothing(parked):
     await refused(served.restore([]), invalid, "no pages given")
     await refused(served.park(pages=pack_i32([3, 4])), invalid, "10 tokens fill 3 pages of 4; 2 pages given")
     await refused(
-        served.park(checkpoints=[executor_pb2.ConversationCheckpoint(position=11)]),
+        served.park(checkpoints=[cache_pb2.Checkpoint(position=11)]),
         invalid,
         "strictly increasing",
     )
