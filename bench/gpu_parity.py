@@ -87,7 +87,7 @@ async def check_stack(args: argparse.Namespace, cases: list[dict]) -> list[dict]
     from executor_svc.config import ExecutorConfig
     from executor_svc.runner import build_runner
     from executor_svc.server import start_executor_server
-    from planner_svc.client import PlannerClient
+    from planner_svc.client import GenerateOptions, PlannerClient
     from planner_svc.config import PlannerConfig
     from planner_svc.link import GrpcLink
     from planner_svc.scheduler import SchedulingConfig
@@ -112,9 +112,12 @@ async def check_stack(args: argparse.Namespace, cases: list[dict]) -> list[dict]
     records = []
     try:
         async with PlannerClient(f"127.0.0.1:{planner.port}") as client:
-            one_at_a_time = [await client.generate_all(chat=c["chat"], max_tokens=max_tokens) for c in cases]
+            one_at_a_time = [
+                await client.generate_all(GenerateOptions(chat=c["chat"], max_tokens=max_tokens))
+                for c in cases
+            ]
             all_at_once = await asyncio.gather(
-                *(client.generate_all(chat=c["chat"], max_tokens=max_tokens) for c in cases)
+                *(client.generate_all(GenerateOptions(chat=c["chat"], max_tokens=max_tokens)) for c in cases)
             )
     finally:
         await planner.stop(None)

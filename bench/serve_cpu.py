@@ -23,7 +23,7 @@ from bench.in_process import InProcessLink
 from executor_svc.config import ExecutorConfig
 from executor_svc.runner import build_runner
 from executor_svc.server import start_executor_server
-from planner_svc.client import PlannerClient
+from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig
 from planner_svc.link import GrpcLink
 from planner_svc.server import start_planner_server
@@ -33,11 +33,11 @@ PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse k
 
 async def run_arm(addr: str, concurrency: int, max_tokens: int) -> dict:
     async with PlannerClient(addr) as client:
-        await client.generate_all(chat=PROMPT, max_tokens=4)  # warm-up
+        await client.generate_all(GenerateOptions(chat=PROMPT, max_tokens=4))  # warm-up
         began = time.perf_counter()
         results = await asyncio.gather(
             *(
-                client.generate_all(chat=PROMPT, max_tokens=max_tokens, ignore_eos=True)
+                client.generate_all(GenerateOptions(chat=PROMPT, max_tokens=max_tokens, ignore_eos=True))
                 for _ in range(concurrency)
             )
         )

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+from planner_svc.client import GenerateOptions
+
 
 async def one_request(
     client, rng: random.Random, i: int, vocab_size: int, longest: int = 30, tokens_up_to: int = 25
@@ -28,7 +30,7 @@ async def one_request(
     await asyncio.sleep(rng.random() * 0.5)  # staggered arrivals
     abort_after = rng.randrange(1, 6) if rng.random() < 0.15 else None
     tokens = []
-    async for response in client.generate(**fields):
+    async for response in client.generate(GenerateOptions(**fields)):
         tokens.extend(
             int.from_bytes(response.token_ids[j : j + 4], "little")
             for j in range(0, len(response.token_ids), 4)

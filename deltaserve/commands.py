@@ -16,7 +16,7 @@ import grpc
 from cache_svc.client import CacheClient
 from deltaserve.aio import until_stopped
 from deltaserve.logs import get_logger
-from planner_svc.client import FINISH_REASONS, PlannerClient
+from planner_svc.client import FINISH_REASONS, GenerateOptions, PlannerClient
 from protos import client_pb2
 from protos.wire import unpack_i32
 
@@ -102,8 +102,8 @@ def _local_time(unix_ns: int) -> str:
 # ---- generate ----
 
 
-def _request_fields(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
+def _request_options(args: argparse.Namespace) -> GenerateOptions:
+    return GenerateOptions(
         text=args.text,
         chat=args.chat,
         token_ids=args.token_ids,
@@ -129,11 +129,11 @@ def reuse_line(response: client_pb2.GenerateResponse) -> str:
     return f"reused {response.reused_tokens} of {response.prompt_tokens} prompt tokens ({details})"
 
 
-async def _stream_text(client: PlannerClient, fields: dict[str, Any]) -> client_pb2.GenerateResponse | None:
+async def _stream_text(client: PlannerClient, options: GenerateOptions) -> client_pb2.GenerateResponse | None:
     """Writes the text as it comes; returns the last response (None if the stream ended without one)."""
     generated = 0
     last = None
-    async for response in client.generate(**fields):
+    async for response in client.generate(options):
         sys.stdout.write(response.text)
         sys.stdout.flush()
         generated += len(unpack_i32(response.token_ids))
@@ -151,14 +151,14 @@ async def _stream_text(client: PlannerClient, fields: dict[str, Any]) -> client_
 
 
 async def generate(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    fields = _request_fields(args)
+    options = _request_options(args)
     async with PlannerClient(args.addr) as client:
         if args.json:
-            code, generation = await _call(client.generate_all(**fields), stop, _planner_unreachable(client))
+            code, generation = await _call(client.generate_all(options), stop, _planner_unreachable(client))
             if code is None:
                 _print_json(dataclasses.asdict(generation))
         else:
-            code, last = await _call(_stream_text(client, fields), stop, _planner_unreachable(client))
+            code, last = await _call(_stream_text(client, options), stop, _planner_unreachable(client))
             if code is None and args.conversation and last is not None:
                 print(reuse_line(last), file=sys.stderr)
     return code or 0

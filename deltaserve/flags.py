@@ -150,7 +150,7 @@ def cache_choice(text: str) -> str:
 
 
 def shared_prefix(text: str) -> dict[str, int]:
-    """'messages:K' | 'message:I:N' | 'tokens:N' -> the dict PlannerClient.generate takes."""
+    """'messages:K' | 'message:I:N' | 'tokens:N' -> GenerateOptions.shared_prefix."""
     match = _SHARED_PREFIX.fullmatch(text.strip())
     if match is None:
         raise BadValue(f"expected messages:K, message:I:N or tokens:N (non-negative integers), got {text!r}")

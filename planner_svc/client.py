@@ -84,55 +84,64 @@ def _shared_prefix(prefix: Mapping[str, int]) -> client_pb2.SharedPrefix:
     )
 
 
-def build_generate_request(
-    *,
-    text: str | None = None,
-    chat: Sequence[Mapping[str, str]] | None = None,
-    token_ids: Sequence[int] | None = None,
-    max_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    stop_token_ids: Iterable[int] = (),
-    ignore_eos: bool = False,
-    request_id: str = "",
-    conversation_id: str = "",
-    tenant: str = "",
-    shared_prefix: Mapping[str, int] | None = None,
-) -> client_pb2.GenerateRequest:
-    """The GenerateRequest for one prompt: exactly one of text, chat or token_ids.
+@dataclass(slots=True, kw_only=True)
+class GenerateOptions:
+    """One request: exactly one of text, chat or token_ids, what to sample, and where it belongs.
 
     With a conversation_id the prompt carries the whole history and the planner resumes from the
     conversation's longest retained checkpoint that is a prefix of it; tenant "" is the default one.
-    shared_prefix (a conversation's pinned read-only start) needs a conversation_id.
+    shared_prefix (a conversation's pinned read-only start: {"messages": K}, {"message": I, "chars": N}
+    or {"tokens": N}) needs a conversation_id. The planner checks the values (INVALID_ARGUMENT).
     """
+
+    max_tokens: int
+    text: str | None = None
+    chat: Sequence[Mapping[str, str]] | None = None
+    token_ids: Sequence[int] | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: Iterable[int] = ()
+    ignore_eos: bool = False
+    request_id: str = ""
+    conversation_id: str = ""
+    tenant: str = ""
+    shared_prefix: Mapping[str, int] | None = None
+
+
+def build_generate_request(options: GenerateOptions) -> client_pb2.GenerateRequest:
+    """The GenerateRequest of `options`; ValueError unless exactly one of text, chat or token_ids is given,
+    for a malformed chat message or shared prefix, and for a shared prefix without a conversation."""
+    o = options
     given = [
         name
-        for name, value in (("text", text), ("chat", chat), ("token_ids", token_ids))
+        for name, value in (("text", o.text), ("chat", o.chat), ("token_ids", o.token_ids))
         if value is not None
     ]
     if len(given) != 1:
         raise ValueError(f"give exactly one of text, chat or token_ids (got {', '.join(given) or 'none'})")
     request = client_pb2.GenerateRequest(
-        request_id=request_id,
-        sampling=client_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
-        max_tokens=max_tokens,
-        stop_token_ids=list(stop_token_ids),
-        ignore_eos=ignore_eos,
-        conversation_id=conversation_id,
-        tenant=tenant,
+        request_id=o.request_id,
+        sampling=client_pb2.SamplingParams(
+            temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed
+        ),
+        max_tokens=o.max_tokens,
+        stop_token_ids=list(o.stop_token_ids),
+        ignore_eos=o.ignore_eos,
+        conversation_id=o.conversation_id,
+        tenant=o.tenant,
     )
-    if shared_prefix is not None:
-        if not conversation_id:
+    if o.shared_prefix is not None:
+        if not o.conversation_id:
             raise ValueError("shared_prefix marks a conversation's prefix: give a conversation_id too")
-        request.shared_prefix.CopyFrom(_shared_prefix(shared_prefix))
-    if text is not None:
-        request.text = text
-    elif chat is not None:
-        request.chat.CopyFrom(_chat_messages(chat))
+        request.shared_prefix.CopyFrom(_shared_prefix(o.shared_prefix))
+    if o.text is not None:
+        request.text = o.text
+    elif o.chat is not None:
+        request.chat.CopyFrom(_chat_messages(o.chat))
     else:
-        request.token_ids = pack_i32(token_ids)
+        request.token_ids = pack_i32(o.token_ids)
     return request
 
 
@@ -161,46 +170,13 @@ class PlannerClient:
         """Returns once the planner's health service says SERVING; TimeoutError otherwise."""
         await wait_serving(self._channel, timeout)
 
-    async def generate(
-        self,
-        *,
-        text: str | None = None,
-        chat: Sequence[Mapping[str, str]] | None = None,
-        token_ids: Sequence[int] | None = None,
-        max_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
-        stop_token_ids: Iterable[int] = (),
-        ignore_eos: bool = False,
-        request_id: str = "",
-        conversation_id: str = "",
-        tenant: str = "",
-        shared_prefix: Mapping[str, int] | None = None,
-    ) -> AsyncIterator[client_pb2.GenerateResponse]:
-        """Streams the GenerateResponses of one request (exactly one of text, chat or token_ids); the
-        arguments are build_generate_request's. The last response carries the finish reason and what
-        was reused (reused_tokens, read_tokens, checkpoint, diverged_at).
+    async def generate(self, options: GenerateOptions) -> AsyncIterator[client_pb2.GenerateResponse]:
+        """Streams the GenerateResponses of one request. The last response carries the finish reason and
+        what was reused (reused_tokens, read_tokens, checkpoint, diverged_at).
 
         Leaving the loop early cancels the call, which the planner treats as an abort.
         """
-        request = build_generate_request(
-            text=text,
-            chat=chat,
-            token_ids=token_ids,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            request_id=request_id,
-            conversation_id=conversation_id,
-            tenant=tenant,
-            shared_prefix=shared_prefix,
-        )
+        request = build_generate_request(options)
         call = self._stub.Generate(request)
         try:
             async for response in call:
@@ -208,13 +184,13 @@ class PlannerClient:
         finally:
             call.cancel()
 
-    async def generate_all(self, **request_fields) -> Generation:
-        """Runs one request to its end and gathers what it streamed; takes generate's arguments."""
+    async def generate_all(self, options: GenerateOptions) -> Generation:
+        """Runs one request to its end and gathers what it streamed."""
         request_id = ""
         token_ids: list[int] = []
         text_parts: list[str] = []
         last = None
-        async for response in self.generate(**request_fields):
+        async for response in self.generate(options):
             request_id = request_id or response.request_id
             token_ids.extend(unpack_i32(response.token_ids).tolist())
             text_parts.append(response.text)

@@ -28,7 +28,7 @@ from deltaserve.flags import default_cache_dir
 from deltaserve.logs import configure_logging, get_logger
 from deltaserve.serve import GIB, cache_config, executor_config, planner_config, wait_for_executor
 from executor_svc.config import DEFAULT_BUCKETS, DEFAULT_PREFILL_BUCKETS, DEFAULT_SHARD_LAYERS
-from planner_svc.client import PlannerClient, build_generate_request
+from planner_svc.client import GenerateOptions, PlannerClient, build_generate_request
 from protos.rpc import wait_serving
 from protos.wire import unpack_i32
 
@@ -473,41 +473,49 @@ def test_run_returns_the_result_and_a_signal_sets_stop():
 
 
 def test_generate_request_takes_exactly_one_prompt():
-    request = build_generate_request(token_ids=[5, 6], max_tokens=3, temperature=0.5, stop_token_ids=(2,))
+    request = build_generate_request(
+        GenerateOptions(token_ids=[5, 6], max_tokens=3, temperature=0.5, stop_token_ids=(2,))
+    )
     assert request.WhichOneof("prompt") == "token_ids"
     assert unpack_i32(request.token_ids).tolist() == [5, 6]
     assert (request.max_tokens, request.sampling.temperature, list(request.stop_token_ids)) == (3, 0.5, [2])
-    chat = build_generate_request(chat=[{"role": "user", "content": "hi"}], max_tokens=1)
+    chat = build_generate_request(GenerateOptions(chat=[{"role": "user", "content": "hi"}], max_tokens=1))
     assert (chat.chat.messages[0].role, chat.chat.messages[0].content) == ("user", "hi")
     with pytest.raises(ValueError, match="exactly one"):
-        build_generate_request(text="a", token_ids=[1], max_tokens=1)
+        build_generate_request(GenerateOptions(text="a", token_ids=[1], max_tokens=1))
     with pytest.raises(ValueError, match="exactly one"):
-        build_generate_request(max_tokens=1)
+        build_generate_request(GenerateOptions(max_tokens=1))
     with pytest.raises(ValueError, match="role"):
-        build_generate_request(chat=[{"text": "hi"}], max_tokens=1)
+        build_generate_request(GenerateOptions(chat=[{"text": "hi"}], max_tokens=1))
 
 
 def test_generate_request_carries_the_conversation_and_its_shared_prefix():
     chat = [{"role": "system", "content": "doc"}, {"role": "user", "content": "q"}]
     request = build_generate_request(
-        chat=chat, max_tokens=1, conversation_id="c1", tenant="t", shared_prefix={"messages": 1}
+        GenerateOptions(
+            chat=chat, max_tokens=1, conversation_id="c1", tenant="t", shared_prefix={"messages": 1}
+        )
     )
     assert (request.conversation_id, request.tenant, request.shared_prefix.messages) == ("c1", "t", 1)
     by_chars = build_generate_request(
-        chat=chat, max_tokens=1, conversation_id="c1", shared_prefix={"message": 1, "chars": 0}
+        GenerateOptions(
+            chat=chat, max_tokens=1, conversation_id="c1", shared_prefix={"message": 1, "chars": 0}
+        )
     )
     assert by_chars.shared_prefix.WhichOneof("prefix") == "message"
     assert (by_chars.shared_prefix.message.message, by_chars.shared_prefix.message.chars) == (1, 0)
     by_tokens = build_generate_request(
-        token_ids=[1, 2], max_tokens=1, conversation_id="c", shared_prefix={"tokens": 1}
+        GenerateOptions(token_ids=[1, 2], max_tokens=1, conversation_id="c", shared_prefix={"tokens": 1})
     )
     assert by_tokens.shared_prefix.tokens == 1
-    assert not build_generate_request(text="a", max_tokens=1).HasField("shared_prefix")
+    assert not build_generate_request(GenerateOptions(text="a", max_tokens=1)).HasField("shared_prefix")
     for bad in ({"messages": 1, "tokens": 2}, {"message": 1}, {"tokens": "3"}, {"tokens": True}, {}):
         with pytest.raises(ValueError, match="shared_prefix must be"):
-            build_generate_request(text="a", max_tokens=1, conversation_id="c", shared_prefix=bad)
+            build_generate_request(
+                GenerateOptions(text="a", max_tokens=1, conversation_id="c", shared_prefix=bad)
+            )
     with pytest.raises(ValueError, match="conversation_id"):
-        build_generate_request(text="a", max_tokens=1, shared_prefix={"tokens": 1})
+        build_generate_request(GenerateOptions(text="a", max_tokens=1, shared_prefix={"tokens": 1}))
 
 
 async def start_health_server(status) -> tuple[grpc.aio.Server, health.aio.HealthServicer, str]:
@@ -692,7 +700,7 @@ def test_dockerfile_copies_every_package_and_installs_the_model():
 async def test_generate_command_streams_and_prints_json_like_the_client(smol_stack):
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     async with PlannerClient(smol_stack.addr) as client:
-        expected = await client.generate_all(chat=chat, max_tokens=12)
+        expected = await client.generate_all(GenerateOptions(chat=chat, max_tokens=12))
 
     async def deltaserve_generate(*flags: str) -> str:
         process = await asyncio.create_subprocess_exec(

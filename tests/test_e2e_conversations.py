@@ -13,7 +13,7 @@ import torch
 from cache_svc.manifest import snapshot_key
 from cache_svc.server import start_cache_server
 from executor_svc.config import ExecutorConfig
-from planner_svc.client import PlannerClient
+from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig
 from planner_svc.scheduler import SchedulingConfig
 from protos import client_pb2
@@ -260,7 +260,9 @@ async def test_kv_pressure_parks_the_coldest_conversation(tmp_path):
             await s.wait_idle()
             cold = s.scheduler.conversations.get("default", "cold")
             assert cold.pages
-            big = await client.generate_all(token_ids=[5 + i % 40 for i in range(1500)], max_tokens=4)
+            big = await client.generate_all(
+                GenerateOptions(token_ids=[5 + i % 40 for i in range(1500)], max_tokens=4)
+            )
             assert big.finish_reason == "length"
             assert cold.parked and not cold.pages
             _, done = await turn(

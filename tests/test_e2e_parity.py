@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from planner_svc.client import PlannerClient
+from planner_svc.client import GenerateOptions, PlannerClient
 from tests.conftest import PARITY_TOKENS
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -23,7 +23,7 @@ async def test_chat_prompt_ids_equal_transformers(smol_stack):
 async def test_one_at_a_time_equals_transformers(smol_stack, hf_answers):
     async with PlannerClient(smol_stack.addr) as client:
         for chat, expected in hf_answers:
-            got = await client.generate_all(chat=chat, max_tokens=PARITY_TOKENS)
+            got = await client.generate_all(GenerateOptions(chat=chat, max_tokens=PARITY_TOKENS))
             assert got.token_ids == expected
             assert got.finish_reason == ("stop" if expected[-1] == 2 else "length")
             # the answer's text, without the stop token's "<|im_end|>"
@@ -38,7 +38,10 @@ async def test_all_at_once_equals_transformers(smol_stack, hf_answers):
     await smol_stack.wait_idle()
     async with PlannerClient(smol_stack.addr) as client:
         results = await asyncio.gather(
-            *(client.generate_all(chat=chat, max_tokens=PARITY_TOKENS) for chat, _ in hf_answers)
+            *(
+                client.generate_all(GenerateOptions(chat=chat, max_tokens=PARITY_TOKENS))
+                for chat, _ in hf_answers
+            )
         )
     for got, (_, expected) in zip(results, hf_answers):
         assert got.token_ids == expected

@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 
 from executor_svc.config import ExecutorConfig
-from planner_svc.client import PlannerClient
+from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig
 from planner_svc.scheduler import SchedulingConfig
 from tests.conftest import PARITY_TOKENS, SMOL_BUCKETS, start_stack, stop_stack
@@ -44,7 +44,10 @@ async def test_kv_pressure_every_request_completes_with_the_right_tokens(small_p
     watcher = asyncio.create_task(watch())
     async with PlannerClient(small_pool_stack.addr) as client:
         results = await asyncio.gather(
-            *(client.generate_all(chat=chat, max_tokens=PARITY_TOKENS) for chat, _ in hf_answers)
+            *(
+                client.generate_all(GenerateOptions(chat=chat, max_tokens=PARITY_TOKENS))
+                for chat, _ in hf_answers
+            )
         )
     watcher.cancel()
     for got, (_, expected) in zip(results, hf_answers):
@@ -58,7 +61,7 @@ async def test_kv_pressure_every_request_completes_with_the_right_tokens(small_p
 async def test_request_larger_than_the_pool_is_refused_at_once(small_pool_stack):
     async with PlannerClient(small_pool_stack.addr) as client:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await client.generate_all(token_ids=[5] * 3000, max_tokens=100)
+            await client.generate_all(GenerateOptions(token_ids=[5] * 3000, max_tokens=100))
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert caught.value.details() == "the request needs 194 KV pages and the pool has 160"
     assert small_pool_stack.scheduler.idle

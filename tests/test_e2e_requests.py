@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from planner_svc.client import PlannerClient
+from planner_svc.client import GenerateOptions, PlannerClient
 from protos.wire import unpack_i32
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -19,11 +19,11 @@ async def test_seeded_sampling_repeats_and_seeds_differ(smol_stack):
     async with PlannerClient(smol_stack.addr) as client:
         params = dict(chat=CHAT, max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, ignore_eos=True)
         first, second, other = await asyncio.gather(
-            client.generate_all(seed=7, **params),
-            client.generate_all(seed=7, **params),
-            client.generate_all(seed=8, **params),
+            client.generate_all(GenerateOptions(seed=7, **params)),
+            client.generate_all(GenerateOptions(seed=7, **params)),
+            client.generate_all(GenerateOptions(seed=8, **params)),
         )
-        alone = await client.generate_all(seed=7, **params)  # a different batch: same tokens
+        alone = await client.generate_all(GenerateOptions(seed=7, **params))  # a different batch: same tokens
     assert first.token_ids == second.token_ids == alone.token_ids
     assert other.token_ids != first.token_ids
     assert len(first.token_ids) == 16 and first.finish_reason == "length"
@@ -31,9 +31,9 @@ async def test_seeded_sampling_repeats_and_seeds_differ(smol_stack):
 
 async def test_text_and_token_id_prompts(smol_stack):
     async with PlannerClient(smol_stack.addr) as client:
-        by_text = await client.generate_all(text="The capital of France is", max_tokens=5)
+        by_text = await client.generate_all(GenerateOptions(text="The capital of France is", max_tokens=5))
         ids = smol_stack.planner.tokenizer("The capital of France is")["input_ids"]
-        by_ids = await client.generate_all(token_ids=ids, max_tokens=5)
+        by_ids = await client.generate_all(GenerateOptions(token_ids=ids, max_tokens=5))
         info = await client.model_info()
         server = await client.server_info()
     assert by_text.token_ids == by_ids.token_ids and by_text.prompt_tokens == len(ids)
@@ -76,19 +76,19 @@ async def test_bad_input_is_refused_and_changes_nothing(smol_stack, fields, code
     await smol_stack.wait_idle()
     pages = smol_stack.scheduler.pages.free_count
     async with PlannerClient(smol_stack.addr) as client:
-        await expect_status(client.generate_all(**fields), code, message)
+        await expect_status(client.generate_all(GenerateOptions(**fields)), code, message)
     assert smol_stack.scheduler.idle and smol_stack.scheduler.pages.free_count == pages
 
 
 async def test_duplicate_request_id_and_unknown_abort(smol_stack):
     async with PlannerClient(smol_stack.addr) as client:
         stream = client.generate(
-            text="Count to one hundred:", max_tokens=200, ignore_eos=True, request_id="dup"
+            GenerateOptions(text="Count to one hundred:", max_tokens=200, ignore_eos=True, request_id="dup")
         )
         first = await stream.__anext__()
         assert first.request_id == "dup"
         await expect_status(
-            client.generate_all(text="hello", max_tokens=2, request_id="dup"),
+            client.generate_all(GenerateOptions(text="hello", max_tokens=2, request_id="dup")),
             grpc.StatusCode.ALREADY_EXISTS,
             "already running",
         )
@@ -105,7 +105,9 @@ async def test_client_disconnect_frees_pages_and_slot(smol_stack):
     scheduler = smol_stack.scheduler
     pages, slots = scheduler.pages.free_count, scheduler.slots.free_count
     async with PlannerClient(smol_stack.addr) as client:
-        stream = client.generate(text="Tell me everything about the ocean.", max_tokens=500, ignore_eos=True)
+        stream = client.generate(
+            GenerateOptions(text="Tell me everything about the ocean.", max_tokens=500, ignore_eos=True)
+        )
         async for response in stream:
             if len(response.token_ids) or scheduler.running:
                 break
@@ -124,7 +126,7 @@ async def test_streams_written_one_a_step_still_get_every_token(smol_stack):
     prompts = [f"Count from {n} to {n + 20}:" for n in range(4)]
     async with PlannerClient(smol_stack.addr) as client:
         free = await asyncio.gather(
-            *(client.generate_all(text=p, max_tokens=8, ignore_eos=True) for p in prompts)
+            *(client.generate_all(GenerateOptions(text=p, max_tokens=8, ignore_eos=True)) for p in prompts)
         )
         saved, engine.stream_budget = (
             engine.stream_budget,
@@ -135,7 +137,9 @@ async def test_streams_written_one_a_step_still_get_every_token(smol_stack):
 
             async def count_messages(index: int) -> list[int]:
                 ids = []
-                async for response in client.generate(text=prompts[index], max_tokens=8, ignore_eos=True):
+                async for response in client.generate(
+                    GenerateOptions(text=prompts[index], max_tokens=8, ignore_eos=True)
+                ):
                     messages[index] += 1
                     ids += list(unpack_i32(response.token_ids))
                 return ids

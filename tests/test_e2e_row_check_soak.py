@@ -11,7 +11,7 @@ import pytest
 
 from bench.soak import DisplacedCounter, one_request
 from executor_svc.server import start_executor_server
-from planner_svc.client import PlannerClient
+from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig
 from planner_svc.link import GrpcLink
 from planner_svc.scheduler import SchedulingConfig
@@ -68,7 +68,7 @@ async def test_row_check_soak(pool_pages):
             for fields, tokens, finished in results:
                 if finished:
                     alone = await client.generate_all(
-                        **{**fields, "request_id": fields["request_id"] + "-alone"}
+                        GenerateOptions(**{**fields, "request_id": fields["request_id"] + "-alone"})
                     )
                     assert tokens == alone.token_ids
     finally:
