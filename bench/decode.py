@@ -44,9 +44,8 @@ from executor_svc.config import DEFAULT_BUCKETS, ExecutorConfig
 from executor_svc.models.llama import LlamaModel
 from executor_svc.runner import StepRunner, runner_for_model
 from executor_svc.server import start_executor_server
-from planner_svc.config import PlannerConfig
+from planner_svc.config import PlannerConfig, SchedulingConfig
 from planner_svc.link import GrpcLink
-from planner_svc.scheduler import SchedulingConfig
 from planner_svc.server import start_planner_server
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.rpc import StartedServer

@@ -88,9 +88,8 @@ async def check_stack(args: argparse.Namespace, cases: list[dict]) -> list[dict]
     from executor_svc.runner import build_runner
     from executor_svc.server import start_executor_server
     from planner_svc.client import GenerateOptions, PlannerClient
-    from planner_svc.config import PlannerConfig
+    from planner_svc.config import PlannerConfig, SchedulingConfig
     from planner_svc.link import GrpcLink
-    from planner_svc.scheduler import SchedulingConfig
     from planner_svc.server import start_planner_server
 
     max_tokens = cases[0]["max_tokens"]

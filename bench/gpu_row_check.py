@@ -34,9 +34,8 @@ from executor_svc.config import ExecutorConfig
 from executor_svc.runner import runner_for_model
 from executor_svc.server import start_executor_server
 from planner_svc.client import PlannerClient
-from planner_svc.config import PlannerConfig
+from planner_svc.config import PlannerConfig, SchedulingConfig
 from planner_svc.link import GrpcLink
-from planner_svc.scheduler import SchedulingConfig
 from planner_svc.server import start_planner_server
 
 PAGE_SIZE = 16

@@ -23,8 +23,7 @@ from cache_svc.server import start_cache_server
 from executor_svc.config import ExecutorConfig
 from executor_svc.runner import build_runner
 from executor_svc.server import start_executor_server
-from planner_svc.config import PlannerConfig
-from planner_svc.scheduler import SchedulingConfig
+from planner_svc.config import PlannerConfig, SchedulingConfig
 from planner_svc.server import start_planner_server
 from protos import client_pb2, client_pb2_grpc
 from protos.wire import unpack_i32

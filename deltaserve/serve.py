@@ -13,9 +13,8 @@ import grpc
 from deltaserve.aio import until_stopped
 from deltaserve.logs import get_logger
 from executor_svc.config import ExecutorConfig
-from planner_svc.config import PlannerConfig
+from planner_svc.config import PlannerConfig, SchedulingConfig
 from planner_svc.retention import RetentionConfig
-from planner_svc.scheduler import SchedulingConfig
 from protos import executor_pb2, executor_pb2_grpc
 from protos.rpc import CHANNEL_OPTIONS, wait_serving
 

@@ -6,7 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner_svc.retention import RetentionConfig
-from planner_svc.scheduler import SchedulingConfig
+
+
+@dataclass(slots=True)
+class SchedulingConfig:
+    """The planner's settings of every scheduler (carried by SchedulerConfig.settings)."""
+
+    prefill_token_budget: int = 2048  # prompt tokens read per step (chunked prefill)
+    row_check: bool = False  # ship the mirror of every row read, for the executor to compare
+    prefix_cache: bool = True  # share full prompt pages across requests by a hash chain of their tokens
+
+    def __post_init__(self) -> None:
+        if self.prefill_token_budget < 1:
+            raise ValueError(f"prefill_token_budget must be positive, got {self.prefill_token_budget}")
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from planner_svc.config import SchedulingConfig
 from planner_svc.conversations import Conversations
 from planner_svc.pages import PagePool, page_hashes
 from planner_svc.requests import Finish, Phase, Request
@@ -41,19 +42,6 @@ class PlannedStep:
     sampler: SamplerWrites | None = None
     prefill: list[PrefillChunk] = field(default_factory=list)
     mirror: bytes = b""  # row check: the rows read, as the planner holds them
-
-
-@dataclass(slots=True)
-class SchedulingConfig:
-    """The planner's settings of every scheduler (PlannerConfig.scheduling); checked where made."""
-
-    prefill_token_budget: int = 2048  # prompt tokens read per step (chunked prefill)
-    row_check: bool = False  # ship the mirror of every row read, for the executor to compare
-    prefix_cache: bool = True  # share full prompt pages across requests by a hash chain of their tokens
-
-    def __post_init__(self) -> None:
-        if self.prefill_token_budget < 1:
-            raise ValueError(f"prefill_token_budget must be positive, got {self.prefill_token_budget}")
 
 
 @dataclass(slots=True)

@@ -12,8 +12,7 @@ import pytest_asyncio
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from executor_svc.config import ExecutorConfig
-from planner_svc.config import PlannerConfig
-from planner_svc.scheduler import SchedulingConfig
+from planner_svc.config import PlannerConfig, SchedulingConfig
 
 SMOL_BUCKETS = (1, 2, 4, 8, 16)
 

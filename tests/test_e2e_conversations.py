@@ -14,8 +14,7 @@ from cache_svc.manifest import snapshot_key
 from cache_svc.server import start_cache_server
 from executor_svc.config import ExecutorConfig
 from planner_svc.client import GenerateOptions, PlannerClient
-from planner_svc.config import PlannerConfig
-from planner_svc.scheduler import SchedulingConfig
+from planner_svc.config import PlannerConfig, SchedulingConfig
 from protos import client_pb2
 from protos.wire import unpack_i32
 from tests.conftest import SMOL_BUCKETS, start_stack, stop_stack

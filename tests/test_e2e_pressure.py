@@ -10,8 +10,7 @@ import pytest_asyncio
 
 from executor_svc.config import ExecutorConfig
 from planner_svc.client import GenerateOptions, PlannerClient
-from planner_svc.config import PlannerConfig
-from planner_svc.scheduler import SchedulingConfig
+from planner_svc.config import PlannerConfig, SchedulingConfig
 from tests.conftest import PARITY_TOKENS, SMOL_BUCKETS, start_stack, stop_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -12,9 +12,8 @@ import pytest
 from bench.soak import DisplacedCounter, one_request
 from executor_svc.server import start_executor_server
 from planner_svc.client import GenerateOptions, PlannerClient
-from planner_svc.config import PlannerConfig
+from planner_svc.config import PlannerConfig, SchedulingConfig
 from planner_svc.link import GrpcLink
-from planner_svc.scheduler import SchedulingConfig
 from planner_svc.server import start_planner_server
 from tests.test_runner import BUCKETS, PAGE, TINY, tiny_model
 

@@ -302,9 +302,7 @@ def test_planner_stops_on_the_models_own_eos(model: LlamaModel):
     other_tokenizer = SimpleNamespace(eos_token_id=TINY.eos_token_id + 1)
     assert PlannerServicer([], [described], other_tokenizer, turns=None).eos_token_id == TINY.eos_token_id
     described.ClearField("eos_token_id")  # an executor that does not say: the tokenizer's
-    assert (
-        PlannerServicer([], [described], other_tokenizer, turns=None).eos_token_id == TINY.eos_token_id + 1
-    )
+    assert PlannerServicer([], [described], other_tokenizer, turns=None).eos_token_id == TINY.eos_token_id + 1
 
 
 def test_device_and_dtype_resolution():

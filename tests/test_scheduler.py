@@ -7,8 +7,9 @@ import random
 import numpy as np
 import pytest
 
+from planner_svc.config import SchedulingConfig
 from planner_svc.requests import Finish, Request, Sampling
-from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig, SchedulingConfig
+from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
 from protos.layout import RowLayout
 from protos.wire import unpack_i32
 
