@@ -55,10 +55,6 @@ def test_mypy():
     run_tool("mypy")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="executor runner, planner server, cli, cache store over 400 lines until issue 13's reshape",
-)
 def test_no_service_module_over_400_lines():
     long = {}
     for package in SERVICE_PACKAGES:
@@ -71,10 +67,6 @@ def test_no_service_module_over_400_lines():
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="executor_svc/slot_store.py and its kernels/slot_store.py until issue 13's reshape settles",
-)
 def test_no_two_modules_share_a_name():
     by_name = collections.defaultdict(list)
     for path in python_files():
