@@ -69,7 +69,7 @@ class Scheduler:
         self.conversations = conversations
         self.layout = layout
         self.pages = PagePool(config.pool_pages)
-        self.slots = SlotCache(layout.widest_bucket)
+        self.slots: SlotCache[Request] = SlotCache(layout.widest_bucket)
         self.mirror = RowMirror(layout)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
@@ -169,7 +169,7 @@ class Scheduler:
             self._assign(seq, finals + ready)
         for chunk in step.prefill:
             if chunk.sample_slot < 0:  # the chunk that ends the prompt samples into its slot
-                chunk.sample_slot = self.slots.slot_of(chunk.request)
+                chunk.sample_slot = self.slots.held_slot(chunk.request)
                 writes.add(chunk.sample_slot, chunk.request.sampling, last_token=-1)
             chunk.request.last_seq = seq
         self._plan_decode(step, ready, writes)
@@ -210,7 +210,7 @@ class Scheduler:
         missing = sum(1 for r in requests if slot_of(r) is None)
         # Displacement hands a victim's slot to another row this step: keep the victim's length first.
         holders = (
-            {r: slot_of(r) for r in self.decoding if slot_of(r) is not None}
+            {r: slot for r in self.decoding if (slot := slot_of(r)) is not None}
             if missing > self.slots.free_count
             else {}
         )
@@ -259,7 +259,7 @@ class Scheduler:
     def _plan_decode(self, step: PlannedStep, ready: list[Request], writes: SamplerWrites) -> None:
         if not ready:
             return
-        slot_of = self.slots.slot_of
+        slot_of = self.slots.held_slot  # every ready row was just assigned one
         ready.sort(key=slot_of)
         bucket = next(b for b in self.config.buckets if b >= len(ready))
         slots = np.zeros(bucket, dtype=I32)

@@ -5,21 +5,23 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar, cast
 
 SINK_SLOT = 0
 _NO_HOLDER = object()  # request ids may be any hashable, None included
+K = TypeVar("K", bound=Hashable)  # the request id type of one cache (the scheduler's: its Request objects)
 
 
 @dataclass(slots=True)
-class Assignment:
+class Assignment(Generic[K]):
     """One step's slots, row for row, and what changed to give them."""
 
     slots: list[int]
-    fresh: list[Hashable] = field(default_factory=list)  # took a slot this step: write their rows whole
-    displaced: list[Hashable] = field(default_factory=list)  # lost their slot: fresh when they next run
+    fresh: list[K] = field(default_factory=list)  # took a slot this step: write their rows whole
+    displaced: list[K] = field(default_factory=list)  # lost their slot: fresh when they next run
 
 
-class SlotCache:
+class SlotCache(Generic[K]):
     """Slots 1..2B, each free, cooling (released, a step that read it is uncommitted) or held.
 
     Slots are a cache, not a quota: a request without one takes a free one, or displaces the least
@@ -36,7 +38,7 @@ class SlotCache:
         self._last_read = [-1] * self.num_slots  # seq of the last step that read the slot
         self._take_order = [0] * self.num_slots  # ties between equally stale holders: first taker first
         self._takes = 0
-        self._slot_of: dict[Hashable, int] = {}
+        self._slot_of: dict[K, int] = {}
         self._free = list(range(self.num_slots - 1, SINK_SLOT, -1))  # popped from the end: slot 1 first
         self._cooling: set[int] = set()
         self._committed = -1
@@ -58,10 +60,14 @@ class SlotCache:
     def held_count(self) -> int:
         return len(self._slot_of)
 
-    def slot_of(self, request_id: Hashable) -> int | None:
+    def slot_of(self, request_id: K) -> int | None:
         return self._slot_of.get(request_id)
 
-    def assign(self, seq: int, request_ids: Sequence[Hashable]) -> Assignment:
+    def held_slot(self, request_id: K) -> int:
+        """The slot of a request that holds one (a KeyError names one that holds none)."""
+        return self._slot_of[request_id]
+
+    def assign(self, seq: int, request_ids: Sequence[K]) -> Assignment[K]:
         """The slots of step `seq`'s rows; holders keep theirs, the others take free or displaced ones."""
         if seq <= self._last_seq or seq <= self._committed:
             raise ValueError(f"plan {seq} is not after plan {self._last_seq} and commit {self._committed}")
@@ -80,7 +86,7 @@ class SlotCache:
         for slot in slots:
             if slot is not None:  # marked first, so no member of this step is taken as a victim
                 last_read[slot] = seq
-        assignment = Assignment(slots)
+        assignment: Assignment[K] = Assignment(slots)
         missing = [row for row, slot in enumerate(slots) if slot is None]
         victims = self._victims(len(missing) - len(self._free))
         for row in missing:
@@ -88,7 +94,7 @@ class SlotCache:
                 slot = self._free.pop()
             else:
                 slot = victims.pop()
-                victim = self._holder[slot]
+                victim = cast(K, self._holder[slot])  # a victim's slot is held: its holder is a request id
                 del slot_of[victim]
                 assignment.displaced.append(victim)
             request_id = request_ids[row]
@@ -127,7 +133,7 @@ class SlotCache:
         self._cooling.difference_update(cooled)
         self._free.extend(cooled)
 
-    def release(self, request_id: Hashable) -> None:
+    def release(self, request_id: K) -> None:
         """The request finished, aborted or parked: its slot cools until its last reader commits."""
         slot = self._slot_of.pop(request_id, None)
         if slot is None:
