@@ -154,6 +154,8 @@ class CacheClient:
                 chunks = [[] for _ in header.shards]
             else:
                 chunks[part.chunk.shard].append(part.chunk.data)
+        if header is None:
+            raise RuntimeError(f"the cache's Get stream of {conversation_id!r} ended without a header")
         return manifest_dict(header), [b"".join(pieces) for pieces in chunks]
 
     async def list(

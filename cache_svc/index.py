@@ -288,7 +288,9 @@ class SnapshotIndex:
             key = pending.manifest.key
             victims = self._victims(key, pending.manifest.size_bytes)
             manifest = pending.commit()
-            self._upsert(manifest, self.store.manifest_stamp(key), self._tick())
+            stamp = self.store.manifest_stamp(key)
+            assert stamp is not None, f"snapshot {key}: its manifest is gone right after the commit"
+            self._upsert(manifest, stamp, self._tick())
             for victim in victims:
                 self.store.delete(victim.key)
                 self._db.execute("DELETE FROM snapshots WHERE key = ?", (victim.key,))

@@ -22,7 +22,7 @@ from cache_svc.manifest import (
     SnapshotError,
     SnapshotNotFound,
 )
-from cache_svc.store import PendingSnapshot
+from cache_svc.store import PendingSnapshot, ShardReader
 from protos import cache_pb2, cache_pb2_grpc
 from protos.rpc import StartedServer, start_server
 from protos.wire import pack_i32, unpack_i32
@@ -157,7 +157,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     async def Get(
         self, request: cache_pb2.GetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[cache_pb2.SnapshotPart]:
-        readers = []
+        readers: list[ShardReader] = []
         next_read: asyncio.Future | None = None
         try:
             tenant, conversation_id = _owner(request)

@@ -125,10 +125,16 @@ class PendingSnapshot:
                 f"the header says {shard.sha256[:12]}"
             )
         self._digests.append(digest)
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        file = self._shard_file()
+        file.flush()
+        os.fsync(file.fileno())
+        file.close()
         self._file = None
+
+    def _shard_file(self) -> BinaryIO:
+        """The file of the shard being written: open from the shard's start until it is finished."""
+        assert self._file is not None, f"shard {self._current} of {self.manifest.key} has no open file"
+        return self._file
 
     def _start(self, index: int) -> None:
         if self._current == -1:
@@ -170,7 +176,7 @@ class PendingSnapshot:
                 f"{self.manifest.shards[shard].describe(shard)}: "
                 f"more than the {declared} bytes the header declares"
             )
-        self._file.write(data)
+        self._shard_file().write(data)
         self._hash.update(data)
         self._written += len(data)
 
