@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from planner_svc.conversations import Conversation
+from planner_svc.conversations import Conversation, Conversations
 from planner_svc.link import ExecutorLink
 from planner_svc.requests import Finish, Request
 from planner_svc.scheduler import PlannedStep, Scheduler
@@ -85,6 +85,14 @@ class Engine:
     @property
     def load(self) -> int:
         return len(self._queues)
+
+    @property
+    def conversations(self) -> Conversations:
+        """The scheduler's conversations (the planner builds every engine with them)."""
+        conversations = self.scheduler.conversations
+        if conversations is None:
+            raise RuntimeError(f"the engine of executor {self.link.address} keeps no conversations")
+        return conversations
 
     async def start(self) -> None:
         await self.link.open()

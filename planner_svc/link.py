@@ -39,7 +39,7 @@ class GrpcLink:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
-        self._call = None
+        self._call: grpc.aio.StreamStreamCall | None = None  # the step stream, once open
 
     async def describe(self) -> executor_pb2.ExecutorDescription:
         return await self._stub.Describe(executor_pb2.DescribeRequest(), wait_for_ready=True)
@@ -47,11 +47,16 @@ class GrpcLink:
     async def open(self) -> None:
         self._call = self._stub.Steps()
 
+    def _stream(self) -> grpc.aio.StreamStreamCall:
+        if self._call is None:
+            raise RuntimeError(f"executor {self.address}: the step stream is used before open()")
+        return self._call
+
     async def send(self, plan: executor_pb2.StepPlan) -> None:
-        await self._call.write(plan)
+        await self._stream().write(plan)
 
     async def recv(self) -> executor_pb2.StepOutput:
-        output = await self._call.read()
+        output = await self._stream().read()
         if output is grpc.aio.EOF:
             raise ConnectionError(f"executor {self.address} closed the step stream")
         return output

@@ -103,10 +103,13 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         if messages and messages[0]["role"] == "system":
             req.root = common_prefix(self._render(messages[:1]), req.prompt_ids) or None
         if request.HasField("shared_prefix"):
-            kind = request.shared_prefix.WhichOneof("prefix")
-            value = getattr(request.shared_prefix, kind) if kind else 0
+            prefix = request.shared_prefix
+            kind = prefix.WhichOneof("prefix")
+            value: int | tuple[int, int] = 0
             if kind == "message":
-                value = (value.message, value.chars)
+                value = (prefix.message.message, prefix.message.chars)
+            elif kind:
+                value = getattr(prefix, kind)
             tokens, why = resolve_shared_prefix(kind, value, req.prompt_ids, messages, self._render)
             if tokens is None:
                 log.info("shared prefix not marked", reason=why)
@@ -254,7 +257,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 pinned_prefix=c.retention.pinned or 0,
             )
             for engine in self.engines
-            for c in engine.scheduler.conversations.of_tenant(tenant)
+            for c in engine.conversations.of_tenant(tenant)
             if c.tokens or c.busy
         ]
         return client_pb2.ListConversationsResponse(conversations=listed)

@@ -42,7 +42,7 @@ class Turns:
     def find(self, tenant: str, conversation_id: str) -> tuple[Engine | None, Conversation | None]:
         """The engine holding the conversation, if any holds it."""
         for engine in self.engines:
-            conversation = engine.scheduler.conversations.get(tenant, conversation_id)
+            conversation = engine.conversations.get(tenant, conversation_id)
             if conversation is not None:
                 return engine, conversation
         return None, None
@@ -53,7 +53,7 @@ class Turns:
         if engine is not None and conversation is not None:
             return engine, conversation
         engine = self.least_loaded()
-        return engine, engine.scheduler.conversations.open(tenant, conversation_id)
+        return engine, engine.conversations.open(tenant, conversation_id)
 
     # ---- turns ----
 
@@ -75,7 +75,7 @@ class Turns:
         await self._previous_turn_done(engine, conversation)
         engine.scheduler.check(req)  # refuse bad input before touching the conversation
         outcome = await self.parking.restore(engine, conversation) if not conversation.pages else None
-        mount, release = engine.scheduler.conversations.mount(
+        mount, release = engine.conversations.mount(
             conversation, req.prompt_ids, outcome is not None and outcome.restored
         )
         engine.scheduler.return_pages(release)
@@ -130,7 +130,7 @@ class Turns:
             return conversation
         if outcome.status is Restore.NOTHING:
             if not conversation.tokens:  # opened by this call only: leave no trace
-                engine.scheduler.conversations.remove(conversation)
+                engine.conversations.remove(conversation)
             raise ParkError(grpc.StatusCode.NOT_FOUND, f"no parked conversation {conversation_id!r}")
         raise ParkError(
             grpc.StatusCode.DATA_LOSS if outcome.data_loss else grpc.StatusCode.UNAVAILABLE,
