@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -14,6 +15,10 @@ from executor_svc.models.llama import LlamaModel
 from executor_svc.plan import CheckedPlan
 from executor_svc.sampler import sample
 from executor_svc.slot_store import SlotStore
+
+if TYPE_CHECKING:
+    # what torch.cuda.graph_pool_handle() returns and torch.cuda.graph(pool=) takes: a tuple[int, int]
+    from torch.cuda import _POOL_HANDLE as GraphPool
 
 log = structlog.get_logger("deltaserve.executor.graphs")
 
@@ -26,7 +31,7 @@ def capture_order(buckets: Iterable[int]) -> list[int]:
 
 
 def capture_step(
-    step: Callable[[], torch.Tensor], device: torch.device, pool: tuple[int, int] | None
+    step: Callable[[], torch.Tensor], device: torch.device, pool: GraphPool | None
 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Run `step` eagerly on a side stream WARMUP_STEPS times, then capture it into `pool`; returns the graph
     and the output tensor its replays refill."""
@@ -85,7 +90,7 @@ class DecodeGraphs:
             self._build(bucket)
 
     @property
-    def pool(self) -> tuple[int, int] | None:
+    def pool(self) -> GraphPool | None:
         """The memory pool of the decode graphs' captures, for other graphs that never run alongside them."""
         return self._pool
 

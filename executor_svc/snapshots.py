@@ -161,6 +161,7 @@ class Snapshots:
         except RuntimeError:
             free_bytes = None  # no sample: go ahead
         if not restore_fits(free_bytes, self._copy_stream is not None, RESTORE_FIRST_USE_BYTES):
+            assert free_bytes is not None, "restore_fits refuses only where free memory was sampled"
             raise SnapshotRefused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"restore refused: {self._device} has no copy stream yet and {free_bytes >> 20} MiB free, "

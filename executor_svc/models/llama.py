@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -140,6 +141,9 @@ class LlamaModel(nn.Module):
     pages and says which ops the rest of the layer runs in (Triton kernels or torch ops).
     """
 
+    rope_cos: torch.Tensor  # buffers [max_seq_len, head_dim], registered in __init__
+    rope_sin: torch.Tensor
+
     def __init__(self, config: LlamaConfig, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
@@ -181,6 +185,10 @@ class LlamaModel(nn.Module):
             dtype=self.dtype if dtype is None else dtype,
             device=self.device if device is None else device,
         )
+
+    def _decoder_layers(self) -> Sequence[_Layer]:
+        """self.layers, each a _Layer (nn.ModuleList types its items as Module)."""
+        return cast("Sequence[_Layer]", self.layers)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x)
@@ -224,7 +232,7 @@ class LlamaModel(nn.Module):
         kv = attention.kv
         cos, sin = self.rope_cos[inputs.positions], self.rope_sin[inputs.positions]
         x = self.embed_tokens(inputs.tokens)  # x: [B, hidden]
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self._decoder_layers()):
             q, k, v = self._project_qkv(layer, x, cos, sin)
             kv.write(index, inputs.write_page, inputs.write_offset, k, v)
             x = self._finish_layer(layer, x, attention.forward(index, q))
@@ -238,7 +246,7 @@ class LlamaModel(nn.Module):
         if self._fused is None:
             # Normal tensors even when first called under inference mode, so a later in-place load works.
             with torch.inference_mode(False):
-                self._fused = [self._fuse_layer(layer) for layer in self.layers]
+                self._fused = [self._fuse_layer(layer) for layer in self._decoder_layers()]
         return self._fused
 
     @staticmethod
@@ -285,7 +293,9 @@ class LlamaModel(nn.Module):
 
         residual = None  # the first norm's "sum" is the embedding itself
         fused = self._fused_projections()
-        for index, (layer, (qkv_weight, gate_up_weight)) in enumerate(zip(self.layers, fused, strict=True)):
+        for index, (layer, (qkv_weight, gate_up_weight)) in enumerate(
+            zip(self._decoder_layers(), fused, strict=True)
+        ):
             # qkv: [B, (H + 2 KVH) * D]
             qkv, residual = norm_project(x, residual, layer.input_layernorm.weight, qkv_weight)
             q = qkv[:, :q_end].view(batch, heads, head_dim)
@@ -310,6 +320,7 @@ class LlamaModel(nn.Module):
             )
             x = project(act, layer.mlp.down_proj.weight)
         if select is not None:
+            assert residual is not None, "no layer ran: the model has num_layers >= 1"
             x, residual = x.index_select(0, select), residual.index_select(0, select)
         h, _ = rmsnorm_residual(x, residual, self.norm.weight, eps)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

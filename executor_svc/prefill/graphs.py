@@ -4,6 +4,7 @@ holds it (captured on CUDA), else eager: forward -> sample -> loop-back."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
@@ -17,6 +18,9 @@ from executor_svc.plan import CheckedPlan
 from executor_svc.prefill.batch import PrefillBatch, PrefillShape
 from executor_svc.sampler import sample
 from executor_svc.slot_store import SlotStore
+
+if TYPE_CHECKING:
+    from executor_svc.decode_graphs import GraphPool
 
 log = structlog.get_logger("deltaserve.executor.prefill_graphs")
 
@@ -74,7 +78,7 @@ class PrefillGraphs:
         token_buckets: Iterable[int],
         *,
         max_seq_len: int,
-        pool: tuple[int, int] | None = None,
+        pool: GraphPool | None = None,
     ) -> None:
         device = store.device
         self.fused = device.type == "cuda"  # the Triton kernels, one attention launch a layer for all chunks
