@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sys
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 T = TypeVar("T")
 
@@ -52,11 +53,28 @@ def run(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
             for sig in installed:
                 loop.remove_signal_handler(sig)
 
-    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
-        return runner.run(main_with_signals())
+    factory = _event_loop_factory()
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(main_with_signals())
+    loop = factory()  # Python 3.10 has no asyncio.Runner: what it does, by hand
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(main_with_signals())
+    finally:
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())
+        asyncio.set_event_loop(None)
+        loop.close()
 
 
-async def until_stopped(awaitable: Awaitable[T], stop: asyncio.Event) -> tuple[bool, T | None]:
+async def until_stopped(
+    awaitable: Awaitable[T], stop: asyncio.Event
+) -> tuple[Literal[True], T] | tuple[Literal[False], None]:
     """(True, result) when `awaitable` finishes first; (False, None) when `stop` is set first (then it is
     cancelled)."""
     work = asyncio.ensure_future(awaitable)

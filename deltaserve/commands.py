@@ -31,18 +31,18 @@ log = get_logger("deltaserve.commands")
 
 async def _call(
     work: Awaitable[T], stop: asyncio.Event, unreachable: Callable[[grpc.aio.AioRpcError], str | None]
-) -> tuple[int | None, T | None]:
+) -> tuple[None, T] | tuple[int, None]:
     """(None, result) when the call finished; (exit code, None) when it failed (said on stderr) or was
     interrupted. `unreachable` words an error that means nothing answered, else None."""
     try:
-        finished, result = await until_stopped(work, stop)
+        outcome = await until_stopped(work, stop)
     except grpc.aio.AioRpcError as error:
         print(unreachable(error) or f"error: {error.code().name}: {error.details()}", file=sys.stderr)
         return 1, None
-    if not finished:
+    if not outcome[0]:
         print("\ninterrupted", file=sys.stderr)
         return EXIT_INTERRUPTED, None
-    return None, result
+    return None, outcome[1]
 
 
 def _planner_unreachable(client: PlannerClient) -> Callable[[grpc.aio.AioRpcError], str | None]:
@@ -154,9 +154,10 @@ async def generate(args: argparse.Namespace, stop: asyncio.Event) -> int:
     options = _request_options(args)
     async with PlannerClient(args.addr) as client:
         if args.json:
-            code, generation = await _call(client.generate_all(options), stop, _planner_unreachable(client))
-            if code is None:
-                _print_json(dataclasses.asdict(generation))
+            outcome = await _call(client.generate_all(options), stop, _planner_unreachable(client))
+            code = outcome[0]
+            if outcome[0] is None:
+                _print_json(dataclasses.asdict(outcome[1]))
         else:
             code, last = await _call(_stream_text(client, options), stop, _planner_unreachable(client))
             if code is None and args.conversation and last is not None:
@@ -169,11 +170,12 @@ async def generate(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
 async def park(args: argparse.Namespace, stop: asyncio.Event) -> int:
     async with PlannerClient(args.addr) as client:
-        code, parked = await _call(
+        outcome = await _call(
             client.park(args.conversation_id, args.tenant), stop, _planner_unreachable(client)
         )
-    if code is not None:
-        return code
+    if outcome[0] is not None:
+        return outcome[0]
+    parked = outcome[1]
     if args.json:
         _print_json(
             {"conversation_id": args.conversation_id, "tenant": args.tenant, **dataclasses.asdict(parked)}
@@ -187,11 +189,12 @@ async def park(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
 async def resume(args: argparse.Namespace, stop: asyncio.Event) -> int:
     async with PlannerClient(args.addr) as client:
-        code, resumed = await _call(
+        outcome = await _call(
             client.resume(args.conversation_id, args.tenant), stop, _planner_unreachable(client)
         )
-    if code is not None:
-        return code
+    if outcome[0] is not None:
+        return outcome[0]
+    resumed = outcome[1]
     if args.json:
         _print_json(
             {"conversation_id": args.conversation_id, "tenant": args.tenant, **dataclasses.asdict(resumed)}
@@ -204,9 +207,10 @@ async def resume(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
 async def conversations(args: argparse.Namespace, stop: asyncio.Event) -> int:
     async with PlannerClient(args.addr) as client:
-        code, listed = await _call(client.conversations(args.tenant), stop, _planner_unreachable(client))
-    if code is not None:
-        return code
+        outcome = await _call(client.conversations(args.tenant), stop, _planner_unreachable(client))
+    if outcome[0] is not None:
+        return outcome[0]
+    listed = outcome[1]
     if args.json:
         _print_json([dataclasses.asdict(conversation) for conversation in listed])
     elif not listed:
@@ -234,9 +238,10 @@ async def conversations(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
 async def cache_ls(args: argparse.Namespace, stop: asyncio.Event) -> int:
     async with CacheClient(args.addr) as cache:
-        code, snapshots = await _call(cache.list(args.tenant), stop, _cache_unreachable(args.addr))
-    if code is not None:
-        return code
+        outcome = await _call(cache.list(args.tenant), stop, _cache_unreachable(args.addr))
+    if outcome[0] is not None:
+        return outcome[0]
+    snapshots = outcome[1]
     if args.json:
         _print_json(snapshots)
     elif not snapshots:
@@ -260,11 +265,12 @@ async def cache_ls(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
 async def cache_rm(args: argparse.Namespace, stop: asyncio.Event) -> int:
     async with CacheClient(args.addr) as cache:
-        code, deleted = await _call(
+        outcome = await _call(
             cache.delete(args.tenant, args.conversation_id), stop, _cache_unreachable(args.addr)
         )
-    if code is not None:
-        return code
+    if outcome[0] is not None:
+        return outcome[0]
+    deleted = outcome[1]
     if args.json:
         _print_json({"conversation_id": args.conversation_id, "tenant": args.tenant, **deleted})
     else:
@@ -274,9 +280,10 @@ async def cache_rm(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
 async def cache_stat(args: argparse.Namespace, stop: asyncio.Event) -> int:
     async with CacheClient(args.addr) as cache:
-        code, stat = await _call(cache.stat(args.tenant), stop, _cache_unreachable(args.addr))
-    if code is not None:
-        return code
+        outcome = await _call(cache.stat(args.tenant), stop, _cache_unreachable(args.addr))
+    if outcome[0] is not None:
+        return outcome[0]
+    stat = outcome[1]
     if args.json:
         _print_json({"tenant": args.tenant, **stat})
     else:

@@ -242,14 +242,13 @@ class Flags:
     def switch(self, flag: str, *, default: bool | None = False, help: str) -> None:
         """--flag / --no-flag."""
         found, value = self._from_env(env_name(flag), parse_bool)
-        if found:
-            default = value
+        initial: bool | str | None = value if found else default  # a str: argparse.SUPPRESS
         if self.suppress:
-            default = argparse.SUPPRESS
+            initial = argparse.SUPPRESS
         self.parser.add_argument(
             flag,
             action=argparse.BooleanOptionalAction,
-            default=default,
+            default=initial,
             help=f"{help} [env {env_name(flag)}]",
         )
 

@@ -17,8 +17,8 @@ _QUIET_LIBRARIES = ("grpc", "transformers", "urllib3", "filelock", "huggingface_
 
 
 def _level_number(level: str) -> int:
-    number = logging.getLevelNamesMapping().get(level.upper())
-    if number is None:
+    number = logging.getLevelName(level.upper())  # a level's name gives its number (any Python >= 3.10)
+    if not isinstance(number, int):
         raise ValueError(f"unknown log level {level!r}; use debug, info, warning, error or critical")
     return number
 
@@ -54,7 +54,9 @@ def configure_logging(
         cache_logger_on_first_use=True,
     )
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
-    final_processors = [structlog.stdlib.ProcessorFormatter.remove_processors_meta]
+    final_processors: list[structlog.typing.Processor] = [
+        structlog.stdlib.ProcessorFormatter.remove_processors_meta
+    ]
     if json:
         # The console renderer prints tracebacks itself; JSON needs them as a string field.
         final_processors.append(structlog.processors.format_exc_info)
