@@ -31,12 +31,14 @@ class IncrementalDetokenizer:
     """Text for each batch of new tokens, holding back bytes of a character not yet complete. Special tokens
     (the chat template's end-of-turn that stops an answer) have no text."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer) -> None:
         # The Rust tokenizer's own decode where transformers' wrapper adds nothing to it (no clean-up of
         # tokenization spaces): the same text at ~2.7x less host time, and this runs for every stream write.
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        plain = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
-        self._decode = backend.decode if plain else tokenizer.decode
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+            self._decode = backend.decode
+        else:
+            self._decode = tokenizer.decode
         self._ids: list[int] = []
         self._prefix = 0  # tokens before this were emitted and need no context
         self._read = 0  # tokens up to this have been emitted
