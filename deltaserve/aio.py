@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Literal, TypeVar
 
@@ -53,23 +52,8 @@ def run(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
             for sig in installed:
                 loop.remove_signal_handler(sig)
 
-    factory = _event_loop_factory()
-    if sys.version_info >= (3, 11):
-        with asyncio.Runner(loop_factory=factory) as runner:
-            return runner.run(main_with_signals())
-    loop = factory()  # Python 3.10 has no asyncio.Runner: what it does, by hand
-    try:
-        asyncio.set_event_loop(loop)
-        return loop.run_until_complete(main_with_signals())
-    finally:
-        pending = asyncio.all_tasks(loop)
-        for task in pending:
-            task.cancel()
-        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.run_until_complete(loop.shutdown_default_executor())
-        asyncio.set_event_loop(None)
-        loop.close()
+    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+        return runner.run(main_with_signals())
 
 
 async def until_stopped(

@@ -17,7 +17,7 @@ _QUIET_LIBRARIES = ("grpc", "transformers", "urllib3", "filelock", "huggingface_
 
 
 def _level_number(level: str) -> int:
-    number = logging.getLevelName(level.upper())  # a level's name gives its number (any Python >= 3.10)
+    number = logging.getLevelName(level.upper())  # a level's name gives its number
     if not isinstance(number, int):
         raise ValueError(f"unknown log level {level!r}; use debug, info, warning, error or critical")
     return number
