@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
@@ -92,6 +93,7 @@ def _info_dict(info: cache_pb2.SnapshotInfo) -> dict:
         "num_tokens": info.num_tokens,
         "model_fingerprint": info.model_fingerprint,
         "created_unix_ns": info.created_unix_ns,
+        "quarantined": info.quarantined,
     }
 
 
@@ -124,7 +126,17 @@ class CacheClient:
 
         Returns {"key", "size_bytes", "evicted"} (evicted: how many snapshots made room for it).
         """
-        reply = await self._stub.Put(put_parts(manifest, shards))
+        # Written part by part: a Put the service refuses early (RESOURCE_EXHAUSTED) ends the call while
+        # parts are still going out; writing from an iterator then reports INTERNAL "Internal error from
+        # Core" instead of the service's status. A write that fails here awaits the call's own status.
+        call = self._stub.Put()
+        try:
+            for part in put_parts(manifest, shards):
+                await call.write(part)
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the call has ended: its status is raised below
+        reply = await call
         return {"key": reply.key, "size_bytes": reply.size_bytes, "evicted": reply.evicted}
 
     async def get(
@@ -159,12 +171,18 @@ class CacheClient:
         return manifest_dict(header), [b"".join(pieces) for pieces in chunks]
 
     async def list(
-        self, tenant: str = DEFAULT_TENANT, conversation_id: str | None = None, timeout: float | None = None
+        self,
+        tenant: str = DEFAULT_TENANT,
+        conversation_id: str | None = None,
+        timeout: float | None = None,
+        include_quarantined: bool = False,
     ) -> list[dict]:
-        """The tenant's snapshots, most recently used first (NOT_FOUND for a conversation it has none of)."""
-        reply = await self._stub.List(
-            cache_pb2.ListRequest(tenant=tenant, conversation_id=conversation_id or ""), timeout=timeout
+        """The tenant's snapshots, most recently used first (NOT_FOUND for a conversation it has none of);
+        with include_quarantined, then those set aside (their "quarantined" says why and where)."""
+        request = cache_pb2.ListRequest(
+            tenant=tenant, conversation_id=conversation_id or "", include_quarantined=include_quarantined
         )
+        reply = await self._stub.List(request, timeout=timeout)
         return [_info_dict(info) for info in reply.snapshots]
 
     async def delete(self, tenant: str, conversation_id: str) -> dict:

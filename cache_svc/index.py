@@ -23,6 +23,7 @@ from cache_svc.manifest import (
     SnapshotNotFound,
     snapshot_key,
 )
+from cache_svc.quarantine import set_aside
 from cache_svc.store import PendingSnapshot, ShardReader, SnapshotStore
 
 log = structlog.get_logger("deltaserve.cache.index")
@@ -175,10 +176,10 @@ class SnapshotIndex:
                 if stamp is not None and (entry is None or entry.manifest_stamp != stamp):
                     try:
                         manifest = self.store.read_manifest(key)
-                    except CorruptSnapshot as err:
-                        log.warning("snapshot left out of the index", key=key, error=str(err))
+                    except CorruptSnapshot as err:  # aside for inspection, out of the index and budget
+                        set_aside(self.store, key, entry, str(err))
                         self._db.execute("DELETE FROM snapshots WHERE key = ?", (key,))
-                        continue  # its files stay for inspection; a put of its conversation replaces them
+                        continue
                     last_used = max(manifest.created_unix_ns, entry.last_used_ns if entry is not None else 0)
                     self._upsert(manifest, stamp, last_used)
                     added += entry is None
@@ -372,6 +373,12 @@ class SnapshotIndex:
             self.store.delete(entry.key)
             self._db.execute("DELETE FROM snapshots WHERE key = ?", (entry.key,))
         return entry
+
+    def quarantine(self, key: str, reason: str, generation: str | None = None) -> None:
+        """A snapshot that failed its checks: out of the index and the budget, aside (quarantine.py)."""
+        with self._lock:
+            if set_aside(self.store, key, self._get(key), reason, generation):
+                self._db.execute("DELETE FROM snapshots WHERE key = ?", (key,))
 
     def stat(self, tenant: str) -> CacheStat:
         with self._lock:

@@ -22,6 +22,7 @@ from cache_svc.manifest import (
     SnapshotError,
     SnapshotNotFound,
 )
+from cache_svc.quarantine import quarantined
 from cache_svc.store import PendingSnapshot, ShardReader
 from protos import cache_pb2, cache_pb2_grpc
 from protos.rpc import StartedServer, start_server
@@ -159,6 +160,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     ) -> AsyncIterator[cache_pb2.SnapshotPart]:
         readers: list[ShardReader] = []
         next_read: asyncio.Future | None = None
+        opened: Manifest | None = None  # the snapshot being read, once its manifest is open
         try:
             tenant, conversation_id = _owner(request)
             if (
@@ -176,6 +178,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 (request.layer_begin, request.layer_end or None),
                 request.model_fingerprint or None,
             )
+            opened = manifest
             yield cache_pb2.SnapshotPart(header=manifest_header(manifest, [r.index for r in readers]))
             # Each shard is read and checked whole before any of it is sent; the next one is read meanwhile.
             for position, reader in enumerate(readers):
@@ -188,6 +191,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                         chunk=cache_pb2.ShardChunk(shard=position, data=data[offset : offset + CHUNK_BYTES])
                     )
         except SnapshotError as err:
+            if isinstance(err, CorruptSnapshot):  # never offered again: aside, out of index and budget
+                generation = opened.generation if opened is not None else None
+                await asyncio.to_thread(self.index.quarantine, err.key, str(err), generation)
             await _abort(context, err)
         finally:
             if next_read is not None:
@@ -205,7 +211,20 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             )
         except SnapshotError as err:
             await _abort(context, err)
-        return cache_pb2.ListReply(snapshots=[snapshot_info(entry) for entry in entries])
+        reply = cache_pb2.ListReply(snapshots=[snapshot_info(entry) for entry in entries])
+        if request.include_quarantined and not request.conversation_id:
+            aside = await asyncio.to_thread(quarantined, self.index.store, request.tenant or DEFAULT_TENANT)
+            reply.snapshots.extend(
+                cache_pb2.SnapshotInfo(
+                    key=q.key,
+                    conversation_id=q.conversation_id,
+                    size_bytes=q.size_bytes,
+                    num_tokens=q.num_tokens,
+                    quarantined=f"{q.reason} (in {q.path})",
+                )
+                for q in aside
+            )
+        return reply
 
     async def Delete(
         self, request: cache_pb2.DeleteRequest, context: grpc.aio.ServicerContext

@@ -151,12 +151,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     add_cache_store_flags(cache_serve, environ)
     add_serve_flags(cache_serve, port_number=CACHE_PORT)
-    add_client_flags(
-        command(cache_actions, "ls", "list the tenant's snapshots, most recently used first"),
-        service="the cache service",
-        port_number=CACHE_PORT,
-        addr_env=CACHE_ADDR_ENV,
+    cache_ls = command(cache_actions, "ls", "list the tenant's snapshots, most recently used first")
+    cache_ls.parser.add_argument(
+        "--all", action="store_true", help="also the snapshots quarantined for failing their checks"
     )
+    add_client_flags(cache_ls, service="the cache service", port_number=CACHE_PORT, addr_env=CACHE_ADDR_ENV)
     cache_rm = command(cache_actions, "rm", "delete a conversation's snapshot")
     cache_rm.parser.add_argument("conversation_id", metavar="ID", help="the conversation")
     add_client_flags(cache_rm, service="the cache service", port_number=CACHE_PORT, addr_env=CACHE_ADDR_ENV)

@@ -238,7 +238,8 @@ async def conversations(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
 async def cache_ls(args: argparse.Namespace, stop: asyncio.Event) -> int:
     async with CacheClient(args.addr) as cache:
-        outcome = await _call(cache.list(args.tenant), stop, _cache_unreachable(args.addr))
+        listing = cache.list(args.tenant, include_quarantined=args.all)
+        outcome = await _call(listing, stop, _cache_unreachable(args.addr))
     if outcome[0] is not None:
         return outcome[0]
     snapshots = outcome[1]
@@ -248,14 +249,15 @@ async def cache_ls(args: argparse.Namespace, stop: asyncio.Event) -> int:
         print(f"no snapshots (tenant {args.tenant})")
     else:
         _print_table(
-            ("CONVERSATION", "TOKENS", "SIZE", "PINNED", "LAST USED"),
+            ("CONVERSATION", "TOKENS", "SIZE", "PINNED", "LAST USED", "STATE"),
             [
                 (
                     s["conversation_id"],
                     s["num_tokens"],
                     _size(s["size_bytes"]),
                     "yes" if s["pinned"] else "no",
-                    _local_time(s["last_used_unix_ns"]),
+                    _local_time(s["last_used_unix_ns"]) if s["last_used_unix_ns"] else "-",
+                    f"quarantined: {s['quarantined']}" if s["quarantined"] else "ok",
                 )
                 for s in snapshots
             ],

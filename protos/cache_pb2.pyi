@@ -104,15 +104,17 @@ class GetRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., conversation_id: _Optional[str] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class ListRequest(_message.Message):
-    __slots__ = ("tenant", "conversation_id")
+    __slots__ = ("tenant", "conversation_id", "include_quarantined")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     conversation_id: str
-    def __init__(self, tenant: _Optional[str] = ..., conversation_id: _Optional[str] = ...) -> None: ...
+    include_quarantined: bool
+    def __init__(self, tenant: _Optional[str] = ..., conversation_id: _Optional[str] = ..., include_quarantined: _Optional[bool] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
-    __slots__ = ("key", "conversation_id", "size_bytes", "last_used_unix_ns", "pinned", "num_tokens", "model_fingerprint", "created_unix_ns")
+    __slots__ = ("key", "conversation_id", "size_bytes", "last_used_unix_ns", "pinned", "num_tokens", "model_fingerprint", "created_unix_ns", "quarantined")
     KEY_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +123,7 @@ class SnapshotInfo(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     key: str
     conversation_id: str
     size_bytes: int
@@ -129,7 +132,8 @@ class SnapshotInfo(_message.Message):
     num_tokens: int
     model_fingerprint: str
     created_unix_ns: int
-    def __init__(self, key: _Optional[str] = ..., conversation_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., last_used_unix_ns: _Optional[int] = ..., pinned: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., created_unix_ns: _Optional[int] = ...) -> None: ...
+    quarantined: str
+    def __init__(self, key: _Optional[str] = ..., conversation_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., last_used_unix_ns: _Optional[int] = ..., pinned: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., created_unix_ns: _Optional[int] = ..., quarantined: _Optional[str] = ...) -> None: ...
 
 class ListReply(_message.Message):
     __slots__ = ("snapshots",)

@@ -10,6 +10,7 @@ import pytest
 
 from cache_svc.index import INDEX_NAME, OverBudget, SnapshotIndex
 from cache_svc.manifest import CorruptSnapshot, LayerRangeError, ModelMismatch, SnapshotNotFound, snapshot_key
+from cache_svc.quarantine import quarantined
 from cache_svc.store import MANIFEST_NAME
 from tests.test_cache_store import blobs_for, make_manifest
 
@@ -204,7 +205,10 @@ def test_the_index_is_reconciled_with_changes_behind_its_back(tmp_path):
         assert reopened.list("bob") == []
         assert not os.path.exists(stray)
         assert not os.path.exists(store.snapshot_dir(snapshot_key("alice", "b")))  # swept whole
-        assert os.path.exists(c_manifest)  # left for inspection, out of the index
+        assert not os.path.exists(c_manifest)  # set aside for inspection, out of the index
+        [aside] = quarantined(store, "bob")
+        assert aside.conversation_id == "c" and "manifest unreadable" in aside.reason
+        assert os.path.exists(os.path.join(aside.path, MANIFEST_NAME))
         with pytest.raises(SnapshotNotFound):
             reopened.read("bob", "c")
     finally:

@@ -111,8 +111,16 @@ async def test_a_flipped_byte_is_data_loss_naming_snapshot_and_shard(served):
         "shard 2 (layers [4, 6))",
         "checksum mismatch",
     )
-    # Layers held by the other shards still restore.
-    assert (await client.get("default", "conv", layers=(0, 4)))[1] == blobs[:2]
+    # Quarantined: out of the index and the budget, never offered again, kept aside and listed.
+    await expect_status(client.get("default", "conv", layers=(0, 4)), grpc.StatusCode.NOT_FOUND, "'conv'")
+    assert not os.path.exists(directory)
+    assert await client.list("default") == []
+    assert (await client.stat("default"))["size_bytes"] == 0
+    [aside] = await client.list("default", include_quarantined=True)
+    assert aside["conversation_id"] == "conv" and "checksum mismatch" in aside["quarantined"]
+    assert os.path.join(root, "quarantine", reply["key"]) in aside["quarantined"]
+    reply = await client.put(manifest, blobs)
+    [blob] = [name for name in os.listdir(directory) if name.endswith("-4-6.blob")]
     os.truncate(os.path.join(directory, blob), 10)
     await expect_status(
         client.get("default", "conv", layers=(5, 6)),
@@ -323,3 +331,17 @@ async def test_a_put_cancelled_midway_leaves_the_older_snapshot_and_no_temporary
         await asyncio.sleep(0.01)
     assert sorted(os.listdir(directory)) == before
     assert (await client.get("default", "conv"))[1] == blobs
+
+
+async def test_a_put_over_the_whole_budget_is_resource_exhausted_with_sizes_mid_stream(served):
+    # 80 MiB against a 64 MiB budget: refused after the header while chunks are still going out; the
+    # client must see the service's status, not INTERNAL "Internal error from Core".
+    _, client, _ = served
+    manifest, _ = snapshot(sizes=(1000, 0, 3000))
+    blobs = [bytes(40 * MiB), b"", bytes(40 * MiB)]
+    await expect_status(
+        client.put(manifest, blobs),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"a snapshot of {80 * MiB} bytes exceeds the cache budget of {64 * MiB} bytes",
+    )
+    assert await client.list("default") == []
