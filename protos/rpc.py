@@ -17,6 +17,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from protos.auth import ApiKeyInterceptor, ApiKeys, bearer_interceptors
+from protos.tls import ClientTLS, ServerTLS
+
 # One limit for every channel and server. 64 MiB: the largest of the three the services had (the cache
 # had 16 MiB), so nothing that passed before is refused now. What comes near it: a cache header or a
 # restore reply carrying a long conversation's token ids (4 bytes a token), and a row-check mirror of
@@ -34,6 +37,35 @@ SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 _NOT_YET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 Servicer = TypeVar("Servicer")
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelSecurity:
+    """How a client reaches a server: TLS (None: plaintext) and the API key it sends (None: none)."""
+
+    tls: ClientTLS | None = None
+    api_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSecurity:
+    """What a server asks of its callers: TLS (None: plaintext) and API keys (None: the API is open)."""
+
+    tls: ServerTLS | None = None
+    keys: ApiKeys | None = None
+
+
+def open_channel(
+    address: str, security: ChannelSecurity | None = None, *, options: Sequence = CHANNEL_OPTIONS
+) -> grpc.aio.Channel:
+    """The one way a deltaserve client opens a channel: secure or plaintext, with its key or without."""
+    security = security or ChannelSecurity()
+    interceptors = bearer_interceptors(security.api_key) if security.api_key else None
+    if security.tls is not None:
+        return grpc.aio.secure_channel(
+            address, security.tls.credentials(), options=list(options), interceptors=interceptors
+        )
+    return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
 
 
 async def wait_serving(
@@ -103,21 +135,26 @@ async def start_server(
     port: int,
     *,
     on_stop: Sequence[Callable[[], Awaitable[None]]] = (),
+    security: ServerSecurity | None = None,
 ) -> StartedServer[Servicer]:
     """Serves `servicer` (registered by its generated `add_..._to_server`), health and reflection on
     host:port (0: any free port), and says SERVING for "" and each of `services` once it listens.
 
     A port that does not bind (taken by another server, or an address not of this machine) raises OSError
     naming it; nothing is left listening then, and `on_stop` has run (what the caller opened is closed).
+    With `security`: TLS on the port, and API keys checked by an interceptor (health and reflection open).
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    security = security or ServerSecurity()
+    interceptors = [ApiKeyInterceptor(security.keys)] if security.keys is not None else None
+    credentials = security.tls.credentials() if security.tls is not None else None
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     started = StartedServer(server, 0, servicer, health_servicer, tuple(services), list(on_stop))
     try:
-        started.port = _bind(server, host, port)
+        started.port = _bind(server, host, port, credentials)
         await server.start()
     except BaseException:
         await started.stop(None)
@@ -126,12 +163,17 @@ async def start_server(
     return started
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+def _bind(
+    server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+) -> int:
     """The port bound on host:port; OSError naming the port when it does not bind."""
     address = f"{host}:{port}"
     why = f"cannot listen on {address}: port {port} is taken, or {host} is not an address of this machine"
     try:
-        bound = server.add_insecure_port(address)
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
     except RuntimeError as error:  # grpcio raises here where older versions returned 0
         raise OSError(why) from error
     if bound == 0:
