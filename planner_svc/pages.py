@@ -10,15 +10,17 @@ from collections.abc import Sequence
 SINK_PAGE = 0
 
 
-def page_hashes(token_ids: Sequence[int], page_size: int) -> list[bytes]:
+def page_hashes(token_ids: Sequence[int], page_size: int, seed: str = "") -> list[bytes]:
     """One hash per FULL page, each chained on the one before, so a hash names the whole prefix.
 
     blake2b(previous hash || the page's tokens as int32 little-endian), 16 bytes: stable across processes.
+    The chain starts from b"" (no seed) or from blake2b(b"tenant\0" || seed): seeded by the tenant, two
+    tenants' identical prompts hash apart, so no tenant can take, or time, another's cached pages.
     """
     if page_size < 1:
         raise ValueError(f"page_size must be positive, got {page_size}")
     hashes: list[bytes] = []
-    previous = b""
+    previous = hashlib.blake2b(b"tenant\0" + seed.encode(), digest_size=16).digest() if seed else b""
     page_format = f"<{page_size}i"
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         tokens = struct.pack(page_format, *token_ids[start : start + page_size])

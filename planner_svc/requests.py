@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from planner_svc.pages import page_hashes
+
 if TYPE_CHECKING:
     from planner_svc.conversations import Conversation
 
@@ -63,6 +65,7 @@ class Request:
     reused: int = 0  # prompt tokens whose KV `pages` already hold at admission
     root: int | None = None  # end of the system prompt: a checkpoint kept while the cap allows
     pinned: int | None = None  # a shared read-only prefix: a checkpoint never evicted
+    tenant: str = ""  # whose request: the seed of its prefix hashes (pages are shared within a tenant only)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -88,6 +91,10 @@ class Request:
         if self.phase is Phase.DONE and self.output_ids and self.prefilled == self.prompt_len:
             return self.prompt_ids + self.output_ids[:-1]
         return self.prompt_ids[: self.prefilled]
+
+    def prefix_hashes(self, tokens: int, page_size: int) -> list[bytes]:
+        """The hashes of the full pages of the prompt's first `tokens` tokens, seeded by its tenant."""
+        return page_hashes(self.prompt_ids[:tokens], page_size, self.tenant)
 
     def pages_needed(self, page_size: int) -> int:
         """Pages for every position it can write: the prompt and all but its last sampled token."""

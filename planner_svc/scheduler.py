@@ -9,7 +9,7 @@ import numpy as np
 
 from planner_svc.config import SchedulingConfig
 from planner_svc.conversations import Conversations
-from planner_svc.pages import PagePool, page_hashes
+from planner_svc.pages import PagePool
 from planner_svc.requests import Finish, Phase, Request
 from planner_svc.rows import RowDelta, RowMirror
 from planner_svc.sampler_state import SamplerWrites
@@ -242,9 +242,7 @@ class Scheduler:
             request.prefilled = end
             if self.config.settings.prefix_cache:
                 full = end // page_size
-                self.pages.register(
-                    page_hashes(request.prompt_ids[: full * page_size], page_size), request.pages[:full]
-                )
+                self.pages.register(request.prefix_hashes(full * page_size, page_size), request.pages[:full])
             if end == request.prompt_len:
                 chunk.sample_slot = -1  # set from this step's slot assignment
                 finals.append(request)
@@ -333,7 +331,7 @@ class Scheduler:
     def _match_prefix(self, request: Request) -> None:
         """Take the indexed full pages of the prompt's start, leaving at least one token to read."""
         usable = (request.prompt_len - 1) // self.config.page_size
-        hashes = page_hashes(request.prompt_ids[: usable * self.config.page_size], self.config.page_size)
+        hashes = request.prefix_hashes(usable * self.config.page_size, self.config.page_size)
         request.pages = self.pages.match_prefix(hashes)
         request.reused = len(request.pages) * self.config.page_size
 

@@ -331,3 +331,10 @@ def test_random_operations_match_the_model(seed):
     model.compare(pool)
     assert pool.free_count == pool.total
     assert shared_pages > 100 and evictions > 50 and refusals > 10, (shared_pages, evictions, refusals)
+
+
+def test_page_hashes_are_seeded_by_the_tenant():
+    tokens = list(range(16))
+    a, b = page_hashes(tokens, PAGE, "a"), page_hashes(tokens, PAGE, "b")
+    assert a == page_hashes(tokens, PAGE, "a") and len(a) == 4
+    assert not set(a) & set(b) and not set(a) & set(page_hashes(tokens, PAGE))

@@ -234,3 +234,29 @@ def test_steady_message_size_does_not_grow_with_the_batch():
                 steady.append(message.ByteSize())
         sizes[rows] = max(steady)
     assert sizes[1] == sizes[16] == sizes[64] <= 8, sizes
+
+
+def test_prefix_pages_are_shared_within_a_tenant_only():
+    """The prefix hash chain is seeded by the tenant: B's identical prompt reuses none of A's pages."""
+    config = SchedulerConfig(
+        page_size=PAGE,
+        pool_pages=64,
+        buckets=(1, 2, 4),
+        max_seq_len=64,
+        vocab_size=100,
+        settings=SchedulingConfig(prefill_token_budget=16, row_check=True, prefix_cache=True),
+    )
+    scheduler = Scheduler(config, RowLayout.build([1, 2, 4], 64, PAGE, 64))
+    device, rng = DeviceRows(scheduler.layout), random.Random(0)
+    prompt = list(range(1, 18))  # four full pages and one token
+    reused, seq = {}, 0
+    for name, tenant in (("a1", "a"), ("a2", "a"), ("b", "b"), ("open", "")):
+        request = Request(name, prompt, 2, Sampling(), frozenset(), tenant=tenant)
+        scheduler.add(request)
+        while (step := scheduler.plan(seq)) is not None:  # one step at a time, each committed at once
+            check_rows(scheduler, step, device.apply(step))
+            commit(scheduler, step, rng)
+            seq += 1
+        assert request.finish is not None
+        reused[name] = request.reused
+    assert reused == {"a1": 0, "a2": 16, "b": 0, "open": 0}
