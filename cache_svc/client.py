@@ -10,7 +10,7 @@ import grpc
 from cache_svc import CHUNK_BYTES
 from cache_svc.manifest import DEFAULT_TENANT
 from protos import cache_pb2, cache_pb2_grpc
-from protos.rpc import CHANNEL_OPTIONS, wait_serving
+from protos.rpc import ChannelSecurity, open_channel, wait_serving
 from protos.wire import pack_i32, unpack_i32
 
 
@@ -103,9 +103,9 @@ class CacheClient:
     Errors come as the grpc.aio.AioRpcError of the call (NOT_FOUND, DATA_LOSS, ...), as they are.
     """
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, security: ChannelSecurity | None = None) -> None:
         self.addr = addr
-        self._channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(addr, security)  # TLS and an API key when configured
         self._stub = cache_pb2_grpc.CacheStub(self._channel)
 
     async def __aenter__(self) -> CacheClient:

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import structlog
 
+from cache_svc.budget import Held, choose_victims
 from cache_svc.manifest import (
     CorruptSnapshot,
     Manifest,
     ModelMismatch,
-    SnapshotError,
     SnapshotNotFound,
     snapshot_key,
 )
@@ -62,10 +62,6 @@ _COLUMNS = (
 )
 
 
-class OverBudget(SnapshotError):
-    """A snapshot that cannot fit the byte budget, even after evicting every unpinned one."""
-
-
 @dataclass(slots=True, frozen=True)
 class IndexEntry:
     key: str
@@ -105,11 +101,13 @@ class SnapshotIndex:
     Safe to call from several threads.
     """
 
-    def __init__(self, root: str, budget_bytes: int) -> None:
-        if budget_bytes < 1:
-            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+    def __init__(self, root: str, budget_bytes: int, tenant_budget_bytes: int | None = None) -> None:
+        if budget_bytes < 1 or (tenant_budget_bytes is not None and tenant_budget_bytes < 1):
+            raise ValueError(f"budgets must be positive, got {budget_bytes} and {tenant_budget_bytes}")
         os.makedirs(root, exist_ok=True)
         self.budget_bytes = budget_bytes
+        self.tenant_budget_bytes = tenant_budget_bytes  # each tenant's share; None: the global budget
+        self._budgets = (budget_bytes, tenant_budget_bytes)
         self.store = SnapshotStore(root)
         self.path = os.path.join(root, INDEX_NAME)
         self._lock = threading.Lock()
@@ -245,39 +243,24 @@ class SnapshotIndex:
 
     # -- budget ---------------------------------------------------------------------------------------
 
-    def _victims(self, key: str, size_bytes: int) -> list[IndexEntry]:
-        """The least recently used unpinned snapshots to evict so that `key` at `size_bytes` fits."""
-        if size_bytes > self.budget_bytes:
-            raise OverBudget(
-                f"a snapshot of {size_bytes} bytes exceeds the cache budget of {self.budget_bytes} bytes"
-            )
-        used = self._db.execute(
-            "SELECT COALESCE(SUM(size_bytes), 0) FROM snapshots WHERE key != ?", (key,)
+    def _victims(self, manifest: Manifest) -> list[IndexEntry]:
+        """The tenant's least recently used unpinned snapshots to evict so that `manifest` fits its tenant's
+        budget and the global one (budget.py); OverBudget when it cannot."""
+        key, tenant = manifest.key, manifest.tenant
+        own = self._select("WHERE tenant = ? AND key != ? ORDER BY last_used_ns, key", (tenant, key))
+        others = self._db.execute(
+            "SELECT COALESCE(SUM(size_bytes), 0) FROM snapshots WHERE tenant != ? AND key != ?", (tenant, key)
         ).fetchone()[0]
-        victims = []
-        if used + size_bytes > self.budget_bytes:
-            for entry in self._select("WHERE pinned = 0 AND key != ? ORDER BY last_used_ns, key", (key,)):
-                victims.append(entry)
-                used -= entry.size_bytes
-                if used + size_bytes <= self.budget_bytes:
-                    break
-        if used + size_bytes > self.budget_bytes:
-            pinned = self._db.execute(
-                "SELECT COALESCE(SUM(size_bytes), 0) FROM snapshots WHERE pinned = 1 AND key != ?", (key,)
-            ).fetchone()[0]
-            raise OverBudget(
-                f"a snapshot of {size_bytes} bytes does not fit the cache budget of {self.budget_bytes} "
-                "bytes: "
-                f"pinned snapshots hold {pinned} bytes and are never evicted"
-            )
-        return victims
+        held = [Held(entry.key, entry.size_bytes, entry.pinned) for entry in own]
+        chosen = {h.key for h in choose_victims(held, others, manifest.size_bytes, *self._budgets)}
+        return [entry for entry in own if entry.key in chosen]
 
     # -- operations -----------------------------------------------------------------------------------
 
     def begin_put(self, manifest: Manifest) -> PendingSnapshot:
         """Starts a put, refused up front (OverBudget) when it could never fit; nothing is evicted yet."""
         with self._lock:
-            self._victims(manifest.key, manifest.size_bytes)
+            self._victims(manifest)
         return self.store.begin_put(manifest)
 
     def commit_put(self, pending: PendingSnapshot) -> tuple[Manifest, list[IndexEntry]]:
@@ -287,7 +270,7 @@ class SnapshotIndex:
         """
         with self._lock:
             key = pending.manifest.key
-            victims = self._victims(key, pending.manifest.size_bytes)
+            victims = self._victims(pending.manifest)
             manifest = pending.commit()
             stamp = self.store.manifest_stamp(key)
             assert stamp is not None, f"snapshot {key}: its manifest is gone right after the commit"
@@ -380,16 +363,21 @@ class SnapshotIndex:
             if set_aside(self.store, key, self._get(key), reason, generation):
                 self._db.execute("DELETE FROM snapshots WHERE key = ?", (key,))
 
-    def stat(self, tenant: str) -> CacheStat:
+    def stat(self, tenant: str, *, scoped: bool = False) -> CacheStat:
+        """The whole cache's numbers and the tenant's share; `scoped` (a tenant's own key asks): the
+        tenant's numbers only, with its own budget, so that no tenant learns what others hold."""
+        where, params = ("WHERE tenant = ?", (tenant,)) if scoped else ("", ())
+        budget = min(self.tenant_budget_bytes or self.budget_bytes, self.budget_bytes) if scoped else None
         with self._lock:
             count, size, pinned = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(size_bytes), 0), COALESCE(SUM(size_bytes * pinned), 0) "
-                "FROM snapshots"
+                f"FROM snapshots {where}",
+                params,
             ).fetchone()
             tenant_count, tenant_size = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM snapshots WHERE tenant = ?", (tenant,)
             ).fetchone()
-        return CacheStat(count, size, self.budget_bytes, pinned, tenant_count, tenant_size)
+        return CacheStat(count, size, budget or self.budget_bytes, pinned, tenant_count, tenant_size)
 
     def close(self) -> None:
         with self._lock:

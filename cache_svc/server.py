@@ -9,7 +9,8 @@ import grpc
 import structlog
 
 from cache_svc import CHUNK_BYTES
-from cache_svc.index import IndexEntry, OverBudget, SnapshotIndex
+from cache_svc.budget import OverBudget
+from cache_svc.index import IndexEntry, SnapshotIndex
 from cache_svc.manifest import (
     DEFAULT_TENANT,
     Checkpoint,
@@ -25,7 +26,8 @@ from cache_svc.manifest import (
 from cache_svc.quarantine import quarantined
 from cache_svc.store import PendingSnapshot, ShardReader
 from protos import cache_pb2, cache_pb2_grpc
-from protos.rpc import StartedServer, start_server
+from protos.auth import key_tenant, request_tenant
+from protos.rpc import ServerSecurity, StartedServer, log_access, start_server
 from protos.wire import pack_i32, unpack_i32
 
 log = structlog.get_logger("deltaserve.cache.server")
@@ -101,11 +103,12 @@ def snapshot_info(entry: IndexEntry) -> cache_pb2.SnapshotInfo:
     )
 
 
-def _owner(request) -> tuple[str, str]:
-    """(tenant, conversation id) of a request that names one snapshot."""
+async def _owner(request, context: grpc.aio.ServicerContext) -> tuple[str, str]:
+    """(tenant, conversation id) of a request that names one snapshot: the tenant is the caller's key's
+    (protos/auth.py), or the one the request names for the service key and an open API."""
     if not request.conversation_id:
         raise InvalidSnapshot("conversation_id is empty")
-    return request.tenant or DEFAULT_TENANT, request.conversation_id
+    return await request_tenant(context, request.tenant), request.conversation_id
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: SnapshotError) -> None:
@@ -129,6 +132,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 if pending is None:
                     if kind != "header":
                         raise InvalidSnapshot("the first message of a Put must be the header")
+                    part.header.tenant = await request_tenant(context, part.header.tenant)
                     manifest = manifest_from_header(part.header)
                     pending = await asyncio.to_thread(self.index.begin_put, manifest)
                 elif kind == "chunk":
@@ -162,7 +166,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         next_read: asyncio.Future | None = None
         opened: Manifest | None = None  # the snapshot being read, once its manifest is open
         try:
-            tenant, conversation_id = _owner(request)
+            tenant, conversation_id = await _owner(request, context)
             if (
                 request.layer_begin < 0
                 or request.layer_end < 0
@@ -205,15 +209,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     async def List(
         self, request: cache_pb2.ListRequest, context: grpc.aio.ServicerContext
     ) -> cache_pb2.ListReply:
+        tenant = await request_tenant(context, request.tenant)
         try:
-            entries = await asyncio.to_thread(
-                self.index.list, request.tenant or DEFAULT_TENANT, request.conversation_id or None
-            )
+            entries = await asyncio.to_thread(self.index.list, tenant, request.conversation_id or None)
         except SnapshotError as err:
             await _abort(context, err)
         reply = cache_pb2.ListReply(snapshots=[snapshot_info(entry) for entry in entries])
         if request.include_quarantined and not request.conversation_id:
-            aside = await asyncio.to_thread(quarantined, self.index.store, request.tenant or DEFAULT_TENANT)
+            aside = await asyncio.to_thread(quarantined, self.index.store, tenant)
             reply.snapshots.extend(
                 cache_pb2.SnapshotInfo(
                     key=q.key,
@@ -230,7 +233,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self, request: cache_pb2.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> cache_pb2.DeleteReply:
         try:
-            entry = await asyncio.to_thread(self.index.delete, *_owner(request))
+            entry = await asyncio.to_thread(self.index.delete, *(await _owner(request, context)))
         except SnapshotError as err:
             await _abort(context, err)
         log.info("snapshot deleted", key=entry.key, tenant=entry.tenant, size_bytes=entry.size_bytes)
@@ -239,7 +242,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     async def Stat(
         self, request: cache_pb2.StatRequest, context: grpc.aio.ServicerContext
     ) -> cache_pb2.StatReply:
-        stat = await asyncio.to_thread(self.index.stat, request.tenant or DEFAULT_TENANT)
+        tenant = await request_tenant(context, request.tenant)
+        # A tenant's key sees its own numbers only; the operator (open API, service key) sees the cache's.
+        stat = await asyncio.to_thread(self.index.stat, tenant, scoped=key_tenant() is not None)
         return cache_pb2.StatReply(
             count=stat.count,
             size_bytes=stat.size_bytes,
@@ -251,12 +256,20 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
 
 
 async def start_cache_server(
-    root_dir: str, budget_bytes: int, host: str = "127.0.0.1", port: int = 0
+    root_dir: str,
+    budget_bytes: int,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    tenant_budget_bytes: int | None = None,
+    security: ServerSecurity | None = None,
 ) -> StartedServer[CacheServicer]:
     """Opens (or rebuilds) the index under root_dir, then serves Cache, grpc.health.v1 and reflection
     on host:port (0 = any free port). Stopping the server closes the index.
+
+    `tenant_budget_bytes`: each tenant's share of the budget (None: the whole); `security`: TLS and API keys.
     """
-    index = await asyncio.to_thread(SnapshotIndex, root_dir, budget_bytes)
+    index = await asyncio.to_thread(SnapshotIndex, root_dir, budget_bytes, tenant_budget_bytes)
 
     async def close_index() -> None:
         index.close()
@@ -268,7 +281,9 @@ async def start_cache_server(
         host,
         port,
         on_stop=[close_index],
+        security=security,
     )
+    log_access(log, security)
     stat = index.stat(DEFAULT_TENANT)
     log.info(
         "cache listening",
@@ -277,6 +292,7 @@ async def start_cache_server(
         snapshots=stat.count,
         size_bytes=stat.size_bytes,
         budget_bytes=budget_bytes,
+        tenant_budget_bytes=tenant_budget_bytes,
         index_rebuilt=index.rebuilt,
     )
     return started

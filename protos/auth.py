@@ -131,6 +131,12 @@ def tenant_of(requested: str) -> str:
     return caller.tenant  # type: ignore[return-value]
 
 
+def key_tenant() -> str | None:
+    """The tenant of the current request's key; None when the API is open or the caller is the service."""
+    caller = _caller.get()
+    return None if caller is None else caller.tenant
+
+
 def as_caller(caller: Caller | None) -> None:
     """Sets the caller of the current task (tests; the interceptor does it for a served request)."""
     _caller.set(caller)

@@ -179,3 +179,18 @@ def _bind(
     if bound == 0:
         raise OSError(why)
     return bound
+
+
+def log_access(logger, security: ServerSecurity | None) -> None:
+    """Says how a server's API is guarded: TLS or not, and API keys or open (a warning). Never a key."""
+    security = security or ServerSecurity()
+    tls = security.tls
+    transport = "plaintext" if tls is None else ("mTLS" if tls.client_ca else "TLS")
+    if security.keys is None:
+        logger.warning(
+            "API open: no --api-keys; every caller is trusted, one local tenant", transport=transport
+        )
+    else:
+        logger.info(
+            "API keys required", keys=len(security.keys), tenants=security.keys.tenants, transport=transport
+        )

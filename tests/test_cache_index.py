@@ -8,7 +8,8 @@ import sqlite3
 
 import pytest
 
-from cache_svc.index import INDEX_NAME, OverBudget, SnapshotIndex
+from cache_svc.budget import OverBudget
+from cache_svc.index import INDEX_NAME, SnapshotIndex
 from cache_svc.manifest import CorruptSnapshot, LayerRangeError, ModelMismatch, SnapshotNotFound, snapshot_key
 from cache_svc.quarantine import quarantined
 from cache_svc.store import MANIFEST_NAME
@@ -159,9 +160,11 @@ def test_a_lost_or_corrupt_index_is_rebuilt_from_the_manifests(tmp_path, damage)
         assert reopened.read("bob", "c")[1] == blobs_for(
             make_manifest("c", (300,), tenant="bob", layers_per_shard=6)
         )
-        # Last use after a rebuild is the put time: c was put last, so a (put first) goes first.
+        # Last use after a rebuild is the put time (a's read is forgotten): b, put after a, is newer.
+        assert [e.conversation_id for e in reopened.list("alice")] == ["b", "a"]
+        # A put evicts its own tenant's snapshots only: alice's a, the least recently used, stays.
         _, evicted = put(reopened, "d", 600, tenant="bob")
-        assert [e.conversation_id for e in evicted] == ["a", "c"]
+        assert [e.conversation_id for e in evicted] == ["c"]
     finally:
         reopened.close()
 
@@ -222,3 +225,34 @@ def test_a_corrupt_blob_is_reported_through_the_index(index):
         f.write(b"\x00\x01\x02")
     with pytest.raises(CorruptSnapshot, match="checksum mismatch"):
         index.read("default", "a")
+
+
+def test_one_tenants_parks_never_evict_another_tenants_snapshots(tmp_path):
+    index = SnapshotIndex(str(tmp_path), budget_bytes=1000, tenant_budget_bytes=400)
+    try:
+        put(index, "a1", 200, tenant="alice")
+        put(index, "a2", 200, tenant="alice")
+        for n in range(4):  # bob parks and parks again: his own oldest go, alice's stay
+            _, evicted = put(index, f"b{n}", 150, tenant="bob")
+            assert all(e.tenant == "bob" for e in evicted)
+        assert listed(index, "alice") == ["a1", "a2"] and listed(index, "bob") == ["b2", "b3"]
+        with pytest.raises(OverBudget, match="exceeds the tenant's budget of 400 bytes"):
+            put(index, "huge", 500, tenant="bob")
+        _, evicted = put(index, "a3", 300, tenant="alice")  # alice's own budget: her oldest two go
+        assert [e.conversation_id for e in evicted] == ["a1", "a2"]
+        mine = index.stat("bob", scoped=True)
+        assert (mine.count, mine.size_bytes, mine.budget_bytes) == (2, 300, 400)
+        assert index.stat("bob").count == 3  # the operator's view: everyone's
+    finally:
+        index.close()
+
+
+def test_the_global_budget_stays_a_ceiling_over_the_tenants_budgets(tmp_path):
+    index = SnapshotIndex(str(tmp_path), budget_bytes=500, tenant_budget_bytes=400)
+    try:
+        put(index, "a1", 400, tenant="alice")
+        with pytest.raises(OverBudget, match="held by other tenants"):
+            put(index, "b1", 200, tenant="bob")  # fits bob's budget, not the ceiling: alice's stays
+        assert listed(index, "alice") == ["a1"] and listed(index, "bob") == []
+    finally:
+        index.close()
