@@ -14,7 +14,7 @@ from executor_svc.plan import PlanError
 from executor_svc.runner import LaunchedStep, StepRunner, collect_when_ready, launch_step
 from executor_svc.snapshots import SnapshotRefused, Snapshots
 from protos import executor_pb2, executor_pb2_grpc
-from protos.rpc import StartedServer, start_server
+from protos.rpc import ChannelSecurity, ServerSecurity, StartedServer, start_server
 
 log = structlog.get_logger("deltaserve.executor.server")
 
@@ -33,7 +33,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     """
 
     def __init__(
-        self, runner: StepRunner, *, cache: str | None = None, shard_layers: int = DEFAULT_SHARD_LAYERS
+        self,
+        runner: StepRunner,
+        *,
+        cache: str | None = None,
+        shard_layers: int = DEFAULT_SHARD_LAYERS,
+        cache_channel: ChannelSecurity | None = None,
     ) -> None:
         self._runner = runner
         self._compute = concurrent.futures.ThreadPoolExecutor(
@@ -43,7 +48,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             max_workers=1, thread_name_prefix="page-copies", initializer=runner.bind_thread
         )
         self._stream_open = False
-        self._snapshots = Snapshots(runner, self._copies, cache, shard_layers)
+        self._snapshots = Snapshots(runner, self._copies, cache, shard_layers, cache_channel)
 
     async def Describe(
         self, request: executor_pb2.DescribeRequest, context: grpc.aio.ServicerContext
@@ -128,13 +133,22 @@ async def start_executor_server(
     *,
     cache: str | None = None,
     shard_layers: int = DEFAULT_SHARD_LAYERS,
+    security: ServerSecurity | None = None,
+    cache_channel: ChannelSecurity | None = None,
 ) -> StartedServer[ExecutorServicer]:
     """Serve Executor, grpc.health.v1 (SERVING) and reflection on host:port (0 = any free port).
 
     `cache` and `shard_layers` are ExecutorConfig's: the cache service Park and Restore use (None
-    refuses them) and the layers per snapshot shard.
+    refuses them) and the layers per snapshot shard. `security`: TLS on its port (the executor takes no
+    API keys: its callers are the planners, checked by mTLS where --tls-client-ca is given);
+    `cache_channel`: how it reaches the cache (TLS, the service key).
     """
-    servicer = ExecutorServicer(runner, cache=cache, shard_layers=shard_layers)
+    servicer = ExecutorServicer(runner, cache=cache, shard_layers=shard_layers, cache_channel=cache_channel)
     return await start_server(
-        servicer, executor_pb2_grpc.add_ExecutorServicer_to_server, (SERVICE_NAME,), host, port
+        servicer,
+        executor_pb2_grpc.add_ExecutorServicer_to_server,
+        (SERVICE_NAME,),
+        host,
+        port,
+        security=security,
     )

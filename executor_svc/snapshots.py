@@ -37,6 +37,7 @@ from executor_svc.snapshot_checks import (
     snapshot_fingerprint,
 )
 from protos import cache_pb2, executor_pb2
+from protos.rpc import ChannelSecurity
 from protos.wire import pack_i32
 
 log = structlog.get_logger("deltaserve.executor.snapshots")
@@ -50,12 +51,20 @@ class Snapshots:
     """Park and Restore for one executor; each call opens its own channel to the cache (a cache that
     restarted in between is simply reached again)."""
 
-    def __init__(self, runner: StepRunner, copies: Executor, cache: str | None, shard_layers: int) -> None:
+    def __init__(
+        self,
+        runner: StepRunner,
+        copies: Executor,
+        cache: str | None,
+        shard_layers: int,
+        cache_channel: ChannelSecurity | None = None,
+    ) -> None:
         described = runner.describe()
         pool = runner.kv_pool
         self._pool = pool
         self._copies = copies
         self._cache = cache
+        self._cache_channel = cache_channel  # TLS and the service key, when configured
         self._device = runner.device
         self._layer_begin, self._layer_end = described.layer_begin, described.layer_end
         self._num_layers = described.num_layers
@@ -99,7 +108,7 @@ class Snapshots:
             },
         }
         try:
-            async with CacheClient(addr) as cache:
+            async with CacheClient(addr, self._cache_channel) as cache:
                 stored = await cache.put(manifest, blobs)
         except grpc.aio.AioRpcError as err:
             raise cache_refusal(err, addr) from err
@@ -124,7 +133,7 @@ class Snapshots:
         self._check_guard()
         started = time.perf_counter()
         try:
-            async with CacheClient(addr) as cache:
+            async with CacheClient(addr, self._cache_channel) as cache:
                 manifest, blobs = await cache.get(
                     request.tenant,
                     request.conversation_id,

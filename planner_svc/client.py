@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos import client_pb2, client_pb2_grpc
-from protos.rpc import CHANNEL_OPTIONS, wait_serving
+from protos.rpc import ChannelSecurity, open_channel, wait_serving
 from protos.wire import pack_i32, unpack_i32
 
 FINISH_REASONS = {
@@ -146,11 +146,13 @@ def build_generate_request(options: GenerateOptions) -> client_pb2.GenerateReque
 
 
 class PlannerClient:
-    """One channel to a planner; use as `async with PlannerClient("host:port") as client:`."""
+    """One channel to a planner; use as `async with PlannerClient("host:port") as client:`.
 
-    def __init__(self, addr: str) -> None:
+    `security`: TLS (the CA to trust, a client certificate) and the API key sent with every call."""
+
+    def __init__(self, addr: str, security: ChannelSecurity | None = None) -> None:
         self.addr = addr
-        self._channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(addr, security)
         self._stub = client_pb2_grpc.PlannerStub(self._channel)
 
     async def __aenter__(self) -> PlannerClient:

@@ -7,7 +7,7 @@ from typing import Protocol
 import grpc
 
 from protos import executor_pb2, executor_pb2_grpc
-from protos.rpc import CHANNEL_OPTIONS
+from protos.rpc import ChannelSecurity, open_channel
 
 
 class LinkError(Exception):
@@ -35,9 +35,9 @@ class ExecutorLink(Protocol):
 class GrpcLink:
     """One bidirectional Steps stream; plans are written without waiting for earlier outputs."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, security: ChannelSecurity | None = None):
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address, security)  # TLS when configured
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None  # the step stream, once open
 

@@ -14,6 +14,7 @@ from planner_svc.engine import Engine
 from planner_svc.link import LinkError
 from planner_svc.retention import Retention
 from protos import cache_pb2, executor_pb2
+from protos.rpc import ChannelSecurity
 from protos.wire import pack_i32, unpack_i32
 
 log = structlog.get_logger("deltaserve.planner.parking")
@@ -56,9 +57,9 @@ RESTORED = RestoreOutcome(Restore.RESTORED)
 
 
 class Parking:
-    def __init__(self, cache_address: str | None):
+    def __init__(self, cache_address: str | None, security: ChannelSecurity | None = None):
         self.cache_address = cache_address
-        self._cache = CacheClient(cache_address) if cache_address else None
+        self._cache = CacheClient(cache_address, security) if cache_address else None
 
     async def park(self, engine: Engine, conversation: Conversation) -> executor_pb2.ParkPagesReply:
         """Move its pages to the cache; the caller holds the conversation's turn lock."""

@@ -20,8 +20,9 @@ from planner_svc.streaming import TokenEvent
 from planner_svc.tokenizer import IncrementalDetokenizer, chat_ids, load_tokenizer, text_ids
 from planner_svc.turns import Turns
 from protos import client_pb2, client_pb2_grpc, executor_pb2
+from protos.auth import key_tenant, request_tenant
 from protos.layout import RowLayout
-from protos.rpc import StartedServer, start_server
+from protos.rpc import ChannelSecurity, ServerSecurity, StartedServer, log_access, start_server
 from protos.wire import pack_i32, unpack_i32
 
 log = structlog.get_logger("deltaserve.planner")
@@ -148,9 +149,10 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 if request.conversation_id:
                     self._marks(request, req, messages)
                     engine, queue, mount = await self.turns.start(
-                        req, request.tenant or "default", request.conversation_id
+                        req, await self._owner(req, request, context), request.conversation_id
                     )
                 else:
+                    await self._owner(req, request, context)
                     engine = self.turns.least_loaded()
                     queue = engine.submit(req)
             except ValueError as error:
@@ -218,16 +220,27 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             return mount.checkpoint
         return "prefix" if mount.checkpoint == "none" else f"prefix, {mount.checkpoint}"
 
+    @staticmethod
+    async def _owner(
+        req: Request, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> str:
+        """The request's tenant (its key's; protos/auth.py), set on it: prefix pages are shared within it."""
+        req.tenant = await request_tenant(context, request.tenant)
+        return req.tenant
+
     async def Abort(self, request: client_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         found = self._requests.get(request.request_id)
-        if found is None:
+        owner = key_tenant()  # a tenant key aborts its tenant's requests only
+        if found is None or (owner is not None and found[0].tenant != owner):
             return client_pb2.AbortResponse(aborted=False)
         req, engine = found
         return client_pb2.AbortResponse(aborted=engine.abort(req))
 
     async def Park(self, request: client_pb2.ParkRequest, context: grpc.aio.ServicerContext):
         try:
-            reply, conversation = await self.turns.park(request.tenant or "default", request.conversation_id)
+            reply, conversation = await self.turns.park(
+                await request_tenant(context, request.tenant), request.conversation_id
+            )
         except ParkError as error:
             if error.code != grpc.StatusCode.NOT_FOUND:
                 log.warning("park refused", conversation=request.conversation_id, error=str(error))
@@ -236,7 +249,9 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
 
     async def Resume(self, request: client_pb2.ResumeRequest, context: grpc.aio.ServicerContext):
         try:
-            conversation = await self.turns.resume(request.tenant or "default", request.conversation_id)
+            conversation = await self.turns.resume(
+                await request_tenant(context, request.tenant), request.conversation_id
+            )
         except ParkError as error:
             await context.abort(error.code, str(error))
         return client_pb2.ResumeResponse(
@@ -246,7 +261,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
     async def ListConversations(
         self, request: client_pb2.ListConversationsRequest, context: grpc.aio.ServicerContext
     ):
-        tenant = request.tenant or "default"
+        tenant = await request_tenant(context, request.tenant)
         listed = [
             client_pb2.Conversation(
                 conversation_id=c.conversation_id,
@@ -296,15 +311,21 @@ async def start_planner_server(
     host: str = "127.0.0.1",
     port: int = 0,
     links: list[ExecutorLink] | None = None,
+    *,
+    security: ServerSecurity | None = None,
+    executor_channel: ChannelSecurity | None = None,
+    cache_channel: ChannelSecurity | None = None,
 ) -> StartedServer[PlannerServicer]:
     """Attach to the executors (waiting until they answer), then serve the client API.
 
-    Stopping the returned server stops the engines and closes the cache channel.
+    Stopping the returned server stops the engines and closes the cache channel. `security`: TLS and API
+    keys of the client API; `executor_channel` and `cache_channel`: how it reaches the executors (TLS) and
+    the cache (TLS, and the service key).
     """
     if links is None:
         if not config.executors:
             raise ValueError("the planner needs at least one executor address")
-        links = [GrpcLink(address) for address in config.executors]
+        links = [GrpcLink(address, executor_channel) for address in config.executors]
     descriptions = []
     for link in links:
         log.info("waiting for executor", executor=link.address)
@@ -313,7 +334,7 @@ async def start_planner_server(
     if len(fingerprints) > 1:
         raise ValueError(f"the executors serve different models: {sorted(fingerprints)}")
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
-    parking = Parking(config.cache)
+    parking = Parking(config.cache, cache_channel)
     engines = [build_engine(d, link, config) for d, link in zip(descriptions, links)]
     turns = Turns(engines, parking)
     for engine in engines:
@@ -326,7 +347,9 @@ async def start_planner_server(
         host,
         port,
         on_stop=[*(engine.stop for engine in engines), parking.close],
+        security=security,
     )
+    log_access(log, security)
     log.info(
         "planner listening", address=f"{host}:{started.port}", executors=[link.address for link in links]
     )
