@@ -141,6 +141,14 @@ def add_planner_flags(flags: Flags) -> None:
         help="queued requests before Generate answers RESOURCE_EXHAUSTED",
     )
     flags.option(
+        "--executor-timeout",
+        type=float_in(0.1, 3600.0),
+        default=defaults.executor_timeout,
+        metavar="S",
+        help="seconds a step may go without output (plus 25 ms per prompt token it reads) before its "
+        "executor counts as hung: its requests fail (or wait, with no token yet) and it is reconnected",
+    )
+    flags.option(
         "--retention-cap",
         type=int_at_least(1),
         default=defaults.retention.cap,

@@ -66,6 +66,7 @@ def planner_config(args: argparse.Namespace, *, executors: list[str], cache: str
         executors=executors,
         model=args.model,
         max_waiting=args.max_waiting,
+        executor_timeout=args.executor_timeout,
         cache=cache,
         scheduling=SchedulingConfig(
             prefill_token_budget=args.prefill_token_budget,

@@ -62,6 +62,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Steps stream is already open")
         self._stream_open = True
         self._runner.bind_thread()  # this thread launches the steps
+        # A stream starts from zero tables, as after a restart: the planner that opens it again (after a
+        # loss or a refused plan) writes every row whole. Behind any step still running from the last one.
+        await asyncio.get_running_loop().run_in_executor(self._compute, self._runner.store.rows.zero_)
         in_flight = asyncio.Semaphore(PLANS_IN_FLIGHT)
         # Launched steps in order; a failure to launch ends the queue (nothing behind it launches).
         launched: asyncio.Queue[LaunchedStep | Exception | None] = asyncio.Queue()

@@ -29,6 +29,9 @@ class PlannerConfig:
     model: str | None = None
     max_waiting: int = 1024  # queued requests before Generate answers RESOURCE_EXHAUSTED
     inflight_plans: int = 2  # plans in flight per executor: the step running and the next
+    # Seconds a step may go without output (plus 25 ms per prompt token it reads) before its executor
+    # counts as hung: lost, its requests failed or re-queued, and reconnected.
+    executor_timeout: float = 5.0
     cache: str | None = None  # the cache service (host:port) for parked conversations; None = no parking
     scheduling: SchedulingConfig = field(
         default_factory=SchedulingConfig
@@ -38,5 +41,7 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         if self.inflight_plans not in (1, 2):
             raise ValueError(f"inflight_plans must be 1 or 2, got {self.inflight_plans}")
+        if not self.executor_timeout > 0:
+            raise ValueError(f"executor_timeout must be positive, got {self.executor_timeout}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be positive, got {self.max_waiting}")

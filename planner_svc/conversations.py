@@ -27,6 +27,7 @@ class Conversation:
     parked: bool = False  # its pages live in the cache service
     busy: bool = False  # a turn is running on it
     last_used: int = 0
+    lost: str = ""  # why its KV was lost with an executor (said once, by its next turn's mount)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -98,6 +99,9 @@ class Conversations:
                 mount.checkpoint = (
                     f"none (no retained checkpoint covers a page of the {common} common tokens)"
                 )
+            elif conversation.lost:
+                mount.checkpoint = f"none ({conversation.lost})"
+            conversation.lost = ""
             release, conversation.pages, conversation.tokens = conversation.pages, [], []
             return mount, release
         assert position is not None  # keep > 0

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import structlog
 
 from planner_svc.conversations import Conversation, Conversations
-from planner_svc.link import ExecutorLink
+from planner_svc.link import ExecutorLink, LinkLost, StepRefused
+from planner_svc.recovery import recover
 from planner_svc.requests import Finish, Request
 from planner_svc.scheduler import PlannedStep, Scheduler
 from planner_svc.streaming import PendingTokens, StreamBudget, TokenEvent
@@ -19,6 +20,25 @@ from protos import executor_pb2
 from protos.wire import unpack_i32
 
 log = structlog.get_logger("deltaserve.planner.engine")
+
+EXECUTOR_TIMEOUT_S = 5.0  # a step in flight with no output for this long (plus its prefill's allowance): hung
+PREFILL_S_PER_TOKEN = 0.025  # the allowance per prompt token a step reads (2,048 tokens: 51 s, a slow CPU)
+RECONNECT_BACKOFF_S = (0.1, 1.0)  # first and longest wait between attempts to reach a lost executor
+PROBE_TIMEOUT_S = 2.0  # how long one attempt waits for the executor's Describe
+
+
+def plan_summary(plan: executor_pb2.StepPlan) -> dict[str, int]:
+    """What a log line says about a plan: its numbers and sizes, not its bytes."""
+    return {
+        "seq": plan.seq,
+        "bucket": plan.bucket,
+        "slots_bytes": len(plan.slots),
+        "row_runs_bytes": len(plan.row_runs),
+        "sampler_slots_bytes": len(plan.sampler_slots),
+        "prefill_chunks": len(plan.prefill),
+        "prefill_tokens": sum(len(chunk.token_ids) // 4 for chunk in plan.prefill),
+        "bytes": plan.ByteSize(),
+    }
 
 
 @dataclass(slots=True)
@@ -63,6 +83,7 @@ class Engine:
         link: ExecutorLink,
         inflight_plans: int = 2,
         on_blocked: Callable[[Engine], None] | None = None,
+        executor_timeout: float = EXECUTOR_TIMEOUT_S,
     ):
         self.scheduler = scheduler
         self.link = link
@@ -77,10 +98,20 @@ class Engine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._seq = 0
-        self._inflight: deque[int] = deque()
-        self.failure: str | None = None  # set when the executor was lost; new requests are refused
+        self._inflight: deque[tuple[int, float]] = deque()  # (seq, how long its output may take)
+        self.executor_timeout = executor_timeout
+        self.failure: str | None = None  # why the executor is lost, while it is; new requests are refused
+        self.on_health: Callable[[], None] | None = None  # called when `serving` changes
+        self.losses = 0  # executor losses and refused plans recovered from
+        self._recent: deque[executor_pb2.StepPlan] = deque(
+            maxlen=4
+        )  # the plans in flight, for a refusal's log
         self.on_blocked = on_blocked  # called when the queue's head waits for pages (KV pressure)
         self._turn_waiters: list[tuple[Conversation, asyncio.Future[None]]] = []
+
+    @property
+    def serving(self) -> bool:
+        return self.failure is None
 
     @property
     def load(self) -> int:
@@ -110,7 +141,7 @@ class Engine:
     def submit(self, request: Request) -> asyncio.Queue[TokenEvent]:
         """Queue a request (checked by the scheduler first: ValueError / CapacityError change nothing)."""
         if self.failure is not None:
-            raise ConnectionError(self.failure)
+            raise ConnectionError(f"{self.failure}; reconnecting")
         self.scheduler.add(request)
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._queues[request] = queue
@@ -158,41 +189,49 @@ class Engine:
         return aborted
 
     async def _run(self) -> None:
-        try:
-            while True:
-                if len(self._inflight) >= self.inflight_plans:
+        while True:
+            try:
+                await self._steps()
+            except asyncio.CancelledError:
+                raise
+            except StepRefused as error:
+                await self._refused(str(error))
+            except Exception as error:  # the stream broke or the executor hung: fail, free, reconnect
+                await self._lost(error)
+
+    async def _steps(self) -> None:
+        while True:
+            if len(self._inflight) >= self.inflight_plans:
+                await self._receive()
+                continue
+            began = time.perf_counter()
+            step = self.scheduler.plan(self._seq)
+            planned = time.perf_counter()
+            if self.on_blocked is not None and self.scheduler.blocked():
+                self.on_blocked(self)
+            if step is None:
+                if self._inflight:
                     await self._receive()
-                    continue
-                began = time.perf_counter()
-                step = self.scheduler.plan(self._seq)
-                planned = time.perf_counter()
-                if self.on_blocked is not None and self.scheduler.blocked():
-                    self.on_blocked(self)
-                if step is None:
-                    if self._inflight:
-                        await self._receive()
-                    else:
-                        self._stream(len(self._pending))  # no step to feed: every stream gets its tokens
-                        self._wake.clear()
-                        await self._wake.wait()
-                    continue
-                plan = to_proto(step)
-                encoded = time.perf_counter()
-                await self.link.send(plan)
-                sent = time.perf_counter()
-                times = self.times
-                times.plan_us += (planned - began) * 1e6
-                times.encode_us += (encoded - planned) * 1e6
-                times.send_us += (sent - encoded) * 1e6
-                times.plan_bytes += plan.ByteSize()
-                self._inflight.append(self._seq)
-                self._seq += 1
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # the executor is gone: end every request with a clear error
-            log.error("executor link failed", executor=self.link.address, error=repr(error))
-            self.failure = f"executor {self.link.address} failed: {error}"
-            self._fail_all(self.failure)
+                else:
+                    self._stream(len(self._pending))  # no step to feed: every stream gets its tokens
+                    self._wake.clear()
+                    await self._wake.wait()
+                continue
+            plan = to_proto(step)
+            encoded = time.perf_counter()
+            allowance = self.executor_timeout
+            if step.prefill:
+                allowance += PREFILL_S_PER_TOKEN * sum(len(c.token_ids) // 4 for c in step.prefill)
+            self._recent.append(plan)
+            await self.link.send(plan)
+            sent = time.perf_counter()
+            times = self.times
+            times.plan_us += (planned - began) * 1e6
+            times.encode_us += (encoded - planned) * 1e6
+            times.send_us += (sent - encoded) * 1e6
+            times.plan_bytes += plan.ByteSize()
+            self._inflight.append((self._seq, allowance))
+            self._seq += 1
 
     def _stream(self, count: int) -> int:
         """Hand the `count` oldest pending events to their streams; their writes run when the loop next waits."""
@@ -213,11 +252,16 @@ class Engine:
         # Scheduled behind the released streams' wake-ups, so it runs when their writes have been issued.
         self._writes_ended = None
         asyncio.get_running_loop().call_soon(self._writes_end)
-        output = await self.link.recv()
+        seq, allowance = self._inflight[0]
+        try:
+            async with asyncio.timeout(allowance):  # the watchdog: one timer handle a step
+                output = await self.link.recv()
+        except TimeoutError:
+            raise LinkLost(f"hung: no output of step {seq} for {allowance:.1f} s") from None
         received = time.perf_counter()
         writes_us = ((self._writes_ended or received) - began) * 1e6 if written else 0.0
         self.stream_budget.observe(written, writes_us, (received - began) * 1e6, output.device_wait_us)
-        seq = self._inflight.popleft()
+        self._inflight.popleft()
         if output.seq != seq:
             raise RuntimeError(f"executor answered step {output.seq}, expected {seq}")
         produced = self.scheduler.commit(seq, unpack_i32(output.tokens), unpack_i32(output.prefill_tokens))
@@ -237,10 +281,92 @@ class Engine:
         times.streams_written += written
         times.commit_us += (time.perf_counter() - received) * 1e6
 
-    def _fail_all(self, message: str) -> None:
-        for request, queue in list(self._queues.items()):
-            self.scheduler.abort(request)
-            self._pending.drop(request)
-            queue.put_nowait(TokenEvent([], Finish.ABORT, error=message))
-        self._queues.clear()
+    # ---- an executor lost, or a plan refused (DESIGN §7 invariant 7) ----
+
+    async def _refused(self, error: str) -> None:
+        """A planner defect: the refused step's requests end with INTERNAL, the others go on over a new
+        stream with their rows written whole."""
+        seq = self._inflight[0][0] if self._inflight else -1
+        plan = next((p for p in self._recent if p.seq == seq), None)
+        log.error(
+            "executor refused a plan (a planner defect); its requests fail, the rest go on",
+            executor=self.link.address,
+            error=error,
+            plan=plan_summary(plan) if plan is not None else None,
+        )
+        result = self._recover(seq)
+        for request in result.refused:
+            self._end(request, "INTERNAL", f"the executor refused the step planned for this request: {error}")
+        log.info("step stream reopened", executor=self.link.address, requeued=len(result.requeued))
+        self.losses += 1
+        await self.link.open()
+
+    async def _lost(self, error: Exception) -> None:
+        reason = str(error) if isinstance(error, LinkLost) else f"{type(error).__name__}: {error}"
+        address = self.link.address
+        self.failure = f"executor {address} was lost ({reason})"
+        self._health()
+        result = self._recover(None, f"its KV was lost with executor {address}")
+        for request in result.cut:
+            self._end(
+                request,
+                "UNAVAILABLE",
+                f"{self.failure}; the request was cut after {len(request.output_ids)} tokens",
+            )
+        log.error(
+            "executor lost",
+            executor=address,
+            reason=reason,
+            cut=len(result.cut),
+            requeued=len(result.requeued),
+            conversations_lost=result.conversations_lost,
+        )
+        self.losses += 1
+        await self._reconnect()
+        self.failure = None
+        self._health()
+        self._wake.set()
+
+    def _recover(self, refused_seq: int | None, reason: str = ""):
+        self._stream(len(self._pending))  # tokens already produced reach their streams first
+        self._inflight.clear()
+        self._recent.clear()
+        result = recover(self.scheduler, self._seq - 1, refused_seq, reason)
         self._turns_ended()
+        return result
+
+    def _end(self, request: Request, code: str, message: str) -> None:
+        self._pending.drop(request)
+        queue = self._queues.pop(request, None)
+        if queue is not None:
+            queue.put_nowait(TokenEvent([], Finish.ABORT, error=message, code=code))
+
+    async def _reconnect(self) -> None:
+        """Until the executor answers again, with the same tables (backoff doubling up to its cap)."""
+        wait, longest = RECONNECT_BACKOFF_S
+        config = self.scheduler.config
+        expected = (config.page_size, config.pool_pages, config.max_seq_len, self.scheduler.layout.slots)
+        while True:
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, longest)
+            try:
+                described = await asyncio.wait_for(self.link.describe(), PROBE_TIMEOUT_S)
+            except Exception as error:  # not back yet
+                log.debug("executor not back", executor=self.link.address, error=type(error).__name__)
+                continue
+            found = (described.page_size, described.pool_pages, described.max_seq_len, described.slots)
+            if found != expected:
+                log.error(
+                    "the executor came back with other tables; restart the planner to attach to it",
+                    executor=self.link.address,
+                    expected=expected,
+                    found=found,
+                )
+                continue
+            await self.link.open()
+            log.info("executor back: every row is written whole", executor=self.link.address)
+            return
+
+    def _health(self) -> None:
+        if self.on_health is not None:
+            self.on_health()

@@ -14,6 +14,19 @@ class LinkError(Exception):
     """What a link cannot do (the benchmarks' in-process link has no cache)."""
 
 
+class StepRefused(Exception):
+    """The executor refused a plan (INVALID_ARGUMENT): a planner defect; the executor lives."""
+
+
+class LinkLost(ConnectionError):
+    """The step stream ended or broke: the executor is gone (or hung), with the reason in words."""
+
+
+def _reason(error: grpc.aio.AioRpcError) -> str:
+    """A status in words, without the debug_error_string a person cannot use."""
+    return f"{error.code().name}: {error.details() or 'no details'}"
+
+
 class ExecutorLink(Protocol):
     address: str
 
@@ -45,6 +58,9 @@ class GrpcLink:
         return await self._stub.Describe(executor_pb2.DescribeRequest(), wait_for_ready=True)
 
     async def open(self) -> None:
+        """Open the step stream; a stream still open (after a loss or a refusal) is cancelled first."""
+        if self._call is not None:
+            self._call.cancel()
         self._call = self._stub.Steps()
 
     def _stream(self) -> grpc.aio.StreamStreamCall:
@@ -53,13 +69,27 @@ class GrpcLink:
         return self._call
 
     async def send(self, plan: executor_pb2.StepPlan) -> None:
-        await self._stream().write(plan)
+        try:
+            await self._stream().write(plan)
+        except grpc.aio.AioRpcError as error:
+            raise self._ended(error) from None
+        except grpc.aio.UsageError as error:  # written after the stream ended: its status says why
+            raise LinkLost(f"the step stream had ended: {error}") from None
 
     async def recv(self) -> executor_pb2.StepOutput:
-        output = await self._stream().read()
+        try:
+            output = await self._stream().read()
+        except grpc.aio.AioRpcError as error:
+            raise self._ended(error) from None
         if output is grpc.aio.EOF:
-            raise ConnectionError(f"executor {self.address} closed the step stream")
+            raise LinkLost("the executor closed the step stream")
         return output
+
+    @staticmethod
+    def _ended(error: grpc.aio.AioRpcError) -> Exception:
+        if error.code() is grpc.StatusCode.INVALID_ARGUMENT:
+            return StepRefused(error.details() or "plan refused")
+        return LinkLost(f"stream ended: {_reason(error)}")
 
     async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:
         return await self._stub.Park(request)

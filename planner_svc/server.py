@@ -53,7 +53,9 @@ def build_engine(
         layout,
         conversations,
     )
-    return Engine(scheduler, link, inflight_plans=config.inflight_plans)
+    return Engine(
+        scheduler, link, inflight_plans=config.inflight_plans, executor_timeout=config.executor_timeout
+    )
 
 
 class PlannerServicer(client_pb2_grpc.PlannerServicer):
@@ -186,7 +188,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             while event.finish is None and not queue.empty():  # join what piled up into one message
                 event.join(queue.get_nowait())
             if event.error is not None:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
+                await context.abort(grpc.StatusCode[event.code], event.error)
             response = client_pb2.GenerateResponse(
                 request_id=req.request_id,
                 token_ids=pack_i32(event.token_ids),
@@ -306,6 +308,19 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         )
 
 
+def _follow_executors(started: StartedServer[PlannerServicer], engines: list[Engine]) -> None:
+    """Health says NOT_SERVING while no executor serves, SERVING again once one is back."""
+    health_updates: set[asyncio.Task] = set()
+
+    def changed() -> None:
+        task = asyncio.get_running_loop().create_task(started.set_serving(any(e.serving for e in engines)))
+        health_updates.add(task)
+        task.add_done_callback(health_updates.discard)
+
+    for engine in engines:
+        engine.on_health = changed
+
+
 async def start_planner_server(
     config: PlannerConfig,
     host: str = "127.0.0.1",
@@ -350,6 +365,7 @@ async def start_planner_server(
         security=security,
     )
     log_access(log, security)
+    _follow_executors(started, engines)
     log.info(
         "planner listening", address=f"{host}:{started.port}", executors=[link.address for link in links]
     )

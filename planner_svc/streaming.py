@@ -18,11 +18,12 @@ class TokenEvent:
 
     token_ids: list[int]
     finish: Finish | None = None
-    error: str | None = None  # the executor was lost: the request ends with UNAVAILABLE
+    error: str | None = None  # the request ends with this message and status `code`
+    code: str = "UNAVAILABLE"  # a grpc.StatusCode name: UNAVAILABLE (executor lost), INTERNAL (plan refused)
 
     def join(self, later: TokenEvent) -> None:
         self.token_ids += later.token_ids
-        self.finish, self.error = later.finish, later.error
+        self.finish, self.error, self.code = later.finish, later.error, later.code
 
 
 @dataclass(slots=True)

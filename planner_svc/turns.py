@@ -37,7 +37,9 @@ class Turns:
     # ---- routing ----
 
     def least_loaded(self) -> Engine:
-        return min(self.engines, key=lambda e: e.load)
+        """The serving engine with the fewest requests (a lost one only when none serves: it refuses)."""
+        serving = [e for e in self.engines if e.serving] or self.engines
+        return min(serving, key=lambda e: e.load)
 
     def find(self, tenant: str, conversation_id: str) -> tuple[Engine | None, Conversation | None]:
         """The engine holding the conversation, if any holds it."""

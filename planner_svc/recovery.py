@@ -1,0 +1,117 @@
+"""The host truth after an executor's step stream ended (DESIGN §7 invariant 7): which requests are cut,
+which run again, and the tables rebuilt so the returning stream writes every row whole.
+
+Two cases. The executor was *lost* (the stream broke, or it hung): its KV pool is gone with it, so every
+page is garbage: requests that produced tokens are cut, the others start again from the queue, and every
+conversation whose KV was only there forgets it (its next turn reads its prompt again). A plan was
+*refused* (a planner defect; the executor lives and ran every step before it): the refused step's requests
+fail, everyone else keeps their KV and goes on, their rows written whole on the new stream.
+
+Pure logic: no gRPC, no asyncio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner_svc.pages import PagePool
+from planner_svc.requests import Phase, Request
+from planner_svc.scheduler import PlannedStep, Scheduler
+from planner_svc.slots import SlotCache
+
+
+@dataclass(slots=True)
+class Recovery:
+    cut: list[Request] = field(default_factory=list)  # had produced tokens: they end with an error
+    refused: list[Request] = field(default_factory=list)  # in the refused step: they end with an error
+    requeued: list[Request] = field(default_factory=list)  # had produced nothing: they run again
+    conversations_lost: int = 0  # conversations whose KV was only on the lost executor
+
+
+def recover(
+    scheduler: Scheduler, last_seq: int, refused_seq: int | None = None, reason: str = ""
+) -> Recovery:
+    """Every plan up to `last_seq` was sent; those after the last commit never finished (or never ran).
+
+    `refused_seq` is the step the executor refused (its KV pool intact), None when the executor was lost;
+    the requests whose data that step carried (`_carried`) fail, the others in it go on.
+    Afterwards nothing is in flight, no slot is held, the mirror is zero, and every running request is
+    stale: the next plan writes its row whole (with its last token) and the step numbers go on from
+    `last_seq + 1`. The refused and cut requests are aborted (their pages and turns freed).
+    """
+    result = Recovery()
+    lost = refused_seq is None
+    refused_step = scheduler._steps.get(refused_seq) if refused_seq is not None else None
+    if refused_step is not None:
+        result.refused = [r for r in _carried(scheduler, refused_step) if r.finish is None]
+    # No step in flight: whatever was planned after the last commit is forgotten, its reads included.
+    scheduler._steps.clear()
+    scheduler._steady, scheduler._steady_left = None, 0
+    scheduler.committed = max(scheduler.committed, last_seq)
+    scheduler.slots = SlotCache(scheduler.layout.widest_bucket)
+    scheduler._assigned_seq = last_seq
+    scheduler.mirror.reset()
+    for request in result.refused:
+        scheduler.abort(request)
+    for request in [*scheduler.prefilling, *scheduler.decoding]:
+        if request.output_ids and lost:
+            result.cut.append(request)
+            scheduler.abort(request)
+        elif request.output_ids:  # its KV up to its last token's is on the device: it goes on
+            request.kv_len = request.prompt_len + len(request.output_ids) - 1
+            request.stale = True
+        else:
+            result.requeued.append(request)
+            _read_again(scheduler, request, keep_pages=not lost)
+    if lost:
+        waiting = [r for r in scheduler.waiting if r not in result.requeued]
+        for request in waiting:  # mounted pages are garbage too
+            request.pages, request.reused, request.prefilled = [], 0, 0
+        scheduler.waiting.clear()
+        scheduler.waiting.extend([*result.requeued, *waiting])
+    scheduler._free_committed()  # every page of the finished and the aborted returns (turns end)
+    if lost:
+        result.conversations_lost = _forget_resident(scheduler, reason)
+        scheduler.pages = PagePool(scheduler.pages.num_pages)
+    scheduler.mark_stale()  # nothing left to mark after the above: every running row is stale already
+    scheduler._dirty = True
+    return result
+
+
+def _carried(scheduler: Scheduler, step: PlannedStep) -> list[Request]:
+    """The requests whose data a refused step carried: prompt chunks, and rows written whole (with their
+    sampler state). Rows that only went on carry nothing to refuse; if none carried anything, all of it."""
+    written = set(step.sampler.slots) if step.sampler is not None else set()
+    carried = [chunk.request for chunk in step.prefill]
+    carried += [r for r in step.rows if scheduler.slots.slot_of(r) in written]
+    return list(dict.fromkeys(carried)) or list(step.rows)
+
+
+def _read_again(scheduler: Scheduler, request: Request, keep_pages: bool) -> None:
+    """A request that produced nothing starts its prompt again: from its mount with its pages (the pool
+    lives), or from the queue with none (the pool is gone; its conversation's KV with it)."""
+    if request.phase is Phase.PREFILL:
+        scheduler.prefilling.remove(request)
+    else:
+        scheduler.decoding.remove(request)
+    request.kv_len, request.stale, request.last_seq = 0, True, -1
+    if keep_pages:
+        request.prefilled = request.reused
+        request.phase = Phase.PREFILL
+        scheduler.prefilling.append(request)
+    else:
+        request.pages, request.reused, request.prefilled = [], 0, 0
+        request.phase = Phase.WAITING
+
+
+def _forget_resident(scheduler: Scheduler, reason: str) -> int:
+    """Conversations whose KV was in the lost pool forget it; parked ones (in the cache) are intact."""
+    if scheduler.conversations is None:
+        return 0
+    lost = 0
+    for conversation in list(scheduler.conversations._by_key.values()):
+        if conversation.pages:
+            conversation.forget()
+            conversation.lost = reason
+            lost += 1
+    return lost

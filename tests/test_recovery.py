@@ -1,0 +1,162 @@
+"""After an executor is lost or refuses a plan, the host truth is rebuilt (planner_svc/recovery.py): who is
+cut, who runs again, nothing leaks, and the next steps write every row whole, matching a device that
+lost its tables (or kept them)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from planner_svc.conversations import Conversations
+from planner_svc.recovery import recover
+from planner_svc.requests import Finish, Phase, Request, Sampling
+from planner_svc.retention import RetentionConfig
+from tests.test_scheduler import PAGE, DeviceRows, make_scheduler
+
+
+def req(i: int, prompt_len: int = 10, max_tokens: int = 8) -> Request:
+    return Request(f"r{i}", list(range(1, prompt_len + 1)), max_tokens, Sampling())
+
+
+class Loop:
+    """Plans two deep and commits one step late against a device copy, checking every read row."""
+
+    def __init__(self, scheduler, seed: int = 0):
+        self.scheduler, self.device, self.rng = scheduler, DeviceRows(scheduler.layout), random.Random(seed)
+        self.pending: list = []
+        self.seq = 0
+
+    def plan(self) -> bool:
+        step = self.scheduler.plan(self.seq)
+        if step is None:
+            return False
+        read = self.device.apply(step)
+        if step.bucket:
+            assert read.tobytes() == step.mirror, "device rows differ from the planner's mirror"
+        self.pending.append(step)
+        self.seq += 1
+        return True
+
+    def commit(self) -> None:
+        step = self.pending.pop(0)
+        tokens = np.array([self.rng.randrange(3, 100) for _ in range(step.bucket)], dtype=np.int32)
+        prefill = np.array(
+            [self.rng.randrange(3, 100) if c.sample_slot else -1 for c in step.prefill], dtype=np.int32
+        )
+        self.scheduler.commit(step.seq, tokens, prefill)
+        self.scheduler.slots.check()
+        self.scheduler.pages.check()
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            if len(self.pending) >= 2:
+                self.commit()
+            if not self.plan():
+                if not self.pending:
+                    return
+                self.commit()
+
+    def drain(self) -> None:
+        self.run(10_000)
+        while self.pending:
+            self.commit()
+
+
+def started(scheduler, loop: Loop, requests: list[Request], steps: int) -> None:
+    for request in requests:
+        scheduler.add(request)
+    loop.run(steps)
+    assert len(loop.pending) == 2  # two plans in flight when the stream ends
+
+
+def test_lost_executor_cuts_what_streamed_requeues_the_rest_and_frees_everything():
+    scheduler = make_scheduler(pool_pages=64, budget=16)
+    loop = Loop(scheduler)
+    early = [req(i, max_tokens=20) for i in range(3)]
+    started(scheduler, loop, early, 6)
+    late = [req(10 + i, prompt_len=12) for i in range(2)]
+    for request in late:
+        scheduler.add(request)
+    loop.plan()  # a step reading the late prompts is in flight, never to be answered
+    assert all(r.output_ids for r in early) and not any(r.output_ids for r in late)
+
+    result = recover(scheduler, last_seq=loop.seq - 1, refused_seq=None, reason="gone")
+    loop.pending.clear()
+    assert set(result.cut) == set(early) and set(result.requeued) == set(late)
+    assert all(r.finish is Finish.ABORT for r in early)
+    assert list(scheduler.waiting) == late and all(r.phase is Phase.WAITING and not r.pages for r in late)
+    assert scheduler.pages.free_count == scheduler.pages.total and scheduler.slots.held_count == 0
+    scheduler.slots.check()
+
+    loop.device = DeviceRows(scheduler.layout)  # a restarted executor: zero tables
+    loop.drain()
+    assert all(r.finish is not None and r.finish is not Finish.ABORT for r in late)
+    assert all(len(r.output_ids) == r.max_tokens for r in late)
+    assert scheduler.idle and scheduler.pages.free_count == scheduler.pages.total
+
+
+def test_refused_step_fails_the_request_it_carried_and_the_others_go_on_with_rows_written_whole():
+    scheduler = make_scheduler(pool_pages=64, budget=16)
+    loop = Loop(scheduler, seed=1)
+    running = [req(i, max_tokens=30) for i in range(3)]
+    started(scheduler, loop, running, 8)
+    while loop.pending:
+        loop.commit()
+    bad, waiting = req(9, prompt_len=6), req(10, prompt_len=5)
+    scheduler.add(bad)
+    loop.plan()  # bad's prompt and the running rows: the step the executor refuses
+    scheduler.add(waiting)
+    loop.plan()  # planned behind it: never run
+    refused_seq = loop.pending[0].seq
+    assert {c.request for c in loop.pending[0].prefill} == {bad} and set(loop.pending[0].rows) == set(running)
+    before = {r: len(r.output_ids) for r in running}
+
+    result = recover(scheduler, last_seq=loop.seq - 1, refused_seq=refused_seq)
+    loop.pending.clear()
+    assert result.refused == [bad] and bad.finish is Finish.ABORT and not result.cut
+    assert result.requeued == [waiting] and waiting.phase is Phase.PREFILL and waiting.pages
+    assert all(r.stale and r.kv_len == r.prompt_len + len(r.output_ids) - 1 for r in running)
+    # The executor kept its KV; its new stream starts from zero tables (executor_svc/server.py Steps),
+    # and the survivors' rows are written whole with their last token.
+    loop.device = DeviceRows(scheduler.layout)
+    loop.drain()
+    assert waiting.finish is Finish.LENGTH and len(waiting.output_ids) == waiting.max_tokens
+    for request in running:
+        assert request.finish is Finish.LENGTH and len(request.output_ids) == 30 > before[request]
+    assert scheduler.idle and scheduler.pages.free_count == scheduler.pages.total
+
+
+def test_refused_steady_step_fails_its_rows():
+    """A repeated step carries only its seq and bucket: nothing to blame but its rows."""
+    scheduler = make_scheduler(pool_pages=64, budget=16)
+    loop = Loop(scheduler, seed=2)
+    running = [req(i, max_tokens=30) for i in range(2)]
+    started(scheduler, loop, running, 8)
+    assert not loop.pending[0].prefill and loop.pending[0].sampler is None
+    result = recover(scheduler, last_seq=loop.seq - 1, refused_seq=loop.pending[0].seq)
+    assert set(result.refused) == set(running) and scheduler.idle
+    assert scheduler.pages.free_count == scheduler.pages.total and scheduler.slots.held_count == 0
+
+
+def test_lost_executor_loses_resident_conversations_and_keeps_parked_ones():
+    scheduler = make_scheduler(pool_pages=64)
+    conversations = Conversations(PAGE, RetentionConfig())
+    scheduler.conversations = conversations
+    loop = Loop(scheduler)
+    resident = conversations.open("t", "resident")
+    parked = conversations.open("t", "parked")
+    parked.parked, parked.tokens = True, [1, 2, 3]
+    turn = req(1, prompt_len=10, max_tokens=3)
+    mount, _ = conversations.mount(resident, turn.prompt_ids)
+    turn.conversation = resident
+    scheduler.add(turn)
+    loop.drain()
+    assert resident.pages and not resident.busy
+
+    result = recover(scheduler, last_seq=loop.seq - 1, refused_seq=None, reason="its KV was lost")
+    assert result.conversations_lost == 1 and not resident.pages and not resident.tokens
+    assert parked.parked and parked.tokens == [1, 2, 3]
+    assert scheduler.pages.free_count == scheduler.pages.total
+    again, release = conversations.mount(resident, turn.prompt_ids + [50, 51])
+    assert again.reused == 0 and not release and again.checkpoint == "none (its KV was lost)"
