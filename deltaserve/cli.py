@@ -13,10 +13,12 @@ from deltaserve import aio, commands, serve
 from deltaserve.flag_groups import (
     add_cache_store_flags,
     add_client_flags,
+    add_client_trust_flags,
     add_global_flags,
     add_model_flags,
     add_planner_flags,
     add_serve_flags,
+    add_server_trust_flags,
 )
 from deltaserve.flags import (
     ENV_PREFIX,
@@ -36,6 +38,7 @@ from deltaserve.flags import (
 )
 from deltaserve.logs import configure_logging, get_logger
 from deltaserve.serve import CACHE_PORT, EXECUTOR_PORT, PLANNER_PORT
+from deltaserve.trust import trust_from_args
 
 log = get_logger("deltaserve.cli")
 
@@ -97,12 +100,14 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         help="port of the cache service this process starts (0 picks a free one)",
     )
     add_cache_store_flags(up, environ)
+    add_server_trust_flags(up, api_keys=True, links=True)
 
     executor = command(
         commands_action, "executor", "the executor alone: holds the model, runs the steps the planners send"
     )
     add_model_flags(executor)
     add_serve_flags(executor, port_number=EXECUTOR_PORT)
+    add_server_trust_flags(executor, api_keys=False, links=True)
     executor.switch("--row-check", help="debug: compare every row a step reads with the planner's mirror")
     executor.option(
         "--cache",
@@ -127,6 +132,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         help="where the tokenizer comes from, as the executor's --model (default: SmolLM2-135M-Instruct)",
     )
     add_planner_flags(planner)
+    add_server_trust_flags(planner, api_keys=True, links=True)
     planner.switch(
         "--row-check", help="debug: ship the mirror of every row read, for the executors to compare"
     )
@@ -151,6 +157,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     add_cache_store_flags(cache_serve, environ)
     add_serve_flags(cache_serve, port_number=CACHE_PORT)
+    add_server_trust_flags(cache_serve, api_keys=True, links=False)
     cache_ls = command(cache_actions, "ls", "list the tenant's snapshots, most recently used first")
     cache_ls.parser.add_argument(
         "--all", action="store_true", help="also the snapshots quarantined for failing their checks"
@@ -222,7 +229,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         help="continue this conversation: the prompt carries the whole history, and the planner reads only "
         "what follows its longest kept checkpoint",
     )
-    generate.option("--tenant", default="default", metavar="T", help="the owner of the conversation")
+    generate.option(
+        "--tenant", default="", metavar="T", help="the owner of the conversation (with an API key: the key's)"
+    )
+    add_client_trust_flags(generate)
     generate.option(
         "--shared-prefix",
         type=shared_prefix,
@@ -343,6 +353,7 @@ _CLIENT_COMMANDS = {
 
 def _serving(args: argparse.Namespace):
     """The serve coroutine function of a serving command, its configs checked (ValueError when not)."""
+    args.trust = trust_from_args(args)  # the key file and certificates read now: a bad one fails the start
     if args.command == "up":
         external = args.cache if args.cache not in ("auto", "off") else None
         executor_cfg = serve.executor_config(args, cache=external)

@@ -16,6 +16,7 @@ import grpc
 from cache_svc.client import CacheClient
 from deltaserve.aio import until_stopped
 from deltaserve.logs import get_logger
+from deltaserve.trust import client_security
 from planner_svc.client import FINISH_REASONS, GenerateOptions, PlannerClient
 from protos import client_pb2
 from protos.wire import unpack_i32
@@ -68,6 +69,11 @@ def _cache_unreachable(addr: str) -> Callable[[grpc.aio.AioRpcError], str | None
         )
 
     return word
+
+
+def _tenant(args: argparse.Namespace) -> str:
+    """The tenant a client command acts for, in words: the one named, the API key's, or default."""
+    return args.tenant or ("the API key's" if args.api_key else "default")
 
 
 def _print_json(value: Any) -> None:
@@ -152,7 +158,7 @@ async def _stream_text(client: PlannerClient, options: GenerateOptions) -> clien
 
 async def generate(args: argparse.Namespace, stop: asyncio.Event) -> int:
     options = _request_options(args)
-    async with PlannerClient(args.addr) as client:
+    async with PlannerClient(args.addr, client_security(args)) as client:
         if args.json:
             outcome = await _call(client.generate_all(options), stop, _planner_unreachable(client))
             code = outcome[0]
@@ -169,7 +175,7 @@ async def generate(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
 
 async def park(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    async with PlannerClient(args.addr) as client:
+    async with PlannerClient(args.addr, client_security(args)) as client:
         outcome = await _call(
             client.park(args.conversation_id, args.tenant), stop, _planner_unreachable(client)
         )
@@ -178,7 +184,7 @@ async def park(args: argparse.Namespace, stop: asyncio.Event) -> int:
     parked = outcome[1]
     if args.json:
         _print_json(
-            {"conversation_id": args.conversation_id, "tenant": args.tenant, **dataclasses.asdict(parked)}
+            {"conversation_id": args.conversation_id, "tenant": _tenant(args), **dataclasses.asdict(parked)}
         )
     elif parked.bytes:
         print(f"parked {args.conversation_id}: {parked.tokens} tokens, {_size(parked.bytes)} in the cache")
@@ -188,7 +194,7 @@ async def park(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
 
 async def resume(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    async with PlannerClient(args.addr) as client:
+    async with PlannerClient(args.addr, client_security(args)) as client:
         outcome = await _call(
             client.resume(args.conversation_id, args.tenant), stop, _planner_unreachable(client)
         )
@@ -197,7 +203,7 @@ async def resume(args: argparse.Namespace, stop: asyncio.Event) -> int:
     resumed = outcome[1]
     if args.json:
         _print_json(
-            {"conversation_id": args.conversation_id, "tenant": args.tenant, **dataclasses.asdict(resumed)}
+            {"conversation_id": args.conversation_id, "tenant": _tenant(args), **dataclasses.asdict(resumed)}
         )
     else:
         checkpoints = ", ".join(map(str, resumed.checkpoints)) or "none"
@@ -206,7 +212,7 @@ async def resume(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
 
 async def conversations(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    async with PlannerClient(args.addr) as client:
+    async with PlannerClient(args.addr, client_security(args)) as client:
         outcome = await _call(client.conversations(args.tenant), stop, _planner_unreachable(client))
     if outcome[0] is not None:
         return outcome[0]
@@ -214,7 +220,7 @@ async def conversations(args: argparse.Namespace, stop: asyncio.Event) -> int:
     if args.json:
         _print_json([dataclasses.asdict(conversation) for conversation in listed])
     elif not listed:
-        print(f"no conversations (tenant {args.tenant})")
+        print(f"no conversations (tenant {_tenant(args)})")
     else:
         _print_table(
             ("CONVERSATION", "TOKENS", "PAGES", "PARKED", "PINNED", "CHECKPOINTS"),
@@ -237,7 +243,7 @@ async def conversations(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
 
 async def cache_ls(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    async with CacheClient(args.addr) as cache:
+    async with CacheClient(args.addr, client_security(args)) as cache:
         listing = cache.list(args.tenant, include_quarantined=args.all)
         outcome = await _call(listing, stop, _cache_unreachable(args.addr))
     if outcome[0] is not None:
@@ -246,7 +252,7 @@ async def cache_ls(args: argparse.Namespace, stop: asyncio.Event) -> int:
     if args.json:
         _print_json(snapshots)
     elif not snapshots:
-        print(f"no snapshots (tenant {args.tenant})")
+        print(f"no snapshots (tenant {_tenant(args)})")
     else:
         _print_table(
             ("CONVERSATION", "TOKENS", "SIZE", "PINNED", "LAST USED", "STATE"),
@@ -266,7 +272,7 @@ async def cache_ls(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
 
 async def cache_rm(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    async with CacheClient(args.addr) as cache:
+    async with CacheClient(args.addr, client_security(args)) as cache:
         outcome = await _call(
             cache.delete(args.tenant, args.conversation_id), stop, _cache_unreachable(args.addr)
         )
@@ -274,27 +280,27 @@ async def cache_rm(args: argparse.Namespace, stop: asyncio.Event) -> int:
         return outcome[0]
     deleted = outcome[1]
     if args.json:
-        _print_json({"conversation_id": args.conversation_id, "tenant": args.tenant, **deleted})
+        _print_json({"conversation_id": args.conversation_id, "tenant": _tenant(args), **deleted})
     else:
         print(f"deleted the snapshot of {args.conversation_id} ({_size(deleted['size_bytes'])})")
     return 0
 
 
 async def cache_stat(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    async with CacheClient(args.addr) as cache:
+    async with CacheClient(args.addr, client_security(args)) as cache:
         outcome = await _call(cache.stat(args.tenant), stop, _cache_unreachable(args.addr))
     if outcome[0] is not None:
         return outcome[0]
     stat = outcome[1]
     if args.json:
-        _print_json({"tenant": args.tenant, **stat})
+        _print_json({"tenant": _tenant(args), **stat})
     else:
         print(
             f"cache: {_count(stat['count'], 'snapshot')}, {_size(stat['size_bytes'])} of "
             f"{_size(stat['budget_bytes'])} ({_size(stat['pinned_bytes'])} pinned)"
         )
         print(
-            f"tenant {args.tenant}: {_count(stat['tenant_count'], 'snapshot')}, "
+            f"tenant {_tenant(args)}: {_count(stat['tenant_count'], 'snapshot')}, "
             f"{_size(stat['tenant_size_bytes'])}"
         )
     return 0

@@ -183,6 +183,13 @@ def add_cache_store_flags(flags: Flags, environ: Mapping[str, str]) -> None:
         metavar="GIB",
         help="snapshot bytes kept at most; the least recently used unpinned ones go first",
     )
+    flags.option(
+        "--tenant-budget-gib",
+        type=float_in(0.0, 1 << 20, low_open=True),
+        metavar="GIB",
+        help="snapshot bytes kept at most per tenant (the cache budget stays the ceiling); a put evicts only "
+        "its own tenant's snapshots (default: the cache budget)",
+    )
 
 
 def add_client_flags(flags: Flags, *, service: str, port_number: int, addr_env: str | None = None) -> None:
@@ -194,5 +201,50 @@ def add_client_flags(flags: Flags, *, service: str, port_number: int, addr_env: 
         help=service,
         env=addr_env,
     )
-    flags.option("--tenant", default="default", metavar="T", help="the owner of the conversations")
+    flags.option(
+        "--tenant",
+        default="",
+        metavar="T",
+        help="the owner of the conversations: with an API key, the key's (naming another is refused); "
+        "without one, default",
+    )
     flags.switch("--json", help="print JSON instead of text")
+    add_client_trust_flags(flags)
+
+
+def add_client_trust_flags(flags: Flags) -> None:
+    """How a client command reaches a service: its API key and TLS."""
+    flags.option("--api-key", metavar="KEY", help="the API key sent as `authorization: Bearer <key>`")
+    flags.option("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA's certificates")
+    flags.option("--tls-cert", metavar="PEM", help="a client certificate, for a service that requires one")
+    flags.option("--tls-key", metavar="PEM", help="the client certificate's private key")
+
+
+def add_server_trust_flags(flags: Flags, *, api_keys: bool, links: bool) -> None:
+    """TLS on the service's port; API keys (planner, cache); how it reaches the other services (links)."""
+    flags.option("--tls-cert", metavar="PEM", help="serve TLS with this certificate (chain)")
+    flags.option("--tls-key", metavar="PEM", help="the TLS certificate's private key")
+    flags.option(
+        "--tls-client-ca",
+        metavar="PEM",
+        help="require client certificates signed by this CA (mTLS; the services present their --tls-cert)",
+    )
+    if api_keys:
+        flags.option(
+            "--api-keys",
+            metavar="FILE",
+            help="require API keys: lines `<key> <tenant>` (# comments); the tenant * is the service key "
+            "that the planner and executors reach the cache with; unset: the API is open (one local tenant)",
+        )
+    if links:
+        flags.option(
+            "--tls-ca",
+            metavar="PEM",
+            help="reach the other services (executors, cache) with TLS, trusting this CA; this service's "
+            "--tls-cert is its client certificate where they require one",
+        )
+        flags.option(
+            "--cache-api-key",
+            metavar="KEY",
+            help="the service key sent to the cache (a `* ` line of the cache's --api-keys)",
+        )

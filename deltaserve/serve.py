@@ -8,15 +8,14 @@ import contextlib
 import os
 from dataclasses import dataclass
 
-import grpc
-
 from deltaserve.aio import until_stopped
 from deltaserve.logs import get_logger
+from deltaserve.trust import Trust
 from executor_svc.config import ExecutorConfig
 from planner_svc.config import PlannerConfig, SchedulingConfig
 from planner_svc.retention import RetentionConfig
 from protos import executor_pb2, executor_pb2_grpc
-from protos.rpc import CHANNEL_OPTIONS, wait_serving
+from protos.rpc import ChannelSecurity, open_channel, wait_serving
 
 PLANNER_PORT = 50051
 EXECUTOR_PORT = 50061
@@ -32,6 +31,7 @@ log = get_logger("deltaserve.serve")
 class CacheServiceConfig:
     root_dir: str  # where snapshots live (created when missing)
     budget_bytes: int  # least recently used unpinned snapshots are evicted beyond it
+    tenant_budget_bytes: int | None = None  # each tenant's share (a put evicts its own tenant's only)
 
     def __post_init__(self) -> None:
         if not self.root_dir:
@@ -78,7 +78,12 @@ def planner_config(args: argparse.Namespace, *, executors: list[str], cache: str
 
 
 def cache_config(args: argparse.Namespace) -> CacheServiceConfig:
-    return CacheServiceConfig(root_dir=args.cache_dir, budget_bytes=int(args.cache_budget_gib * GIB))
+    tenant_gib = args.tenant_budget_gib
+    return CacheServiceConfig(
+        root_dir=args.cache_dir,
+        budget_bytes=int(args.cache_budget_gib * GIB),
+        tenant_budget_bytes=None if tenant_gib is None else int(tenant_gib * GIB),
+    )
 
 
 # ---- serving ----
@@ -91,8 +96,10 @@ def dial_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def _describe_executor(addr: str) -> executor_pb2.ExecutorDescription:
-    async with grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS) as channel:
+async def _describe_executor(
+    addr: str, security: ChannelSecurity | None = None
+) -> executor_pb2.ExecutorDescription:
+    async with open_channel(addr, security) as channel:
         return await executor_pb2_grpc.ExecutorStub(channel).Describe(
             executor_pb2.DescribeRequest(), timeout=10
         )
@@ -109,12 +116,19 @@ async def _load_runner(config: ExecutorConfig):
 
 
 async def _start_cache(
-    servers: contextlib.AsyncExitStack, config: CacheServiceConfig, host: str, port: int
+    servers: contextlib.AsyncExitStack, config: CacheServiceConfig, host: str, port: int, trust: Trust
 ) -> tuple[str, int]:
     """Starts the cache service, to be stopped with `servers`; returns (address to dial, bound port)."""
     from cache_svc.server import start_cache_server
 
-    started = await start_cache_server(config.root_dir, config.budget_bytes, host, port)
+    started = await start_cache_server(
+        config.root_dir,
+        config.budget_bytes,
+        host,
+        port,
+        tenant_budget_bytes=config.tenant_budget_bytes,
+        security=trust.server,
+    )
     servers.push_async_callback(started.stop, SHUTDOWN_GRACE_S)
     return dial_address(host, started.port), started.port
 
@@ -140,7 +154,7 @@ async def serve_up(
         cache_fields = {"cache": executor_cfg.cache or "off"}
         if cache_cfg is not None:
             # First: a cache directory that cannot be used fails the command before the model loads.
-            cache_addr, _ = await _start_cache(servers, cache_cfg, args.host, args.cache_port)
+            cache_addr, _ = await _start_cache(servers, cache_cfg, args.host, args.cache_port, args.trust)
             executor_cfg.cache = planner_cfg.cache = cache_addr
             cache_fields = {"cache": cache_addr, "snapshots": cache_cfg.root_dir}
         runner = await _load_runner(executor_cfg)
@@ -152,13 +166,22 @@ async def serve_up(
             port=0,
             cache=executor_cfg.cache,
             shard_layers=executor_cfg.shard_layers,
+            security=args.trust.executor_server,
+            cache_channel=args.trust.cache_link,
         )
         servers.push_async_callback(executor.stop, SHUTDOWN_GRACE_S)
         executor_addr = f"127.0.0.1:{executor.port}"
         planner_cfg.executors = [executor_addr]
-        planner = await start_planner_server(planner_cfg, args.host, args.port)
+        planner = await start_planner_server(
+            planner_cfg,
+            args.host,
+            args.port,
+            security=args.trust.server,
+            executor_channel=args.trust.self_link,  # its own executor, on loopback
+            cache_channel=args.trust.cache_link,
+        )
         servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
-        described = await _describe_executor(executor_addr)
+        described = await _describe_executor(executor_addr, args.trust.self_link)
         await _serve_until_stopped(
             stop,
             addr=f"{args.host}:{planner.port}",
@@ -180,10 +203,16 @@ async def serve_executor(args: argparse.Namespace, config: ExecutorConfig, stop:
         return 0
     async with contextlib.AsyncExitStack() as servers:
         executor = await start_executor_server(
-            runner, host=args.host, port=args.port, cache=config.cache, shard_layers=config.shard_layers
+            runner,
+            host=args.host,
+            port=args.port,
+            cache=config.cache,
+            shard_layers=config.shard_layers,
+            security=args.trust.executor_server,
+            cache_channel=args.trust.cache_link,
         )
         servers.push_async_callback(executor.stop, SHUTDOWN_GRACE_S)
-        described = await _describe_executor(dial_address(args.host, executor.port))
+        described = await _describe_executor(dial_address(args.host, executor.port), args.trust.self_link)
         await _serve_until_stopped(
             stop,
             addr=f"{args.host}:{executor.port}",
@@ -197,9 +226,9 @@ async def serve_executor(args: argparse.Namespace, config: ExecutorConfig, stop:
     return 0
 
 
-async def wait_for_executor(addr: str, stop: asyncio.Event) -> bool:
+async def wait_for_executor(addr: str, stop: asyncio.Event, security: ChannelSecurity | None = None) -> bool:
     """True once the executor at addr is healthy; False when stopped first. Says so while it waits."""
-    async with grpc.aio.insecure_channel(addr) as channel:
+    async with open_channel(addr, security) as channel:
         while not stop.is_set():
             try:
                 finished, _ = await until_stopped(wait_serving(channel, EXECUTOR_WAIT_LOG_S), stop)
@@ -214,13 +243,20 @@ async def serve_planner(args: argparse.Namespace, config: PlannerConfig, stop: a
     from planner_svc.server import start_planner_server
 
     for addr in config.executors:
-        if not await wait_for_executor(addr, stop):
+        if not await wait_for_executor(addr, stop, args.trust.executor_link):
             log.info("stopped before the executors were up")
             return 0
     async with contextlib.AsyncExitStack() as servers:
-        planner = await start_planner_server(config, args.host, args.port)
+        planner = await start_planner_server(
+            config,
+            args.host,
+            args.port,
+            security=args.trust.server,
+            executor_channel=args.trust.executor_link,
+            cache_channel=args.trust.cache_link,
+        )
         servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
-        described = await _describe_executor(config.executors[0])
+        described = await _describe_executor(config.executors[0], args.trust.executor_link)
         await _serve_until_stopped(
             stop,
             addr=f"{args.host}:{planner.port}",
@@ -235,7 +271,7 @@ async def serve_planner(args: argparse.Namespace, config: PlannerConfig, stop: a
 
 async def serve_cache(args: argparse.Namespace, config: CacheServiceConfig, stop: asyncio.Event) -> int:
     async with contextlib.AsyncExitStack() as servers:
-        _, port = await _start_cache(servers, config, args.host, args.port)
+        _, port = await _start_cache(servers, config, args.host, args.port, args.trust)
         await _serve_until_stopped(
             stop,
             addr=f"{args.host}:{port}",

@@ -367,7 +367,7 @@ def test_client_commands_of_the_planner_and_the_cache(capsys):
         "park",
         "c1",
         "127.0.0.1:50051",
-        "default",
+        "",  # the key's tenant, or default where the API is open
         False,
     )
     resume = parse(["resume", "c1", "--tenant", "alice", "--json", "--addr", "p:1"])
@@ -378,7 +378,7 @@ def test_client_commands_of_the_planner_and_the_cache(capsys):
         "cache",
         "ls",
         "127.0.0.1:50071",
-        "default",
+        "",
         True,
     )
     rm = parse(["cache", "rm", "c1", "--tenant", "t"])
@@ -405,7 +405,7 @@ def test_generate_conversation_tenant_and_shared_prefix(capsys):
         "tokens": 9
     }
     plain = parse(base)
-    assert (plain.conversation, plain.tenant, plain.shared_prefix) == (None, "default", None)
+    assert (plain.conversation, plain.tenant, plain.shared_prefix) == (None, "", None)
     for bad in ("messages", "messages:-1", "message:1", "tokens:x", "chars:3"):
         assert "--shared-prefix" in usage_error(
             capsys, [*base, "--conversation", "c", "--shared-prefix", bad]
@@ -888,3 +888,28 @@ def test_up_serves_a_conversation_parks_it_in_its_cache_and_stops_cleanly_on_sig
     assert code == 0 and events[-1] == "stopped", serving.log_path.read_text()
     assert "stopping" in events
     assert any((cache_dir / "snapshots").iterdir())  # the snapshot outlives the process
+
+
+def test_trust_flags_and_a_bad_key_file_fail_the_start_naming_the_line(tmp_path, capsys):
+    from deltaserve.cli import main
+    from deltaserve.trust import client_security, trust_from_args
+
+    keys = tmp_path / "keys"
+    keys.write_text("alice-key-0123456789 alice\nbroken\n")
+    assert main(["cache", "serve", "--cache-dir", str(tmp_path), "--api-keys", str(keys)]) == 2
+    err = capsys.readouterr().err
+    assert "line 2: expected `<key> <tenant>`" in err and "alice-key" not in err
+    assert main(["planner", "--executor", "h:1", "--tls-cert", "c.pem"]) == 2
+    assert "both --tls-cert and --tls-key" in capsys.readouterr().err
+    keys.write_text("alice-key-0123456789 alice\n")
+    up = parse(["up", "--api-keys", str(keys), "--tenant-budget-gib", "0.25"])
+    trust = trust_from_args(up)
+    assert trust.server.keys is not None and len(trust.server.keys) == 2  # and up's own service key
+    assert trust.cache_link.api_key and trust.server.keys.caller(trust.cache_link.api_key).service
+    assert cache_config(up).tenant_budget_bytes == GIB // 4
+    client = parse(
+        ["generate", "--max-tokens", "1", "--text", "x"], DELTASERVE_API_KEY="k-1", DELTASERVE_TLS_CA="ca"
+    )
+    security = client_security(client)
+    assert security.api_key == "k-1" and security.tls is not None and security.tls.ca == "ca"
+    assert client_security(parse(["cache", "stat"])).tls is None
