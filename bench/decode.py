@@ -24,6 +24,7 @@ import logging
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -48,10 +49,17 @@ from planner_svc.config import PlannerConfig, SchedulingConfig
 from planner_svc.link import GrpcLink
 from planner_svc.server import start_planner_server
 from protos import client_pb2, client_pb2_grpc, executor_pb2
-from protos.rpc import StartedServer
+from protos.auth import parse_keys
+from protos.rpc import ChannelSecurity, ServerSecurity, StartedServer, open_channel
+from protos.tls import ClientTLS, ServerTLS
 from protos.wire import pack_i32, unpack_i32
 
-ARMS = ("resident", "host-planned", "resident-inprocess")
+ARMS = ("resident", "host-planned", "resident-inprocess", "resident-auth", "resident-tls")
+DEFAULT_ARMS = ARMS[:3]
+# The resident gRPC arm with the planner's client API behind an API key (the interceptor's cost), or with TLS
+# on the client API and on the planner's link to the executor (TLS's cost).
+AUTH_ARM, TLS_ARM = "resident-auth", "resident-tls"
+BENCH_KEY = "bench-key-0123456789abcdef"
 PAGE_SIZE = 16
 MAX_SEQ_LEN = 1024
 MODEL_FINGERPRINT = "random-smollm2"
@@ -101,7 +109,7 @@ def executor_config(device: str, pool_pages: int, buckets: tuple[int, ...], arm:
         pool_pages=pool_pages,
         max_seq_len=MAX_SEQ_LEN,
         buckets=buckets,
-        decode_path=arm.removesuffix("-inprocess"),
+        decode_path="host-planned" if arm == "host-planned" else "resident",
     )
 
 
@@ -222,13 +230,12 @@ class ClientsChild(LineChild):
             raise RuntimeError(message["error"])
 
     async def generate(
-        self, address: str, prompts: list[np.ndarray], max_tokens: int
+        self, address: str, prompts: list[np.ndarray], max_tokens: int, security: dict | None = None
     ) -> tuple[list[RequestResult], float]:
-        """The requests' results and the wall time of them all, both by the clients' clock."""
-        answer = await self.ask(
-            {"address": address, "prompts": [p.tolist() for p in prompts], "max_tokens": max_tokens},
-            MEASURE_TIMEOUT_S,
-        )
+        """The requests' results and the wall time of them all, both by the clients' clock. `security`: the
+        API key and the CA the clients use (client_security)."""
+        request = {"address": address, "prompts": [p.tolist() for p in prompts], "max_tokens": max_tokens}
+        answer = await self.ask({**request, "security": security or {}}, MEASURE_TIMEOUT_S)
         results = [
             RequestResult(r["sent"], [tuple(a) for a in r["arrivals"]], r["tokens"], r["error"])
             for r in answer["results"]
@@ -265,6 +272,7 @@ class Arm:
     server: StartedServer  # the planner's
     runner: StepRunner | None = None  # an in-process arm's
     child: ExecutorChild | None = None  # a gRPC arm's executor
+    client_trust: dict | None = None  # what its clients send: client_security
 
     @property
     def engine(self):
@@ -312,7 +320,7 @@ async def measure(
     arm.link.slot_change_bytes.clear()
     # The wall time of the requests' gather in the clients' process, not this round trip: the lines' transfer
     # (a few MB at c=256) is no part of the service.
-    results, wall = await clients.generate(arm.address, prompts, max_tokens)
+    results, wall = await clients.generate(arm.address, prompts, max_tokens, arm.client_trust)
     engine = {k: v - engine_before[k] for k, v in asdict(arm.engine.times).items()}
     runner = {k: v - runner_before[k] for k, v in (await arm.runner_times()).items()}
     ttft = [r.arrivals[0][0] - r.sent for r in results if r.arrivals]
@@ -367,13 +375,42 @@ async def measure(
     return figures, [r.tokens for r in results]
 
 
+def make_certs(directory: str) -> dict[str, str]:
+    """A CA and a certificate for 127.0.0.1 (tests/certs.py: the `cryptography` package) for the TLS arm."""
+    from tests.certs import make_pki
+
+    pki = make_pki(directory)
+    return {"ca": pki.ca.cert, "cert": pki.server.cert, "key": pki.server.key}
+
+
+def client_security(arm: str, certs: dict[str, str] | None) -> dict:
+    """What the clients send to the arm's planner: an API key (auth arm), a CA to trust (TLS arm)."""
+    return {
+        "api_key": BENCH_KEY if arm == AUTH_ARM else None,
+        "ca": certs["ca"] if arm == TLS_ARM and certs else None,
+    }
+
+
 async def start_arm(
-    name: str, planner_config: PlannerConfig, runner: StepRunner | None, child: ExecutorChild | None
+    name: str,
+    planner_config: PlannerConfig,
+    runner: StepRunner | None,
+    child: ExecutorChild | None,
+    certs: dict[str, str] | None = None,
 ) -> Arm:
     """The arm's planner, linked to its runner in this process or to its child's executor over gRPC."""
-    link = RecordingLink(InProcessLink(runner) if child is None else GrpcLink(f"127.0.0.1:{child.port}"))
-    planner = await start_planner_server(planner_config, port=0, links=[link])
-    return Arm(name, link, f"127.0.0.1:{planner.port}", planner.servicer, planner, runner, child)
+    tls = name == TLS_ARM and certs is not None
+    link_security = ChannelSecurity(tls=ClientTLS(ca=certs["ca"]) if tls and certs else None)
+    link = RecordingLink(
+        InProcessLink(runner) if child is None else GrpcLink(f"127.0.0.1:{child.port}", link_security)
+    )
+    security = ServerSecurity(
+        tls=ServerTLS(certs["cert"], certs["key"]) if tls and certs else None,
+        keys=parse_keys(f"{BENCH_KEY} bench\n") if name == AUTH_ARM else None,
+    )
+    planner = await start_planner_server(planner_config, port=0, links=[link], security=security)
+    address = f"127.0.0.1:{planner.port}"
+    return Arm(name, link, address, planner.servicer, planner, runner, child, client_security(name, certs))
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -443,7 +480,8 @@ async def serve_executor(args: argparse.Namespace, stop: asyncio.Event) -> None:
     if runner is None:
         protocol.write(json.dumps(states) + "\n")
         return
-    server = await start_executor_server(runner)
+    tls = ServerTLS(args.tls_cert, args.tls_key) if args.tls_cert else None
+    server = await start_executor_server(runner, security=ServerSecurity(tls=tls))
     protocol.write(json.dumps({"port": server.port, "capture": states}) + "\n")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     # The only request is {"times": true}; the runner's floats are safe to read from answer_lines' thread.
@@ -460,9 +498,10 @@ async def serve_clients(stop: asyncio.Event) -> None:
     channels: list[grpc.aio.Channel] = []
 
     async def generate(request: dict) -> dict:
-        address = request["address"]
+        address, trust = request["address"], request.get("security") or {}
         if address not in stubs:
-            channels.append(grpc.aio.insecure_channel(address))
+            tls = ClientTLS(ca=trust["ca"]) if trust.get("ca") else None
+            channels.append(open_channel(address, ChannelSecurity(tls=tls, api_key=trust.get("api_key"))))
             stubs[address] = client_pb2_grpc.PlannerStub(channels[-1])
         prompts = [np.asarray(p, dtype=np.int32) for p in request["prompts"]]
         began = time.perf_counter()
@@ -494,6 +533,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
     capture: dict[str, dict] = {}
     arms: dict[str, Arm] = {}
     clients: ClientsChild | None = None
+    certs = make_certs(tempfile.mkdtemp(prefix="bench-tls-")) if TLS_ARM in args.arms else None
     try:
         # The children first, one at a time, then this process's runner: each capture has the GPU to itself
         # (and a capture must be the only CUDA work in its process).
@@ -513,6 +553,11 @@ async def run(args: argparse.Namespace) -> list[dict]:
                     str(pool_pages),
                     "--buckets",
                     ",".join(map(str, buckets)),
+                    *(
+                        ["--tls-cert", certs["cert"], "--tls-key", certs["key"]]
+                        if name == TLS_ARM and certs
+                        else []
+                    ),
                 )
                 runner, states = None, await child.ready()
             if "error" in states:
@@ -530,7 +575,9 @@ async def run(args: argparse.Namespace) -> list[dict]:
         # Planners start once every capture is done.
         for name in args.arms:
             if name in runners or name in children:
-                arms[name] = await start_arm(name, planner_config, runners.get(name), children.get(name))
+                arms[name] = await start_arm(
+                    name, planner_config, runners.get(name), children.get(name), certs
+                )
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
         clients = await ClientsChild.start("clients", "--serve-clients")
         await clients.ready()
@@ -657,8 +704,10 @@ def main() -> None:
     parser.add_argument(
         "--arms",
         type=arm_list,
-        default=ARMS,
-        help=f"comma-separated, of {','.join(ARMS)} (default: all three)",
+        default=DEFAULT_ARMS,
+        help=f"comma-separated, of {','.join(ARMS)} (default: {','.join(DEFAULT_ARMS)}); resident-auth and "
+        "resident-tls are the resident gRPC arm with an API key, or TLS, on the client API (and TLS on the "
+        "planner's link to the executor): their cost against resident",
     )
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=256)
@@ -672,6 +721,8 @@ def main() -> None:
     parser.add_argument("--serve-executor", choices=child_arms, help=argparse.SUPPRESS)
     parser.add_argument("--pool-pages", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--buckets", help=argparse.SUPPRESS)
+    parser.add_argument("--tls-cert", help=argparse.SUPPRESS)  # the TLS arm's executor child
+    parser.add_argument("--tls-key", help=argparse.SUPPRESS)
     parser.add_argument("--serve-clients", action="store_true", help=argparse.SUPPRESS)  # ClientsChild's mode
     args = parser.parse_args()
     if args.serve_clients:  # the load generator needs no device
