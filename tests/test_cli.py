@@ -890,17 +890,19 @@ def test_up_serves_a_conversation_parks_it_in_its_cache_and_stops_cleanly_on_sig
     assert any((cache_dir / "snapshots").iterdir())  # the snapshot outlives the process
 
 
-def test_trust_flags_and_a_bad_key_file_fail_the_start_naming_the_line(tmp_path, capsys):
-    from deltaserve.cli import main
+def test_trust_flags_and_a_bad_key_file_fail_the_start_naming_the_line(tmp_path):
     from deltaserve.trust import client_security, trust_from_args
+    from protos.auth import KeyFileError
+    from protos.tls import TLSConfigError
 
     keys = tmp_path / "keys"
     keys.write_text("alice-key-0123456789 alice\nbroken\n")
-    assert main(["cache", "serve", "--cache-dir", str(tmp_path), "--api-keys", str(keys)]) == 2
-    err = capsys.readouterr().err
-    assert "line 2: expected `<key> <tenant>`" in err and "alice-key" not in err
-    assert main(["planner", "--executor", "h:1", "--tls-cert", "c.pem"]) == 2
-    assert "both --tls-cert and --tls-key" in capsys.readouterr().err
+    # A ValueError from trust_from_args is the serving command's start-up error (exit 2, cli._serving).
+    with pytest.raises(KeyFileError, match="line 2: expected `<key> <tenant>`") as error:
+        trust_from_args(parse(["cache", "serve", "--cache-dir", str(tmp_path), "--api-keys", str(keys)]))
+    assert "alice-key" not in str(error.value)
+    with pytest.raises(TLSConfigError, match="both --tls-cert and --tls-key"):
+        trust_from_args(parse(["planner", "--executor", "h:1", "--tls-cert", "c.pem"]))
     keys.write_text("alice-key-0123456789 alice\n")
     up = parse(["up", "--api-keys", str(keys), "--tenant-budget-gib", "0.25"])
     trust = trust_from_args(up)
