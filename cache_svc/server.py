@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -32,6 +33,7 @@ from protos.wire import pack_i32, unpack_i32
 
 log = structlog.get_logger("deltaserve.cache.server")
 
+PUT_DRAIN_S = 30.0  # at most this long spent reading the rest of a refused Put
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
 
 _STATUS = {
@@ -118,6 +120,15 @@ async def _abort(context: grpc.aio.ServicerContext, err: SnapshotError) -> None:
     await context.abort(code, str(err))
 
 
+async def _drain(parts: AsyncIterator[cache_pb2.SnapshotPart]) -> None:
+    """Reads (and drops) the rest of a refused Put before its status goes out: a status sent while the
+    client still writes large chunks reaches it as INTERNAL "Internal error from Core", not as itself."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(PUT_DRAIN_S):
+            async for _ in parts:
+                pass
+
+
 class CacheServicer(cache_pb2_grpc.CacheServicer):
     def __init__(self, index: SnapshotIndex) -> None:
         self.index = index
@@ -145,6 +156,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 raise InvalidSnapshot("an empty Put: the header is missing")
             stored, evicted = await asyncio.to_thread(self.index.commit_put, pending)
         except SnapshotError as err:
+            if pending is not None:
+                pending.abort()
+            await _drain(request_iterator)
             await _abort(context, err)
         finally:
             if pending is not None:

@@ -167,6 +167,14 @@ def add_planner_flags(flags: Flags) -> None:
         default=defaults.scheduling.prefix_cache,
         help="share the full KV pages of identical prompt starts across requests",
     )
+    flags.option(
+        "--drain-timeout",
+        type=float_in(0.0, 86400.0),
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM or Ctrl-C: seconds running requests get to finish before they are cut; then "
+        "every conversation in the KV pool is parked to the cache and the process exits",
+    )
 
 
 def add_cache_store_flags(flags: Flags, environ: Mapping[str, str]) -> None:

@@ -22,6 +22,7 @@ EXECUTOR_PORT = 50061
 CACHE_PORT = 50071
 GIB = 1 << 30
 SHUTDOWN_GRACE_S = 5.0
+CACHE_SHUTDOWN_GRACE_S = 30.0  # a stopping cache finishes the parks in flight (a drain's among them)
 EXECUTOR_WAIT_LOG_S = 5.0  # how often `planner` says it is still waiting for an executor
 
 log = get_logger("deltaserve.serve")
@@ -129,7 +130,7 @@ async def _start_cache(
         tenant_budget_bytes=config.tenant_budget_bytes,
         security=trust.server,
     )
-    servers.push_async_callback(started.stop, SHUTDOWN_GRACE_S)
+    servers.push_async_callback(started.stop, CACHE_SHUTDOWN_GRACE_S)
     return dial_address(host, started.port), started.port
 
 
@@ -137,6 +138,13 @@ async def _serve_until_stopped(stop: asyncio.Event, **listening) -> None:
     log.info("listening", **listening)
     await stop.wait()
     log.info("stopping", grace_s=SHUTDOWN_GRACE_S)
+
+
+async def _drain_planner(planner, drain_timeout_s: float) -> None:
+    """Before the planner's server (and, in `up`, the executor and cache) stops: see planner_svc/drain.py."""
+    from planner_svc.drain import drain
+
+    await drain(planner, drain_timeout_s)
 
 
 async def serve_up(
@@ -191,6 +199,7 @@ async def serve_up(
             executor=executor_addr,
             **cache_fields,
         )
+        await _drain_planner(planner, args.drain_timeout)
     log.info("stopped")
     return 0
 
@@ -265,6 +274,7 @@ async def serve_planner(args: argparse.Namespace, config: PlannerConfig, stop: a
             model=described.model_name,
             cache=config.cache or "off",
         )
+        await _drain_planner(planner, args.drain_timeout)
     log.info("stopped")
     return 0
 

@@ -71,6 +71,9 @@ class Conversations:
     def of_tenant(self, tenant: str) -> list[Conversation]:
         return [c for c in self._by_key.values() if c.tenant == tenant]
 
+    def every(self) -> list[Conversation]:
+        return list(self._by_key.values())
+
     def remove(self, conversation: Conversation) -> None:
         self._by_key.pop(conversation.key, None)
 

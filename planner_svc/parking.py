@@ -41,6 +41,7 @@ class RestoreOutcome:
     status: Restore
     reason: str = ""
     data_loss: bool = False  # the cache or the executor found the snapshot corrupt
+    missing: bool = False  # the cache has no snapshot (evicted or deleted): nothing was parked after all
 
     @property
     def restored(self) -> bool:
@@ -125,6 +126,11 @@ class Parking:
             if isinstance(error, grpc.aio.AioRpcError):
                 data_loss = error.code() == grpc.StatusCode.DATA_LOSS
                 reason = f"{error.code().name}: {error.details()}"
+                if error.code() == grpc.StatusCode.NOT_FOUND:
+                    self._fall_back(conversation, reason)
+                    return RestoreOutcome(
+                        Restore.FELL_BACK, "snapshot gone (evicted or deleted)", missing=True
+                    )
             else:
                 data_loss, reason = False, str(error)
             return self._fall_back(conversation, f"snapshot refused: {reason}", data_loss=data_loss)
@@ -158,6 +164,24 @@ class Parking:
                 log.warning("cache not reachable; the prompt is read in full", error=error.details())
             return 0
         return max((s["num_tokens"] for s in snapshots), default=0)
+
+    async def follow_cache(self, tenant: str, conversations: list[Conversation]) -> None:
+        """Drops the parked mark of those whose snapshot the cache no longer has (evicted, deleted,
+        quarantined): they are not parked, and their next turn reads the prompt. Unchanged when the
+        cache cannot be asked."""
+        parked = [c for c in conversations if c.parked and not c.pages and not c.busy]
+        if self._cache is None or not parked:
+            return
+        try:
+            snapshots = await self._cache.list(tenant, timeout=5)
+        except grpc.aio.AioRpcError as error:
+            log.warning("cache not reachable; parked marks unchecked", error=error.details())
+            return
+        held = {s["conversation_id"] for s in snapshots}
+        for conversation in parked:
+            if conversation.conversation_id not in held and conversation.parked and not conversation.pages:
+                log.info("snapshot gone from the cache", conversation=conversation.conversation_id)
+                conversation.forget()
 
     async def close(self) -> None:
         if self._cache is not None:

@@ -78,6 +78,9 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             described.eos_token_id if described.HasField("eos_token_id") else tokenizer.eos_token_id
         )
         self._requests: dict[str, tuple[Request, Engine]] = {}
+        self.running_requests = self._requests  # what a drain waits for (drain.py)
+        self.draining: str | None = None  # set by a drain: new requests are refused with it
+        self.cut: dict[str, str] = {}  # request id -> why a drain cut it
 
     def _prompt(self, request: client_pb2.GenerateRequest) -> tuple[list[int], list[dict[str, str]] | None]:
         """The prompt's ids, and its chat messages when it came as a chat."""
@@ -141,6 +144,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         request_id = request.request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
+            if self.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self.draining)
             if request_id in self._requests:
                 await context.abort(
                     grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already running"
@@ -197,6 +202,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             if first:
                 response.prompt_tokens = req.prompt_len
                 first = False
+            if event.finish is Finish.ABORT and req.request_id in self.cut:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self.cut.pop(req.request_id))
             if event.finish is not None:
                 response.finish_reason = _FINISH[event.finish]
                 response.prompt_tokens = req.prompt_len
@@ -250,6 +257,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         return client_pb2.ParkResponse(bytes=reply.bytes, tokens=len(conversation.tokens))
 
     async def Resume(self, request: client_pb2.ResumeRequest, context: grpc.aio.ServicerContext):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.draining)
         try:
             conversation = await self.turns.resume(
                 await request_tenant(context, request.tenant), request.conversation_id
@@ -264,6 +273,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         self, request: client_pb2.ListConversationsRequest, context: grpc.aio.ServicerContext
     ):
         tenant = await request_tenant(context, request.tenant)
+        for engine in self.engines:  # a snapshot evicted or deleted in the cache is not parked
+            await self.turns.parking.follow_cache(tenant, engine.conversations.of_tenant(tenant))
         listed = [
             client_pb2.Conversation(
                 conversation_id=c.conversation_id,

@@ -130,7 +130,7 @@ class Turns:
             outcome = await self.parking.restore(engine, conversation) if not conversation.pages else None
         if outcome is None or outcome.restored:
             return conversation
-        if outcome.status is Restore.NOTHING:
+        if outcome.status is Restore.NOTHING or outcome.missing:
             if not conversation.tokens:  # opened by this call only: leave no trace
                 engine.conversations.remove(conversation)
             raise ParkError(grpc.StatusCode.NOT_FOUND, f"no parked conversation {conversation_id!r}")
