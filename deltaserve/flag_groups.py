@@ -131,7 +131,8 @@ def add_planner_flags(flags: Flags) -> None:
         type=int_at_least(1),
         default=defaults.scheduling.prefill_token_budget,
         metavar="N",
-        help="prompt tokens read per step (chunked prefill)",
+        help="prompt tokens read per step (chunked prefill); default by the executor's device: "
+        "256 on a CPU (other streams keep moving), 2048 on a GPU",
     )
     flags.option(
         "--max-waiting",

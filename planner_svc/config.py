@@ -3,22 +3,48 @@ retention's settings are theirs, nested here)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner_svc.retention import RetentionConfig
+
+# Prompt tokens read per step by default, by the executor's device. A GPU reads 2,048 in a few ms; a CPU
+# reads a few hundred a second, so 2,048 there held every other stream's next token for tens of seconds
+# (a 6,000-token prompt: up to 42 s a step); 256 keeps a step to about a second.
+CPU_PREFILL_TOKEN_BUDGET = 256
+GPU_PREFILL_TOKEN_BUDGET = 2048
 
 
 @dataclass(slots=True)
 class SchedulingConfig:
     """The planner's settings of every scheduler (carried by SchedulerConfig.settings)."""
 
-    prefill_token_budget: int = 2048  # prompt tokens read per step (chunked prefill)
+    # Prompt tokens read per step (chunked prefill); None: by the executor's device (for_device).
+    prefill_token_budget: int | None = None
     row_check: bool = False  # ship the mirror of every row read, for the executor to compare
     prefix_cache: bool = True  # share full prompt pages across requests by a hash chain of their tokens
 
+    # Requests that may be admitted past a head of the queue waiting for pages (admission.py).
+    admission_skips: int = 32
+
     def __post_init__(self) -> None:
-        if self.prefill_token_budget < 1:
+        if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
             raise ValueError(f"prefill_token_budget must be positive, got {self.prefill_token_budget}")
+        if self.admission_skips < 0:
+            raise ValueError(f"admission_skips must be >= 0, got {self.admission_skips}")
+
+    @property
+    def token_budget(self) -> int:
+        """The prefill budget in force (a GPU's where none was chosen and no device was named)."""
+        return self.prefill_token_budget or GPU_PREFILL_TOKEN_BUDGET
+
+    def for_device(self, device: str) -> SchedulingConfig:
+        """These settings with the prefill budget chosen for `device` (the executor's), unless one was given."""
+        if self.prefill_token_budget is not None:
+            return self
+        cpu = device.split(":")[0] == "cpu"
+        return replace(
+            self, prefill_token_budget=CPU_PREFILL_TOKEN_BUDGET if cpu else GPU_PREFILL_TOKEN_BUDGET
+        )
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from planner_svc.admission import Admission
 from planner_svc.config import SchedulingConfig
 from planner_svc.conversations import Conversations
 from planner_svc.pages import PagePool
@@ -72,6 +73,7 @@ class Scheduler:
         self.slots: SlotCache[Request] = SlotCache(layout.widest_bucket)
         self.mirror = RowMirror(layout)
         self.waiting: deque[Request] = deque()
+        self.admission: Admission[Request] = Admission(config.settings.admission_skips)
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
         self.committed = -1
@@ -114,6 +116,7 @@ class Scheduler:
             return False
         if request.phase is Phase.WAITING:
             self.waiting.remove(request)
+            self.admission.forget(request)
             request.phase = Phase.DONE
             self._release_pages(request)
         else:
@@ -224,7 +227,7 @@ class Scheduler:
 
     def _plan_prefill(self, step: PlannedStep) -> list[Request]:
         """Chunks of admitted prompts up to the token budget; returns the requests whose prompt ends."""
-        budget, finals = self.config.settings.prefill_token_budget, list[Request]()
+        budget, finals = self.config.settings.token_budget, list[Request]()
         page_size = self.config.page_size
         for request in list(self.prefilling):
             if budget == 0 or len(finals) == self.layout.widest_bucket:
@@ -291,8 +294,7 @@ class Scheduler:
         slot = self.slots.slot_of(request)
         return request.kv_len if slot is None or request.stale else self.mirror.kv_len(slot)
 
-    # --- admission -----------------------------------------------------------------------------
-
+    # --- admission (the order: admission.py) ----------------------------------------------------
     def _can_admit(self, request: Request) -> bool:
         need = request.pages_needed(self.config.page_size) - len(request.pages)
         return self.pages.free_count >= need
@@ -315,10 +317,9 @@ class Scheduler:
         return bool(self.waiting) and not self._can_admit(self.waiting[0])
 
     def _admit(self) -> None:
-        """First come, first served: the head of the queue waits until its pages are free."""
+        """First come, first served; a bounded number may pass a head waiting for pages (admission.py)."""
         page_size = self.config.page_size
-        while self.waiting and self._can_admit(self.waiting[0]):
-            request = self.waiting.popleft()
+        for request in self.admission.take(self.waiting, self._can_admit):
             if self.config.settings.prefix_cache and not request.pages:
                 self._match_prefix(request)
             # Every page it can write, now: its decode steps then never cross onto a page the device
@@ -379,6 +380,7 @@ class Scheduler:
         for request in self._pending_free:
             if request.last_seq <= self.committed:
                 self._release_pages(request)
+                self._dirty = self._dirty or bool(self.waiting)  # a waiting request may fit now
             else:
                 still.append(request)
         self._pending_free = still
