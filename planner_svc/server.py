@@ -3,27 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 
 import grpc
 import structlog
 
 from planner_svc.config import PlannerConfig
-from planner_svc.conversations import Conversations, Mount, common_prefix
+from planner_svc.conversations import Conversations, Mount
+from planner_svc.decode_guard import guarded
 from planner_svc.engine import Engine
+from planner_svc.intake import Intake
 from planner_svc.link import ExecutorLink, GrpcLink
 from planner_svc.parking import ParkError, Parking
-from planner_svc.requests import Finish, Request, Sampling
+from planner_svc.requests import Finish, Request
 from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
-from planner_svc.shared_prefix import resolve_shared_prefix
 from planner_svc.streaming import TokenEvent
-from planner_svc.tokenizer import IncrementalDetokenizer, chat_ids, load_tokenizer, text_ids
+from planner_svc.tokenizer import IncrementalDetokenizer, load_tokenizer
 from planner_svc.turns import Turns
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.auth import key_tenant, request_tenant
 from protos.layout import RowLayout
 from protos.rpc import ChannelSecurity, ServerSecurity, StartedServer, log_access, start_server
-from protos.wire import pack_i32, unpack_i32
+from protos.wire import pack_i32
 
 log = structlog.get_logger("deltaserve.planner")
 
@@ -48,7 +50,7 @@ def build_engine(
             buckets=tuple(description.buckets),
             max_seq_len=description.max_seq_len,
             vocab_size=description.vocab_size,
-            settings=config.scheduling,
+            settings=config.scheduling.for_device(description.device),  # the prefill budget by device
         ),
         layout,
         conversations,
@@ -78,67 +80,11 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             described.eos_token_id if described.HasField("eos_token_id") else tokenizer.eos_token_id
         )
         self._requests: dict[str, tuple[Request, Engine]] = {}
+        self._request_ids: set[str] = set()  # taken from the first await of a Generate to its end
+        self.intake = Intake(tokenizer, self.eos_token_id, described.vocab_size, described.max_seq_len)
         self.running_requests = self._requests  # what a drain waits for (drain.py)
         self.draining: str | None = None  # set by a drain: new requests are refused with it
         self.cut: dict[str, str] = {}  # request id -> why a drain cut it
-
-    def _prompt(self, request: client_pb2.GenerateRequest) -> tuple[list[int], list[dict[str, str]] | None]:
-        """The prompt's ids, and its chat messages when it came as a chat."""
-        kind = request.WhichOneof("prompt")
-        if kind == "text":
-            return (text_ids(self.tokenizer, request.text) if request.text else []), None
-        if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            if not messages:
-                return [], messages
-            if any(not m["role"] for m in messages):
-                raise ValueError("every chat message needs a role")
-            return chat_ids(self.tokenizer, messages), messages
-        if kind == "token_ids":
-            if len(request.token_ids) % 4:
-                raise ValueError("token_ids must be packed int32 (a multiple of 4 bytes)")
-            return unpack_i32(request.token_ids).tolist(), None
-        return [], None
-
-    def _render(self, messages: list[dict[str, str]]) -> list[int]:
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-
-    def _marks(self, request: client_pb2.GenerateRequest, req: Request, messages) -> None:
-        """The root (end of the system prompt) and the pinned shared prefix of a conversation's turn."""
-        if messages and messages[0]["role"] == "system":
-            req.root = common_prefix(self._render(messages[:1]), req.prompt_ids) or None
-        if request.HasField("shared_prefix"):
-            prefix = request.shared_prefix
-            kind = prefix.WhichOneof("prefix")
-            value: int | tuple[int, int] = 0
-            if kind == "message":
-                value = (prefix.message.message, prefix.message.chars)
-            elif kind:
-                value = getattr(prefix, kind)
-            tokens, why = resolve_shared_prefix(kind, value, req.prompt_ids, messages, self._render)
-            if tokens is None:
-                log.info("shared prefix not marked", reason=why)
-            req.pinned = tokens
-
-    def _make_request(
-        self, request: client_pb2.GenerateRequest, request_id: str
-    ) -> tuple[Request, list | None]:
-        prompt_ids, messages = self._prompt(request)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: give text, chat messages or token ids")
-        params = request.sampling
-        sampling = Sampling(
-            temperature=params.temperature,
-            top_p=params.top_p if params.HasField("top_p") else 1.0,
-            top_k=params.top_k,
-            seed=params.seed,
-        )
-        stops = set(request.stop_token_ids)
-        if not request.ignore_eos and self.eos_token_id is not None:
-            stops.add(self.eos_token_id)
-        req = Request(request_id, prompt_ids, request.max_tokens, sampling, frozenset(stops))
-        return req, messages
 
     async def Generate(self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         request_id = request.request_id or uuid.uuid4().hex
@@ -146,42 +92,52 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         try:
             if self.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, self.draining)
-            if request_id in self._requests:
+            if request_id in self._request_ids:
                 await context.abort(
                     grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already running"
                 )
-            mount = Mount()
+            self._request_ids.add(request_id)  # before the first await: a second one is refused above
             try:
-                req, messages = self._make_request(request, request_id)
-                if request.conversation_id:
-                    self._marks(request, req, messages)
-                    engine, queue, mount = await self.turns.start(
-                        req, await self._owner(req, request, context), request.conversation_id
-                    )
-                else:
-                    await self._owner(req, request, context)
-                    engine = self.turns.least_loaded()
-                    queue = engine.submit(req)
-            except ValueError as error:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-            except CapacityError as error:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-            except ConnectionError as error:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-            except ParkError as error:
-                await context.abort(error.code, str(error))
-            self._requests[request_id] = (req, engine)
-            log.info("request admitted", prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
-            try:
-                async for response in self._stream(req, queue, context, mount):
-                    yield response
+                async with contextlib.aclosing(self._generate(request, request_id, context)) as stream:
+                    async for response in stream:
+                        yield response
             finally:
-                self._requests.pop(request_id, None)
-                if req.finish is None:  # the client went away: free its pages and slot
-                    engine.abort(req)
-                    log.info("client disconnected; request aborted")
+                self._request_ids.discard(request_id)
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _generate(
+        self, request: client_pb2.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext
+    ):
+        mount = Mount()
+        try:
+            req, messages = await self.intake.prepare(request, request_id)
+            if request.conversation_id:
+                engine, queue, mount = await self.turns.start(
+                    req, await self._owner(req, request, context), request.conversation_id
+                )
+            else:
+                await self._owner(req, request, context)
+                engine = self.turns.least_loaded()
+                queue = engine.submit(req)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except CapacityError as error:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except ConnectionError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except ParkError as error:
+            await context.abort(error.code, str(error))
+        self._requests[request_id] = (req, engine)
+        log.info("request admitted", prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
+        try:
+            async for response in self._stream(req, queue, context, mount):
+                yield response
+        finally:
+            self._requests.pop(request_id, None)
+            if req.finish is None:  # the client went away: free its pages and slot
+                engine.abort(req)
+                log.info("client disconnected; request aborted")
 
     async def _stream(
         self, req: Request, queue: asyncio.Queue[TokenEvent], context: grpc.aio.ServicerContext, mount: Mount
@@ -368,7 +324,7 @@ async def start_planner_server(
     servicer = PlannerServicer(engines, descriptions, tokenizer, turns)
     started = await start_server(
         servicer,
-        client_pb2_grpc.add_PlannerServicer_to_server,
+        guarded(client_pb2_grpc.add_PlannerServicer_to_server),  # invalid UTF-8: INVALID_ARGUMENT
         (SERVICE_NAME,),
         host,
         port,

@@ -1,0 +1,103 @@
+"""A GenerateRequest made into a scheduler Request: every field checked (validation.py), then the prompt
+tokenized and chat-templated on a small thread pool, off the event loop (the Rust tokenizer frees the GIL,
+so other streams keep their steps while a long prompt is read)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from concurrent.futures import ThreadPoolExecutor
+
+import jinja2
+import structlog
+
+from planner_svc.conversations import common_prefix
+from planner_svc.requests import Request, Sampling
+from planner_svc.shared_prefix import resolve_shared_prefix
+from planner_svc.tokenizer import chat_ids, text_ids
+from planner_svc.validation import check_generate, check_length, limits_for
+from protos import client_pb2
+from protos.wire import unpack_i32
+
+log = structlog.get_logger("deltaserve.planner")
+
+TOKENIZING_THREADS = 2
+
+Messages = list[dict[str, str]]
+
+
+class Intake:
+    def __init__(self, tokenizer, eos_token_id: int | None, vocab_size: int, max_seq_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.limits = limits_for(tokenizer, vocab_size, max_seq_len)
+        self._threads = ThreadPoolExecutor(max_workers=TOKENIZING_THREADS, thread_name_prefix="tokenize")
+
+    async def prepare(
+        self, request: client_pb2.GenerateRequest, request_id: str
+    ) -> tuple[Request, Messages | None]:
+        """The request checked and its prompt tokenized; ValueError (INVALID_ARGUMENT) says what is wrong."""
+        check_generate(request, self.limits)
+        call = contextvars.copy_context().run  # the request id stays bound in the worker's log lines
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, call, self._make_request, request, request_id)
+
+    def _prompt(self, request: client_pb2.GenerateRequest) -> tuple[list[int], Messages | None]:
+        """The prompt's ids, and its chat messages when it came as a chat."""
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return (text_ids(self.tokenizer, request.text) if request.text else []), None
+        if kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages:
+                return [], messages
+            return chat_ids(self.tokenizer, messages), messages
+        if kind == "token_ids":
+            return unpack_i32(request.token_ids).tolist(), None
+        return [], None
+
+    def _render(self, messages: Messages) -> list[int]:
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def _marks(self, request: client_pb2.GenerateRequest, req: Request, messages: Messages | None) -> None:
+        """The root (end of the system prompt) and the pinned shared prefix of a conversation's turn."""
+        if messages and messages[0]["role"] == "system":
+            req.root = common_prefix(self._render(messages[:1]), req.prompt_ids) or None
+        if request.HasField("shared_prefix"):
+            prefix = request.shared_prefix
+            kind = prefix.WhichOneof("prefix")
+            value: int | tuple[int, int] = 0
+            if kind == "message":
+                value = (prefix.message.message, prefix.message.chars)
+            elif kind:
+                value = getattr(prefix, kind)
+            tokens, why = resolve_shared_prefix(kind, value, req.prompt_ids, messages, self._render)
+            if tokens is None:
+                log.info("shared prefix not marked", reason=why)
+            req.pinned = tokens
+
+    def _make_request(
+        self, request: client_pb2.GenerateRequest, request_id: str
+    ) -> tuple[Request, Messages | None]:
+        try:
+            prompt_ids, messages = self._prompt(request)
+        except jinja2.TemplateError as error:
+            raise ValueError(f"chat: the model's chat template refused the messages: {error}") from None
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give text, chat messages or token ids")
+        check_length(len(prompt_ids), request.max_tokens, self.limits.max_seq_len)
+        params = request.sampling
+        sampling = Sampling(
+            temperature=params.temperature,
+            top_p=params.top_p if params.HasField("top_p") else 1.0,
+            top_k=params.top_k,
+            seed=params.seed,
+        )
+        stops = set(request.stop_token_ids)
+        if not request.ignore_eos and self.eos_token_id is not None:
+            stops.add(self.eos_token_id)
+        req = Request(request_id, prompt_ids, request.max_tokens, sampling, frozenset(stops))
+        if request.conversation_id:
+            self._marks(request, req, messages)
+        return req, messages

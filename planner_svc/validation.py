@@ -1,0 +1,145 @@
+"""Every field of a GenerateRequest checked before anything else runs: pure, no gRPC, no tokenizer.
+
+A request that fails gets INVALID_ARGUMENT with a message naming the field and the value it had. The
+checks here are the planner's; the executor checks the sampler fields again where it reads them
+(executor_svc/plan.py: temperature and top_p finite and in range, top_k >= 0, last token in the vocabulary).
+
+The text bound: one token stands for at most `longest_token_bytes` bytes of text (the longest vocabulary
+entry's UTF-8 length: byte-level BPE and SentencePiece spell a byte with one or more UTF-8 bytes, so this
+is never below the true figure), so a prompt that fits in the context is at most max_seq_len x that many
+bytes. Twice that (a margin for normalizers that shrink text) is refused before tokenizing. For SmolLM2
+(context 8192, longest entry 162 bytes) that is 2.65 MB.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from protos import client_pb2
+
+TEMPERATURE_MAX = 100.0  # beyond it every token is as likely as any other: no use, only a typo
+MAX_STOP_IDS = 1024
+MAX_ID_CHARS = 256  # request ids, conversation ids and tenants
+TEXT_MARGIN = 2
+
+
+class InvalidRequest(ValueError):
+    """A request field out of range (INVALID_ARGUMENT); the message names the field and its value."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    vocab_size: int
+    max_seq_len: int
+    max_text_bytes: int  # prompt text (all of a chat's messages together) refused beyond this
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The most text bytes one token can stand for (an upper bound; see the module's docstring)."""
+    return max((len(token.encode("utf-8")) for token in tokenizer.get_vocab()), default=1)
+
+
+def text_byte_limit(max_seq_len: int, token_bytes: int) -> int:
+    return max_seq_len * max(1, token_bytes) * TEXT_MARGIN
+
+
+def limits_for(tokenizer, vocab_size: int, max_seq_len: int) -> Limits:
+    return Limits(vocab_size, max_seq_len, text_byte_limit(max_seq_len, longest_token_bytes(tokenizer)))
+
+
+def _bad(field: str, value, rule: str) -> InvalidRequest:
+    return InvalidRequest(f"{field} {rule}, got {value!r}")
+
+
+def check_sampling(params: client_pb2.SamplingParams) -> None:
+    temperature = params.temperature
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= TEMPERATURE_MAX):
+        raise _bad(
+            "sampling.temperature",
+            temperature,
+            f"must be finite and in [0, {TEMPERATURE_MAX:g}] (0 is greedy)",
+        )
+    if params.HasField("top_p"):
+        top_p = params.top_p
+        if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+            raise _bad("sampling.top_p", top_p, "must be in (0, 1]")
+    if params.top_k < 0:
+        raise _bad("sampling.top_k", params.top_k, "must be >= 0 (0 is no cut)")
+    # seed: any uint64 (the wire type admits nothing else)
+
+
+def _check_id(field: str, value: str) -> None:
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidRequest(f"{field} has {len(value)} characters; at most {MAX_ID_CHARS}")
+
+
+def check_generate(request: client_pb2.GenerateRequest, limits: Limits) -> None:
+    """Everything that can be checked before the prompt is tokenized."""
+    _check_id("request_id", request.request_id)
+    _check_id("conversation_id", request.conversation_id)
+    _check_id("tenant", request.tenant)
+    check_sampling(request.sampling)
+    if request.max_tokens < 1:
+        raise _bad("max_tokens", request.max_tokens, "must be positive")
+    if request.max_tokens >= limits.max_seq_len:
+        raise InvalidRequest(
+            f"max_tokens {request.max_tokens} leaves no room for a prompt: the model's context is "
+            f"{limits.max_seq_len} tokens (prompt + max_tokens at most)"
+        )
+    stops = request.stop_token_ids
+    if len(stops) > MAX_STOP_IDS:
+        raise InvalidRequest(f"stop_token_ids has {len(stops)} ids; at most {MAX_STOP_IDS}")
+    for index, token in enumerate(stops):
+        if not 0 <= token < limits.vocab_size:
+            raise _bad(
+                f"stop_token_ids[{index}]", token, f"is outside the vocabulary [0, {limits.vocab_size})"
+            )
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        _check_text_size("text", len(request.text.encode("utf-8")), limits)
+    elif kind == "chat":
+        size = sum(
+            len(m.role.encode("utf-8")) + len(m.content.encode("utf-8")) for m in request.chat.messages
+        )
+        _check_text_size("chat", size, limits)
+        for index, message in enumerate(request.chat.messages):
+            if not message.role:
+                raise InvalidRequest(f"chat.messages[{index}].role is empty; every chat message needs a role")
+    elif kind == "token_ids":
+        size = len(request.token_ids)
+        if size % 4:
+            raise InvalidRequest(f"token_ids has {size} bytes: not packed int32 (a multiple of 4 bytes)")
+        if size // 4 >= limits.max_seq_len:
+            raise InvalidRequest(
+                f"the prompt has {size // 4} tokens; the model's context is {limits.max_seq_len}"
+            )
+    if request.HasField("shared_prefix"):
+        prefix = request.shared_prefix
+        which = prefix.WhichOneof("prefix")
+        if which == "message":
+            for name in ("message", "chars"):
+                if getattr(prefix.message, name) < 0:
+                    raise _bad(f"shared_prefix.message.{name}", getattr(prefix.message, name), "must be >= 0")
+        elif which is not None and getattr(prefix, which) < 0:
+            raise _bad(f"shared_prefix.{which}", getattr(prefix, which), "must be >= 0")
+
+
+def _check_text_size(field: str, size: int, limits: Limits) -> None:
+    if size > limits.max_text_bytes:
+        raise InvalidRequest(
+            f"{field} is {size} bytes: more than the model's context of {limits.max_seq_len} tokens could "
+            f"hold (at most {limits.max_text_bytes} bytes); refused before tokenizing"
+        )
+
+
+def check_length(prompt_len: int, max_tokens: int, max_seq_len: int) -> None:
+    """After tokenizing: the prompt and everything it may generate fit in the context (as vLLM and OpenAI
+    refuse prompt + max_tokens beyond it, rather than clamp and reserve)."""
+    if prompt_len >= max_seq_len:
+        raise InvalidRequest(f"the prompt has {prompt_len} tokens; the model's context is {max_seq_len}")
+    if prompt_len + max_tokens > max_seq_len:
+        raise InvalidRequest(
+            f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}: more than the model's "
+            f"context of {max_seq_len} tokens (max_tokens at most {max_seq_len - prompt_len})"
+        )

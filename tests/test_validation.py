@@ -1,0 +1,118 @@
+"""The planner's request checks (validation.py) and the UTF-8 guard (decode_guard.py), alone."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from planner_svc.decode_guard import undecodable_field
+from planner_svc.validation import (
+    InvalidRequest,
+    Limits,
+    check_generate,
+    check_length,
+    longest_token_bytes,
+    text_byte_limit,
+)
+from protos import client_pb2
+
+LIMITS = Limits(vocab_size=100, max_seq_len=64, max_text_bytes=1000)
+
+
+def request(**fields) -> client_pb2.GenerateRequest:
+    sampling = fields.pop("sampling", {})
+    fields.setdefault("max_tokens", 4)
+    if not any(k in fields for k in ("text", "chat", "token_ids")):
+        fields["text"] = "hi"
+    return client_pb2.GenerateRequest(sampling=client_pb2.SamplingParams(**sampling), **fields)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(sampling=dict(temperature=math.nan)), "sampling.temperature must be finite and in [0, 100]"),
+        (dict(sampling=dict(temperature=math.inf)), "got inf"),
+        (dict(sampling=dict(temperature=-math.inf)), "got -inf"),
+        (dict(sampling=dict(temperature=-0.5)), "got -0.5"),
+        (dict(sampling=dict(temperature=1000.0)), "sampling.temperature"),
+        (dict(sampling=dict(top_p=math.nan)), "sampling.top_p must be in (0, 1], got nan"),
+        (dict(sampling=dict(top_p=math.inf)), "sampling.top_p must be in (0, 1], got inf"),
+        (dict(sampling=dict(top_p=0.0)), "top_p must be in (0, 1], got 0.0"),
+        (dict(sampling=dict(top_k=-1)), "sampling.top_k must be >= 0 (0 is no cut), got -1"),
+        (dict(max_tokens=0), "max_tokens must be positive, got 0"),
+        (dict(max_tokens=-7), "max_tokens must be positive, got -7"),
+        (dict(max_tokens=10**9), "max_tokens 1000000000 leaves no room for a prompt"),
+        (dict(stop_token_ids=[3, 100]), "stop_token_ids[1] is outside the vocabulary [0, 100), got 100"),
+        (dict(stop_token_ids=[-2]), "stop_token_ids[0] is outside the vocabulary"),
+        (dict(stop_token_ids=[1] * 2000), "stop_token_ids has 2000 ids; at most 1024"),
+        (dict(text="x" * 1001), "text is 1001 bytes: more than the model's context of 64 tokens"),
+        (
+            dict(
+                chat=client_pb2.ChatMessages(
+                    messages=[client_pb2.ChatMessage(role="user", content="y" * 999)]
+                )
+            ),
+            "chat is 1003 bytes",
+        ),
+        (
+            dict(chat=client_pb2.ChatMessages(messages=[client_pb2.ChatMessage(role="", content="y")])),
+            "chat.messages[0].role is empty",
+        ),
+        (dict(token_ids=b"\x01\x00\x00"), "token_ids has 3 bytes: not packed int32"),
+        (dict(token_ids=b"\x01\x00\x00\x00" * 64), "the prompt has 64 tokens; the model's context is 64"),
+        (dict(request_id="r" * 300), "request_id has 300 characters; at most 256"),
+        (dict(conversation_id="c" * 257), "conversation_id has 257 characters"),
+        (dict(shared_prefix=client_pb2.SharedPrefix(tokens=-1)), "shared_prefix.tokens must be >= 0, got -1"),
+    ],
+)
+def test_each_bad_field_is_named_with_its_value(fields, message):
+    with pytest.raises(InvalidRequest) as caught:
+        check_generate(request(**fields), LIMITS)
+    assert message in str(caught.value)
+
+
+def test_good_requests_pass():
+    check_generate(request(), LIMITS)
+    check_generate(request(sampling=dict(temperature=0.7, top_p=0.9, top_k=50, seed=2**64 - 1)), LIMITS)
+    check_generate(request(text="x" * 1000, max_tokens=63, stop_token_ids=[0, 99]), LIMITS)
+
+
+def test_length_against_the_context():
+    check_length(60, 4, 64)
+    with pytest.raises(InvalidRequest, match="max_tokens at most 4"):
+        check_length(60, 5, 64)
+    with pytest.raises(InvalidRequest, match="the prompt has 64 tokens; the model's context is 64"):
+        check_length(64, 1, 64)
+
+
+def test_text_bound_covers_the_longest_token():
+    class Vocab:
+        def get_vocab(self):
+            return {"a": 0, "ĊĠĠ": 1, "<|im_end|>": 2}
+
+    assert longest_token_bytes(Vocab()) == 10
+    assert text_byte_limit(8192, 162) == 8192 * 162 * 2
+
+
+def test_invalid_utf8_is_found_and_named():
+    good = client_pb2.GenerateRequest(
+        request_id="a",
+        chat=client_pb2.ChatMessages(
+            messages=[
+                client_pb2.ChatMessage(role="user", content="fine"),
+                client_pb2.ChatMessage(role="user"),
+            ]
+        ),
+        max_tokens=3,
+    ).SerializeToString()
+    assert undecodable_field(good, client_pb2.GenerateRequest.DESCRIPTOR) is None
+    bad = good.replace(b"fine", b"f\xffne")
+    assert (
+        undecodable_field(bad, client_pb2.GenerateRequest.DESCRIPTOR)
+        == "chat.messages[0].content is not valid UTF-8 (byte 0xff at offset 1)"
+    )
+    text = client_pb2.GenerateRequest(text="abc", max_tokens=1).SerializeToString().replace(b"abc", b"\xc3(c")
+    assert undecodable_field(text, client_pb2.GenerateRequest.DESCRIPTOR).startswith(
+        "text is not valid UTF-8"
+    )
