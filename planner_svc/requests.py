@@ -33,8 +33,8 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:  # also refuses NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < float("inf"):  # also refuses NaN: the executor would refuse the step
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
