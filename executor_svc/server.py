@@ -83,7 +83,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 launched.put_nowait(None)
 
         reader = asyncio.create_task(launch_plans())
-        log.info("steps stream opened", peer=context.peer())
+        peer = context.peer()  # read while the call lives: the finally may run after the server stopped
+        log.info("steps stream opened", peer=peer)
         try:
             while (step := await launched.get()) is not None:
                 try:
@@ -104,7 +105,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             reader.cancel()
             self._runner.forget_launched()
             self._stream_open = False
-            log.info("steps stream closed", peer=context.peer())
+            log.info("steps stream closed", peer=peer)
 
     async def Park(
         self, request: executor_pb2.ParkPagesRequest, context: grpc.aio.ServicerContext

@@ -73,8 +73,9 @@ class GrpcLink:
             await self._stream().write(plan)
         except grpc.aio.AioRpcError as error:
             raise self._ended(error) from None
-        except grpc.aio.UsageError as error:  # written after the stream ended: its status says why
-            raise LinkLost(f"the step stream had ended: {error}") from None
+        except grpc.aio.UsageError:  # written after the stream ended: its status says why
+            call = self._stream()
+            raise LinkLost(f"stream ended: {(await call.code()).name}: {await call.details()}") from None
 
     async def recv(self) -> executor_pb2.StepOutput:
         try:

@@ -185,7 +185,7 @@ def test_executor_sigkill_cuts_streams_readably_frees_everything_and_recovers_on
         faults.executor.process.wait(10)
 
     errors, not_serving_s = cut_streams(faults, kill)
-    check_cut(errors, "stream ended")
+    check_cut(errors, "stream ended: UNAVAILABLE")
     check_nothing_leaked(faults, before)
     with pytest.raises(grpc.RpcError) as down:
         faults.greedy()
