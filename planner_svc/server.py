@@ -276,11 +276,12 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
 
 
 def _follow_executors(started: StartedServer[PlannerServicer], engines: list[Engine]) -> None:
-    """Health says NOT_SERVING while no executor serves, SERVING again once one is back."""
+    """Health says NOT_SERVING while no executor serves, SERVING again once one is back (not while draining)."""
     health_updates: set[asyncio.Task] = set()
 
     def changed() -> None:
-        task = asyncio.get_running_loop().create_task(started.set_serving(any(e.serving for e in engines)))
+        serving = any(e.serving for e in engines) and started.servicer.draining is None
+        task = asyncio.get_running_loop().create_task(started.set_serving(serving))
         health_updates.add(task)
         task.add_done_callback(health_updates.discard)
 
