@@ -143,6 +143,17 @@ async def wait_for(condition, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def park_when_reachable(client: PlannerClient, conversation_id: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await client.park(conversation_id)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
 async def test_planner_sigterm_parks_live_conversations_and_a_restart_resumes_them(stack):
     async with PlannerClient(stack.planner_addr) as client:
         firsts = {c: await client.generate_all(turn(c, PROMPT)) for c in ("drain-a", "drain-b")}
@@ -234,7 +245,7 @@ async def test_a_snapshot_over_the_whole_budget_is_resource_exhausted_with_sizes
         async with PlannerClient(stack.planner_addr) as client:
             first = await client.generate_all(turn("big", PROMPT))
             await expect_status(
-                client.park("big"),
+                park_when_reachable(client, "big"),
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "exceeds the cache budget of 107374 bytes",
             )
@@ -261,8 +272,9 @@ async def test_cache_sigkill_during_a_park_and_during_a_restore(stack):
         live = deltaserve_json("cache", "ls", "--addr", stack.cache_addr)
         assert "killed" not in [s["conversation_id"] for s in live]  # nothing half written
         assert not (stack.cache_dir / "snapshots" / snapshot_key("default", "killed")).exists()
-        # The conversation kept its pages: parked now, then the cache dies during the restore.
-        assert (await client.park("killed")).bytes > 0
+        # The conversation kept its pages: parked now (once the executor's channel to the cache has
+        # reconnected: it backs off after the refused connections), then the cache dies during the restore.
+        assert (await park_when_reachable(client, "killed")).bytes > 0
         stack.cache.process.send_signal(signal.SIGSTOP)
         resume = asyncio.ensure_future(client.resume("killed"))
         await asyncio.sleep(0.5)
