@@ -35,9 +35,15 @@ class Limits:
     max_text_bytes: int  # prompt text (all of a chat's messages together) refused beyond this
 
 
+UNKNOWN_TOKEN_BYTES = 256  # assumed for a tokenizer that does not list its vocabulary
+
+
 def longest_token_bytes(tokenizer) -> int:
     """The most text bytes one token can stand for (an upper bound; see the module's docstring)."""
-    return max((len(token.encode("utf-8")) for token in tokenizer.get_vocab()), default=1)
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return UNKNOWN_TOKEN_BYTES
+    return max((len(token.encode("utf-8")) for token in get_vocab()), default=1)
 
 
 def text_byte_limit(max_seq_len: int, token_bytes: int) -> int:
