@@ -37,6 +37,11 @@ class InProcessLink:
     async def recv(self) -> executor_pb2.StepOutput:
         return await collect_when_ready(self._runner, await self._launched.popleft())
 
+    async def until_ended(self) -> str:
+        """A runner in this process does not go away: never returns."""
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
     async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:
         raise LinkError("the in-process link has no cache service: parking needs a gRPC executor")
 

@@ -215,7 +215,7 @@ class Engine:
                 else:
                     self._stream(len(self._pending))  # no step to feed: every stream gets its tokens
                     self._wake.clear()
-                    await self._wake.wait()
+                    await self._idle()
                 continue
             plan = to_proto(step)
             encoded = time.perf_counter()
@@ -232,6 +232,19 @@ class Engine:
             times.plan_bytes += plan.ByteSize()
             self._inflight.append((self._seq, allowance))
             self._seq += 1
+
+    async def _idle(self) -> None:
+        """Until there is something to plan; an executor lost meanwhile is noticed at once (its stream's
+        end), not when the next step is sent. Two tasks an idle spell, nothing on the path of a step."""
+        woken = asyncio.ensure_future(self._wake.wait())
+        ended = asyncio.ensure_future(self.link.until_ended())
+        try:
+            await asyncio.wait((woken, ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            ended.cancel()
+        if ended.done() and not ended.cancelled():
+            raise LinkLost(f"{ended.result()} (while idle)")
 
     def _stream(self, count: int) -> int:
         """Hand the `count` oldest pending events to their streams; their writes run when the loop next waits."""

@@ -38,6 +38,8 @@ class ExecutorLink(Protocol):
 
     async def recv(self) -> executor_pb2.StepOutput: ...
 
+    async def until_ended(self) -> str: ...
+
     async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply: ...
 
     async def restore(self, request: executor_pb2.RestorePagesRequest) -> executor_pb2.RestorePagesReply: ...
@@ -85,6 +87,12 @@ class GrpcLink:
         if output is grpc.aio.EOF:
             raise LinkLost("the executor closed the step stream")
         return output
+
+    async def until_ended(self) -> str:
+        """Returns once the step stream ends (the executor died or closed it), with why; it reads nothing,
+        so the engine awaits it while idle and cancels it when it has a step to send."""
+        call = self._stream()
+        return f"stream ended: {(await call.code()).name}: {await call.details()}"
 
     @staticmethod
     def _ended(error: grpc.aio.AioRpcError) -> Exception:

@@ -239,6 +239,25 @@ def test_executor_hang_is_caught_by_the_watchdog_and_it_recovers_after_sigcont(f
     )
 
 
+def test_an_idle_executors_loss_is_noticed_at_once_and_it_recovers_on_restart(faults):
+    baseline = faults.greedy()  # warms up; then nothing runs and no step is in flight
+    steps = faults.info().steps
+    time.sleep(0.3)
+    assert faults.info().steps == steps and faults.status() == SERVING
+    faults.executor.process.kill()
+    faults.executor.process.wait(10)
+    not_serving_s = faults.until_status(NOT_SERVING, 3)  # no step sent: the stream's end says it
+    restarted = time.monotonic()
+    faults.executor = faults.start_executor()
+    faults.executor.wait_listening(120)
+    serving_s = faults.until_status(SERVING, 20)
+    assert faults.greedy() == baseline
+    print(
+        f"\nSIGKILL while idle: NOT_SERVING {not_serving_s:.2f} s after the kill; SERVING "
+        f"{serving_s:.2f} s after the restarted executor listened ({time.monotonic() - restarted:.2f} s in all)"
+    )
+
+
 class OverstatedVocab(GrpcLink):
     """A link whose executor seems to have a larger vocabulary than it has: the planner then plans a
     prompt the executor refuses (INVALID_ARGUMENT), a planner defect made on purpose."""
