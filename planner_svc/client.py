@@ -241,9 +241,10 @@ class PlannerClient:
             for c in reply.conversations
         ]
 
-    async def abort(self, request_id: str) -> bool:
-        """True when a running or waiting request was aborted; False when unknown or already finished."""
-        reply = await self._stub.Abort(client_pb2.AbortRequest(request_id=request_id))
+    async def abort(self, request_id: str, tenant: str = "") -> bool:
+        """True when the tenant's running or waiting request was aborted; False when unknown or already
+        finished (ids are per tenant: `tenant` as for park, for the service identity or an open API)."""
+        reply = await self._stub.Abort(client_pb2.AbortRequest(request_id=request_id, tenant=tenant))
         return reply.aborted
 
     async def model_info(self) -> client_pb2.ModelInfo:

@@ -60,7 +60,7 @@ async def drain(started: StartedServer[PlannerServicer], timeout_s: float) -> Dr
     log.info("draining", running=running, drain_timeout_s=timeout_s)
     if not await _until(lambda: not servicer.running_requests, began + timeout_s):
         for req, engine in list(servicer.running_requests.values()):
-            servicer.cut[req.request_id] = cut_message(timeout_s)
+            servicer.cut[(req.tenant, req.request_id)] = cut_message(timeout_s)
             if engine.abort(req):
                 report.cut += 1
         await _until(lambda: not servicer.running_requests, time.monotonic() + CUT_SETTLE_S)

@@ -22,7 +22,7 @@ from planner_svc.streaming import TokenEvent
 from planner_svc.tokenizer import IncrementalDetokenizer, load_tokenizer
 from planner_svc.turns import Turns
 from protos import client_pb2, client_pb2_grpc, executor_pb2
-from protos.auth import key_tenant, request_tenant
+from protos.auth import request_tenant
 from protos.layout import RowLayout
 from protos.rpc import ChannelSecurity, ServerSecurity, StartedServer, log_access, start_server
 from protos.wire import pack_i32
@@ -79,12 +79,13 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         self.eos_token_id = (
             described.eos_token_id if described.HasField("eos_token_id") else tokenizer.eos_token_id
         )
-        self._requests: dict[str, tuple[Request, Engine]] = {}
-        self._request_ids: set[str] = set()  # taken from the first await of a Generate to its end
+        # Request ids are unique per tenant (its key's): another tenant's ids are none of a caller's business.
+        self._requests: dict[tuple[str, str], tuple[Request, Engine]] = {}  # (tenant, request id)
+        self._request_ids: set[tuple[str, str]] = set()  # taken from the first await of a Generate to its end
         self.intake = Intake(tokenizer, self.eos_token_id, described.vocab_size, described.max_seq_len)
         self.running_requests = self._requests  # what a drain waits for (drain.py)
         self.draining: str | None = None  # set by a drain: new requests are refused with it
-        self.cut: dict[str, str] = {}  # request id -> why a drain cut it
+        self.cut: dict[tuple[str, str], str] = {}  # (tenant, request id) -> why a drain cut it
 
     async def Generate(self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         request_id = request.request_id or uuid.uuid4().hex
@@ -92,17 +93,18 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         try:
             if self.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, self.draining)
-            if request_id in self._request_ids:
+            taken = (await request_tenant(context, request.tenant), request_id)  # suspends only to refuse
+            if taken in self._request_ids:
                 await context.abort(
                     grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already running"
                 )
-            self._request_ids.add(request_id)  # before the first await: a second one is refused above
+            self._request_ids.add(taken)  # before the first await: a second one is refused above
             try:
                 async with contextlib.aclosing(self._generate(request, request_id, context)) as stream:
                     async for response in stream:
                         yield response
             finally:
-                self._request_ids.discard(request_id)
+                self._request_ids.discard(taken)
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
 
@@ -128,13 +130,13 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except ParkError as error:
             await context.abort(error.code, str(error))
-        self._requests[request_id] = (req, engine)
+        self._requests[(req.tenant, request_id)] = (req, engine)
         log.info("request admitted", prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
         try:
             async for response in self._stream(req, queue, context, mount):
                 yield response
         finally:
-            self._requests.pop(request_id, None)
+            self._requests.pop((req.tenant, request_id), None)
             if req.finish is None:  # the client went away: free its pages and slot
                 engine.abort(req)
                 log.info("client disconnected; request aborted")
@@ -158,8 +160,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             if first:
                 response.prompt_tokens = req.prompt_len
                 first = False
-            if event.finish is Finish.ABORT and req.request_id in self.cut:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, self.cut.pop(req.request_id))
+            if event.finish is Finish.ABORT and (req.tenant, req.request_id) in self.cut:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self.cut.pop((req.tenant, req.request_id)))
             if event.finish is not None:
                 response.finish_reason = _FINISH[event.finish]
                 response.prompt_tokens = req.prompt_len
@@ -194,9 +196,9 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         return req.tenant
 
     async def Abort(self, request: client_pb2.AbortRequest, context: grpc.aio.ServicerContext):
-        found = self._requests.get(request.request_id)
-        owner = key_tenant()  # a tenant key aborts its tenant's requests only
-        if found is None or (owner is not None and found[0].tenant != owner):
+        # Within the caller's tenant only: another tenant's request of the same id is not the caller's.
+        found = self._requests.get((await request_tenant(context, request.tenant), request.request_id))
+        if found is None:
             return client_pb2.AbortResponse(aborted=False)
         req, engine = found
         return client_pb2.AbortResponse(aborted=engine.abort(req))

@@ -162,3 +162,25 @@ async def test_a_tenant_cannot_see_park_resume_or_name_anothers_conversation(tru
         assert resumed.tokens == len(PROMPT) + 1
         listed = await alice._stub.ListConversations(client_pb2.ListConversationsRequest())
         assert "mine" in [c.conversation_id for c in listed.conversations]
+
+
+async def test_request_ids_are_per_tenant_and_abort_finds_the_callers_own(trusted):
+    async with trusted.client(ALICE) as alice, trusted.client(BOB) as bob:
+        long = client_pb2.GenerateRequest(
+            token_ids=pack_i32(PROMPT), max_tokens=400, ignore_eos=True, request_id="shared"
+        )
+        mine, theirs = alice._stub.Generate(long, timeout=60), bob._stub.Generate(long, timeout=60)
+        for call in (mine, theirs):  # the same id from two tenants: both run
+            first = await call.read()
+            assert first is not grpc.aio.EOF and first.request_id == "shared"
+        await expect(generate(alice, request_id="shared"), grpc.StatusCode.ALREADY_EXISTS, "already running")
+        await expect(  # a tenant key cannot name the other tenant's requests
+            bob._stub.Abort(client_pb2.AbortRequest(request_id="shared", tenant="alice")),
+            grpc.StatusCode.PERMISSION_DENIED,
+        )
+        assert (await bob._stub.Abort(client_pb2.AbortRequest(request_id="shared"))).aborted
+        assert [r async for r in theirs][-1].finish_reason == client_pb2.FINISH_REASON_ABORT
+        assert (await mine.read()).finish_reason == client_pb2.FINISH_REASON_UNSPECIFIED  # alice's runs on
+        assert await alice.abort("shared")
+        assert [r async for r in mine][-1].finish_reason == client_pb2.FINISH_REASON_ABORT
+        assert not await alice.abort("shared")  # ended: nothing of that id is left to abort
