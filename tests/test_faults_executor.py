@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -28,6 +29,24 @@ EXECUTOR_TIMEOUT_S = 2.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 LONG = 400  # tokens a cut request would run for: it is running when the fault comes
+
+
+def serve_executor(log: Path, port: int) -> Serving:
+    """An executor process on the CPU, small enough for these tests: fp32, 128 pages, buckets 1, 2, 4."""
+    return Serving(
+        log,
+        "executor",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--pool-pages",
+        "128",
+        "--buckets",
+        "1,2,4",
+    )
 
 
 class Faults:
@@ -57,20 +76,7 @@ class Faults:
 
     def start_executor(self) -> Serving:
         self.starts += 1
-        return Serving(
-            self.tmp_path / f"executor{self.starts}.log",
-            "executor",
-            "--port",
-            str(self.executor_port),
-            "--device",
-            "cpu",
-            "--dtype",
-            "float32",
-            "--pool-pages",
-            "128",
-            "--buckets",
-            "1,2,4",
-        )
+        return serve_executor(self.tmp_path / f"executor{self.starts}.log", self.executor_port)
 
     def close(self) -> None:
         self.channel.close()
@@ -270,20 +276,7 @@ class OverstatedVocab(GrpcLink):
 
 def test_a_refused_plan_fails_its_request_with_internal_and_the_engine_serves_everyone_else(tmp_path):
     port = free_port()
-    executor = Serving(
-        tmp_path / "executor.log",
-        "executor",
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--pool-pages",
-        "128",
-        "--buckets",
-        "1,2,4",
-    )
+    executor = serve_executor(tmp_path / "executor.log", port)
     try:
         executor.wait_listening(120)
         asyncio.run(refused_plan(f"127.0.0.1:{port}"))
