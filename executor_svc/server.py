@@ -48,7 +48,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             max_workers=1, thread_name_prefix="page-copies", initializer=runner.bind_thread
         )
         self._stream_open = False
-        self._snapshots = Snapshots(runner, self._copies, cache, shard_layers, cache_channel)
+        self.snapshots = Snapshots(runner, self._copies, cache, shard_layers, cache_channel)
 
     async def Describe(
         self, request: executor_pb2.DescribeRequest, context: grpc.aio.ServicerContext
@@ -110,12 +110,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def Park(
         self, request: executor_pb2.ParkPagesRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.ParkPagesReply:
-        return await _answer("park", request.conversation_id, self._snapshots.park(request), context)
+        return await _answer("park", request.conversation_id, self.snapshots.park(request), context)
 
     async def Restore(
         self, request: executor_pb2.RestorePagesRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.RestorePagesReply:
-        return await _answer("restore", request.conversation_id, self._snapshots.restore(request), context)
+        return await _answer("restore", request.conversation_id, self.snapshots.restore(request), context)
 
 
 async def _answer(what: str, conversation_id: str, call: Awaitable, context: grpc.aio.ServicerContext):

@@ -1,4 +1,4 @@
-"""The pure half of park and restore: the restore guard, shard ranges, the snapshot fingerprint and the checks
+"""The pure half of park and restore: shard ranges, the snapshot fingerprint and the checks
 of a request, with the refusal they raise (no I/O, no device: snapshots.py does those)."""
 
 from __future__ import annotations
@@ -12,16 +12,7 @@ from executor_svc.kv_pool import SINK_PAGE
 from protos import executor_pb2
 from protos.wire import unpack_i32
 
-# kRestoreFirstUseMib of the reference: a card's first copy stream and event (measured under 16 MiB).
-RESTORE_FIRST_USE_BYTES = 64 * 1024 * 1024
 SHARD_LAYOUT = "kv-layer-major/1"  # the byte order in snapshots.py's docstring; a restore refuses any other
-
-
-def restore_fits(free_bytes: int | None, stream_ready: bool, need_bytes: int) -> bool:
-    """The restore guard: refused only for a card with no copy stream yet and less free memory than
-    it needs. A restore writes into existing pool pages; the one thing it can allocate on a card is
-    that stream. No sample (None) means go ahead."""
-    return stream_ready or free_bytes is None or free_bytes >= need_bytes
 
 
 def shard_ranges(layer_begin: int, layer_end: int, shard_layers: int) -> list[tuple[int, int]]:

@@ -1,5 +1,5 @@
 """Park and restore of a conversation's KV pages through the cache service (the I/O; snapshot_checks.py
-holds the pure checks and the restore guard).
+holds the pure checks, restore_guard.py the guard, copy_stream.py the card's copy stream).
 
 A snapshot is one shard per group of `shard_layers` layers. A shard's bytes, in order: for each layer
 of the shard, the K of the pages, then their V; each `[pages, page_size, kv_heads, head_dim]` in the
@@ -12,9 +12,7 @@ waits for its copies. The cache I/O runs on the event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Iterator
 from concurrent.futures import Executor
 
 import grpc
@@ -23,16 +21,16 @@ import structlog
 import torch
 
 from cache_svc.client import CacheClient
+from executor_svc.copy_stream import CopyStream, FreeMemory
+from executor_svc.restore_guard import refusal
 from executor_svc.runner import StepRunner
 from executor_svc.snapshot_checks import (
-    RESTORE_FIRST_USE_BYTES,
     SHARD_LAYOUT,
     SnapshotRefused,
     cache_refusal,
     check_pages,
     check_park,
     invalid,
-    restore_fits,
     shard_ranges,
     snapshot_fingerprint,
 )
@@ -58,6 +56,7 @@ class Snapshots:
         cache: str | None,
         shard_layers: int,
         cache_channel: ChannelSecurity | None = None,
+        free_memory: FreeMemory | None = None,
     ) -> None:
         described = runner.describe()
         pool = runner.kv_pool
@@ -75,7 +74,8 @@ class Snapshots:
         self._fingerprint = snapshot_fingerprint(
             runner.fingerprint, described.dtype, page_size, self._num_layers, kv_heads, head_dim
         )
-        self._copy_stream: torch.cuda.Stream | None = None  # made by the first park or restore on a card
+        # Made by the first park or restore on the card; `free_memory` replaces the card's memory query.
+        self.copy_stream = CopyStream(runner.device, free_memory)
 
     def _require_cache(self) -> str:
         if self._cache is None:
@@ -163,19 +163,11 @@ class Snapshots:
         )
 
     def _check_guard(self) -> None:
-        if self._device.type != "cuda":
-            return
-        try:
-            free_bytes, _ = torch.cuda.mem_get_info(self._device)
-        except RuntimeError:
-            free_bytes = None  # no sample: go ahead
-        if not restore_fits(free_bytes, self._copy_stream is not None, RESTORE_FIRST_USE_BYTES):
-            assert free_bytes is not None, "restore_fits refuses only where free memory was sampled"
-            raise SnapshotRefused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"restore refused: {self._device} has no copy stream yet and {free_bytes >> 20} MiB free, "
-                f"under the {RESTORE_FIRST_USE_BYTES >> 20} MiB its first one needs",
-            )
+        """The restore guard: refused (RESOURCE_EXHAUSTED, the pool untouched) only for a card with no copy
+        stream yet and less free memory than its first use needs."""
+        why = refusal(self.copy_stream.cards())
+        if why is not None:
+            raise SnapshotRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
 
     def _check_snapshot(self, manifest: dict, blobs: list[bytes], num_pages: int) -> list[tuple[int, int]]:
         """The layer ranges of the shards, once the snapshot is known to fit this pool and these pages."""
@@ -213,25 +205,10 @@ class Snapshots:
                 )
         return ranges
 
-    @contextlib.contextmanager
-    def _on_copy_stream(self) -> Iterator[None]:
-        """On CUDA: the body runs on the card's copy stream, after the work queued so far, and before
-        any work queued after it. Nothing to do on the CPU."""
-        if self._device.type != "cuda":
-            yield
-            return
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self._device)
-        main = torch.cuda.current_stream(self._device)
-        self._copy_stream.wait_stream(main)
-        with torch.cuda.stream(self._copy_stream):
-            yield
-        main.wait_stream(self._copy_stream)
-
     def _read_pages(self, pages: np.ndarray) -> list[bytes]:
         """On the page-copy thread: one gather and one device-to-host copy per shard."""
         pool = self._pool
-        with torch.inference_mode(), self._on_copy_stream():
+        with torch.inference_mode(), self.copy_stream.copying():
             index = torch.from_numpy(pages.astype(np.int64)).to(self._device)
             blobs = []
             for begin, end in self._shards:
@@ -247,7 +224,7 @@ class Snapshots:
     def _write_pages(self, pages: np.ndarray, ranges: list[tuple[int, int]], blobs: list[bytes]) -> None:
         """On the page-copy thread: each shard built on the host, then one host-to-device copy."""
         pool, pinned = self._pool, self._device.type == "cuda"
-        with torch.inference_mode(), self._on_copy_stream():
+        with torch.inference_mode(), self.copy_stream.copying():
             index = torch.from_numpy(pages.astype(np.int64)).to(self._device)
             for (begin, end), blob in zip(ranges, blobs, strict=True):
                 host = torch.empty(len(blob), dtype=torch.uint8, pin_memory=pinned)

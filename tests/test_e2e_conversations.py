@@ -13,6 +13,7 @@ import torch
 from cache_svc.manifest import snapshot_key
 from cache_svc.server import start_cache_server
 from executor_svc.config import ExecutorConfig
+from executor_svc.copy_stream import CopyStream
 from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig, SchedulingConfig
 from protos import client_pb2
@@ -178,6 +179,34 @@ async def test_corrupted_snapshot_is_refused_and_the_prompt_read_again(cached):
     assert "@" not in done.checkpoint  # only pages shared by identical prompt tokens, no checkpoint
     assert done.read_tokens == done.prompt_tokens - done.reused_tokens
     assert tokens == full
+
+
+async def test_a_restore_refused_by_the_guard_reads_the_prompt_again(cached):
+    """A card with no copy stream yet and almost no free memory refuses the restore: the turn reads its
+    prompt again, says why in its checkpoint, and the snapshot stays in the cache for a later restore."""
+    stack = cached.stack
+    snapshots = cached.servers[1].servicer.snapshots  # the executor's
+    chat = [SYSTEM, {"role": "user", "content": "Count to three."}]
+    async with PlannerClient(stack.addr) as client:
+        first, _ = await turn(client, chat, "guarded")
+        await client._stub.Park(client_pb2.ParkRequest(conversation_id="guarded"))
+        own = snapshots.copy_stream
+        snapshots.copy_stream = CopyStream(own.device, free_memory=lambda: 1 << 20)  # a fresh, full card
+        try:
+            chat2 = chat + [
+                {"role": "assistant", "content": reply(stack, first)},
+                {"role": "user", "content": "And to four?"},
+            ]
+            tokens, done = await turn(client, chat2, "guarded")
+        finally:
+            snapshots.copy_stream = own
+        full, _ = await turn(client, chat2)
+    assert (
+        "none (snapshot refused: RESOURCE_EXHAUSTED: restore refused: cpu has 1 MiB free" in done.checkpoint
+    )
+    assert done.read_tokens == done.prompt_tokens - done.reused_tokens
+    assert tokens == full
+    assert os.path.isdir(os.path.join(cached.cache_dir, "snapshots", snapshot_key("default", "guarded")))
 
 
 async def test_shared_prefix_is_pinned_and_malformed_ones_refused(cached):

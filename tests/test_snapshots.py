@@ -12,10 +12,11 @@ import pytest_asyncio
 import torch
 
 from cache_svc.server import start_cache_server
+from executor_svc.restore_guard import RESTORE_FIRST_USE_BYTES
 from executor_svc.runner import StepRunner
 from executor_svc.server import start_executor_server
 from executor_svc.slot_store import SlotStore
-from executor_svc.snapshot_checks import RESTORE_FIRST_USE_BYTES, restore_fits, shard_ranges
+from executor_svc.snapshot_checks import shard_ranges
 from protos import cache_pb2, executor_pb2, executor_pb2_grpc
 from protos.wire import pack_i32, unpack_i32
 from tests.test_runner import BUCKETS, LAYOUT, PAGE, POOL_PAGES, TINY, prefill_chunk, tiny_model
@@ -246,17 +247,6 @@ async def test_a_cache_that_is_down_is_unavailable(model):
         await served.stop()
 
 
-def test_the_restore_guard():
-    need = RESTORE_FIRST_USE_BYTES
-    for free in (0, 1, need - 1, need, 80 << 30):  # a card with its copy stream: never refused
-        assert restore_fits(free, stream_ready=True, need_bytes=need)
-    assert not restore_fits(need - 1, stream_ready=False, need_bytes=need)  # the edge at the need
-    assert restore_fits(need, stream_ready=False, need_bytes=need)
-    assert not restore_fits(0, stream_ready=False, need_bytes=need)
-    assert restore_fits(None, stream_ready=False, need_bytes=need)  # no sample: go ahead
-    assert restore_fits(0, stream_ready=False, need_bytes=0)  # no need
-
-
 def test_shard_ranges_cut_at_multiples_of_the_shard_size():
     assert shard_ranges(0, 30, 8) == [(0, 8), (8, 16), (16, 24), (24, 30)]
     assert shard_ranges(0, 2, 8) == [(0, 2)]
@@ -264,3 +254,26 @@ def test_shard_ranges_cut_at_multiples_of_the_shard_size():
     assert shard_ranges(10, 20, 8) == [(10, 16), (16, 20)]  # a layer split's part
     with pytest.raises(ValueError):
         shard_ranges(4, 4, 8)
+
+
+@on_session_loop
+async def test_a_refused_restore_writes_nothing_and_leaves_the_snapshot(parked, model, cache):
+    """The restore guard over gRPC: a fresh executor (no copy stream yet) on a nearly full card refuses with
+    RESOURCE_EXHAUSTED and the pool untouched; the snapshot stays in the cache and restores once there is
+    room; with its stream made, a full card is never refused."""
+    _, kv = parked
+    served = await Served.start(model, cache=cache.addr)
+    try:
+        free = [1 << 20]
+        served.server.servicer.snapshots.copy_stream.free_memory = lambda: free[0]
+        before = served.whole_pool()
+        await refused(served.restore(PARKED_PAGES), grpc.StatusCode.RESOURCE_EXHAUSTED, "cpu has 1 MiB free")
+        assert_same_bytes(served.whole_pool(), before)
+        free[0] = RESTORE_FIRST_USE_BYTES
+        await served.restore(PARKED_PAGES)
+        assert_same_bytes(served.pages(PARKED_PAGES), kv)
+        free[0] = 0
+        await served.restore([7, 8, 9])
+        assert_same_bytes(served.pages([7, 8, 9]), kv)
+    finally:
+        await served.stop()
