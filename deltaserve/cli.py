@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 from collections.abc import Mapping
@@ -13,8 +12,9 @@ from deltaserve import aio, commands, serve
 from deltaserve.flag_groups import (
     add_cache_store_flags,
     add_client_flags,
-    add_client_trust_flags,
     add_global_flags,
+    add_http_flags,
+    add_http_port_flag,
     add_model_flags,
     add_planner_flags,
     add_serve_flags,
@@ -29,15 +29,11 @@ from deltaserve.flags import (
     addresses,
     cache_choice,
     env_name,
-    float_in,
-    int_at_least,
-    int_list,
     port,
-    shared_prefix,
-    token_ids,
 )
+from deltaserve.generate_flags import GENERATE_HELP, add_generate_command, resolve_prompt
 from deltaserve.logs import configure_logging, get_logger
-from deltaserve.serve import CACHE_PORT, EXECUTOR_PORT, PLANNER_PORT
+from deltaserve.serve import CACHE_PORT, EXECUTOR_PORT, HTTP_PORT, PLANNER_PORT
 from deltaserve.trust import trust_from_args
 
 log = get_logger("deltaserve.cli")
@@ -101,6 +97,17 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     add_cache_store_flags(up, environ)
     add_server_trust_flags(up, api_keys=True, links=True)
+    add_http_port_flag(up)
+
+    add_http_flags(
+        command(
+            commands_action,
+            "http",
+            "the OpenAI-compatible HTTP API alone, talking to a running planner over gRPC",
+        ),
+        planner_port=PLANNER_PORT,
+        http_port=HTTP_PORT,
+    )
 
     executor = command(
         commands_action, "executor", "the executor alone: holds the model, runs the steps the planners send"
@@ -173,78 +180,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         addr_env=CACHE_ADDR_ENV,
     )
 
-    generate = command(
-        commands_action, "generate", "send one prompt to a planner and stream the answer to stdout"
-    )
-    generate.option(
-        "--addr", type=address, default=f"127.0.0.1:{PLANNER_PORT}", metavar="HOST:PORT", help="the planner"
-    )
-    prompt = generate.parser.add_mutually_exclusive_group()
-    # The prompt's variables are read after parsing (see _resolve_prompt): exactly one prompt in all.
-    prompt.add_argument("--text", help=f"the prompt as plain text [env {env_name('--text')}]")
-    prompt.add_argument(
-        "--chat-json",
-        metavar="FILE",
-        help='a JSON list of {"role": ..., "content": ...} messages; - reads stdin '
-        f"[env {env_name('--chat-json')}]",
-    )
-    prompt.add_argument(
-        "--token-ids",
-        type=token_ids,
-        metavar="1,2,3",
-        help=f"the prompt as token ids [env {env_name('--token-ids')}]",
-    )
-    generate.option(
-        "--max-tokens", type=int_at_least(1), required=True, metavar="N", help="tokens to generate at most"
-    )
-    generate.option("--temperature", type=float_in(0.0, 100.0), default=0.0, metavar="T", help="0 is greedy")
-    generate.option(
-        "--top-p",
-        type=float_in(0.0, 1.0, low_open=True),
-        default=1.0,
-        metavar="P",
-        help="nucleus sampling mass",
-    )
-    generate.option("--top-k", type=int_at_least(0), default=0, metavar="K", help="0 means no top-k cut")
-    generate.option(
-        "--seed",
-        type=int_at_least(0),
-        default=0,
-        metavar="S",
-        help="the request's own random stream: a seeded request repeats exactly",
-    )
-    generate.repeated(
-        "--stop-token-ids",
-        type=int_list,
-        metavar="ID[,ID...]",
-        help="stop when one of these tokens is generated (besides the model's EOS)",
-    )
-    generate.switch("--ignore-eos", help="do not stop at the model's end-of-sequence token")
-    generate.option(
-        "--request-id", metavar="ID", help="unique among running requests (default: the planner makes one)"
-    )
-    generate.option(
-        "--conversation",
-        metavar="ID",
-        help="continue this conversation: the prompt carries the whole history, and the planner reads only "
-        "what follows its longest kept checkpoint",
-    )
-    generate.option(
-        "--tenant", default="", metavar="T", help="the owner of the conversation (with an API key: the key's)"
-    )
-    add_client_trust_flags(generate)
-    generate.option(
-        "--shared-prefix",
-        type=shared_prefix,
-        metavar="SPEC",
-        help="pin a read-only start of the conversation's prompt: messages:K (the first K chat messages), "
-        "message:I:N (those before I and N characters of message I) or tokens:N",
-    )
-    generate.switch(
-        "--json",
-        help="print one JSON object at the end instead of streaming the text (with reused_tokens, "
-        "read_tokens, checkpoint and diverged_at)",
-    )
+    add_generate_command(command(commands_action, "generate", GENERATE_HELP))
 
     for name, help in (
         ("park", "move an idle conversation's KV pages out of the pool into the cache service"),
@@ -263,59 +199,6 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     return parser
 
 
-_PROMPT_FLAGS = {"text": "--text", "chat_json": "--chat-json", "token_ids": "--token-ids"}
-
-
-def _resolve_prompt(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, environ: Mapping[str, str]
-) -> None:
-    """Exactly one prompt: from the command line, else from exactly one environment variable."""
-    if all(getattr(args, dest) is None for dest in _PROMPT_FLAGS):
-        from_env = [(dest, flag) for dest, flag in _PROMPT_FLAGS.items() if env_name(flag) in environ]
-        if len(from_env) > 1:
-            parser.error(
-                "more than one prompt in the environment: " + ", ".join(env_name(f) for _, f in from_env)
-            )
-        if not from_env:
-            parser.error("a prompt is required: --text, --chat-json or --token-ids")
-        dest, flag = from_env[0]
-        raw = environ[env_name(flag)]
-        try:
-            setattr(args, dest, token_ids(raw) if dest == "token_ids" else raw)
-        except ValueError as error:
-            parser.error(f"{env_name(flag)}={raw!r}: {error}")
-    if args.chat_json is not None:
-        args.chat = _read_chat(parser, args.chat_json)
-    else:
-        args.chat = None
-
-
-def _read_chat(parser: argparse.ArgumentParser, path: str) -> list[dict[str, str]]:
-    try:
-        if path == "-":
-            chat = json.load(sys.stdin)
-        else:
-            with open(path, encoding="utf-8") as file:
-                chat = json.load(file)
-    except (OSError, json.JSONDecodeError) as error:
-        parser.error(f"--chat-json {path}: {error}")
-    well_formed = (
-        isinstance(chat, list)
-        and chat
-        and all(
-            isinstance(m, dict)
-            and set(m) == {"role", "content"}
-            and all(isinstance(v, str) for v in m.values())
-            for m in chat
-        )
-    )
-    if not well_formed:
-        parser.error(
-            f'--chat-json {path}: expected a non-empty JSON list of {{"role": str, "content": str}} objects'
-        )
-    return chat
-
-
 def command_name(args: argparse.Namespace) -> str:
     """'up', 'generate', 'cache ls', ..."""
     return f"{args.command} {args.action}" if args.command == "cache" else args.command
@@ -330,7 +213,7 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
     if args.command == "planner" and not args.executor:
         parser.error(f"planner: --executor HOST:PORT is required (or {env_name('--executor')})")
     if args.command == "generate":
-        _resolve_prompt(parser, args, environ)
+        resolve_prompt(parser, args, environ)
         if args.shared_prefix is not None and not args.conversation:
             parser.error(
                 "generate: --shared-prefix marks a conversation's prefix; give --conversation ID too"
@@ -365,6 +248,8 @@ def _serving(args: argparse.Namespace):
     if args.command == "planner":
         config = serve.planner_config(args, executors=args.executor, cache=args.cache)
         return functools.partial(serve.serve_planner, args, config)
+    if args.command == "http":
+        return functools.partial(serve.serve_http, args)
     return functools.partial(serve.serve_cache, args, serve.cache_config(args))
 
 

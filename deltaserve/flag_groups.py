@@ -257,3 +257,33 @@ def add_server_trust_flags(flags: Flags, *, api_keys: bool, links: bool) -> None
             metavar="KEY",
             help="the service key sent to the cache (a `* ` line of the cache's --api-keys)",
         )
+
+
+def add_http_port_flag(flags: Flags) -> None:
+    """`up`'s HTTP API beside its gRPC port."""
+    flags.option(
+        "--http-port",
+        type=port,
+        metavar="PORT",
+        help="also serve the OpenAI-compatible HTTP API on --host:PORT (0 picks a free one; HTTPS with "
+        "--tls-cert); unset: gRPC only",
+    )
+
+
+def add_http_flags(flags: Flags, *, planner_port: int, http_port: int) -> None:
+    """`http`: where the gateway listens, the planner it talks to, and TLS on both sides."""
+    add_serve_flags(flags, port_number=http_port)
+    flags.option(
+        "--planner",
+        type=address,
+        default=f"127.0.0.1:{planner_port}",
+        metavar="HOST:PORT",
+        help="the planner's gRPC address (each caller's `Authorization: Bearer` key is forwarded to it)",
+    )
+    add_server_trust_flags(flags, api_keys=False, links=False)
+    flags.option(
+        "--tls-ca",
+        metavar="PEM",
+        help="reach the planner with TLS, trusting this CA; --tls-cert is the client certificate where it "
+        "requires one",
+    )

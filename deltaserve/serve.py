@@ -1,4 +1,5 @@
-"""The serving commands: up (cache, executor and planner in one process), executor, planner, cache serve."""
+"""The serving commands: up (cache, executor and planner in one process, the HTTP API beside them), executor,
+planner, http (the HTTP API alone), cache serve."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from protos.rpc import ChannelSecurity, open_channel, wait_serving
 PLANNER_PORT = 50051
 EXECUTOR_PORT = 50061
 CACHE_PORT = 50071
+HTTP_PORT = 8000
 GIB = 1 << 30
 SHUTDOWN_GRACE_S = 5.0
 CACHE_SHUTDOWN_GRACE_S = 30.0  # a stopping cache finishes the parks in flight (a drain's among them)
@@ -134,6 +136,23 @@ async def _start_cache(
     return dial_address(host, started.port), started.port
 
 
+async def _start_gateway(
+    servers: contextlib.AsyncExitStack,
+    planner_addr: str,
+    host: str,
+    port: int,
+    trust: Trust,
+    link: ChannelSecurity,
+) -> int:
+    """Starts the HTTP API (to be stopped with `servers`) over the planner at planner_addr, reached over
+    `link`, HTTPS with the process's own TLS; returns its port."""
+    from gateway_svc.http_server import start_gateway  # FastAPI and uvicorn: only the commands serving HTTP
+
+    started = await start_gateway(planner_addr, host, port, planner_channel=link, tls=trust.server.tls)
+    servers.push_async_callback(started.stop)
+    return started.port
+
+
 async def _serve_until_stopped(stop: asyncio.Event, **listening) -> None:
     log.info("listening", **listening)
     await stop.wait()
@@ -189,10 +208,22 @@ async def serve_up(
             cache_channel=args.trust.cache_link,
         )
         servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
+        http_fields = {}
+        if args.http_port is not None:  # stopped before the planner; a drain answers its requests 503
+            http_port = await _start_gateway(
+                servers,
+                dial_address(args.host, planner.port),
+                args.host,
+                args.http_port,
+                args.trust,
+                args.trust.self_link,
+            )
+            http_fields = {"http": f"{args.host}:{http_port}"}
         described = await _describe_executor(executor_addr, args.trust.self_link)
         await _serve_until_stopped(
             stop,
             addr=f"{args.host}:{planner.port}",
+            **http_fields,
             device=described.device,
             model=described.model_name,
             dtype=described.dtype,
@@ -288,5 +319,17 @@ async def serve_cache(args: argparse.Namespace, config: CacheServiceConfig, stop
             snapshots=config.root_dir,
             budget_gib=round(config.budget_bytes / GIB, 3),
         )
+    log.info("stopped")
+    return 0
+
+
+async def serve_http(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    """The HTTP API alone, over the planner at --planner (it need not be up yet: /health says 503 until
+    it is, and requests get 503)."""
+    async with contextlib.AsyncExitStack() as servers:
+        port = await _start_gateway(
+            servers, args.planner, args.host, args.port, args.trust, args.trust.planner_link
+        )
+        await _serve_until_stopped(stop, addr=f"{args.host}:{port}", planner=args.planner)
     log.info("stopped")
     return 0

@@ -20,6 +20,12 @@ class Trust:
     self_link: ChannelSecurity = field(default_factory=ChannelSecurity)  # to its own port (its checks)
 
     @property
+    def planner_link(self) -> ChannelSecurity:
+        """The HTTP gateway's to a planner: TLS as to the other services, no key of its own (it forwards
+        each caller's)."""
+        return ChannelSecurity(tls=self.executor_link.tls)
+
+    @property
     def executor_server(self) -> ServerSecurity:
         """The executor's port: TLS (mTLS with --tls-client-ca) and no API keys (its callers are planners)."""
         return ServerSecurity(tls=self.server.tls)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import client_pb2, client_pb2_grpc
 from protos.rpc import ChannelSecurity, open_channel, wait_serving
@@ -94,7 +95,7 @@ class GenerateOptions:
     or {"tokens": N}) needs a conversation_id. The planner checks the values (INVALID_ARGUMENT).
     """
 
-    max_tokens: int
+    max_tokens: int  # 0: as many as fit in the context after the prompt
     text: str | None = None
     chat: Sequence[Mapping[str, str]] | None = None
     token_ids: Sequence[int] | None = None
@@ -145,10 +146,16 @@ def build_generate_request(options: GenerateOptions) -> client_pb2.GenerateReque
     return request
 
 
+def _keyed(key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """A call's own `authorization` metadata (a gateway forwards each caller's key), or none."""
+    return (("authorization", f"Bearer {key}"),) if key else None
+
+
 class PlannerClient:
     """One channel to a planner; use as `async with PlannerClient("host:port") as client:`.
 
-    `security`: TLS (the CA to trust, a client certificate) and the API key sent with every call."""
+    `security`: TLS (the CA to trust, a client certificate) and the API key sent with every call. A call's
+    `key` sends that key with it alone (the HTTP gateway forwards each caller's bearer key so)."""
 
     def __init__(self, addr: str, security: ChannelSecurity | None = None) -> None:
         self.addr = addr
@@ -172,27 +179,39 @@ class PlannerClient:
         """Returns once the planner's health service says SERVING; TimeoutError otherwise."""
         await wait_serving(self._channel, timeout)
 
-    async def generate(self, options: GenerateOptions) -> AsyncIterator[client_pb2.GenerateResponse]:
+    async def serving(self, timeout: float = 2.0) -> bool:
+        """Whether the planner's health service says SERVING now (False when it does not answer)."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def generate(
+        self, options: GenerateOptions, key: str | None = None
+    ) -> AsyncGenerator[client_pb2.GenerateResponse, None]:
         """Streams the GenerateResponses of one request. The last response carries the finish reason and
         what was reused (reused_tokens, read_tokens, checkpoint, diverged_at).
 
         Leaving the loop early cancels the call, which the planner treats as an abort.
         """
         request = build_generate_request(options)
-        call = self._stub.Generate(request)
+        call = self._stub.Generate(request, metadata=_keyed(key))
         try:
             async for response in call:
                 yield response
         finally:
             call.cancel()
 
-    async def generate_all(self, options: GenerateOptions) -> Generation:
+    async def generate_all(self, options: GenerateOptions, key: str | None = None) -> Generation:
         """Runs one request to its end and gathers what it streamed."""
         request_id = ""
         token_ids: list[int] = []
         text_parts: list[str] = []
         last = None
-        async for response in self.generate(options):
+        async for response in self.generate(options, key):
             request_id = request_id or response.request_id
             token_ids.extend(unpack_i32(response.token_ids).tolist())
             text_parts.append(response.text)
@@ -241,14 +260,16 @@ class PlannerClient:
             for c in reply.conversations
         ]
 
-    async def abort(self, request_id: str, tenant: str = "") -> bool:
+    async def abort(self, request_id: str, tenant: str = "", key: str | None = None) -> bool:
         """True when the tenant's running or waiting request was aborted; False when unknown or already
         finished (ids are per tenant: `tenant` as for park, for the service identity or an open API)."""
-        reply = await self._stub.Abort(client_pb2.AbortRequest(request_id=request_id, tenant=tenant))
+        reply = await self._stub.Abort(
+            client_pb2.AbortRequest(request_id=request_id, tenant=tenant), metadata=_keyed(key)
+        )
         return reply.aborted
 
-    async def model_info(self) -> client_pb2.ModelInfo:
-        return await self._stub.GetModelInfo(client_pb2.ModelInfoRequest())
+    async def model_info(self, key: str | None = None) -> client_pb2.ModelInfo:
+        return await self._stub.GetModelInfo(client_pb2.ModelInfoRequest(), metadata=_keyed(key))
 
     async def server_info(self) -> client_pb2.ServerInfo:
         return await self._stub.GetServerInfo(client_pb2.ServerInfoRequest())

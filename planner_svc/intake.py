@@ -86,7 +86,9 @@ class Intake:
             raise ValueError(f"chat: the model's chat template refused the messages: {error}") from None
         if not prompt_ids:
             raise ValueError("the prompt is empty: give text, chat messages or token ids")
-        check_length(len(prompt_ids), request.max_tokens, self.limits.max_seq_len)
+        # 0: as many as fit after the prompt (OpenAI's and vLLM's default when max_tokens is not given)
+        max_tokens = request.max_tokens or max(1, self.limits.max_seq_len - len(prompt_ids))
+        check_length(len(prompt_ids), max_tokens, self.limits.max_seq_len)
         params = request.sampling
         sampling = Sampling(
             temperature=params.temperature,
@@ -97,7 +99,7 @@ class Intake:
         stops = set(request.stop_token_ids)
         if not request.ignore_eos and self.eos_token_id is not None:
             stops.add(self.eos_token_id)
-        req = Request(request_id, prompt_ids, request.max_tokens, sampling, frozenset(stops))
+        req = Request(request_id, prompt_ids, max_tokens, sampling, frozenset(stops))
         if request.conversation_id:
             self._marks(request, req, messages)
         return req, messages

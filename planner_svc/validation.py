@@ -86,8 +86,8 @@ def check_generate(request: client_pb2.GenerateRequest, limits: Limits) -> None:
     _check_id("conversation_id", request.conversation_id)
     _check_id("tenant", request.tenant)
     check_sampling(request.sampling)
-    if request.max_tokens < 1:
-        raise _bad("max_tokens", request.max_tokens, "must be positive")
+    if request.max_tokens < 0:
+        raise _bad("max_tokens", request.max_tokens, "must be positive (or 0: up to the context's end)")
     if request.max_tokens >= limits.max_seq_len:
         raise InvalidRequest(
             f"max_tokens {request.max_tokens} leaves no room for a prompt: the model's context is "

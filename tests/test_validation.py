@@ -40,8 +40,7 @@ def request(**fields) -> client_pb2.GenerateRequest:
         (dict(sampling=dict(top_p=math.inf)), "sampling.top_p must be in (0, 1], got inf"),
         (dict(sampling=dict(top_p=0.0)), "top_p must be in (0, 1], got 0.0"),
         (dict(sampling=dict(top_k=-1)), "sampling.top_k must be >= 0 (0 is no cut), got -1"),
-        (dict(max_tokens=0), "max_tokens must be positive, got 0"),
-        (dict(max_tokens=-7), "max_tokens must be positive, got -7"),
+        (dict(max_tokens=-7), "max_tokens must be positive (or 0: up to the context's end), got -7"),
         (dict(max_tokens=10**9), "max_tokens 1000000000 leaves no room for a prompt"),
         (dict(stop_token_ids=[3, 100]), "stop_token_ids[1] is outside the vocabulary [0, 100), got 100"),
         (dict(stop_token_ids=[-2]), "stop_token_ids[0] is outside the vocabulary"),
@@ -76,6 +75,7 @@ def test_good_requests_pass():
     check_generate(request(), LIMITS)
     check_generate(request(sampling=dict(temperature=0.7, top_p=0.9, top_k=50, seed=2**64 - 1)), LIMITS)
     check_generate(request(text="x" * 1000, max_tokens=63, stop_token_ids=[0, 99]), LIMITS)
+    check_generate(request(max_tokens=0), LIMITS)  # up to the context's end
 
 
 def test_length_against_the_context():

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway: an ASGI edge over the planner's gRPC client API."""

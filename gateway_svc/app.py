@@ -1,0 +1,191 @@
+"""The OpenAI-compatible routes: chat and text completions (streamed as server-sent events or whole),
+models, health; FastAPI serves their OpenAPI schema at /openapi.json (and /docs)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from typing import Annotated, Any
+
+import structlog
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from gateway_svc import openai_replies
+from gateway_svc.http_errors import ApiError, install_error_handlers
+from gateway_svc.openai_replies import ChoiceState, ChunkWriter, Kind
+from gateway_svc.openai_schema import ChatCompletionBody, CompletionBody, GenerationBody
+from gateway_svc.relay import ModelCatalog, responses, unless_disconnected
+from gateway_svc.translate import BadField, Choice, UnsupportedField, chat_choices, completion_choices
+from planner_svc.client import PlannerClient
+
+log = structlog.get_logger("deltaserve.gateway")
+
+VERSION = "0.1.0"
+router = APIRouter()
+_bearer = HTTPBearer(auto_error=False, description="an API key of the planner's --api-keys file")
+Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+ConversationHeader = Annotated[
+    str | None,
+    Header(
+        alias="X-Conversation-Id",
+        description="the conversation to continue (the same as the body's conversation_id)",
+    ),
+]
+
+
+class Gateway:
+    """What the routes share: the planner client and its model."""
+
+    def __init__(self, planner: PlannerClient) -> None:
+        self.planner = planner
+        self.models = ModelCatalog(planner)
+        self.started = int(time.time())
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def _key(credentials: HTTPAuthorizationCredentials | None) -> str | None:
+    return credentials.credentials if credentials is not None else None
+
+
+def _plan(make, body: GenerationBody, conversation_header: str | None, request_id: str) -> list[Choice]:
+    try:
+        return make(body, conversation_header, request_id)
+    except (UnsupportedField, BadField) as error:
+        raise ApiError(400, str(error), param=error.param) from None
+
+
+async def _answer(
+    request: Request,
+    kind: Kind,
+    body: GenerationBody,
+    credentials: HTTPAuthorizationCredentials | None,
+    conversation_header: str | None,
+) -> Any:
+    gateway = _gateway(request)
+    if body.model_extra:
+        log.info("fields not used", fields=sorted(body.model_extra))
+    response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    make = chat_choices if kind == "chat" else completion_choices
+    choices = _plan(make, body, conversation_header, response_id)
+    key = _key(credentials)
+    model = await gateway.models.check(body.model, key)
+    conversation = choices[0].options.conversation_id
+    headers = {"X-Conversation-Id": conversation} if conversation else None
+    states = {c.index: ChoiceState(c.index, c.prompt) for c in choices}
+    stream = responses(gateway.planner, choices, key)
+    created = int(time.time())
+    if not body.stream:
+
+        async def gather() -> None:
+            async with contextlib.aclosing(stream):
+                async for index, response in stream:
+                    states[index].add(response)
+
+        await unless_disconnected(request, gather())
+        reply = openai_replies.completion(
+            kind, response_id, created, model, list(states.values()), conversation, body.return_token_ids
+        )
+        return JSONResponse(reply, headers=headers)
+    writer = ChunkWriter(
+        kind,
+        response_id,
+        created,
+        model,
+        conversation,
+        token_ids=body.return_token_ids,
+        include_usage=body.stream_options is not None and body.stream_options.include_usage,
+    )
+    # The first response before the headers: a request the planner refuses gets its own HTTP status.
+    try:
+        first = await unless_disconnected(request, anext(stream))
+    except BaseException:
+        await stream.aclose()
+        raise
+    return StreamingResponse(
+        _events(writer, stream, first, states), media_type="text/event-stream", headers=headers
+    )
+
+
+async def _events(writer: ChunkWriter, stream, first, states: dict[int, ChoiceState]):
+    """The events of a streamed answer; the client going away cancels this, and with it every call."""
+    async with contextlib.aclosing(stream):
+        item = first
+        try:
+            while item is not None:
+                index, response = item
+                state = states[index]
+                event = writer.chunk(state, response, state.add(response))
+                if event is not None:
+                    yield event
+                item = await anext(stream, None)
+        except ApiError as error:
+            log.warning("stream failed", status=error.status, error=error.message)
+            yield writer.error(error.body())
+            yield openai_replies.DONE
+            return
+    if writer.include_usage:
+        yield writer.usage_chunk(list(states.values()))
+    yield openai_replies.DONE
+
+
+@router.post("/v1/chat/completions", summary="a chat completion (OpenAI's), streamed or whole")
+async def chat_completions(
+    body: ChatCompletionBody,
+    request: Request,
+    credentials: Bearer,
+    x_conversation_id: ConversationHeader = None,
+):
+    return await _answer(request, "chat", body, credentials, x_conversation_id)
+
+
+@router.post("/v1/completions", summary="a text completion (OpenAI's legacy API), streamed or whole")
+async def completions(
+    body: CompletionBody, request: Request, credentials: Bearer, x_conversation_id: ConversationHeader = None
+):
+    return await _answer(request, "text", body, credentials, x_conversation_id)
+
+
+@router.get("/v1/models", summary="the model this server serves")
+async def models(request: Request, credentials: Bearer):
+    gateway = _gateway(request)
+    info = await gateway.models.info(_key(credentials))
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": info.name,
+                "object": "model",
+                "created": gateway.started,
+                "owned_by": "deltaserve",
+                "max_model_len": info.max_seq_len,
+            }
+        ],
+    }
+
+
+@router.get("/health", summary="200 while the planner's gRPC health says SERVING, else 503")
+async def health(request: Request):
+    serving = await _gateway(request).planner.serving()
+    return JSONResponse(
+        {"status": "serving" if serving else "not_serving"}, status_code=200 if serving else 503
+    )
+
+
+def create_app(planner: PlannerClient) -> FastAPI:
+    """The gateway's ASGI app over a planner client (the caller opens and closes the client)."""
+    app = FastAPI(
+        title="deltaserve",
+        version=VERSION,
+        description="OpenAI-compatible chat and text completions over deltaserve's planner, with "
+        "conversations (conversation_id) and shared prefixes (shared_prefix); see README's HTTP API.",
+    )
+    app.state.gateway = Gateway(planner)
+    install_error_handlers(app)
+    app.include_router(router)
+    return app

@@ -1,0 +1,168 @@
+"""What the gateway answers, in OpenAI's shapes: completions, stream chunks, usage and deltaserve's
+extension object. Pure: dicts from the planner's responses, no I/O."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from planner_svc.client import FINISH_REASONS
+from protos import client_pb2
+from protos.wire import unpack_i32
+
+Kind = Literal["chat", "text"]
+EXTENSION = "deltaserve"  # the key of the extension object in a response or a chunk
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice as its responses arrive: the text and tokens so far, and its last response."""
+
+    index: int
+    prompt: int
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    last: client_pb2.GenerateResponse | None = None  # the one with the finish reason
+
+    def add(self, response: client_pb2.GenerateResponse) -> list[int]:
+        """Takes one response in; returns its token ids."""
+        ids = unpack_i32(response.token_ids).tolist()
+        self.token_ids.extend(ids)
+        self.text.append(response.text)
+        self.prompt_tokens = response.prompt_tokens or self.prompt_tokens
+        if response.finish_reason != client_pb2.FINISH_REASON_UNSPECIFIED:
+            self.last = response
+        return ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self.last is None else FINISH_REASONS[self.last.finish_reason]
+
+
+def extension(state: ChoiceState, conversation: str) -> dict[str, Any]:
+    """deltaserve's extension object: what the request reused and where its history diverged."""
+    last = state.last
+    assert last is not None
+    return {
+        "request_id": last.request_id,
+        "conversation_id": conversation or None,
+        "checkpoint": last.checkpoint,  # none | prefix | checkpoint@N | snapshot@N, with why it fell back
+        "diverged_at": last.diverged_at,  # where the prompt first differed from the stored history; -1: nowhere
+        "reused_tokens": last.reused_tokens,
+        "read_tokens": last.read_tokens,
+    }
+
+
+def usage(states: list[ChoiceState]) -> dict[str, Any]:
+    """Prompt tokens counted once per prompt (its first choice's), completion tokens of every choice; the
+    cached tokens are the prompt tokens whose KV was reused (a checkpoint, a snapshot, shared pages)."""
+    firsts: dict[int, ChoiceState] = {}
+    for state in states:
+        firsts.setdefault(state.prompt, state)
+    prompt = sum(s.prompt_tokens for s in firsts.values())
+    cached = sum(s.last.reused_tokens for s in firsts.values() if s.last is not None)
+    completion = sum(len(s.token_ids) for s in states)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _header(kind: Kind, response_id: str, created: int, model: str, chunk: bool) -> dict[str, Any]:
+    if kind == "chat":
+        name = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        name = "text_completion"
+    return {"id": response_id, "object": name, "created": created, "model": model}
+
+
+def completion(
+    kind: Kind,
+    response_id: str,
+    created: int,
+    model: str,
+    states: list[ChoiceState],
+    conversation: str,
+    token_ids: bool,
+) -> dict[str, Any]:
+    """The whole (non-streamed) answer."""
+    choices = []
+    for state in sorted(states, key=lambda s: s.index):
+        choice: dict[str, Any] = {
+            "index": state.index,
+            "finish_reason": state.finish_reason,
+            "logprobs": None,
+        }
+        text = "".join(state.text)
+        if kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if token_ids:
+            choice["token_ids"] = state.token_ids
+        choices.append(choice)
+    reply = _header(kind, response_id, created, model, chunk=False)
+    reply.update(choices=choices, usage=usage(states))
+    reply[EXTENSION] = extension(min(states, key=lambda s: s.index), conversation)
+    return reply
+
+
+@dataclass(slots=True)
+class ChunkWriter:
+    """The server-sent events of one streamed answer."""
+
+    kind: Kind
+    response_id: str
+    created: int
+    model: str
+    conversation: str
+    token_ids: bool  # each delta carries its token ids
+    include_usage: bool
+    _started: set[int] = field(default_factory=set)  # choices whose first chunk went out
+
+    def event(self, payload: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+    def chunk(
+        self, state: ChoiceState, response: client_pb2.GenerateResponse, ids: list[int]
+    ) -> bytes | None:
+        """The event of one planner response of a choice (None when it carries nothing to send yet: text
+        held back until a character is whole)."""
+        finish = state.finish_reason if state.last is response else None
+        first = state.index not in self._started
+        if not (response.text or finish or first or (self.token_ids and ids)):
+            return None
+        self._started.add(state.index)
+        choice: dict[str, Any] = {"index": state.index, "finish_reason": finish, "logprobs": None}
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if response.text or first:
+                delta["content"] = response.text
+            choice["delta"] = delta
+        else:
+            choice["text"] = response.text
+        if self.token_ids:
+            choice["token_ids"] = ids
+        payload = _header(self.kind, self.response_id, self.created, self.model, chunk=True)
+        payload["choices"] = [choice]
+        if self.include_usage:
+            payload["usage"] = None
+        if finish is not None:
+            payload[EXTENSION] = extension(state, self.conversation)
+        return self.event(payload)
+
+    def usage_chunk(self, states: list[ChoiceState]) -> bytes:
+        """The last chunk when stream_options.include_usage: no choices, the usage of the whole answer."""
+        payload = _header(self.kind, self.response_id, self.created, self.model, chunk=True)
+        payload.update(choices=[], usage=usage(states))
+        return self.event(payload)
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        """An error after the stream began (its HTTP status was already sent): an event with the error
+        object, as OpenAI's SDKs read it."""
+        return self.event(body)

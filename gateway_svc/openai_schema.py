@@ -1,0 +1,104 @@
+"""The OpenAI request bodies the gateway accepts (pydantic), with deltaserve's extension fields.
+
+Fields the gateway cannot honour are declared so that a request using them is refused with a 400 naming
+them (translate.py), never served as if they were not there. Fields unknown to OpenAI are ignored (clients
+and SDKs send new harmless ones), and logged.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; `content` as a string or a list of text parts (joined), null for an empty one."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Annotated[str, Field(min_length=1)]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class SharedPrefixSpec(BaseModel):
+    """The read-only start of a conversation's prompt that many requests share (one of the three forms)."""
+
+    model_config = ConfigDict(extra="forbid")
+    messages: NonNegativeInt | None = None  # the first K chat messages
+    message: NonNegativeInt | None = None  # with chars: the messages before I and N characters of message I
+    chars: NonNegativeInt | None = None
+    tokens: NonNegativeInt | None = None  # the first N prompt tokens
+
+    def as_mapping(self) -> dict[str, int]:
+        return {name: value for name, value in self.model_dump().items() if value is not None}
+
+
+class GenerationBody(BaseModel):
+    """What chat and text completions share: sampling, streaming, and deltaserve's extensions."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: NonNegativeInt | None = None  # not OpenAI's, as vLLM and SGLang take it
+    seed: NonNegativeInt | None = None
+    n: Annotated[int, Field(ge=1, le=16)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: do not stop at the model's end-of-sequence token
+    stop_token_ids: list[NonNegativeInt] | None = None  # vLLM's extension
+    return_token_ids: bool = False  # vLLM's extension: each choice (and delta) carries its token ids
+    # deltaserve: continue a conversation (the prompt carries the whole history), and pin its shared start
+    conversation_id: Annotated[str, Field(max_length=256)] | None = None
+    shared_prefix: SharedPrefixSpec | None = None
+    # Declared to be refused by name (translate.UNSUPPORTED), never silently dropped.
+    stop: str | list[str] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    best_of: int | None = None
+
+
+class ChatCompletionBody(GenerationBody):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+
+
+Prompt = str | Annotated[list[NonNegativeInt], Field(min_length=1)] | list[str] | list[list[NonNegativeInt]]
+
+
+class CompletionBody(GenerationBody):
+    prompt: Prompt
+    echo: bool = False
+    suffix: str | None = None

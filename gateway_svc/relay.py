@@ -1,0 +1,135 @@
+"""The gateway's side of the planner's gRPC API: a request's choices run as Generate calls (their responses
+merged in arrival order), the caller's key forwarded with each call, and every call cancelled (the planner
+aborts the request and frees its pages) when the HTTP client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Awaitable
+from typing import TypeVar
+
+import grpc
+from starlette.requests import Request
+
+from gateway_svc.http_errors import ApiError
+from gateway_svc.translate import Choice
+from planner_svc.client import PlannerClient
+from protos import client_pb2
+
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection: logged, never read
+
+
+class ModelCatalog:
+    """The planner's model, asked once (with the first caller's key) and kept: it does not change while the
+    planner runs, and a request's `model` is checked against it."""
+
+    def __init__(self, planner: PlannerClient) -> None:
+        self.planner = planner
+        self._info: client_pb2.ModelInfo | None = None
+
+    async def info(self, key: str | None) -> client_pb2.ModelInfo:
+        if self._info is None:
+            self._info = await rpc(self.planner.model_info(key))
+        return self._info
+
+    async def check(self, model: str, key: str | None) -> str:
+        """The served model's name; 404 when the request names another (asked again first: a planner
+        restarted with another model answers for it)."""
+        info = await self.info(key)
+        if model != info.name:
+            self._info = None
+            info = await self.info(key)
+        if model != info.name:
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist; this server serves {info.name!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+        return info.name
+
+
+async def rpc(call: Awaitable[T]) -> T:
+    """A unary call's result; its gRPC status as an ApiError."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as error:
+        raise ApiError.from_rpc(error) from None
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body was read before: nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; when the client goes away first, `work` is cancelled (its calls with it) and the
+    answer is a 499 nobody reads."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise ApiError(CLIENT_CLOSED, "the client closed the connection")
+        return task.result()
+    finally:
+        for pending in (task, watch):
+            pending.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+
+
+Response = tuple[int, client_pb2.GenerateResponse]  # (position of the choice, one of its responses)
+
+
+async def _one(planner: PlannerClient, choice: Choice, key: str | None) -> AsyncGenerator[Response, None]:
+    """One choice's Generate call; its status (and a request the client refuses to build) as ApiError."""
+    try:
+        async with contextlib.aclosing(planner.generate(choice.options, key)) as stream:
+            async for response in stream:
+                yield choice.index, response
+    except grpc.aio.AioRpcError as error:
+        raise ApiError.from_rpc(error) from None
+    except ValueError as error:  # build_generate_request: a malformed chat or shared prefix
+        raise ApiError(400, str(error)) from None
+
+
+async def responses(
+    planner: PlannerClient, choices: list[Choice], key: str | None
+) -> AsyncGenerator[Response, None]:
+    """The responses of every choice as they arrive. Closing it early (or an error in one choice) cancels
+    every call still running."""
+    streams = [_one(planner, choice, key) for choice in choices]
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue[tuple[Response | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(stream: AsyncGenerator[Response, None]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((item, None))
+        except Exception as error:
+            queue.put_nowait((None, error))
+        else:
+            queue.put_nowait((None, None))  # this choice ended
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            arrived, error = await queue.get()
+            if error is not None:
+                raise error
+            if arrived is None:
+                running -= 1
+            else:
+                yield arrived
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,159 @@
+"""OpenAI request bodies to the planner's GenerateOptions: pure, no I/O.
+
+One body becomes one or more *choices*, each a GenerateOptions of its own: `n` choices per prompt, and a
+text completion may carry several prompts (choice index = prompt index x n + j, as OpenAI numbers them).
+A field the gateway cannot honour is an UnsupportedField (a 400 naming it), never dropped.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+from gateway_svc.openai_schema import ChatCompletionBody, CompletionBody, GenerationBody
+from planner_svc.client import GenerateOptions
+
+# body field -> why it is refused; checked when the field is set to something other than its default
+UNSUPPORTED = {
+    "stop": "stop strings are not supported yet (stop_token_ids are)",
+    "frequency_penalty": "frequency_penalty is not supported yet",
+    "presence_penalty": "presence_penalty is not supported yet",
+    "logit_bias": "logit_bias is not supported yet",
+    "logprobs": "logprobs are not supported yet",
+    "top_logprobs": "top_logprobs are not supported yet",
+    "best_of": "best_of is not supported",
+    "response_format": "response_format (structured output) is not supported yet",
+    "tools": "tools and function calling are not supported",
+    "tool_choice": "tools and function calling are not supported",
+    "functions": "tools and function calling are not supported",
+    "function_call": "tools and function calling are not supported",
+    "audio": "audio is not supported",
+    "modalities": "only text is supported",
+    "prediction": "predicted outputs are not supported",
+    "echo": "echo is not supported",
+    "suffix": "suffix (insertion) is not supported",
+}
+# values that mean "not asked for" even when a client sends them explicitly
+_HARMLESS = {
+    "logprobs": (None, False, 0),
+    "best_of": (None, 1),
+    "echo": (False,),
+    "modalities": (None, ["text"]),
+    "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none"),
+    "stop": (None, [], ""),
+}
+
+
+class UnsupportedField(ValueError):
+    """A request field the gateway cannot honour (400); `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class BadField(ValueError):
+    """A request field whose value is malformed or contradicts another (400); `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    index: int  # the choice's index in the response
+    prompt: int  # which prompt it answers (usage counts each prompt once)
+    options: GenerateOptions
+
+
+def check_supported(body: GenerationBody) -> None:
+    """UnsupportedField for the first field set that the gateway cannot honour."""
+    for name, why in UNSUPPORTED.items():
+        if name not in type(body).model_fields:
+            continue
+        value = getattr(body, name)
+        if value in _HARMLESS.get(name, (None,)):
+            continue
+        raise UnsupportedField(name, why)
+
+
+def conversation_of(body: GenerationBody, header: str | None) -> str:
+    """The conversation: the body's conversation_id or the X-Conversation-Id header (the same if both)."""
+    field = body.conversation_id or ""
+    header = (header or "").strip()
+    if field and header and field != header:
+        raise BadField(
+            "conversation_id",
+            f"conversation_id {field!r} and the X-Conversation-Id header {header!r} differ; give one",
+        )
+    return field or header
+
+
+def _base_options(body: GenerationBody, conversation: str, max_tokens: int | None) -> GenerateOptions:
+    if body.shared_prefix is not None and not conversation:
+        raise BadField(
+            "shared_prefix", "shared_prefix marks a conversation's prefix: give a conversation_id too"
+        )
+    if conversation and body.n > 1:
+        raise BadField("n", "a conversation continues with one answer: n must be 1 with a conversation_id")
+    return GenerateOptions(
+        max_tokens=max_tokens or 0,  # 0: as many as fit in the context after the prompt
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        conversation_id=conversation,
+        shared_prefix=body.shared_prefix.as_mapping() if body.shared_prefix is not None else None,
+    )
+
+
+def _fan_out(prompts: list[GenerateOptions], n: int, seed: int | None, request_id: str) -> list[Choice]:
+    """n choices per prompt. A seeded request's choices get seeds seed, seed + 1, ... (each repeats exactly);
+    an unseeded one's a random seed each (the planner's seed 0 is a seed like any other: unseeded requests
+    would all draw the same tokens)."""
+    choices = []
+    for p, options in enumerate(prompts):
+        for j in range(n):
+            index = p * n + j
+            drawn = random.getrandbits(64) if seed is None else (seed + j) % 2**64
+            choices.append(Choice(index, p, replace(options, request_id=f"{request_id}-{index}", seed=drawn)))
+    return choices
+
+
+def chat_choices(body: ChatCompletionBody, conversation_header: str | None, request_id: str) -> list[Choice]:
+    check_supported(body)
+    if body.max_tokens and body.max_completion_tokens and body.max_tokens != body.max_completion_tokens:
+        raise BadField("max_completion_tokens", "max_tokens and max_completion_tokens differ; give one")
+    conversation = conversation_of(body, conversation_header)
+    base = _base_options(body, conversation, body.max_completion_tokens or body.max_tokens)
+    chat = [{"role": message.role, "content": message.text()} for message in body.messages]
+    return _fan_out([replace(base, chat=chat)], body.n, body.seed, request_id)
+
+
+def _prompts(prompt) -> list[str | list[int]]:
+    """A completion's prompt as a list of prompts: text or token ids each."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(item, int) for item in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def completion_choices(
+    body: CompletionBody, conversation_header: str | None, request_id: str
+) -> list[Choice]:
+    check_supported(body)
+    conversation = conversation_of(body, conversation_header)
+    prompts = _prompts(body.prompt)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise BadField("prompt", "the prompt is empty")
+    if conversation and len(prompts) > 1:
+        raise BadField("prompt", "a conversation continues with one prompt, not a batch")
+    base = _base_options(body, conversation, body.max_tokens or 16)  # OpenAI's completions default: 16
+    options = [
+        replace(base, text=p) if isinstance(p, str) else replace(base, token_ids=tuple(p)) for p in prompts
+    ]
+    return _fan_out(options, body.n, body.seed, request_id)
