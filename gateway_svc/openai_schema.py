@@ -7,15 +7,17 @@ and SDKs send new harmless ones), and logged.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are served (translate.py refuses the others)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -23,15 +25,8 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     role: Annotated[str, Field(min_length=1)]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class StreamOptions(BaseModel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from gateway_svc.openai_schema import ChatCompletionBody, CompletionBody, GenerationBody
+from gateway_svc.openai_schema import ChatCompletionBody, ChatMessage, CompletionBody, GenerationBody
 from planner_svc.client import GenerateOptions
 
 # body field -> why it is refused; checked when the field is set to something other than its default
@@ -123,13 +123,28 @@ def _fan_out(prompts: list[GenerateOptions], n: int, seed: int | None, request_i
     return choices
 
 
+def message_text(message: ChatMessage, index: int) -> str:
+    """A message's content as one string: the string, its text parts joined, or "" for none."""
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise UnsupportedField(
+                f"messages.{index}.content",
+                f"messages[{index}]: only text content parts are supported, got a part of type {part.type!r}",
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
 def chat_choices(body: ChatCompletionBody, conversation_header: str | None, request_id: str) -> list[Choice]:
     check_supported(body)
     if body.max_tokens and body.max_completion_tokens and body.max_tokens != body.max_completion_tokens:
         raise BadField("max_completion_tokens", "max_tokens and max_completion_tokens differ; give one")
     conversation = conversation_of(body, conversation_header)
     base = _base_options(body, conversation, body.max_completion_tokens or body.max_tokens)
-    chat = [{"role": message.role, "content": message.text()} for message in body.messages]
+    chat = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
     return _fan_out([replace(base, chat=chat)], body.n, body.seed, request_id)
 
 

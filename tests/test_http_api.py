@@ -1,0 +1,252 @@
+"""The OpenAI-compatible HTTP API through OpenAI's own Python client, over the real stack (SmolLM2 on the
+CPU) on loopback: the same greedy tokens as gRPC, streamed and whole; completions; models; health; the
+errors; a disconnect that frees pages; conversations and shared prefixes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx2 as httpx
+import openai
+import pytest
+import pytest_asyncio
+
+from gateway_svc.http_server import start_gateway
+from planner_svc.client import GenerateOptions, PlannerClient
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Http:
+    def __init__(self, stack, gateway, planner: PlannerClient, model: str):
+        self.stack, self.gateway, self.planner, self.model = stack, gateway, planner, model
+        self.base = f"http://127.0.0.1:{gateway.port}"
+        self.client = openai.AsyncOpenAI(api_key="unused", base_url=f"{self.base}/v1", max_retries=0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def http(smol_stack):
+    gateway = await start_gateway(smol_stack.addr)
+    async with PlannerClient(smol_stack.addr) as planner:
+        model = (await planner.model_info()).name
+        yield Http(smol_stack, gateway, planner, model)
+    await gateway.stop()
+
+
+async def test_chat_streamed_and_whole_equal_the_grpc_tokens(http):
+    grpc_answer = await http.planner.generate_all(GenerateOptions(chat=QUESTION, max_tokens=10))
+    fields = dict(model=http.model, messages=QUESTION, max_tokens=10, temperature=0)
+    whole = await http.client.chat.completions.create(**fields, extra_body={"return_token_ids": True})
+    choice = whole.choices[0]
+    assert choice.model_extra["token_ids"] == grpc_answer.token_ids
+    assert choice.message.content == grpc_answer.text and choice.message.role == "assistant"
+    assert choice.finish_reason == grpc_answer.finish_reason
+    assert whole.usage.prompt_tokens == grpc_answer.prompt_tokens
+    assert whole.usage.completion_tokens == len(grpc_answer.token_ids)
+    # the same prompt again: its full pages come from the prefix index, and usage says so
+    assert whole.usage.prompt_tokens_details.cached_tokens == whole.model_extra["deltaserve"]["reused_tokens"]
+
+    stream = await http.client.chat.completions.create(
+        **fields, stream=True, stream_options={"include_usage": True}, extra_body={"return_token_ids": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed_ids = [i for c in chunks if c.choices for i in c.choices[0].model_extra["token_ids"]]
+    assert streamed_ids == grpc_answer.token_ids
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == grpc_answer.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [grpc_answer.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(grpc_answer.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_completions_text_tokens_batch_and_stream(http):
+    prompt = "The capital of France is"
+    grpc_answer = await http.planner.generate_all(GenerateOptions(text=prompt, max_tokens=5))
+    fields = dict(model=http.model, max_tokens=5, temperature=0)
+    whole = await http.client.completions.create(prompt=prompt, **fields)
+    assert whole.choices[0].text == grpc_answer.text and whole.object == "text_completion"
+    ids = http.stack.planner.tokenizer(prompt)["input_ids"]
+    by_ids = await http.client.completions.create(prompt=ids, **fields)
+    assert by_ids.choices[0].text == grpc_answer.text
+    batch = await http.client.completions.create(prompt=[prompt, "One, two, three,"], n=2, **fields)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text == grpc_answer.text  # greedy: n alike
+    assert batch.usage.prompt_tokens == len(ids) + len(
+        http.stack.planner.tokenizer("One, two, three,")["input_ids"]
+    )
+    assert batch.usage.completion_tokens == 4 * 5
+    stream = await http.client.completions.create(prompt=prompt, stream=True, **fields)
+    assert "".join([c.choices[0].text async for c in stream]) == grpc_answer.text
+
+
+async def test_models_health_and_the_openapi_schema(http):
+    models = await http.client.models.list()
+    assert [m.id for m in models.data] == [http.model]
+    assert models.data[0].model_extra["max_model_len"] == http.stack.planner.description.max_seq_len
+    async with httpx.AsyncClient(base_url=http.base) as client:
+        health = await client.get("/health")
+        assert (health.status_code, health.json()) == (200, {"status": "serving"})
+        schema = (await client.get("/openapi.json")).json()
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"} <= set(schema["paths"])
+
+
+async def _error(http, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    async with httpx.AsyncClient(base_url=http.base) as client:
+        reply = await client.post(path, json=body, headers=headers)
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return reply.status_code, error
+
+
+@pytest.mark.parametrize(
+    "body, status, param, says",
+    [
+        ({"model": "gpt-4", "messages": QUESTION}, 404, "model", "does not exist"),
+        ({"messages": QUESTION}, 400, "model", "Field required"),
+        ({"model": "{model}", "messages": []}, 400, "messages", "at least 1"),
+        (
+            {"model": "{model}", "messages": [{"role": "user"}], "max_tokens": 0},
+            400,
+            "max_tokens",
+            "greater than or equal to 1",
+        ),
+        (
+            {"model": "{model}", "messages": QUESTION, "temperature": -1},
+            400,
+            "temperature",
+            "greater than or equal to 0",
+        ),
+        (
+            {"model": "{model}", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            400,
+            "messages.0.content",
+            "only text content parts",
+        ),
+        ({"model": "{model}", "messages": QUESTION, "tools": [{"type": "function"}]}, 400, "tools", "tools"),
+        ({"model": "{model}", "messages": QUESTION, "max_tokens": 9000}, 400, None, "context is 8192"),
+        (
+            {"model": "{model}", "messages": QUESTION, "shared_prefix": {"messages": 1}},
+            400,
+            "shared_prefix",
+            "give a conversation_id",
+        ),
+        (
+            {"model": "{model}", "messages": QUESTION, "conversation_id": "c", "shared_prefix": {"lines": 1}},
+            400,
+            "shared_prefix.lines",
+            "Extra inputs",
+        ),
+        (
+            {
+                "model": "{model}",
+                "messages": QUESTION,
+                "conversation_id": "c",
+                "shared_prefix": {"message": 0},
+            },
+            400,
+            None,
+            "shared_prefix must be",
+        ),
+        ({"model": "{model}", "messages": QUESTION, "conversation_id": "c", "n": 2}, 400, "n", "n must be 1"),
+    ],
+)
+async def test_each_bad_request_is_a_4xx_with_openais_error_object(http, body, status, param, says):
+    if body.get("model") == "{model}":
+        body = {**body, "model": http.model}
+    got_status, error = await _error(http, "/v1/chat/completions", body)
+    assert (got_status, error["param"]) == (status, param), error
+    assert says in error["message"]
+    await http.stack.wait_idle()
+
+
+async def test_conversation_header_and_body_must_agree_and_unknown_paths_are_404(http):
+    body = {"model": http.model, "messages": QUESTION, "conversation_id": "a"}
+    status, error = await _error(http, "/v1/chat/completions", body, {"X-Conversation-Id": "b"})
+    assert status == 400 and "differ" in error["message"]
+    status, error = await _error(http, "/v1/nothing", body)
+    assert (status, error["type"]) == (404, "not_found_error")
+
+
+async def test_a_client_that_disconnects_mid_stream_frees_its_pages(http):
+    scheduler = http.stack.scheduler
+    await http.stack.wait_idle()
+    free_before = scheduler.pages.free_count
+    body = {
+        "model": http.model,
+        "messages": QUESTION,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    async with httpx.AsyncClient(base_url=http.base) as client:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+            assert reply.status_code == 200
+            lines = reply.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass
+            assert http.stack.planner.running_requests  # it runs now
+    # the connection closed: the planner aborts the request long before its 2000 tokens
+    await http.stack.wait_idle(timeout=10)
+    assert scheduler.pages.free_count == free_before and not http.stack.planner.running_requests
+
+
+async def test_a_ten_turn_agent_conversation_reuses_its_history_every_turn(http):
+    """Each turn resends the whole history with a conversation_id; its cached tokens cover the previous
+    turn's prompt, every whole page of it (the planner resumes from the checkpoint the previous turn left,
+    and keeps whole pages: a turn writes from a page boundary on)."""
+    page = http.stack.planner.description.page_size
+    history = [{"role": "system", "content": "You are a terse assistant."}]
+    previous_prompt = 0
+    for turn in range(10):
+        history.append({"role": "user", "content": f"Step {turn}: say a number."})
+        reply = await http.client.chat.completions.create(
+            model=http.model,
+            messages=history,
+            max_tokens=4,
+            temperature=0,
+            extra_headers={"X-Conversation-Id": "agent-1"},
+        )
+        extension = reply.model_extra["deltaserve"]
+        assert extension["conversation_id"] == "agent-1"
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        if turn:
+            assert cached >= previous_prompt - previous_prompt % page, (
+                turn,
+                cached,
+                previous_prompt,
+                extension,
+            )
+            assert extension["checkpoint"].startswith("checkpoint@"), extension
+        previous_prompt = reply.usage.prompt_tokens
+        history.append({"role": "assistant", "content": reply.choices[0].message.content})
+
+
+async def test_a_shared_prefix_is_pinned_for_the_conversation(http):
+    system = {"role": "system", "content": "You answer in one word. " * 8}
+    reply = await http.client.chat.completions.create(
+        model=http.model,
+        messages=[system, *QUESTION],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"conversation_id": "pinned-1", "shared_prefix": {"messages": 1}},
+    )
+    assert reply.model_extra["deltaserve"]["conversation_id"] == "pinned-1"
+    listed = {c.conversation_id: c for c in await http.planner.conversations()}
+    assert 0 < listed["pinned-1"].pinned_prefix < reply.usage.prompt_tokens
+
+
+async def test_a_planner_that_does_not_answer_is_503(http):
+    gateway = await start_gateway("127.0.0.1:1")
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}") as client:
+            health = await client.get("/health")
+            reply = await client.post("/v1/chat/completions", json={"model": "m", "messages": QUESTION})
+        assert (health.status_code, health.json()) == (503, {"status": "not_serving"})
+        assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+        assert reply.json()["error"]["type"] == "service_unavailable_error"
+    finally:
+        await asyncio.wait_for(gateway.stop(), 10)

@@ -1,0 +1,112 @@
+"""The gateway's pure parts: OpenAI bodies to GenerateOptions, and gRPC statuses to HTTP errors."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from gateway_svc.http_errors import HTTP_STATUS, ApiError
+from gateway_svc.openai_schema import ChatCompletionBody, CompletionBody
+from gateway_svc.translate import BadField, UnsupportedField, chat_choices, completion_choices
+
+USER = {"role": "user", "content": "hi"}
+
+
+def chat(**fields):
+    return ChatCompletionBody.model_validate({"model": "m", "messages": [USER], **fields})
+
+
+def test_a_chat_body_maps_onto_the_planners_request():
+    body = chat(
+        messages=[
+            {
+                "role": "system",
+                "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}],
+            },
+            USER,
+        ],
+        max_completion_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=3,
+        seed=11,
+        stop_token_ids=[5],
+        conversation_id="c",
+        shared_prefix={"message": 0, "chars": 3},
+    )
+    [choice] = chat_choices(body, None, "chatcmpl-x")
+    o = choice.options
+    assert o.chat == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert (o.max_tokens, o.temperature, o.top_p, o.top_k, o.seed) == (7, 0.5, 0.9, 3, 11)
+    assert (tuple(o.stop_token_ids), o.conversation_id, o.request_id) == ((5,), "c", "chatcmpl-x-0")
+    assert o.shared_prefix == {"message": 0, "chars": 3}
+
+
+def test_defaults_are_openais():
+    [choice] = chat_choices(chat(), None, "r")
+    assert (choice.options.max_tokens, choice.options.temperature) == (0, 1.0)  # 0: up to the context's end
+    [text] = completion_choices(CompletionBody(model="m", prompt="x"), None, "r")
+    assert text.options.max_tokens == 16 and text.options.text == "x"
+
+
+def test_n_choices_per_prompt_are_numbered_as_openai_does_with_their_own_seeds():
+    body = CompletionBody(model="m", prompt=[[1, 2], [3]], n=2, seed=7)
+    choices = completion_choices(body, None, "r")
+    assert [(c.index, c.prompt, c.options.seed) for c in choices] == [
+        (0, 0, 7),
+        (1, 0, 8),
+        (2, 1, 7),
+        (3, 1, 8),
+    ]
+    assert [tuple(c.options.token_ids or ()) for c in choices] == [(1, 2), (1, 2), (3,), (3,)]
+    unseeded = completion_choices(CompletionBody(model="m", prompt="x", n=2), None, "r")
+    assert unseeded[0].options.seed != unseeded[1].options.seed  # the planner's seed 0 is a seed too
+
+
+def test_the_conversation_comes_from_the_body_or_the_header():
+    assert chat_choices(chat(), "from-header", "r")[0].options.conversation_id == "from-header"
+    assert chat_choices(chat(conversation_id="a"), "a", "r")[0].options.conversation_id == "a"
+    with pytest.raises(BadField, match="differ"):
+        chat_choices(chat(conversation_id="a"), "b", "r")
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"best_of": 2}, "best_of"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content",
+        ),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_by_name(fields, param):
+    with pytest.raises(UnsupportedField) as refused:
+        chat_choices(chat(**fields), None, "r")
+    assert refused.value.param == param
+
+
+def test_values_that_ask_for_nothing_pass():
+    chat_choices(
+        chat(logprobs=False, response_format={"type": "text"}, tool_choice="none", stop=[]), None, "r"
+    )
+
+
+def test_grpc_statuses_map_to_http_statuses():
+    assert [
+        HTTP_STATUS[getattr(grpc.StatusCode, name)] for name in ("INVALID_ARGUMENT", "UNAUTHENTICATED")
+    ] == [
+        400,
+        401,
+    ]
+    assert HTTP_STATUS[grpc.StatusCode.PERMISSION_DENIED] == 403
+    assert HTTP_STATUS[grpc.StatusCode.NOT_FOUND] == 404
+    assert HTTP_STATUS[grpc.StatusCode.RESOURCE_EXHAUSTED] == 429
+    assert HTTP_STATUS[grpc.StatusCode.UNAVAILABLE] == 503
+    assert HTTP_STATUS.get(grpc.StatusCode.INTERNAL, 500) == 500
+    error = ApiError(429, "the queue is full")
+    assert error.body() == {
+        "error": {"message": "the queue is full", "type": "rate_limit_error", "param": None, "code": None}
+    }
+    assert error.response().headers["retry-after"] == "1"
