@@ -218,6 +218,8 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
             parser.error(
                 "generate: --shared-prefix marks a conversation's prefix; give --conversation ID too"
             )
+        if args.n > 1 and not args.json:
+            parser.error("generate: --n above 1 makes several choices at once; give --json to print them")
     return args
 
 

@@ -17,7 +17,7 @@ from cache_svc.client import CacheClient
 from deltaserve.aio import until_stopped
 from deltaserve.logs import get_logger
 from deltaserve.trust import client_security
-from planner_svc.client import FINISH_REASONS, GenerateOptions, PlannerClient
+from planner_svc.client import FINISH_REASONS, GenerateOptions, Generation, PlannerClient
 from protos import client_pb2
 from protos.wire import unpack_i32
 
@@ -118,13 +118,42 @@ def _request_options(args: argparse.Namespace) -> GenerateOptions:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        logit_bias=dict(args.logit_bias or ()),
+        stop=args.stop or (),
         stop_token_ids=args.stop_token_ids or (),
         ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
+        n=args.n,
+        logprobs=args.logprobs,
+        top_logprobs=args.top_logprobs,
+        response_format=args.json_schema or ({"type": "json_object"} if args.json_object else None),
         request_id=args.request_id or "",
         conversation_id=args.conversation or "",
         tenant=args.tenant,
         shared_prefix=args.shared_prefix,
     )
+
+
+def generation_json(generation: Generation) -> dict[str, Any]:
+    """A Generation as JSON: its fields, the logprobs as lists of {token_id, token, logprob, top}."""
+    value = {
+        f.name: getattr(generation, f.name) for f in dataclasses.fields(generation) if f.name != "logprobs"
+    }
+    if generation.logprobs:
+        value["logprobs"] = [
+            {
+                "token_id": entry.chosen.token_id,
+                "token": entry.chosen.token,
+                "logprob": entry.chosen.logprob,
+                "top": [{"token_id": t.token_id, "token": t.token, "logprob": t.logprob} for t in entry.top],
+            }
+            for entry in generation.logprobs
+        ]
+    return value
 
 
 def reuse_line(response: client_pb2.GenerateResponse) -> str:
@@ -160,10 +189,11 @@ async def generate(args: argparse.Namespace, stop: asyncio.Event) -> int:
     options = _request_options(args)
     async with PlannerClient(args.addr, client_security(args)) as client:
         if args.json:
-            outcome = await _call(client.generate_all(options), stop, _planner_unreachable(client))
+            outcome = await _call(client.generate_choices(options), stop, _planner_unreachable(client))
             code = outcome[0]
             if outcome[0] is None:
-                _print_json(dataclasses.asdict(outcome[1]))
+                choices = [generation_json(generation) for generation in outcome[1]]
+                _print_json(choices[0] if len(choices) == 1 else choices)
         else:
             code, last = await _call(_stream_text(client, options), stop, _planner_unreachable(client))
             if code is None and args.conversation and last is not None:

@@ -12,12 +12,11 @@ from deltaserve.flags import (
     Flags,
     address,
     env_name,
-    float_in,
     int_at_least,
-    int_list,
     shared_prefix,
     token_ids,
 )
+from deltaserve.sampling_flags import add_sampling_flags
 from deltaserve.serve import PLANNER_PORT
 
 GENERATE_HELP = "send one prompt to a planner and stream the answer to stdout"
@@ -45,29 +44,7 @@ def add_generate_command(generate: Flags) -> None:
     generate.option(
         "--max-tokens", type=int_at_least(1), required=True, metavar="N", help="tokens to generate at most"
     )
-    generate.option("--temperature", type=float_in(0.0, 100.0), default=0.0, metavar="T", help="0 is greedy")
-    generate.option(
-        "--top-p",
-        type=float_in(0.0, 1.0, low_open=True),
-        default=1.0,
-        metavar="P",
-        help="nucleus sampling mass",
-    )
-    generate.option("--top-k", type=int_at_least(0), default=0, metavar="K", help="0 means no top-k cut")
-    generate.option(
-        "--seed",
-        type=int_at_least(0),
-        default=0,
-        metavar="S",
-        help="the request's own random stream: a seeded request repeats exactly",
-    )
-    generate.repeated(
-        "--stop-token-ids",
-        type=int_list,
-        metavar="ID[,ID...]",
-        help="stop when one of these tokens is generated (besides the model's EOS)",
-    )
-    generate.switch("--ignore-eos", help="do not stop at the model's end-of-sequence token")
+    add_sampling_flags(generate)
     generate.option(
         "--request-id", metavar="ID", help="unique among running requests (default: the planner makes one)"
     )

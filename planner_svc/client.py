@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,6 +32,9 @@ class Generation:
     read_tokens: int  # prompt tokens read (prefilled)
     checkpoint: str  # what was mounted: none | prefix | checkpoint@N | snapshot@N, with why it fell back
     diverged_at: int  # where the prompt first differed from the conversation's stored tokens; -1: nowhere
+    index: int = 0  # the choice (0 to n - 1)
+    stop_string: str = ""  # the stop string that ended it, if one did
+    logprobs: list[client_pb2.TokenLogprobs] = field(default_factory=list)  # one per token, with logprobs
 
 
 @dataclass(slots=True)
@@ -63,6 +68,30 @@ def _chat_messages(chat: Sequence[Mapping[str, str]]) -> client_pb2.ChatMessages
             )
         messages.append(client_pb2.ChatMessage(role=str(message["role"]), content=str(message["content"])))
     return client_pb2.ChatMessages(messages=messages)
+
+
+def _response_format(response_format: Mapping[str, Any]) -> client_pb2.ResponseFormat:
+    """OpenAI's shape: {"type": "json_object"} | {"type": "json_schema", "json_schema": {"name": ...,
+    "schema": {...} or JSON text, "strict": true}} | {"type": "text"} (no constraint)."""
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    if kind == "text":
+        return client_pb2.ResponseFormat()
+    if kind == "json_object":
+        return client_pb2.ResponseFormat(json_object=True)
+    spec = response_format.get("json_schema") if kind == "json_schema" else None
+    if isinstance(spec, Mapping) and "schema" in spec:
+        schema = spec["schema"]
+        return client_pb2.ResponseFormat(
+            json_schema=client_pb2.ResponseFormat.JsonSchema(
+                name=str(spec.get("name", "")),
+                schema=schema if isinstance(schema, str) else json.dumps(schema),
+                strict=bool(spec.get("strict", True)),
+            )
+        )
+    raise ValueError(
+        'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+        f'"json_schema": {{"schema": ...}}}}, got {response_format!r}'
+    )
 
 
 def _shared_prefix(prefix: Mapping[str, int]) -> client_pb2.SharedPrefix:
@@ -103,8 +132,19 @@ class GenerateOptions:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None  # token id -> bias in [-100, 100]
+    stop: Sequence[str] = ()  # stop strings, at most 4
     stop_token_ids: Iterable[int] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    n: int = 1  # choices from the one prompt
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0-20 alternatives a token (needs logprobs)
+    response_format: Mapping[str, Any] | None = None  # OpenAI's shape (see _response_format)
     request_id: str = ""
     conversation_id: str = ""
     tenant: str = ""
@@ -125,14 +165,29 @@ def build_generate_request(options: GenerateOptions) -> client_pb2.GenerateReque
     request = client_pb2.GenerateRequest(
         request_id=o.request_id,
         sampling=client_pb2.SamplingParams(
-            temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed
+            temperature=o.temperature,
+            top_p=o.top_p,
+            top_k=o.top_k,
+            seed=o.seed,
+            min_p=o.min_p,
+            repetition_penalty=o.repetition_penalty,
+            frequency_penalty=o.frequency_penalty,
+            presence_penalty=o.presence_penalty,
+            logit_bias=dict(o.logit_bias or {}),
         ),
         max_tokens=o.max_tokens,
+        stop=list(o.stop),
         stop_token_ids=list(o.stop_token_ids),
         ignore_eos=o.ignore_eos,
+        min_tokens=o.min_tokens,
+        n=o.n,
+        logprobs=o.logprobs,
+        top_logprobs=o.top_logprobs,
         conversation_id=o.conversation_id,
         tenant=o.tenant,
     )
+    if o.response_format is not None:
+        request.response_format.CopyFrom(_response_format(o.response_format))
     if o.shared_prefix is not None:
         if not o.conversation_id:
             raise ValueError("shared_prefix marks a conversation's prefix: give a conversation_id too")
@@ -206,30 +261,48 @@ class PlannerClient:
             call.cancel()
 
     async def generate_all(self, options: GenerateOptions, key: str | None = None) -> Generation:
-        """Runs one request to its end and gathers what it streamed."""
+        """Runs one request of one choice to its end and gathers what it streamed."""
+        if options.n > 1:
+            raise ValueError(f"n is {options.n}: gather several choices with generate_choices")
+        return (await self.generate_choices(options, key))[0]
+
+    async def generate_choices(self, options: GenerateOptions, key: str | None = None) -> list[Generation]:
+        """Runs one request to its end and gathers what each of its choices streamed, by index."""
         request_id = ""
-        token_ids: list[int] = []
-        text_parts: list[str] = []
-        last = None
+        token_ids: dict[int, list[int]] = {}
+        text_parts: dict[int, list[str]] = {}
+        logprobs: dict[int, list[client_pb2.TokenLogprobs]] = {}
+        last: dict[int, client_pb2.GenerateResponse] = {}
         async for response in self.generate(options, key):
             request_id = request_id or response.request_id
-            token_ids.extend(unpack_i32(response.token_ids).tolist())
-            text_parts.append(response.text)
+            index = response.index
+            token_ids.setdefault(index, []).extend(unpack_i32(response.token_ids).tolist())
+            text_parts.setdefault(index, []).append(response.text)
+            logprobs.setdefault(index, []).extend(response.logprobs)
             if response.finish_reason != client_pb2.FINISH_REASON_UNSPECIFIED:
-                last = response
-        if last is None:
-            raise RuntimeError(f"request {request_id!r}: the stream ended without a finish reason")
-        return Generation(
-            request_id=request_id,
-            token_ids=token_ids,
-            text="".join(text_parts),
-            finish_reason=FINISH_REASONS[last.finish_reason],
-            prompt_tokens=last.prompt_tokens,
-            reused_tokens=last.reused_tokens,
-            read_tokens=last.read_tokens,
-            checkpoint=last.checkpoint,
-            diverged_at=last.diverged_at,
-        )
+                last[index] = response
+        choices = max(options.n, 1)
+        if sorted(last) != list(range(choices)):
+            raise RuntimeError(
+                f"request {request_id!r}: the stream ended with {len(last)} of {choices} choices finished"
+            )
+        return [
+            Generation(
+                request_id=request_id,
+                token_ids=token_ids[index],
+                text="".join(text_parts[index]),
+                finish_reason=FINISH_REASONS[end.finish_reason],
+                prompt_tokens=end.prompt_tokens,
+                reused_tokens=end.reused_tokens,
+                read_tokens=end.read_tokens,
+                checkpoint=end.checkpoint,
+                diverged_at=end.diverged_at,
+                index=index,
+                stop_string=end.stop_string,
+                logprobs=logprobs[index],
+            )
+            for index, end in sorted(last.items())
+        ]
 
     async def park(self, conversation_id: str, tenant: str = "") -> Parked:
         """Moves an idle conversation's KV pages into the cache service (NOT_FOUND when unknown,

@@ -15,7 +15,7 @@ from planner_svc.conversations import common_prefix
 from planner_svc.requests import Request, Sampling
 from planner_svc.shared_prefix import resolve_shared_prefix
 from planner_svc.tokenizer import chat_ids, text_ids
-from planner_svc.validation import check_generate, check_length, limits_for
+from planner_svc.validation import check_generate, check_implemented, check_length, limits_for
 from protos import client_pb2
 from protos.wire import unpack_i32
 
@@ -36,8 +36,10 @@ class Intake:
     async def prepare(
         self, request: client_pb2.GenerateRequest, request_id: str
     ) -> tuple[Request, Messages | None]:
-        """The request checked and its prompt tokenized; ValueError (INVALID_ARGUMENT) says what is wrong."""
+        """The request checked and its prompt tokenized; ValueError (INVALID_ARGUMENT) says what is wrong,
+        NotImplementedError (UNIMPLEMENTED) which field this server cannot honour yet."""
         check_generate(request, self.limits)
+        check_implemented(request)
         call = contextvars.copy_context().run  # the request id stays bound in the worker's log lines
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._threads, call, self._make_request, request, request_id)

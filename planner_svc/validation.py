@@ -13,12 +13,22 @@ bytes. Twice that (a margin for normalizers that shrink text) is refused before 
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from protos import client_pb2
 
 TEMPERATURE_MAX = 100.0  # beyond it every token is as likely as any other: no use, only a typo
+REPETITION_PENALTY_MAX = 10.0  # as for the temperature: beyond it, a typo
+PENALTY_BOUND = 2.0  # frequency and presence penalties, as OpenAI bounds them
+LOGIT_BIAS_BOUND = 100.0
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+MAX_CHOICES = 16
+MAX_TOP_LOGPROBS = 20
 MAX_STOP_IDS = 1024
 MAX_ID_CHARS = 256  # request ids, conversation ids and tenants
 TEXT_MARGIN = 2
@@ -26,6 +36,10 @@ TEXT_MARGIN = 2
 
 class InvalidRequest(ValueError):
     """A request field out of range (INVALID_ARGUMENT); the message names the field and its value."""
+
+
+class UnimplementedField(NotImplementedError):
+    """A request field this server cannot honour yet (UNIMPLEMENTED): refused, never silently ignored."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +72,7 @@ def _bad(field: str, value, rule: str) -> InvalidRequest:
     return InvalidRequest(f"{field} {rule}, got {value!r}")
 
 
-def check_sampling(params: client_pb2.SamplingParams) -> None:
+def check_sampling(params: client_pb2.SamplingParams, vocab_size: int) -> None:
     temperature = params.temperature
     if not (math.isfinite(temperature) and 0.0 <= temperature <= TEMPERATURE_MAX):
         raise _bad(
@@ -73,6 +87,94 @@ def check_sampling(params: client_pb2.SamplingParams) -> None:
     if params.top_k < 0:
         raise _bad("sampling.top_k", params.top_k, "must be >= 0 (0 is no cut)")
     # seed: any uint64 (the wire type admits nothing else)
+    if not (math.isfinite(params.min_p) and 0.0 <= params.min_p <= 1.0):
+        raise _bad("sampling.min_p", params.min_p, "must be in [0, 1] (0 is off)")
+    if params.HasField("repetition_penalty"):
+        penalty = params.repetition_penalty
+        if not (math.isfinite(penalty) and 0.0 < penalty <= REPETITION_PENALTY_MAX):
+            raise _bad(
+                "sampling.repetition_penalty",
+                penalty,
+                f"must be in (0, {REPETITION_PENALTY_MAX:g}] (1 is off)",
+            )
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(params, name)
+        if not (math.isfinite(value) and -PENALTY_BOUND <= value <= PENALTY_BOUND):
+            raise _bad(f"sampling.{name}", value, f"must be in [-{PENALTY_BOUND:g}, {PENALTY_BOUND:g}]")
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(
+            f"sampling.logit_bias has {len(params.logit_bias)} entries; at most {MAX_LOGIT_BIAS}"
+        )
+    for token, bias in params.logit_bias.items():
+        if not 0 <= token < vocab_size:
+            raise _bad(
+                f"sampling.logit_bias[{token}]",
+                token,
+                f"names a token outside the vocabulary [0, {vocab_size})",
+            )
+        if not (math.isfinite(bias) and -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND):
+            raise _bad(
+                f"sampling.logit_bias[{token}]",
+                bias,
+                f"must be in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}]",
+            )
+
+
+def check_controls(request: client_pb2.GenerateRequest) -> None:
+    """Stop strings, min_tokens, n, logprobs and response_format (max_tokens already checked)."""
+    if len(request.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop has {len(request.stop)} strings; at most {MAX_STOP_STRINGS}")
+    for index, stop in enumerate(request.stop):
+        if not 1 <= len(stop) <= MAX_STOP_CHARS:
+            raise _bad(f"stop[{index}]", stop, f"must have 1 to {MAX_STOP_CHARS} characters")
+    if request.min_tokens < 0 or (request.max_tokens and request.min_tokens > request.max_tokens):
+        raise _bad("min_tokens", request.min_tokens, f"must be in [0, max_tokens = {request.max_tokens}]")
+    if not 0 <= request.n <= MAX_CHOICES:
+        raise _bad("n", request.n, f"must be in [1, {MAX_CHOICES}] (0 means 1)")
+    if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise _bad("top_logprobs", request.top_logprobs, f"must be in [0, {MAX_TOP_LOGPROBS}]")
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidRequest(f"top_logprobs is {request.top_logprobs} but logprobs is off: set logprobs too")
+    if request.HasField("response_format"):
+        check_response_format(request.response_format)
+
+
+def check_response_format(response_format: client_pb2.ResponseFormat) -> None:
+    """The form of the format; what a schema asks for is checked when its grammar is compiled."""
+    which = response_format.WhichOneof("format")
+    if which == "json_object" and not response_format.json_object:
+        raise InvalidRequest("response_format.json_object must be true when set (leave it unset for text)")
+    if which == "json_schema":
+        try:
+            schema = json.loads(response_format.json_schema.schema)
+        except ValueError as error:
+            raise InvalidRequest(f"response_format.json_schema.schema is not JSON: {error}") from None
+        if not isinstance(schema, dict):
+            raise _bad("response_format.json_schema.schema", schema, "must be a JSON object")
+
+
+# Fields whose behaviour is not built yet: refused by name (UNIMPLEMENTED), never silently ignored.
+_NOT_BUILT: tuple[tuple[str, Callable[[client_pb2.GenerateRequest], bool]], ...] = (
+    ("stop", lambda r: bool(r.stop)),
+    ("sampling.min_p", lambda r: r.sampling.min_p > 0),
+    (
+        "sampling.repetition_penalty",
+        lambda r: r.sampling.HasField("repetition_penalty") and r.sampling.repetition_penalty != 1,
+    ),
+    ("sampling.frequency_penalty", lambda r: r.sampling.frequency_penalty != 0),
+    ("sampling.presence_penalty", lambda r: r.sampling.presence_penalty != 0),
+    ("sampling.logit_bias", lambda r: bool(r.sampling.logit_bias)),
+    ("min_tokens", lambda r: r.min_tokens > 0),
+    ("n", lambda r: r.n > 1),
+    ("logprobs", lambda r: r.logprobs),
+    ("response_format", lambda r: r.HasField("response_format")),
+)
+
+
+def check_implemented(request: client_pb2.GenerateRequest) -> None:
+    for name, asks in _NOT_BUILT:
+        if asks(request):
+            raise UnimplementedField(f"{name} is not implemented by this server yet")
 
 
 def _check_id(field: str, value: str) -> None:
@@ -85,7 +187,7 @@ def check_generate(request: client_pb2.GenerateRequest, limits: Limits) -> None:
     _check_id("request_id", request.request_id)
     _check_id("conversation_id", request.conversation_id)
     _check_id("tenant", request.tenant)
-    check_sampling(request.sampling)
+    check_sampling(request.sampling, limits.vocab_size)
     if request.max_tokens < 0:
         raise _bad("max_tokens", request.max_tokens, "must be positive (or 0: up to the context's end)")
     if request.max_tokens >= limits.max_seq_len:
@@ -93,6 +195,7 @@ def check_generate(request: client_pb2.GenerateRequest, limits: Limits) -> None:
             f"max_tokens {request.max_tokens} leaves no room for a prompt: the model's context is "
             f"{limits.max_seq_len} tokens (prompt + max_tokens at most)"
         )
+    check_controls(request)
     stops = request.stop_token_ids
     if len(stops) > MAX_STOP_IDS:
         raise InvalidRequest(f"stop_token_ids has {len(stops)} ids; at most {MAX_STOP_IDS}")

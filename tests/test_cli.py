@@ -22,7 +22,7 @@ import structlog
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from deltaserve import aio
+from deltaserve import aio, commands
 from deltaserve.cli import main, parse_args
 from deltaserve.flags import default_cache_dir
 from deltaserve.logs import configure_logging, get_logger
@@ -735,6 +735,8 @@ async def test_generate_command_streams_and_prints_json_like_the_client(smol_sta
         "text": expected.text,
         "finish_reason": expected.finish_reason,
         "prompt_tokens": expected.prompt_tokens,
+        "index": 0,
+        "stop_string": "",
     }
     # No conversation: only pages shared with an identical earlier prompt can have been reused.
     assert reuse["reused_tokens"] + reuse["read_tokens"] == expected.prompt_tokens
@@ -915,3 +917,30 @@ def test_trust_flags_and_a_bad_key_file_fail_the_start_naming_the_line(tmp_path)
     security = client_security(client)
     assert security.api_key == "k-1" and security.tls is not None and security.tls.ca == "ca"
     assert client_security(parse(["cache", "stat"])).tls is None
+
+
+def test_generate_controls_flags_make_the_request(tmp_path, capsys):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    flags = ["generate", "--text", "a", "--max-tokens", "5", "--min-p", "0.1", "--repetition-penalty", "1.3"]
+    flags += ["--frequency-penalty", "0.5", "--presence-penalty", "-0.5", "--logit-bias", "3:-100,7:2.5"]
+    flags += ["--stop", "a, b", "--stop", "\n", "--min-tokens", "2", "--n", "2", "--logprobs"]
+    flags += ["--top-logprobs", "3", "--json-schema", str(schema), "--json"]
+    request = build_generate_request(commands._request_options(parse(flags)))
+    sampling = request.sampling
+    assert (sampling.min_p, sampling.frequency_penalty, sampling.presence_penalty) == (
+        pytest.approx(0.1),
+        0.5,
+        -0.5,
+    )
+    assert sampling.repetition_penalty == pytest.approx(1.3)
+    assert dict(sampling.logit_bias) == {3: -100.0, 7: 2.5}
+    assert (list(request.stop), request.min_tokens, request.n) == (["a, b", "\n"], 2, 2)
+    assert (request.logprobs, request.top_logprobs) == (True, 3)
+    assert json.loads(request.response_format.json_schema.schema)["properties"] == {"a": {"type": "integer"}}
+    json_object = parse(["generate", "--text", "a", "--max-tokens", "5", "--json-object"])
+    assert build_generate_request(commands._request_options(json_object)).response_format.json_object
+    assert "give --json" in usage_error(capsys, ["generate", "--text", "a", "--max-tokens", "5", "--n", "2"])
+    assert "ID:BIAS" in usage_error(
+        capsys, ["generate", "--text", "a", "--max-tokens", "5", "--logit-bias", "x"]
+    )

@@ -82,6 +82,10 @@ async def expect(coro, code: grpc.StatusCode, message: str) -> str:
             "max_tokens 1000000000 leaves no room for a prompt: the model's context is 8192",
         ),
         (dict(max_tokens=8190), "more than the model's context of 8192 tokens (max_tokens at most"),
+        (dict(logit_bias={49152: 1.0}), "sampling.logit_bias[49152] names a token outside the vocabulary"),
+        (dict(stop=["a"] * 5), "stop has 5 strings; at most 4"),
+        (dict(logprobs=True, top_logprobs=21), "top_logprobs must be in [0, 20], got 21"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"schema": "["}}), "is not JSON"),
     ],
 )
 async def test_bad_sampling_fields_are_refused_and_change_nothing(smol_stack, fields, message):

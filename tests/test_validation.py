@@ -63,6 +63,36 @@ def request(**fields) -> client_pb2.GenerateRequest:
         (dict(request_id="r" * 300), "request_id has 300 characters; at most 256"),
         (dict(conversation_id="c" * 257), "conversation_id has 257 characters"),
         (dict(shared_prefix=client_pb2.SharedPrefix(tokens=-1)), "shared_prefix.tokens must be >= 0, got -1"),
+        (dict(sampling=dict(min_p=1.5)), "sampling.min_p must be in [0, 1] (0 is off), got 1.5"),
+        (dict(sampling=dict(min_p=math.nan)), "sampling.min_p"),
+        (dict(sampling=dict(repetition_penalty=0.0)), "sampling.repetition_penalty must be in (0, 10]"),
+        (dict(sampling=dict(repetition_penalty=math.inf)), "sampling.repetition_penalty"),
+        (
+            dict(sampling=dict(frequency_penalty=2.5)),
+            "sampling.frequency_penalty must be in [-2, 2], got 2.5",
+        ),
+        (dict(sampling=dict(presence_penalty=-3.0)), "sampling.presence_penalty must be in [-2, 2]"),
+        (dict(sampling=dict(logit_bias={100: 1.0})), "sampling.logit_bias[100] names a token outside"),
+        (dict(sampling=dict(logit_bias={5: 101.0})), "sampling.logit_bias[5] must be in [-100, 100]"),
+        (dict(sampling=dict(logit_bias={5: math.nan})), "sampling.logit_bias[5]"),
+        (
+            dict(sampling=dict(logit_bias={i: 1.0 for i in range(301)})),
+            "logit_bias has 301 entries; at most 300",
+        ),
+        (dict(stop=["a", "b", "c", "d", "e"]), "stop has 5 strings; at most 4"),
+        (dict(stop=["ok", ""]), "stop[1] must have 1 to 256 characters"),
+        (dict(min_tokens=5, max_tokens=4), "min_tokens must be in [0, max_tokens = 4], got 5"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(n=17), "n must be in [1, 16] (0 means 1), got 17"),
+        (dict(n=-1), "n must be in"),
+        (dict(logprobs=True, top_logprobs=21), "top_logprobs must be in [0, 20], got 21"),
+        (dict(top_logprobs=2), "top_logprobs is 2 but logprobs is off"),
+        (dict(response_format=dict(json_object=False)), "response_format.json_object must be true"),
+        (
+            dict(response_format=dict(json_schema=dict(schema="{"))),
+            "response_format.json_schema.schema is not JSON",
+        ),
+        (dict(response_format=dict(json_schema=dict(schema="[1]"))), "must be a JSON object"),
     ],
 )
 def test_each_bad_field_is_named_with_its_value(fields, message):
@@ -76,6 +106,23 @@ def test_good_requests_pass():
     check_generate(request(sampling=dict(temperature=0.7, top_p=0.9, top_k=50, seed=2**64 - 1)), LIMITS)
     check_generate(request(text="x" * 1000, max_tokens=63, stop_token_ids=[0, 99]), LIMITS)
     check_generate(request(max_tokens=0), LIMITS)  # up to the context's end
+    controls = dict(
+        sampling=dict(
+            temperature=1.0,
+            min_p=0.1,
+            repetition_penalty=1.2,
+            frequency_penalty=-2.0,
+            presence_penalty=2.0,
+            logit_bias={0: -100.0, 99: 100.0},
+        ),
+        stop=["\n\n", "x" * 256, "a", "b"],
+        min_tokens=4,
+        n=16,
+        logprobs=True,
+        top_logprobs=20,
+        response_format=dict(json_schema=dict(name="s", schema='{"type": "object"}', strict=True)),
+    )
+    check_generate(request(**controls), LIMITS)
 
 
 def test_length_against_the_context():
