@@ -175,15 +175,16 @@ class Engine:
         """Something outside the loop changed the schedule (pages returned): plan again."""
         self._wake.set()
 
-    def abort(self, request: Request) -> bool:
-        """End a running or waiting request; its tokens not yet streamed are dropped. False (and nothing
-        changes) when it had finished: its last tokens still go to its stream."""
-        aborted = self.scheduler.abort(request)
+    def abort(self, request: Request, finish: Finish = Finish.ABORT) -> bool:
+        """End a running or waiting request (as aborted, or `finish`: STOP where its stream matched a stop
+        string); its tokens not yet streamed are dropped. False (and nothing changes) when it had finished:
+        its last tokens still go to its stream."""
+        aborted = self.scheduler.abort(request, finish)
         if aborted:
             self._pending.drop(request)
             queue = self._queues.pop(request, None)
             if queue is not None:
-                queue.put_nowait(TokenEvent([], Finish.ABORT))
+                queue.put_nowait(TokenEvent([], finish))
         self._turns_ended()
         self._wake.set()
         return aborted

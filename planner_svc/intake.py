@@ -102,6 +102,7 @@ class Intake:
         if not request.ignore_eos and self.eos_token_id is not None:
             stops.add(self.eos_token_id)
         req = Request(request_id, prompt_ids, max_tokens, sampling, frozenset(stops))
+        req.stop_strings, req.min_tokens = tuple(request.stop), request.min_tokens
         if request.conversation_id:
             self._marks(request, req, messages)
         return req, messages

@@ -50,6 +50,8 @@ class Request:
     max_tokens: int
     sampling: Sampling = field(default_factory=Sampling)
     stop_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()  # matched on the streamed text (stop_strings.py)
+    min_tokens: int = 0  # no stop before this many output tokens
 
     phase: Phase = Phase.WAITING
     pages: list[int] = field(default_factory=list)

@@ -110,8 +110,8 @@ class Scheduler:
         self.waiting.append(request)
         self._dirty = True
 
-    def abort(self, request: Request) -> bool:
-        """Finish it as aborted; False if it had already finished."""
+    def abort(self, request: Request, finish: Finish = Finish.ABORT) -> bool:
+        """Finish it (aborted, or stopped by a stop string); False if it had already finished."""
         if request.finish is not None:
             return False
         if request.phase is Phase.WAITING:
@@ -121,7 +121,7 @@ class Scheduler:
             self._release_pages(request)
         else:
             self._retire(request)
-        request.finish = Finish.ABORT
+        request.finish = finish
         self._dirty = True
         return True
 

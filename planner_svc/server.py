@@ -9,6 +9,7 @@ import uuid
 import grpc
 import structlog
 
+from planner_svc.choice_text import ChoiceText
 from planner_svc.config import PlannerConfig
 from planner_svc.conversations import Conversations, Mount
 from planner_svc.decode_guard import guarded
@@ -19,7 +20,7 @@ from planner_svc.parking import ParkError, Parking
 from planner_svc.requests import Finish, Request
 from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
 from planner_svc.streaming import TokenEvent
-from planner_svc.tokenizer import IncrementalDetokenizer, load_tokenizer
+from planner_svc.tokenizer import load_tokenizer
 from planner_svc.turns import Turns
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.auth import request_tenant
@@ -135,7 +136,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         self._requests[(req.tenant, request_id)] = (req, engine)
         log.info("request admitted", prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
         try:
-            async for response in self._stream(req, queue, context, mount):
+            async for response in self._stream(req, engine, queue, context, mount):
                 yield response
         finally:
             self._requests.pop((req.tenant, request_id), None)
@@ -144,9 +145,14 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 log.info("client disconnected; request aborted")
 
     async def _stream(
-        self, req: Request, queue: asyncio.Queue[TokenEvent], context: grpc.aio.ServicerContext, mount: Mount
+        self,
+        req: Request,
+        engine: Engine,
+        queue: asyncio.Queue[TokenEvent],
+        context: grpc.aio.ServicerContext,
+        mount: Mount,
     ):
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        choice = ChoiceText(self.tokenizer, req.stop_strings, req.min_tokens)
         first = True
         while True:
             event = await queue.get()
@@ -154,18 +160,26 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 event.join(queue.get_nowait())
             if event.error is not None:
                 await context.abort(grpc.StatusCode[event.code], event.error)
+            token_ids, text, stop_string = choice.add(event.token_ids)
+            finish = event.finish
+            if stop_string is not None:  # ends the request now: its pages free at the match
+                engine.abort(req, Finish.STOP)
+                finish = Finish.STOP
+            elif finish is not None:
+                text += choice.flush()
             response = client_pb2.GenerateResponse(
                 request_id=req.request_id,
-                token_ids=pack_i32(event.token_ids),
-                text=detokenizer.add(event.token_ids),
+                token_ids=pack_i32(token_ids),
+                text=text,
+                stop_string=stop_string or "",
             )
             if first:
                 response.prompt_tokens = req.prompt_len
                 first = False
-            if event.finish is Finish.ABORT and (req.tenant, req.request_id) in self.cut:
+            if finish is Finish.ABORT and (req.tenant, req.request_id) in self.cut:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, self.cut.pop((req.tenant, req.request_id)))
-            if event.finish is not None:
-                response.finish_reason = _FINISH[event.finish]
+            if finish is not None:
+                response.finish_reason = _FINISH[finish]
                 response.prompt_tokens = req.prompt_len
                 response.reused_tokens = req.reused
                 response.read_tokens = req.prompt_len - req.reused
@@ -173,7 +187,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 response.diverged_at = mount.diverged_at
                 log.info(
                     "request finished",
-                    finish=event.finish.value,
+                    finish=finish.value,
                     tokens=len(req.output_ids),
                     reused=req.reused,
                     checkpoint=response.checkpoint,

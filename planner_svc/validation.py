@@ -155,7 +155,6 @@ def check_response_format(response_format: client_pb2.ResponseFormat) -> None:
 
 # Fields whose behaviour is not built yet: refused by name (UNIMPLEMENTED), never silently ignored.
 _NOT_BUILT: tuple[tuple[str, Callable[[client_pb2.GenerateRequest], bool]], ...] = (
-    ("stop", lambda r: bool(r.stop)),
     ("sampling.min_p", lambda r: r.sampling.min_p > 0),
     (
         "sampling.repetition_penalty",
