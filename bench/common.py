@@ -24,7 +24,7 @@ def write_json(path: str, results: list[dict]) -> None:
 
 def smollm2_config(**overrides):
     """SmolLM2-135M's shape (what the benchmarks fill with random weights); overrides name what differs."""
-    from executor_svc.models.llama import LlamaConfig
+    from executor_svc.models.dense import DenseConfig
 
     fields = dict(
         vocab_size=49152,
@@ -38,9 +38,9 @@ def smollm2_config(**overrides):
         rms_eps=1e-5,
         max_seq_len=8192,
         tie_embeddings=True,
-        eos_token_id=2,
+        eos_token_ids=(2,),
         bos_token_id=1,
         name="SmolLM2-135M (random bf16 weights)",
     )
     fields.update(overrides)
-    return LlamaConfig(**fields)
+    return DenseConfig(**fields)

@@ -42,7 +42,7 @@ import deltaserve.aio
 from bench.common import commit_hash, smollm2_config, write_json
 from bench.in_process import InProcessLink
 from executor_svc.config import DEFAULT_BUCKETS, ExecutorConfig
-from executor_svc.models.llama import LlamaModel
+from executor_svc.models.dense import DenseModel
 from executor_svc.runner import StepRunner, runner_for_model
 from executor_svc.server import start_executor_server
 from planner_svc.config import PlannerConfig, SchedulingConfig
@@ -71,9 +71,9 @@ STDERR_TAIL_LINES = 40
 SMOLLM2 = smollm2_config()
 
 
-def random_model(device: torch.device) -> LlamaModel:
+def random_model(device: torch.device) -> DenseModel:
     """SmolLM2's shape, weights ~ N(0, 0.02) and norms of one, in bf16."""
-    model = LlamaModel(SMOLLM2, device=device, dtype=torch.bfloat16)
+    model = DenseModel(SMOLLM2, device=device, dtype=torch.bfloat16)
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -113,7 +113,7 @@ def executor_config(device: str, pool_pages: int, buckets: tuple[int, ...], arm:
     )
 
 
-def build_runner(model: LlamaModel, config: ExecutorConfig) -> tuple[StepRunner | None, dict[str, str]]:
+def build_runner(model: DenseModel, config: ExecutorConfig) -> tuple[StepRunner | None, dict[str, str]]:
     """The runner and its capture state per bucket; (None, {"error": ...}) when it cannot be built."""
     try:
         runner = runner_for_model(model, config, MODEL_FINGERPRINT)

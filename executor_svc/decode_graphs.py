@@ -11,7 +11,7 @@ import structlog
 import torch
 
 from executor_svc.attention import DecodeAttention
-from executor_svc.models.llama import LlamaModel
+from executor_svc.models.family import ExecutorModel
 from executor_svc.plan import CheckedPlan
 from executor_svc.sampler import sample
 from executor_svc.slot_store import SlotStore
@@ -59,7 +59,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: ExecutorModel,
         store: SlotStore,
         attention: DecodeAttention,
         buckets: Iterable[int],

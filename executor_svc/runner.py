@@ -18,7 +18,7 @@ from executor_svc.config import DEFAULT_BUCKETS, ExecutorConfig
 from executor_svc.decode_graphs import DecodeGraphs
 from executor_svc.device import resolve_device, resolve_dtype
 from executor_svc.kv_pool import KVPool
-from executor_svc.models.llama import LlamaModel
+from executor_svc.models.family import ExecutorModel
 from executor_svc.models.loader import load_model, model_fingerprint
 from executor_svc.plan import CheckedPlan, PlanLimits, check_plan
 from executor_svc.prefill.graphs import PrefillGraphs
@@ -100,7 +100,7 @@ class StepRunner:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: ExecutorModel,
         kv_pool: KVPool,
         store: SlotStore,
         layout: RowLayout,
@@ -176,7 +176,8 @@ class StepRunner:
             dtype=str(self.kv_pool.k.dtype).removeprefix("torch."),
             layer_begin=0,
             layer_end=config.num_layers,
-            eos_token_id=config.eos_token_id,
+            eos_token_id=config.eos_token_ids[0],
+            eos_token_ids=list(config.eos_token_ids),
         )
 
     def bind_thread(self) -> None:
@@ -338,7 +339,7 @@ def build_runner(config: ExecutorConfig) -> StepRunner:
     return runner_for_model(model, config, model_fingerprint(path))
 
 
-def runner_for_model(model: LlamaModel, config: ExecutorConfig, fingerprint: str) -> StepRunner:
+def runner_for_model(model: ExecutorModel, config: ExecutorConfig, fingerprint: str) -> StepRunner:
     """The runner of a model already on its device: KV pool, slot store, and on CUDA one captured decode
     graph per bucket (config.decode_path picks resident or host-planned attention) and one prefill graph
     per token bucket; on the CPU the eager torch step."""

@@ -16,7 +16,7 @@ from planner_svc.requests import Request, Sampling
 from planner_svc.shared_prefix import resolve_shared_prefix
 from planner_svc.tokenizer import chat_ids, text_ids
 from planner_svc.validation import check_generate, check_implemented, check_length, limits_for
-from protos import client_pb2
+from protos import client_pb2, executor_pb2
 from protos.wire import unpack_i32
 
 log = structlog.get_logger("deltaserve.planner")
@@ -26,10 +26,20 @@ TOKENIZING_THREADS = 2
 Messages = list[dict[str, str]]
 
 
+def model_eos_ids(described: executor_pb2.ExecutorDescription, tokenizer_eos: int | None) -> tuple[int, ...]:
+    """The ids that end a request: every one the executor names (from the model's own metadata: tokenizer
+    versions differ on it), its single id where it predates the list, else the tokenizer's, else none."""
+    if described.eos_token_ids:
+        return tuple(described.eos_token_ids)
+    if described.HasField("eos_token_id"):
+        return (described.eos_token_id,)
+    return () if tokenizer_eos is None else (tokenizer_eos,)
+
+
 class Intake:
-    def __init__(self, tokenizer, eos_token_id: int | None, vocab_size: int, max_seq_len: int):
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int, max_seq_len: int):
         self.tokenizer = tokenizer
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.limits = limits_for(tokenizer, vocab_size, max_seq_len)
         self._threads = ThreadPoolExecutor(max_workers=TOKENIZING_THREADS, thread_name_prefix="tokenize")
 
@@ -99,8 +109,8 @@ class Intake:
             seed=params.seed,
         )
         stops = set(request.stop_token_ids)
-        if not request.ignore_eos and self.eos_token_id is not None:
-            stops.add(self.eos_token_id)
+        if not request.ignore_eos:
+            stops.update(self.eos_token_ids)
         req = Request(request_id, prompt_ids, max_tokens, sampling, frozenset(stops))
         req.stop_strings, req.min_tokens = tuple(request.stop), request.min_tokens
         if request.conversation_id:

@@ -14,7 +14,7 @@ from planner_svc.config import PlannerConfig
 from planner_svc.conversations import Conversations, Mount
 from planner_svc.decode_guard import guarded
 from planner_svc.engine import Engine
-from planner_svc.intake import Intake
+from planner_svc.intake import Intake, model_eos_ids
 from planner_svc.link import ExecutorLink, GrpcLink
 from planner_svc.parking import ParkError, Parking
 from planner_svc.requests import Finish, Request
@@ -77,13 +77,11 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         # (transformers 5.17 on the GPU machine did not report <|im_end|> for SmolLM2's GGUF; requests
         # ran past their end).
         described = self.description
-        self.eos_token_id = (
-            described.eos_token_id if described.HasField("eos_token_id") else tokenizer.eos_token_id
-        )
+        self.eos_token_ids = model_eos_ids(described, tokenizer.eos_token_id)
         # Request ids are unique per tenant (its key's): another tenant's ids are none of a caller's business.
         self._requests: dict[tuple[str, str], tuple[Request, Engine]] = {}  # (tenant, request id)
         self._request_ids: set[tuple[str, str]] = set()  # taken from the first await of a Generate to its end
-        self.intake = Intake(tokenizer, self.eos_token_id, described.vocab_size, described.max_seq_len)
+        self.intake = Intake(tokenizer, self.eos_token_ids, described.vocab_size, described.max_seq_len)
         self.running_requests = self._requests  # what a drain waits for (drain.py)
         self.draining: str | None = None  # set by a drain: new requests are refused with it
         self.cut: dict[tuple[str, str], str] = {}  # (tenant, request id) -> why a drain cut it
@@ -270,7 +268,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             name=d.model_name,
             vocab_size=d.vocab_size,
             max_seq_len=d.max_seq_len,
-            eos_token_id=self.eos_token_id if self.eos_token_id is not None else -1,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else -1,
             dtype=d.dtype,
         )
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import cache_pb2 as protos_dot_cache__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/executor.proto\x12\rdeltaserve.v1\x1a\x12protos/cache.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xe4\x02\n\x13\x45xecutorDescription\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x12\n\npool_pages\x18\x07 \x01(\x05\x12\x0f\n\x07\x62uckets\x18\x08 \x03(\x05\x12\r\n\x05slots\x18\t \x01(\x05\x12\x13\n\x0brow_columns\x18\n \x01(\x05\x12\x12\n\nblock_span\x18\x0b \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x13\n\x0blayer_begin\x18\x0e \x01(\x05\x12\x11\n\tlayer_end\x18\x0f \x01(\x05\x12\x19\n\x0c\x65os_token_id\x18\x10 \x01(\x05H\x00\x88\x01\x01\x42\x0f\n\r_eos_token_id\"T\n\x0cPrefillChunk\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12\r\n\x05start\x18\x02 \x01(\x05\x12\r\n\x05pages\x18\x03 \x01(\x0c\x12\x13\n\x0bsample_slot\x18\x04 \x01(\x05\"\xd4\x01\n\x08StepPlan\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\x05\x12\r\n\x05slots\x18\x03 \x01(\x0c\x12\x10\n\x08row_runs\x18\x04 \x01(\x0c\x12\x15\n\rsampler_slots\x18\x06 \x01(\x0c\x12\x13\n\x0bsampler_f32\x18\x07 \x01(\x0c\x12\x13\n\x0bsampler_i32\x18\x08 \x01(\x0c\x12,\n\x07prefill\x18\t \x03(\x0b\x32\x1b.deltaserve.v1.PrefillChunk\x12\x0e\n\x06mirror\x18\n \x01(\x0cJ\x04\x08\x05\x10\x06R\x05\x63\x65lls\"q\n\nStepOutput\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\x0c\x12\x16\n\x0erow_mismatches\x18\x04 \x01(\x05\x12\x16\n\x0e\x64\x65vice_wait_us\x18\x05 \x01(\r\"\x8d\x01\n\x10ParkPagesRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12.\n\x0b\x63heckpoints\x18\x04 \x03(\x0b\x32\x19.deltaserve.v1.Checkpoint\x12\r\n\x05pages\x18\x05 \x01(\x0c\"\x1f\n\x0eParkPagesReply\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\"M\n\x13RestorePagesRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\r\n\x05pages\x18\x03 \x01(\x0c\"V\n\x11RestorePagesReply\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12.\n\x0b\x63heckpoints\x18\x02 \x03(\x0b\x32\x19.deltaserve.v1.Checkpoint2\xb4\x02\n\x08\x45xecutor\x12N\n\x08\x44\x65scribe\x12\x1e.deltaserve.v1.DescribeRequest\x1a\".deltaserve.v1.ExecutorDescription\x12?\n\x05Steps\x12\x17.deltaserve.v1.StepPlan\x1a\x19.deltaserve.v1.StepOutput(\x01\x30\x01\x12\x46\n\x04Park\x12\x1f.deltaserve.v1.ParkPagesRequest\x1a\x1d.deltaserve.v1.ParkPagesReply\x12O\n\x07Restore\x12\".deltaserve.v1.RestorePagesRequest\x1a .deltaserve.v1.RestorePagesReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/executor.proto\x12\rdeltaserve.v1\x1a\x12protos/cache.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xfb\x02\n\x13\x45xecutorDescription\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x12\n\npool_pages\x18\x07 \x01(\x05\x12\x0f\n\x07\x62uckets\x18\x08 \x03(\x05\x12\r\n\x05slots\x18\t \x01(\x05\x12\x13\n\x0brow_columns\x18\n \x01(\x05\x12\x12\n\nblock_span\x18\x0b \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x13\n\x0blayer_begin\x18\x0e \x01(\x05\x12\x11\n\tlayer_end\x18\x0f \x01(\x05\x12\x19\n\x0c\x65os_token_id\x18\x10 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x11 \x03(\x05\x42\x0f\n\r_eos_token_id\"T\n\x0cPrefillChunk\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12\r\n\x05start\x18\x02 \x01(\x05\x12\r\n\x05pages\x18\x03 \x01(\x0c\x12\x13\n\x0bsample_slot\x18\x04 \x01(\x05\"\xd4\x01\n\x08StepPlan\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\x05\x12\r\n\x05slots\x18\x03 \x01(\x0c\x12\x10\n\x08row_runs\x18\x04 \x01(\x0c\x12\x15\n\rsampler_slots\x18\x06 \x01(\x0c\x12\x13\n\x0bsampler_f32\x18\x07 \x01(\x0c\x12\x13\n\x0bsampler_i32\x18\x08 \x01(\x0c\x12,\n\x07prefill\x18\t \x03(\x0b\x32\x1b.deltaserve.v1.PrefillChunk\x12\x0e\n\x06mirror\x18\n \x01(\x0cJ\x04\x08\x05\x10\x06R\x05\x63\x65lls\"q\n\nStepOutput\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\x0c\x12\x16\n\x0erow_mismatches\x18\x04 \x01(\x05\x12\x16\n\x0e\x64\x65vice_wait_us\x18\x05 \x01(\r\"\x8d\x01\n\x10ParkPagesRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12.\n\x0b\x63heckpoints\x18\x04 \x03(\x0b\x32\x19.deltaserve.v1.Checkpoint\x12\r\n\x05pages\x18\x05 \x01(\x0c\"\x1f\n\x0eParkPagesReply\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\"M\n\x13RestorePagesRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\r\n\x05pages\x18\x03 \x01(\x0c\"V\n\x11RestorePagesReply\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12.\n\x0b\x63heckpoints\x18\x02 \x03(\x0b\x32\x19.deltaserve.v1.Checkpoint2\xb4\x02\n\x08\x45xecutor\x12N\n\x08\x44\x65scribe\x12\x1e.deltaserve.v1.DescribeRequest\x1a\".deltaserve.v1.ExecutorDescription\x12?\n\x05Steps\x12\x17.deltaserve.v1.StepPlan\x1a\x19.deltaserve.v1.StepOutput(\x01\x30\x01\x12\x46\n\x04Park\x12\x1f.deltaserve.v1.ParkPagesRequest\x1a\x1d.deltaserve.v1.ParkPagesReply\x12O\n\x07Restore\x12\".deltaserve.v1.RestorePagesRequest\x1a .deltaserve.v1.RestorePagesReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=60
   _globals['_DESCRIBEREQUEST']._serialized_end=77
   _globals['_EXECUTORDESCRIPTION']._serialized_start=80
-  _globals['_EXECUTORDESCRIPTION']._serialized_end=436
-  _globals['_PREFILLCHUNK']._serialized_start=438
-  _globals['_PREFILLCHUNK']._serialized_end=522
-  _globals['_STEPPLAN']._serialized_start=525
-  _globals['_STEPPLAN']._serialized_end=737
-  _globals['_STEPOUTPUT']._serialized_start=739
-  _globals['_STEPOUTPUT']._serialized_end=852
-  _globals['_PARKPAGESREQUEST']._serialized_start=855
-  _globals['_PARKPAGESREQUEST']._serialized_end=996
-  _globals['_PARKPAGESREPLY']._serialized_start=998
-  _globals['_PARKPAGESREPLY']._serialized_end=1029
-  _globals['_RESTOREPAGESREQUEST']._serialized_start=1031
-  _globals['_RESTOREPAGESREQUEST']._serialized_end=1108
-  _globals['_RESTOREPAGESREPLY']._serialized_start=1110
-  _globals['_RESTOREPAGESREPLY']._serialized_end=1196
-  _globals['_EXECUTOR']._serialized_start=1199
-  _globals['_EXECUTOR']._serialized_end=1507
+  _globals['_EXECUTORDESCRIPTION']._serialized_end=459
+  _globals['_PREFILLCHUNK']._serialized_start=461
+  _globals['_PREFILLCHUNK']._serialized_end=545
+  _globals['_STEPPLAN']._serialized_start=548
+  _globals['_STEPPLAN']._serialized_end=760
+  _globals['_STEPOUTPUT']._serialized_start=762
+  _globals['_STEPOUTPUT']._serialized_end=875
+  _globals['_PARKPAGESREQUEST']._serialized_start=878
+  _globals['_PARKPAGESREQUEST']._serialized_end=1019
+  _globals['_PARKPAGESREPLY']._serialized_start=1021
+  _globals['_PARKPAGESREPLY']._serialized_end=1052
+  _globals['_RESTOREPAGESREQUEST']._serialized_start=1054
+  _globals['_RESTOREPAGESREQUEST']._serialized_end=1131
+  _globals['_RESTOREPAGESREPLY']._serialized_start=1133
+  _globals['_RESTOREPAGESREPLY']._serialized_end=1219
+  _globals['_EXECUTOR']._serialized_start=1222
+  _globals['_EXECUTOR']._serialized_end=1530
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorDescription(_message.Message):
-    __slots__ = ("model_name", "model_fingerprint", "vocab_size", "max_seq_len", "num_layers", "page_size", "pool_pages", "buckets", "slots", "row_columns", "block_span", "device", "dtype", "layer_begin", "layer_end", "eos_token_id")
+    __slots__ = ("model_name", "model_fingerprint", "vocab_size", "max_seq_len", "num_layers", "page_size", "pool_pages", "buckets", "slots", "row_columns", "block_span", "device", "dtype", "layer_begin", "layer_end", "eos_token_id", "eos_token_ids")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class ExecutorDescription(_message.Message):
     LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_fingerprint: str
     vocab_size: int
@@ -45,7 +46,8 @@ class ExecutorDescription(_message.Message):
     layer_begin: int
     layer_end: int
     eos_token_id: int
-    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., pool_pages: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., row_columns: _Optional[int] = ..., block_span: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., eos_token_id: _Optional[int] = ...) -> None: ...
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., pool_pages: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., row_columns: _Optional[int] = ..., block_span: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillChunk(_message.Message):
     __slots__ = ("token_ids", "start", "pages", "sample_slot")

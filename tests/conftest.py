@@ -116,7 +116,7 @@ def decode_logits(model, kv, tokens, positions, kv_lens, block_tables):
 def tiny_llama_config(**overrides):
     """The tests' tiny random Llama (64 tokens, 2 layers, 4 heads over 2 KV heads of 8); a test that needs another
     shape names only what differs."""
-    from executor_svc.models.llama import LlamaConfig
+    from executor_svc.models.dense import DenseConfig
 
     fields = dict(
         vocab_size=64,
@@ -130,9 +130,9 @@ def tiny_llama_config(**overrides):
         rms_eps=1e-5,
         max_seq_len=64,
         tie_embeddings=True,
-        eos_token_id=2,
+        eos_token_ids=(2,),
         bos_token_id=1,
         name="tiny-llama",
     )
     fields.update(overrides)
-    return LlamaConfig(**fields)
+    return DenseConfig(**fields)

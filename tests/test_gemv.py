@@ -19,7 +19,7 @@ if not triton_available():
     pytest.skip("triton cannot run here: no CUDA device and TRITON_INTERPRET is off", allow_module_level=True)
 
 from executor_svc.kernels.gemv import MAX_ROWS, gemv
-from executor_svc.models.llama import RMSNorm
+from executor_svc.models.layers import RMSNorm
 from tests.test_kernels import tolerance
 
 DEVICE = torch.device("cpu" if interpreting() else "cuda")

@@ -26,7 +26,7 @@ from executor_svc.config import ExecutorConfig
 from executor_svc.decode_graphs import DecodeGraphs, capture_order
 from executor_svc.kernels.attention import paged_decode_attention
 from executor_svc.kv_pool import KVPool
-from executor_svc.models.llama import LlamaModel
+from executor_svc.models.dense import DenseModel
 from executor_svc.plan import row_writes
 from executor_svc.prefill.batch import PrefillShape
 from executor_svc.runner import StepRunner, runner_for_model
@@ -52,9 +52,9 @@ GRAPH_TINY = dataclasses.replace(TINY, head_dim=16)
 needs_gpu = pytest.mark.skipif(interpreting(), reason="CUDA graphs and compiled kernels need a GPU")
 
 
-def tiny_model(device: torch.device, dtype: torch.dtype = torch.float32, config=GRAPH_TINY) -> LlamaModel:
+def tiny_model(device: torch.device, dtype: torch.dtype = torch.float32, config=GRAPH_TINY) -> DenseModel:
     """Random weights drawn on the CPU, so every device gets the same model."""
-    model = LlamaModel(config, device=device, dtype=dtype)
+    model = DenseModel(config, device=device, dtype=dtype)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -64,7 +64,7 @@ def tiny_model(device: torch.device, dtype: torch.dtype = torch.float32, config=
     return model
 
 
-def graph_runner(model: LlamaModel, decode_path: str, prefill_buckets: tuple[int, ...] = ()) -> StepRunner:
+def graph_runner(model: DenseModel, decode_path: str, prefill_buckets: tuple[int, ...] = ()) -> StepRunner:
     store = SlotStore(LAYOUT, model.device)
     kv = model.make_kv_pool(POOL_PAGES, PAGE)
     max_seq_len = model.config.max_seq_len
@@ -185,6 +185,24 @@ def test_graph_steps_equal_the_model_called_directly(decode_path: str):
     assert run_script(runner, [2, 0, 1, 0]) == reference_tokens(model)
     assert runner.store.rows[0].abs().sum() == 0 and runner.store.last_token[0] == 0
     assert runner.times.steps == 5
+
+
+# Each dense variant's kernel path (Qwen3's q/k norms; biases in every projection, fused or not; yarn's
+# frequencies and attention factor in the rope tables) against its torch path.
+DENSE_VARIANTS = {
+    "qk_norm": dict(qk_norm=True),
+    "biases": dict(attention_bias=True, mlp_bias=True),
+    "scaled_rope": dict(
+        rope_inv_freq=(1.0, 0.3, 0.05, 0.004, 0.002, 0.001, 0.0005, 0.0001), rope_attention_factor=1.2
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(DENSE_VARIANTS))
+def test_resident_steps_of_each_dense_variant_equal_its_torch_model(variant: str):
+    model = tiny_model(DEVICE, config=dataclasses.replace(GRAPH_TINY, **DENSE_VARIANTS[variant]))
+    runner = graph_runner(model, "resident")
+    assert run_script(runner, [2, 0, 1, 0]) == reference_tokens(model)
 
 
 def test_steps_of_greedy_rows_take_the_argmax_graph():

@@ -24,7 +24,7 @@ from executor_svc.kernels.attention import decode_splits, paged_decode_attention
 from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
 from executor_svc.kernels.slot_ops import SamplerState, advance, gather_inputs, scatter_sampler
 from executor_svc.kv_pool import KVPool
-from executor_svc.models.llama import RMSNorm, _rotate_half
+from executor_svc.models.layers import RMSNorm, rotate_half
 from executor_svc.slot_store import SlotStore
 from protos.layout import RowLayout
 
@@ -237,7 +237,7 @@ def test_rmsnorm_residual_matches_the_model_norm(dtype: torch.dtype):
 def test_rope_kv_write_matches_the_model_rotation_and_pool_write(head_dim: int, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(head_dim)
     batch, page_size, max_seq_len = 4, 4, 32
-    # The model's rope tables (LlamaModel's arithmetic, theta as SmolLM2's).
+    # The model's rope tables (DenseModel's arithmetic, theta as SmolLM2's).
     inv_freq = 1.0 / (100000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * inv_freq[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)  # angles: [max_seq_len, head_dim]
@@ -256,8 +256,8 @@ def test_rope_kv_write_matches_the_model_rotation_and_pool_write(head_dim: int, 
     expected_pool = KVPool(1, 6, page_size, KV_HEADS, head_dim, dtype, DEVICE)
     pool = KVPool(1, 6, page_size, KV_HEADS, head_dim, dtype, DEVICE)
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-    expected_q = q * c + _rotate_half(q) * s
-    expected_k = k * c + _rotate_half(k) * s
+    expected_q = q * c + rotate_half(q) * s
+    expected_k = k * c + rotate_half(k) * s
     expected_pool.write(0, write_page, write_offset, expected_k, v)
     k_before, v_before = k.clone(), v.clone()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from executor_svc.kv_pool import KVPool
-from executor_svc.models.llama import LlamaModel
+from executor_svc.models.dense import DenseModel
 from executor_svc.models.loader import load_model, model_fingerprint
 from protos.model_files import default_model_path
 from tests.conftest import decode_logits, prefill_logits
@@ -22,7 +22,7 @@ PREFILL_CHUNK = 300
 BATCH = 16
 
 
-def _prefill(model: LlamaModel, kv: KVPool, prompt: list[int], pages: torch.Tensor) -> int:
+def _prefill(model: DenseModel, kv: KVPool, prompt: list[int], pages: torch.Tensor) -> int:
     """Prefill in chunks; returns the first generated token."""
     ids = torch.tensor(prompt)
     for start in range(0, len(prompt), PREFILL_CHUNK):
@@ -31,7 +31,7 @@ def _prefill(model: LlamaModel, kv: KVPool, prompt: list[int], pages: torch.Tens
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaModel:
+def model() -> DenseModel:
     return load_model(default_model_path(), "cpu", torch.float32)
 
 

@@ -87,7 +87,7 @@ def test_refuses_mismatched_shapes():
 
 
 def small_model():
-    from executor_svc.models.llama import LlamaModel
+    from executor_svc.models.dense import DenseModel
 
     config = tiny_llama_config(
         vocab_size=100,
@@ -96,12 +96,12 @@ def small_model():
         head_dim=16,
         intermediate_size=96,
         max_seq_len=4096,
-        eos_token_id=1,
+        eos_token_ids=(1,),
         bos_token_id=None,
         name="small",
     )
     torch.manual_seed(0)
-    model = LlamaModel(config, DEVICE, torch.float32)
+    model = DenseModel(config, DEVICE, torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.2)

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc.models.llama import LlamaModel
+from executor_svc.models.dense import DenseModel
 from executor_svc.prefill.batch import QUERY_BLOCK, PrefillBatch, PrefillShape
 from tests.conftest import prefill_forward, tiny_llama_config
 
 PAGE = 4
-TINY = tiny_llama_config(intermediate_size=48, eos_token_id=1, bos_token_id=None, name="tiny")
+TINY = tiny_llama_config(intermediate_size=48, eos_token_ids=(1,), bos_token_id=None, name="tiny")
 
 
 def chunk(ids: list[int], start: int, pages: list[int]) -> tuple[np.ndarray, int, np.ndarray]:
@@ -94,16 +94,16 @@ def test_build_refuses_what_cannot_run(chunks, message):
 
 
 @pytest.fixture(scope="module")
-def tiny() -> LlamaModel:
+def tiny() -> DenseModel:
     torch.manual_seed(0)
-    model = LlamaModel(TINY, "cpu", torch.float32)
+    model = DenseModel(TINY, "cpu", torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.3)
     return model
 
 
-def test_batched_prefill_equals_one_chunk_at_a_time(tiny: LlamaModel):
+def test_batched_prefill_equals_one_chunk_at_a_time(tiny: DenseModel):
     """Three sequences in one step, one of them a later chunk over pages written by an earlier step, give the
     logits and the pool contents of running each chunk alone."""
     gen = np.random.default_rng(0)

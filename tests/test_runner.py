@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from executor_svc.device import resolve_device, resolve_dtype
-from executor_svc.models.llama import LlamaModel
+from executor_svc.models.dense import DenseModel
 from executor_svc.plan import PlanError
 from executor_svc.runner import StepRunner, collect_when_ready
 from executor_svc.sampler import sample
@@ -29,9 +29,9 @@ KV_LEN, BLOCK_TABLE = RowLayout.KV_LEN, RowLayout.BLOCK_TABLE
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def tiny_model(seed: int = 0, device: str = "cpu") -> LlamaModel:
+def tiny_model(seed: int = 0, device: str = "cpu") -> DenseModel:
     """Random weights drawn on the CPU, so every device gets the same model."""
-    model = LlamaModel(TINY, device=device, dtype=torch.float32)
+    model = DenseModel(TINY, device=device, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -42,7 +42,7 @@ def tiny_model(seed: int = 0, device: str = "cpu") -> LlamaModel:
     return model
 
 
-def tiny_runner(model: LlamaModel) -> StepRunner:
+def tiny_runner(model: DenseModel) -> StepRunner:
     """A runner with the row check on, over a fresh KV pool and slot store."""
     store = SlotStore(LAYOUT, model.device)
     kv = model.make_kv_pool(POOL_PAGES, PAGE)
@@ -142,7 +142,7 @@ def scripted_plans(slots: list[int]) -> list[executor_pb2.StepPlan]:
     return plans
 
 
-def reference_tokens(model: LlamaModel) -> dict[int, list[int]]:
+def reference_tokens(model: DenseModel) -> dict[int, list[int]]:
     """Each sequence on its own through the model and the sampler, batch of one."""
     kv = model.make_kv_pool(POOL_PAGES, PAGE)
     device = model.device
@@ -181,7 +181,7 @@ def reference_tokens(model: LlamaModel) -> dict[int, list[int]]:
 
 
 @pytest.fixture(scope="module", params=DEVICES)
-def model(request) -> LlamaModel:
+def model(request) -> DenseModel:
     return tiny_model(device=request.param)
 
 
@@ -212,14 +212,14 @@ def run_script(runner: StepRunner, slots: list[int]) -> dict[int, list[int]]:
     return got
 
 
-def test_plans_equal_calling_the_model_directly(model: LlamaModel):
+def test_plans_equal_calling_the_model_directly(model: DenseModel):
     runner = tiny_runner(model)
     assert run_script(runner, [2, 0, 1, 0]) == reference_tokens(model)
     assert runner.store.rows[1, KV_LEN] == len(PROMPT_A) + DECODE_STEPS
     assert runner.store.rows[2, KV_LEN] == len(PROMPT_B) + DECODE_STEPS
 
 
-def test_padding_rows_change_nothing(model: LlamaModel):
+def test_padding_rows_change_nothing(model: DenseModel):
     narrow, padded = tiny_runner(model), tiny_runner(model)
     assert run_script(narrow, [1, 2]) == run_script(padded, [0, 1, 0, 2])
     for name in ("rows", "last_token", "temperature", "top_p", "top_k", "seed"):
@@ -242,7 +242,7 @@ class _EventDoneAfter:
         return self.queries_left < 0
 
 
-async def test_collecting_a_step_polls_it_and_leaves_the_loop_free(model: LlamaModel):
+async def test_collecting_a_step_polls_it_and_leaves_the_loop_free(model: DenseModel):
     runner = tiny_runner(model)
     plans = scripted_plans([1, 2])
     for plan in plans[:3]:
@@ -265,7 +265,7 @@ async def test_collecting_a_step_polls_it_and_leaves_the_loop_free(model: LlamaM
     assert output.seq == plans[3].seq and len(unpack_i32(output.tokens)) == 2
 
 
-def test_row_check_counts_cells_that_differ_from_the_mirror(model: LlamaModel):
+def test_row_check_counts_cells_that_differ_from_the_mirror(model: DenseModel):
     runner = tiny_runner(model)
     plans = scripted_plans([1, 2])
     for plan in plans[:2]:
@@ -277,7 +277,7 @@ def test_row_check_counts_cells_that_differ_from_the_mirror(model: LlamaModel):
     assert runner.run(plans[2]).row_mismatches == 2
 
 
-def test_describe(model: LlamaModel):
+def test_describe(model: DenseModel):
     described = tiny_runner(model).describe()
     assert described.model_name == "tiny-llama" and described.model_fingerprint == "tiny"
     assert (described.vocab_size, described.max_seq_len, described.num_layers) == (64, 64, 2)
@@ -289,20 +289,28 @@ def test_describe(model: LlamaModel):
     assert (described.slots, described.row_columns, described.block_span) == (9, 19, 16)
     assert (described.dtype, described.layer_begin, described.layer_end) == ("float32", 0, 2)
     assert described.device == str(model.device)
-    assert described.eos_token_id == TINY.eos_token_id
+    assert (
+        described.eos_token_id == TINY.eos_token_ids[0]
+        and tuple(described.eos_token_ids) == TINY.eos_token_ids
+    )
 
 
-def test_planner_stops_on_the_models_own_eos(model: LlamaModel):
+def test_planner_stops_on_the_models_own_eos(model: DenseModel):
     """The end-of-sequence id comes from the model's metadata, not from whatever the tokenizer reports."""
     from types import SimpleNamespace
 
     from planner_svc.server import PlannerServicer
 
     described = tiny_runner(model).describe()
-    other_tokenizer = SimpleNamespace(eos_token_id=TINY.eos_token_id + 1)
-    assert PlannerServicer([], [described], other_tokenizer, turns=None).eos_token_id == TINY.eos_token_id
+    eos = TINY.eos_token_ids[0]
+    other_tokenizer = SimpleNamespace(eos_token_id=eos + 1)
+    assert PlannerServicer([], [described], other_tokenizer, turns=None).eos_token_ids == (eos,)
+    described.eos_token_ids[:] = [eos, 7, 9]  # a model with several: every one stops
+    assert PlannerServicer([], [described], other_tokenizer, turns=None).eos_token_ids == (eos, 7, 9)
+    described.ClearField("eos_token_ids")  # an executor that predates the list: its single id
+    assert PlannerServicer([], [described], other_tokenizer, turns=None).eos_token_ids == (eos,)
     described.ClearField("eos_token_id")  # an executor that does not say: the tokenizer's
-    assert PlannerServicer([], [described], other_tokenizer, turns=None).eos_token_id == TINY.eos_token_id + 1
+    assert PlannerServicer([], [described], other_tokenizer, turns=None).eos_token_ids == (eos + 1,)
 
 
 def test_device_and_dtype_resolution():
@@ -361,7 +369,7 @@ BAD_PLANS = [
 
 
 @pytest.mark.parametrize(("fields", "message"), BAD_PLANS, ids=[message for _, message in BAD_PLANS])
-def test_malformed_plans_are_refused_and_change_nothing(model: LlamaModel, fields: dict, message: str):
+def test_malformed_plans_are_refused_and_change_nothing(model: DenseModel, fields: dict, message: str):
     runner = tiny_runner(model)
     for plan in scripted_plans([1, 2])[:3]:
         runner.run(plan)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from executor_svc.kv_pool import KVPool
-    from executor_svc.models.llama import LlamaModel
+    from executor_svc.models.family import ExecutorModel
     from executor_svc.plan import CheckedPlan
     from executor_svc.slot_store import SlotStore
 
@@ -70,7 +70,7 @@ DECODE_ATTENTION = ("torch", "resident", "host-planned")
 
 
 def decode_attention(
-    kind: str, model: LlamaModel, kv: KVPool, store: SlotStore, buckets: tuple[int, ...], max_seq_len: int
+    kind: str, model: ExecutorModel, kv: KVPool, store: SlotStore, buckets: tuple[int, ...], max_seq_len: int
 ) -> DecodeAttention:
     """The decode attention of one kind: torch (the CPU path), resident (Triton, host-plan-free) or
     host-planned (FlashInfer on CUDA, torch block tables elsewhere). Imported here, on demand: the Triton

@@ -1,4 +1,5 @@
-"""Load a Llama-family model from a GGUF file or a Hugging Face safetensors directory."""
+"""Load a model of any registered family from a GGUF file or a Hugging Face safetensors directory (sharded or
+not): the family says how to read its config and name its weights; the loading and its checks are shared."""
 
 from __future__ import annotations
 
@@ -6,44 +7,29 @@ import glob
 import hashlib
 import json
 import os
+from typing import Any
 
-import numpy as np
 import torch
 
-from executor_svc.models.llama import LlamaConfig, LlamaModel
+from executor_svc.models.family import ExecutorModel, ModelFamily, family_for_gguf, family_for_hf
 
 _MIB = 1 << 20
-_REQUIRED = object()  # marks GGUF metadata without a default
-
-# GGUF tensor names per layer -> our (Hugging Face) names.
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
 
-def load_model(path: str, device: torch.device | str, dtype: torch.dtype) -> LlamaModel:
-    """A LlamaModel with every weight loaded, on `device` in `dtype`."""
+def load_model(path: str, device: torch.device | str, dtype: torch.dtype) -> ExecutorModel:
+    """The model of the checkpoint's family with every weight loaded, on `device` in `dtype`."""
     if os.path.isdir(path):
-        config, weights = _read_hf_dir(path)
+        family, config, weights = _read_hf_dir(path)
     elif os.path.isfile(path) and path.endswith(".gguf"):
-        config, weights = _read_gguf(path)
+        family, config, weights = _read_gguf(path)
     else:
         raise ValueError(f"model path {path!r} is neither a .gguf file nor a Hugging Face model directory")
-    model = LlamaModel(config, device=device, dtype=dtype)
+    model = family.build(config, torch.device(device), dtype)
     expected = set(model.state_dict())
     if set(weights) != expected:
         missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
         raise ValueError(
-            f"{path}: weights do not match a Llama model (missing {missing[:5]}, unexpected {extra[:5]})"
+            f"{path}: weights do not match a {family.name} model (missing {missing[:5]}, unexpected {extra[:5]})"
         )
     for name, param in model.named_parameters():
         if param.shape != weights[name].shape:
@@ -79,79 +65,18 @@ def model_fingerprint(path: str) -> str:
     return digest.hexdigest()
 
 
-def _read_gguf(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+def _read_gguf(path: str) -> tuple[ModelFamily, Any, dict[str, torch.Tensor]]:
     import gguf
 
     reader = gguf.GGUFReader(path)
-
-    def meta(key: str, default=_REQUIRED):
-        # Read only the fields asked for: the tokenizer's arrays are large and not needed here.
-        field = reader.fields.get(key)
-        if field is not None:
-            return field.contents()
-        if default is _REQUIRED:
-            raise ValueError(f"{path}: GGUF metadata {key!r} is missing")
-        return default
-
-    arch = meta("general.architecture", "")
-    if arch != "llama":
-        raise ValueError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")
-    num_heads = int(meta("llama.attention.head_count"))
-    num_kv_heads = int(meta("llama.attention.head_count_kv", num_heads))
-    hidden = int(meta("llama.embedding_length"))
-    config = LlamaConfig(
-        vocab_size=int(meta("llama.vocab_size", tensors["token_embd.weight"].shape[1])),
-        hidden_size=hidden,
-        num_layers=int(meta("llama.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=int(meta("llama.attention.key_length", hidden // num_heads)),
-        intermediate_size=int(meta("llama.feed_forward_length")),
-        rope_theta=float(meta("llama.rope.freq_base", 10000.0)),
-        rms_eps=float(meta("llama.attention.layer_norm_rms_epsilon")),
-        max_seq_len=int(meta("llama.context_length")),
-        tie_embeddings="output.weight" not in tensors,
-        eos_token_id=int(meta("tokenizer.ggml.eos_token_id")),
-        bos_token_id=meta("tokenizer.ggml.bos_token_id", None),
-        name=str(meta("general.name", os.path.basename(path))),
-    )
-    rope_scaling = meta("llama.rope.scaling.type", "none")
-    if rope_scaling != "none":
-        raise ValueError(f"{path}: rope scaling {rope_scaling!r} is not supported")
-
-    weights = {}
-    for name, tensor in tensors.items():
-        # np.asarray drops the memmap subclass, whose per-slice bookkeeping doubles the dequantize time.
-        array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)  # [out, in]
-        if name.endswith(".attn_q.weight"):
-            array = _undo_rope_permute(array, config.num_heads)
-        elif name.endswith(".attn_k.weight"):
-            array = _undo_rope_permute(array, config.num_kv_heads)
-        # F32 tensors come back as read-only views of the file: copy those only.
-        weights[_gguf_to_hf_name(path, name)] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
-    return config, weights
+    field = reader.fields.get("general.architecture")
+    family = family_for_gguf("" if field is None else str(field.contents()), path)
+    assert family.read_gguf is not None  # family_for_gguf returns only families that read GGUF
+    config, weights = family.read_gguf(reader, path)
+    return family, config, weights
 
 
-def _undo_rope_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp interleaves the two rope halves of each head's rows; put them back in rotate_half order
-    (the inverse of convert_hf_to_gguf's permute, as transformers' reverse_permute_weights does)."""
-    half = weight.shape[0] // num_heads // 2
-    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-def _gguf_to_hf_name(path: str, name: str) -> str:
-    parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
-        return f"layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _GGUF_TOP_NAMES:
-        return f"{_GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
-    raise ValueError(f"{path}: unexpected tensor {name!r} for a llama model")
-
-
-def _read_hf_dir(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+def _read_hf_dir(path: str) -> tuple[ModelFamily, Any, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     config_path = os.path.join(path, "config.json")
@@ -159,39 +84,16 @@ def _read_hf_dir(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         raise ValueError(f"{path}: config.json is missing")
     with open(config_path) as f:
         hf = json.load(f)
-    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in hf.get("architectures", []):
-        raise ValueError(f"{path}: model type {hf.get('model_type')!r} is not supported (only Llama)")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"{path}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError(f"{path}: attention or MLP biases are not supported")
+    family = family_for_hf(hf, path)
+    config = family.read_hf_config(hf, path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"{path}: no *.safetensors file")
-    eos = hf.get("eos_token_id")
-    num_heads = hf["num_attention_heads"]
-    config = LlamaConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-        intermediate_size=hf["intermediate_size"],
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        bos_token_id=hf.get("bos_token_id"),
-        name=hf.get("_name_or_path") or os.path.basename(os.path.normpath(path)),
-    )
     weights = {}
-    for file in files:
-        for name, tensor in load_file(file).items():
-            name = name.removeprefix("model.")
-            if config.tie_embeddings and name == "lm_head.weight":
-                continue  # a tied head is the embedding; some checkpoints store a copy anyway
+    for file in files:  # a sharded checkpoint's files hold disjoint tensors
+        for stored, tensor in load_file(file).items():
+            name = family.hf_weight_name(stored)
+            if name is None or (config.tie_embeddings and name == "lm_head.weight"):
+                continue  # not this model's (a tied head is the embedding; some checkpoints store a copy anyway)
             weights[name] = tensor
-    return config, weights
+    return family, config, weights

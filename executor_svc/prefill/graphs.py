@@ -13,7 +13,7 @@ import torch
 from executor_svc.attention.prefill import PrefillAttention
 from executor_svc.decode_graphs import capture_order, capture_step
 from executor_svc.kv_pool import KVPool
-from executor_svc.models.llama import LlamaModel
+from executor_svc.models.family import ExecutorModel
 from executor_svc.plan import CheckedPlan
 from executor_svc.prefill.batch import PrefillBatch, PrefillShape
 from executor_svc.sampler import sample
@@ -46,7 +46,7 @@ def smallest_holding(shapes: Sequence[PrefillShape], batch: PrefillShape) -> Pre
 
 
 def prefill_step(
-    model: LlamaModel, attention: PrefillAttention, store: SlotStore, greedy: bool
+    model: ExecutorModel, attention: PrefillAttention, store: SlotStore, greedy: bool
 ) -> torch.Tensor:
     """The body of a prefill step, captured or eager: the batch's forward, then the tokens of its sampling
     chunks (i64[S], on the device), looped back into their slots. Reads nothing back."""
@@ -72,7 +72,7 @@ class PrefillGraphs:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: ExecutorModel,
         kv_pool: KVPool,
         store: SlotStore,
         token_buckets: Iterable[int],

@@ -1,0 +1,134 @@
+"""The dense decoder's layers in the Triton kernels (the CUDA path): fused projections, rope with the K/V
+write, norms with the residual. The torch forward in dense.py is its reference."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from executor_svc.attention import Attention, StepInputs
+    from executor_svc.models.dense import DenseLayer, DenseModel
+
+
+class FusedLayer(NamedTuple):
+    """One layer's projections joined: one matmul where the eager step makes three (q, k, v), and two."""
+
+    qkv_weight: torch.Tensor  # [(H + 2 KVH) * D, hidden]
+    qkv_bias: torch.Tensor | None  # [(H + 2 KVH) * D] (attention_bias)
+    gate_up_weight: torch.Tensor  # [2 I, hidden]
+    gate_up_bias: torch.Tensor | None  # [2 I] (mlp_bias)
+
+
+def fused_layers(model: DenseModel) -> list[FusedLayer]:
+    """The model's layers fused, built once, on first use (after loading); the separate projection weights and
+    biases become views into them, so both paths read the same memory and a later in-place load reaches both."""
+    if model.fused_layers is None:
+        # Normal tensors even when first called under inference mode, so a later in-place load works.
+        with torch.inference_mode(False):
+            model.fused_layers = [_fuse_layer(layer) for layer in model.decoder_layers()]
+    return model.fused_layers
+
+
+def _join(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors concatenated along dim 0, each then a view into the result."""
+    joined = torch.cat([t.detach() for t in tensors])
+    start = 0
+    for t in tensors:
+        rows = t.shape[0]
+        t.data = joined[start : start + rows]
+        start += rows
+    return joined
+
+
+def _fuse_layer(layer: DenseLayer) -> FusedLayer:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, gate_up = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+    qkv_biases = [p.bias for p in qkv if p.bias is not None]
+    gate_up_biases = [p.bias for p in gate_up if p.bias is not None]
+    return FusedLayer(
+        _join([p.weight for p in qkv]),
+        _join(qkv_biases) if qkv_biases else None,
+        _join([p.weight for p in gate_up]),
+        _join(gate_up_biases) if gate_up_biases else None,
+    )
+
+
+def forward_kernels(
+    model: DenseModel, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
+) -> torch.Tensor:
+    """DenseModel.forward in the Triton kernels: float32 logits[B or len(select), V]."""
+    from executor_svc.kernels import gemv
+    from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
+
+    cfg, kv = model.config, attention.kv
+    heads, kv_heads, head_dim, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps
+    q_end = heads * head_dim
+    k_end = q_end + kv_heads * head_dim
+    x = model.embed_tokens(inputs.tokens)  # x: [B, hidden]
+    batch = x.shape[0]
+    # A few rows: each projection one GEMV kernel that also norms its input (and gates gate_up's output);
+    # more: cuBLAS GEMMs between the norm and SiLU kernels.
+    few = batch <= gemv.MAX_ROWS
+
+    def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not few:
+            return F.linear(x, weight, bias)
+        out = gemv.gemv(x, weight)[0]
+        return out if bias is None else out + bias
+
+    def norm_project(
+        x, residual, norm_weight, weight, bias, gated=False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if few and bias is None:
+            return gemv.gemv(x, weight, norm=(residual, norm_weight, eps), gated=gated)
+        if few:  # the bias goes in before the gate: the GEMV's own gating cannot take it
+            out, residual = gemv.gemv(x, weight, norm=(residual, norm_weight, eps))
+            out = out + bias
+        else:
+            h, residual = rmsnorm_residual(x, residual, norm_weight, eps)
+            out = F.linear(h, weight, bias)
+        return (silu_mul(out) if gated else out), residual
+
+    def head_norm(x: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+        """x[B, heads, D] -> each head RMS-normed (Qwen3's q/k norm), contiguous."""
+        return rmsnorm_residual(x.reshape(-1, head_dim), None, norm_weight, eps)[0].view(x.shape)
+
+    residual = None  # the first norm's "sum" is the embedding itself
+    for index, (layer, fused) in enumerate(zip(model.decoder_layers(), fused_layers(model), strict=True)):
+        attn = layer.self_attn
+        # qkv: [B, (H + 2 KVH) * D]
+        qkv, residual = norm_project(
+            x, residual, layer.input_layernorm.weight, fused.qkv_weight, fused.qkv_bias
+        )
+        q = qkv[:, :q_end].view(batch, heads, head_dim)
+        k = qkv[:, q_end:k_end].view(batch, kv_heads, head_dim)
+        v = qkv[:, k_end:].view(batch, kv_heads, head_dim)
+        if attn.q_norm is not None and attn.k_norm is not None:
+            q, k = head_norm(q, attn.q_norm.weight), head_norm(k, attn.k_norm.weight)
+        q = rope_kv_write(
+            q,
+            k,
+            v,
+            inputs.positions,
+            model.rope_cos,
+            model.rope_sin,
+            kv.k[index],
+            kv.v[index],
+            inputs.write_page,
+            inputs.write_offset,
+        )
+        x = project(attention.forward(index, q).flatten(1), attn.o_proj.weight, attn.o_proj.bias)
+        # act: [B, I], SiLU(gate) * up
+        act, residual = norm_project(
+            x, residual, layer.post_attention_layernorm.weight, fused.gate_up_weight, fused.gate_up_bias, True
+        )
+        x = project(act, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)
+    if select is not None:
+        assert residual is not None, "no layer ran: the model has num_layers >= 1"
+        x, residual = x.index_select(0, select), residual.index_select(0, select)
+    h, _ = rmsnorm_residual(x, residual, model.norm.weight, eps)
+    return F.linear(h, model.head_weight).float()

@@ -1,0 +1,128 @@
+"""The executor's model interface, and the registry of model families behind it.
+
+The runner, the decode and prefill graphs and the attention backends call a model only through
+`ExecutorModel`. A family (Llama, Qwen3, ...) is one module that exposes `FAMILY`, a `ModelFamily` saying which
+checkpoints are its own (HF config `model_type` / `architectures`, GGUF `general.architecture`) and how to read
+their config and weights; `FAMILY_MODULES` lists them. A checkpoint no family claims is refused by name, with
+the supported ones listed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from executor_svc.attention import Attention, StepInputs
+    from executor_svc.kv_pool import KVPool
+
+# One module per family, each with a FAMILY. A new family adds its module here.
+FAMILY_MODULES = ("executor_svc.models.llama", "executor_svc.models.qwen3")
+
+
+class ModelConfig(Protocol):
+    """What the executor reads of a model's configuration."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+
+class ExecutorModel(Protocol):
+    """A decoder whose attention reads and writes a paged KV pool: all the executor calls of a model."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def scale(self) -> float:
+        """The attention's softmax scale."""
+        ...
+
+    def make_kv_pool(
+        self,
+        num_pages: int,
+        page_size: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> KVPool: ...
+
+    def forward(
+        self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One position for each of B rows, writing its K/V to (inputs.write_page, inputs.write_offset) of
+        attention.kv; `select` the rows that need logits (default all). Returns float32 logits[B or
+        len(select), V]. Fixed shapes, no host reads: the decode graphs capture it."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """How to read one family's checkpoints; `config` below is the family's own config type."""
+
+    name: str
+    model_types: tuple[str, ...]  # HF config.json "model_type"
+    architectures: tuple[str, ...]  # HF config.json "architectures"
+    gguf_architectures: tuple[str, ...]  # GGUF "general.architecture"; () = no GGUF
+    # config.json's contents and the directory (for generation_config.json) -> config; ValueError if unservable
+    read_hf_config: Callable[[dict[str, Any], str], Any]
+    # a safetensors tensor name -> the model's parameter name, or None for a tensor the model does not use
+    hf_weight_name: Callable[[str], str | None]
+    # an open gguf.GGUFReader and its path -> (config, weights named as the model's parameters)
+    read_gguf: Callable[[Any, str], tuple[Any, dict[str, torch.Tensor]]] | None
+    # config, device, dtype -> the model with uninitialised weights (the loader fills them)
+    build: Callable[[Any, torch.device, torch.dtype], Any]
+
+
+def families() -> list[ModelFamily]:
+    return [importlib.import_module(module).FAMILY for module in FAMILY_MODULES]
+
+
+def supported_hf() -> str:
+    return ", ".join(t for family in families() for t in family.model_types)
+
+
+def family_for_hf(hf: dict[str, Any], path: str) -> ModelFamily:
+    """The family of a Hugging Face config.json, by model_type, else by architectures; ValueError naming the
+    type and the supported ones when no family claims it."""
+    model_type, architectures = hf.get("model_type"), hf.get("architectures") or []
+    for family in families():
+        if model_type in family.model_types:
+            return family
+    for family in families():
+        if any(arch in family.architectures for arch in architectures):
+            return family
+    raise ValueError(
+        f"{path}: model type {model_type!r} is not supported (architectures {architectures}); "
+        f"supported model types: {supported_hf()}"
+    )
+
+
+def family_for_gguf(architecture: str, path: str) -> ModelFamily:
+    for family in families():
+        if architecture in family.gguf_architectures and family.read_gguf is not None:
+            return family
+    supported = ", ".join(a for family in families() for a in family.gguf_architectures)
+    raise ValueError(
+        f"{path}: GGUF architecture {architecture!r} is not supported; supported GGUF architectures: {supported}"
+    )

@@ -1,0 +1,121 @@
+"""A dense decoder (Llama, Qwen3) from a GGUF file: llama.cpp's metadata and tensor names -> DenseConfig and
+weights named as DenseModel's parameters."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from executor_svc.models.dense import DenseConfig
+from executor_svc.models.rope import default_inv_freq
+
+_REQUIRED = object()  # marks GGUF metadata without a default
+
+# GGUF tensor names per layer -> our (Hugging Face) names.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+# Llama 3's rope scaling, as llama.cpp's converter stores it: a factor dividing each default frequency.
+_ROPE_FACTORS = "rope_freqs.weight"
+
+
+def read_dense_gguf(
+    reader: Any, path: str, *, permute_qk: bool
+) -> tuple[DenseConfig, dict[str, torch.Tensor]]:
+    """The config and the weights of a dense decoder's GGUF. permute_qk: llama.cpp interleaved the rope halves
+    of q and k's rows (its Llama converter does, for its "normal" rope; Qwen's NEOX rope needs no permute)."""
+    import gguf
+
+    def meta(key: str, default: Any = _REQUIRED) -> Any:
+        # Read only the fields asked for: the tokenizer's arrays are large and not needed here.
+        field = reader.fields.get(key)
+        if field is not None:
+            return field.contents()
+        if default is _REQUIRED:
+            raise ValueError(f"{path}: GGUF metadata {key!r} is missing")
+        return default
+
+    arch = meta("general.architecture")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")
+    num_heads = int(meta(f"{arch}.attention.head_count"))
+    hidden = int(meta(f"{arch}.embedding_length"))
+    head_dim = int(meta(f"{arch}.attention.key_length", hidden // num_heads))
+    theta = float(meta(f"{arch}.rope.freq_base", 10000.0))
+    rope_type, inv_freq = "default", None
+    scaling = meta(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        rope_type = "linear"
+        inv_freq = default_inv_freq(theta, head_dim) / float(meta(f"{arch}.rope.scaling.factor"))
+    elif scaling != "none":
+        raise ValueError(f"{path}: GGUF rope scaling {scaling!r} is not supported (none, linear, llama3)")
+    if _ROPE_FACTORS in tensors:
+        rope_type = "llama3"
+        factors = torch.from_numpy(np.array(tensors[_ROPE_FACTORS].data, dtype=np.float32))
+        inv_freq = default_inv_freq(theta, head_dim) / factors
+    config = DenseConfig(
+        vocab_size=int(meta(f"{arch}.vocab_size", tensors["token_embd.weight"].shape[1])),
+        hidden_size=hidden,
+        num_layers=int(meta(f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(meta(f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        intermediate_size=int(meta(f"{arch}.feed_forward_length")),
+        rope_theta=theta,
+        rms_eps=float(meta(f"{arch}.attention.layer_norm_rms_epsilon")),
+        max_seq_len=int(meta(f"{arch}.context_length")),
+        tie_embeddings="output.weight" not in tensors,
+        eos_token_ids=(int(meta("tokenizer.ggml.eos_token_id")),),
+        bos_token_id=meta("tokenizer.ggml.bos_token_id", None),
+        name=str(meta("general.name", os.path.basename(path))),
+        rope_type=rope_type,
+        rope_inv_freq=None if inv_freq is None else tuple(inv_freq.tolist()),
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        mlp_bias="blk.0.ffn_up.bias" in tensors,
+    )
+
+    weights = {}
+    for name, tensor in tensors.items():
+        if name == _ROPE_FACTORS:
+            continue  # read into the rope frequencies above
+        # np.asarray drops the memmap subclass, whose per-slice bookkeeping doubles the dequantize time.
+        array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)  # [out, in] or [out]
+        if permute_qk and (name.endswith(".attn_q.weight") or name.endswith(".attn_q.bias")):
+            array = _undo_rope_permute(array, config.num_heads)
+        elif permute_qk and (name.endswith(".attn_k.weight") or name.endswith(".attn_k.bias")):
+            array = _undo_rope_permute(array, config.num_kv_heads)
+        # F32 tensors come back as read-only views of the file: copy those only.
+        weights[_hf_name(path, arch, name)] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+    return config, weights
+
+
+def _undo_rope_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp interleaves the two rope halves of each head's rows; put them back in rotate_half order
+    (the inverse of convert_hf_to_gguf's permute, as transformers' reverse_permute_weights does)."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _hf_name(path: str, arch: str, name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _TOP_NAMES:
+        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+    raise ValueError(f"{path}: unexpected tensor {name!r} for a {arch} model")
