@@ -1,0 +1,117 @@
+"""Quantized weights kept packed on the CPU: a linear layer and an embedding any model family can use in place
+of the dense ones, multiplying without a de-quantized copy of the weight.
+
+A packed weight is w = (q - offset) * scale + minv with q of 4 or 8 bits and scale, minv float32 per group of
+32 along the input axis; activations stay float32, so a packed matmul equals the de-quantized one up to the
+order of its sums (packed_kernel.c). Few rows (a decode step) go through the kernel straight from the packed
+bytes; many (a prefill chunk) de-quantize a tile of rows at a time into a small scratch matrix for torch's GEMM.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from executor_svc.models import packed_kernel
+
+GROUP = 32
+_TILE_BYTES = 1 << 20  # a de-quantized tile of rows for many-row matmuls: stays in the cache
+_scratch = threading.local()  # per thread: steps of two models in one process may run at once
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    bits: int  # 4: two weights a byte; 8: one
+    offset: int  # subtracted from q before scaling
+    q: torch.Tensor  # uint8 [N, K * bits / 8], grouped as packed_kernel.c says
+    scale: torch.Tensor  # float32 [N, K / GROUP]
+    minv: torch.Tensor  # float32 [N, K / GROUP]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scale.shape[0], self.scale.shape[1] * GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv))
+
+    def take_rows(self, rows: torch.Tensor | slice) -> PackedWeight:
+        return PackedWeight(self.bits, self.offset, self.q[rows], self.scale[rows], self.minv[rows])
+
+    @staticmethod
+    def cat(parts: list[PackedWeight]) -> PackedWeight:
+        """The parts' rows one after another (fused projections); all of one bits and offset."""
+        first = parts[0]
+        if any((p.bits, p.offset, p.shape[1]) != (first.bits, first.offset, first.shape[1]) for p in parts):
+            raise ValueError("packed weights joined into one must share their format and input size")
+        return PackedWeight(
+            first.bits,
+            first.offset,
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.minv for p in parts]),
+        )
+
+    def dequantize_rows(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [len(rows) or N, K], exactly gguf's de-quantized values."""
+        count = self.shape[0] if rows is None else rows.shape[0]
+        out = torch.empty(count, self.shape[1], dtype=torch.float32)
+        if rows is not None:
+            rows = rows.to(torch.int64).contiguous()
+        return packed_kernel.dequantize(
+            self.bits, self.offset, self.q, self.scale, self.minv, self.shape[1], rows, out
+        )
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x[..., K] float32 @ w^T -> [..., N] float32."""
+        n, k = self.shape
+        x2 = x.reshape(-1, k).contiguous()  # x2: [M, K]
+        if x2.shape[0] <= packed_kernel.MAX_ROWS:
+            out = packed_kernel.matmul(self.bits, self.offset, self.q, self.scale, self.minv, x2)
+        else:
+            out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+            tile_rows = max(GROUP, _TILE_BYTES // (4 * k))
+            tile = _scratch_tile(tile_rows, k)
+            for start in range(0, n, tile_rows):
+                rows = min(tile_rows, n - start)
+                part = self.take_rows(slice(start, start + rows))
+                packed_kernel.dequantize(part.bits, part.offset, part.q, part.scale, part.minv, k, None, tile)
+                out[:, start : start + rows] = x2 @ tile[:rows].t()
+        return out.view(*x.shape[:-1], n)
+
+
+def _scratch_tile(rows: int, k: int) -> torch.Tensor:
+    tile = getattr(_scratch, "tile", None)
+    if tile is None or tile.numel() < rows * k:
+        tile = _scratch.tile = torch.empty(rows * k, dtype=torch.float32)
+    return tile[: rows * k].view(rows, k)
+
+
+class PackedLinear(nn.Module):
+    """A bias-free linear layer over a PackedWeight (CPU, float32 activations)."""
+
+    def __init__(self, weight: PackedWeight) -> None:
+        super().__init__()
+        self.packed = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed.matmul(x)
+
+
+class PackedEmbedding(nn.Module):
+    """An embedding table kept packed: a lookup de-quantizes only the rows asked for; `project` is the tied
+    output head's matmul over the same bytes."""
+
+    def __init__(self, weight: PackedWeight) -> None:
+        super().__init__()
+        self.packed = weight
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        flat = token_ids.reshape(-1)
+        return self.packed.dequantize_rows(flat).view(*token_ids.shape, self.packed.shape[1])
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed.matmul(x)

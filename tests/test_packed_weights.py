@@ -1,0 +1,81 @@
+"""Packed quantized weights: each GGUF block type packs into weights equal to gguf's de-quantized ones bit for bit,
+and the packed matmul equals the de-quantized matmul within float32 tolerance, for a decode step's few rows
+(the kernel straight off the packed bytes) and a prefill's many (de-quantized tiles)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from executor_svc.models import packed_kernel
+from executor_svc.models.gguf_packing import PACKABLE, pack_gguf
+from executor_svc.models.packed import PackedEmbedding, PackedLinear, PackedWeight
+
+ROWS, COLS = 80, 512  # COLS: two K-quant super-blocks
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")  # gguf's numpy quantizers; the rest get random blocks
+
+
+def _blocks(type_name: str, seed: int) -> np.ndarray:
+    """A [ROWS, COLS] matrix's GGUF blocks: gguf's own quantization of a random matrix where gguf has one, else
+    random block bytes with sane float16 scales (the K-quants)."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(seed)
+    if type_name in QUANTIZABLE:
+        return gguf.quants.quantize(rng.standard_normal((ROWS, COLS)).astype(np.float32), qtype)
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (ROWS, COLS // block_size, block_bytes), dtype=np.uint8)
+    raw[..., 0:2] = np.frombuffer(np.float16(0.011).tobytes(), np.uint8)  # d
+    raw[..., 2:4] = np.frombuffer(np.float16(0.023).tobytes(), np.uint8)  # dmin
+    return raw.reshape(ROWS, -1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    if not packed_kernel.available():
+        pytest.skip("no C compiler to build the packed-weight kernel")
+
+
+@pytest.mark.parametrize("type_name", sorted(PACKABLE))
+def test_packed_weights_equal_gguf_dequantized(type_name):
+    raw = _blocks(type_name, seed=1)
+    reference = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(ROWS, COLS)
+    packed = pack_gguf(raw, type_name, ROWS, COLS)
+    assert packed.shape == (ROWS, COLS)
+    assert packed.nbytes < reference.nbytes / 3, "packed, not a float copy"
+    assert np.array_equal(packed.dequantize_rows().numpy(), reference)
+    rows = torch.tensor([5, 0, 79, 5])
+    assert torch.equal(packed.dequantize_rows(rows), torch.from_numpy(reference)[rows])
+
+
+@pytest.mark.parametrize("type_name", sorted(PACKABLE))
+@pytest.mark.parametrize("m", [1, 3, packed_kernel.MAX_ROWS, 37])
+def test_packed_matmul_equals_dequantized_matmul(type_name, m):
+    raw = _blocks(type_name, seed=2)
+    dense = torch.from_numpy(
+        gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(ROWS, COLS)
+    )
+    linear = PackedLinear(pack_gguf(raw, type_name, ROWS, COLS))
+    x = torch.randn(m, COLS, generator=torch.Generator().manual_seed(m))
+    expected = x.double() @ dense.double().T
+    got = linear(x)
+    assert got.dtype == torch.float32 and got.shape == (m, ROWS)
+    # float32 sums of 512 products in another order: the error is bounded by the sum of the products' sizes
+    bound = x.abs().double() @ dense.abs().double().T
+    assert ((got.double() - expected).abs() <= 1e-5 * bound + 1e-30).all()
+    # Batched leading axes are kept.
+    assert linear(x[None]).shape == (1, m, ROWS)
+
+
+def test_fused_rows_and_tied_embedding():
+    parts = [pack_gguf(_blocks("Q4_1", seed), "Q4_1", ROWS, COLS) for seed in (3, 4)]
+    fused = PackedWeight.cat(parts)
+    x = torch.randn(2, COLS)
+    torch.testing.assert_close(fused.matmul(x), torch.cat([p.matmul(x) for p in parts], dim=1))
+    embedding = PackedEmbedding(parts[0])
+    ids = torch.tensor([[3, 1], [79, 3]])
+    assert torch.equal(embedding(ids), parts[0].dequantize_rows(ids.flatten()).view(2, 2, COLS))
+    torch.testing.assert_close(embedding.project(x), parts[0].matmul(x))
+    with pytest.raises(ValueError, match="share their format"):
+        PackedWeight.cat([parts[0], pack_gguf(_blocks("Q8_0", 5), "Q8_0", ROWS, COLS)])
