@@ -14,6 +14,8 @@ from executor_svc.models.llama import hf_weight_name
 def _read_hf_config(hf: dict[str, Any], path: str) -> DenseConfig:
     from transformers import Qwen3Config
 
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"{path}: Qwen3 with sliding-window attention is not supported (use_sliding_window)")
     return dense_config_from_hf(hf, path, Qwen3Config, qk_norm=True)
 
 
