@@ -14,7 +14,8 @@ from executor_svc.attention import DecodeAttention
 from executor_svc.models.family import ExecutorModel
 from executor_svc.plan import CheckedPlan
 from executor_svc.sampler import sample
-from executor_svc.slot_store import SlotStore
+from executor_svc.sampler_controls import sample_controlled
+from executor_svc.slot_store import CONTROLLED, GREEDY, SAMPLED, SlotStore
 
 if TYPE_CHECKING:
     # what torch.cuda.graph_pool_handle() returns and torch.cuda.graph(pool=) takes: a tuple[int, int]
@@ -30,11 +31,14 @@ def capture_order(buckets: Iterable[int]) -> list[int]:
     return sorted(set(buckets), reverse=True)
 
 
+Sampled = tuple[torch.Tensor, torch.Tensor | None]  # a step's tokens i64[B] and logprob table (CONTROLLED)
+
+
 def capture_step(
-    step: Callable[[], torch.Tensor], device: torch.device, pool: GraphPool | None
-) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    step: Callable[[], Sampled], device: torch.device, pool: GraphPool | None
+) -> tuple[torch.cuda.CUDAGraph, Sampled]:
     """Run `step` eagerly on a side stream WARMUP_STEPS times, then capture it into `pool`; returns the graph
-    and the output tensor its replays refill."""
+    and the output tensors its replays refill."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.inference_mode():
@@ -51,9 +55,9 @@ class DecodeGraphs:
     """One decode step per bucket over the slot store, captured on CUDA (eager elsewhere, and for any
     bucket whose capture failed: it logs why).
 
-    Two graphs per bucket: one that samples, and one for steps whose rows are all greedy, which takes the
-    argmax and skips the sampler's sort and noise; the slot store says which (`greedy`), reading nothing
-    back. The attention backend makes the step's inputs and reads the pages; the resident one and the
+    Three graphs per bucket, one per sampler variant: the argmax alone for steps whose rows are all greedy,
+    the sampler's sort and noise, and that with the sampling controls and logprobs where a row has them; the
+    slot store says which (`variant`), reading nothing back, so rows without controls pay nothing for them. The attention backend makes the step's inputs and reads the pages; the resident one and the
     host-planned one differ only in the host work they do before the replay.
     """
 
@@ -81,8 +85,8 @@ class DecodeGraphs:
 
             self._advance_kernel = advance
         self._stream = torch.cuda.default_stream(store.device) if cuda else None
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, greedy) -> graph
-        self._tokens: dict[tuple[int, bool], torch.Tensor] = {}  # each captured graph's output: i64[B]
+        self._graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # (bucket, variant) -> graph
+        self._outputs: dict[tuple[int, str], Sampled] = {}  # each captured graph's output
         self.states: dict[int, str] = {}  # bucket -> what the log line said
         self.planned_at = 0.0  # perf_counter once the last launch's host planning was done
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -96,49 +100,55 @@ class DecodeGraphs:
 
     def launch(
         self, plan: CheckedPlan, timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-    ) -> torch.Tensor | None:
+    ) -> Sampled | None:
         """The plan's decode step: the attention takes note of the plan (and plans the step, host-planned),
-        then the bucket's graph replays (or the step runs eagerly); its tokens i64[B], still on the device,
-        or None for a plan without a decode step. `timing`: CUDA events to record around the replay."""
+        then the bucket's graph replays (or the step runs eagerly); its tokens i64[B] and, CONTROLLED, logprob
+        table, still on the device, or None for a plan without a decode step. `timing`: CUDA events to record
+        around the replay."""
         attention, bucket = self.attention, plan.bucket
         attention.plan(plan)
         if not bucket:
             return None
         attention.prepare(bucket)
         self.planned_at = time.perf_counter()
-        variant = (bucket, self.store.greedy(bucket))
+        variant = (bucket, self.store.variant(bucket))
         graph = self._graphs.get(variant)
         if timing is not None:
             timing[0].record(self._stream)
         if graph is None:
             with torch.inference_mode():
-                tokens = self._step(*variant)
+                sampled = self._step(*variant)
         else:
             graph.replay()
-            tokens = self._tokens[variant]
+            sampled = self._outputs[variant]
         if timing is not None:
             timing[1].record(self._stream)
         attention.stepped(bucket)
-        return tokens
+        return sampled
 
-    def _step(self, bucket: int, greedy: bool) -> torch.Tensor:
+    def _step(self, bucket: int, variant: str) -> Sampled:
         """The body of a bucket's graph: nothing here may read the device back or depend on the step."""
         store = self.store
         inputs = self.attention.inputs(bucket)
         logits = self.model.forward(inputs, self.attention)  # logits: [B, V]
-        if greedy:  # the argmax that `sample` takes for greedy rows, without the rest
+        slots, table = store.step_slots[:bucket], None
+        if variant == GREEDY:  # the argmax that `sample` takes for greedy rows, without the rest
             tokens = logits.argmax(dim=-1)
+        elif variant == SAMPLED:
+            tokens = sample(logits, *store.sampler_params(slots), inputs.positions + 1)
         else:
-            tokens = sample(logits, *store.sampler_params(store.step_slots[:bucket]), inputs.positions + 1)
+            store.controls.count_inputs(slots, inputs.tokens)
+            params = store.sampler_params(slots)
+            tokens, table = sample_controlled(logits, params, store.controls, slots, inputs.positions + 1)
         store.store_tokens(bucket, tokens)
         if self._advance_kernel is None:
             store.advance(bucket)
         else:
             self._advance_kernel(store.rows, store.step_slots[:bucket])
-        return tokens
+        return tokens, table
 
     def _build(self, bucket: int) -> None:
-        """Warm the bucket's two steps up and capture them; every row of the store's step slots is padding
+        """Warm the bucket's three steps up and capture them; every row of the store's step slots is padding
         meanwhile, so the warm-up steps write only the sink page and change no row."""
         self.store.pad_slots(bucket)
         if not self.capture:
@@ -147,9 +157,9 @@ class DecodeGraphs:
         captured = {}
         try:
             self.attention.prepare(bucket)
-            for greedy in (False, True):
-                captured[(bucket, greedy)] = capture_step(
-                    lambda: self._step(bucket, greedy),  # noqa: B023 (called at once)
+            for variant in (CONTROLLED, SAMPLED, GREEDY):
+                captured[(bucket, variant)] = capture_step(
+                    lambda: self._step(bucket, variant),  # noqa: B023 (called at once)
                     self.store.device,
                     self._pool,
                 )
@@ -158,8 +168,8 @@ class DecodeGraphs:
             self.states[bucket] = f"eager (capture failed: {type(err).__name__}: {err})"
             log.warning(f"bucket {bucket}: {self.states[bucket]}")
             return
-        for variant, (graph, tokens) in captured.items():
-            self._graphs[variant] = graph
-            self._tokens[variant] = tokens
+        for key, (graph, sampled) in captured.items():
+            self._graphs[key] = graph
+            self._outputs[key] = sampled
         self.states[bucket] = f"captured, {self.attention.kind}"
         log.info(f"bucket {bucket}: {self.states[bucket]}")

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from executor_svc.control_writes import ControlError, ControlWrites, check_controls
 from protos import executor_pb2
 from protos.layout import RowLayout
 from protos.wire import unpack_f32, unpack_i32
@@ -127,6 +128,7 @@ class CheckedPlan:
     prefill: list[PrefillWork]
     sample_slots: list[int]  # per prefill chunk: the slot it samples into, 0 where it does not
     mirror: np.ndarray | None  # int32[bucket, C]
+    controls: ControlWrites | None = None  # sampling controls of some of sampler_slots
 
 
 def _ints(data: bytes, field: str) -> np.ndarray:
@@ -290,6 +292,10 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
         )
     rows = _check_runs(_ints(plan.row_runs, "row_runs"), limits)
     sampler_slots, sampler_f32, sampler_i32 = _check_sampler(plan, limits)
+    try:
+        controls = check_controls(plan, sampler_slots, limits.vocab_size)
+    except ControlError as error:
+        raise PlanError(str(error)) from None
     prefill = [_check_prefill(chunk, index, limits) for index, chunk in enumerate(plan.prefill)]
     # The planner samples at most the widest bucket's prompts in a step (and the decode rows): the read-back
     # buffers are sized for that.
@@ -309,5 +315,5 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
             )
         mirror = unpack_i32(plan.mirror).reshape(bucket, columns)
     return CheckedPlan(
-        bucket, slots, rows, sampler_slots, sampler_f32, sampler_i32, prefill, sample_slots, mirror
+        bucket, slots, rows, sampler_slots, sampler_f32, sampler_i32, prefill, sample_slots, mirror, controls
     )

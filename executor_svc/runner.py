@@ -15,13 +15,15 @@ import torch
 
 from executor_svc.attention import decode_attention
 from executor_svc.config import DEFAULT_BUCKETS, ExecutorConfig
-from executor_svc.decode_graphs import DecodeGraphs
+from executor_svc.decode_graphs import DecodeGraphs, Sampled
 from executor_svc.device import resolve_device, resolve_dtype
 from executor_svc.kv_pool import KVPool
+from executor_svc.logprob_rows import asking_rows, gathered_table, packed
 from executor_svc.models.family import ExecutorModel
 from executor_svc.models.loader import load_model, model_fingerprint
 from executor_svc.plan import CheckedPlan, PlanLimits, check_plan
 from executor_svc.prefill.graphs import PrefillGraphs
+from executor_svc.sampler_controls import LOGPROB_COLUMNS
 from executor_svc.slot_store import SlotStore
 from protos import executor_pb2
 from protos.layout import RowLayout
@@ -62,6 +64,7 @@ class LaunchedStep:
     # and the CUDA events around the replay.
     marks: tuple[float, ...] = ()
     replay: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    logprobs: tuple[torch.Tensor, np.ndarray] | None = None  # the rows' host table, which rows asked
 
     def wait(self) -> None:
         """Block until the tokens are on the host (`run`, and tests that step by hand)."""
@@ -79,10 +82,11 @@ class _ReadBack:
     """What one launched step reads back, reused round-robin so that the step path allocates nothing: pinned
     host tokens, the event that says they are back, and the timing events around the replay."""
 
-    __slots__ = ("tokens", "done", "replay")
+    __slots__ = ("tokens", "tables", "done", "replay")
 
     def __init__(self, capacity: int) -> None:
         self.tokens = torch.empty(capacity, dtype=torch.int64, pin_memory=True)  # tokens: [capacity]
+        self.tables = torch.empty(capacity, LOGPROB_COLUMNS, pin_memory=True)  # logprobs: [capacity, L]
         self.done = torch.cuda.Event()
         self.replay = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
@@ -199,20 +203,21 @@ class StepRunner:
         checked = check_plan(plan, self.limits, self.store.bucket)
         self.store.apply(checked)
         applied = time.perf_counter()
-        sampled, sampled_chunks = [], []
+        sampled: list[Sampled] = []
+        sampled_chunks: list[int] = []
         if checked.prefill:  # most steps have none
-            tokens = self.prefill_graphs.run(checked)
-            if tokens is not None:
-                sampled.append(tokens)
+            prefill_sampled = self.prefill_graphs.run(checked)
+            if prefill_sampled is not None:
+                sampled.append(prefill_sampled)
                 sampled_chunks = [index for index, slot in enumerate(checked.sample_slots) if slot]
         prefilled = time.perf_counter()
         timing = None
         if self.graphs.capture:
             timing = self._read_backs[self._launches % READ_BACK_RING].replay
-        tokens = self.graphs.launch(checked, timing)
-        if tokens is None:  # no decode step
+        decode_sampled = self.graphs.launch(checked, timing)
+        if decode_sampled is None:  # no decode step
             return self._read_back(plan.seq, checked, sampled, sampled_chunks, 0)
-        sampled.append(tokens)
+        sampled.append(decode_sampled)
         launched = time.perf_counter()
         mismatches = 0
         if self.row_check and checked.mirror is not None:  # debug: waits for the step
@@ -226,18 +231,24 @@ class StepRunner:
         self,
         seq: int,
         plan: CheckedPlan,
-        sampled: list[torch.Tensor],
+        sampled: list[Sampled],
         sampled_chunks: list[int],
         mismatches: int,
     ) -> LaunchedStep:
         """Queue one copy of every token sampled this step (prefill chunks first, then the decode rows) to
-        the host, behind the step's work: no wait here."""
+        the host, and of the logprob tables where a row asked, behind the step's work: no wait here."""
         if not sampled:
             tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         elif len(sampled) == 1:  # no concatenation kernel to launch
-            tokens = sampled[0]
+            tokens = sampled[0][0]
         else:
-            tokens = torch.cat(sampled)
+            tokens = torch.cat([part[0] for part in sampled])
+        asking = (
+            asking_rows(self.store, plan, sampled_chunks) if sampled and self._controlled(sampled) else None
+        )
+        table = None
+        if asking is not None and asking.any():
+            table = gathered_table([(len(part[0]), part[1]) for part in sampled], self.device)
         done = None
         if self._read_backs and sampled:
             if self._uncollected == READ_BACK_RING:
@@ -249,11 +260,22 @@ class StepRunner:
             self._uncollected += 1
             host = read_back.tokens[: len(tokens)]
             host.copy_(tokens, non_blocking=True)
+            if table is not None:
+                table = read_back.tables[: len(table)].copy_(table, non_blocking=True)
             done = read_back.done
             done.record(self._stream)
         else:
             host = tokens.cpu()
-        return LaunchedStep(seq, plan, sampled_chunks, host, done, mismatches)
+            table = table.cpu() if table is not None else None
+        step = LaunchedStep(seq, plan, sampled_chunks, host, done, mismatches)
+        if table is not None and asking is not None:
+            step.logprobs = (table, asking)
+        return step
+
+    @staticmethod
+    def _controlled(sampled: list[Sampled]) -> bool:
+        """Whether a part of the step ran the CONTROLLED variant (the others return no logprobs)."""
+        return any(part[1] is not None for part in sampled)
 
     def forget_launched(self) -> None:
         """The steps launched and not collected never will be (their stream ended): their read-backs are free
@@ -269,13 +291,17 @@ class StepRunner:
         prefill_tokens = np.full(len(plan.prefill), -1, dtype=np.int32)
         prefill_tokens[chunks] = host[: len(chunks)]
         device_wait_us = self._note_times(step) if step.marks else 0.0
-        return executor_pb2.StepOutput(
+        output = executor_pb2.StepOutput(
             seq=step.seq,
             tokens=pack_i32(host[len(chunks) :]),
             prefill_tokens=pack_i32(prefill_tokens),
             row_mismatches=step.mismatches,
             device_wait_us=min(round(device_wait_us), UINT32_MAX),
         )
+        if step.logprobs is not None:
+            table, asking = step.logprobs
+            output.logprobs, output.logprob_ids = packed(table.numpy(), asking)
+        return output
 
     def _note_times(self, step: LaunchedStep) -> float:
         """Adds the step to `times`; returns how long the device waited for the step's plan to arrive (µs, 0
@@ -350,7 +376,7 @@ def runner_for_model(model: ExecutorModel, config: ExecutorConfig, fingerprint: 
     max_seq_len = config.max_seq_len or model.config.max_seq_len
     kv_pool = model.make_kv_pool(config.pool_pages, config.page_size, device, dtype)
     layout = RowLayout.build(list(config.buckets), max_seq_len, config.page_size, config.pool_pages)
-    store = SlotStore(layout, device)
+    store = SlotStore(layout, device, model.config.vocab_size)
     graphs = prefill_graphs = None
     if cuda:
         attention = decode_attention(config.decode_path, model, kv_pool, store, config.buckets, max_seq_len)

@@ -1,4 +1,4 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, with counter-based noise (no host sync)."""
+"""Batched token sampling: greedy, temperature, top-k, top-p, min-p, with counter-based noise (no host sync)."""
 
 from __future__ import annotations
 
@@ -42,11 +42,13 @@ def sample(
     top_k: torch.Tensor,
     seed: torch.Tensor,
     counter: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """tokens: int64[B] from logits: f32[B, V].
 
-    Greedy (argmax) where temperature == 0. Elsewhere: logits / temperature, keep the top_k best (0 = all),
-    then the smallest prefix of them whose probability reaches top_p (the best always kept), then a
+    Greedy (argmax) where temperature == 0. Elsewhere: logits / temperature, keep the top_k best (0 = all)
+    and those at least min_p times as likely as the best (None or 0 = all), then the smallest prefix of them
+    whose probability reaches top_p (the best always kept), then a
     Gumbel-max draw whose noise depends only on (seed, counter, token id), so a seeded row repeats exactly
     whatever its batch neighbours. Every row takes every branch: fixed shapes, nothing read back.
     """
@@ -60,6 +62,8 @@ def sample(
     rank = torch.arange(vocab, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(torch.int64)
     keep_sorted = rank < k[:, None]
+    if min_p is not None:  # p >= min_p * p_max, as logits: log(0) = -inf keeps every token
+        keep_sorted &= sorted_logits >= sorted_logits[:, :1] + torch.log(min_p)[:, None]
     sorted_logits = sorted_logits.masked_fill(~keep_sorted, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs

@@ -10,9 +10,13 @@ import numpy as np
 import torch
 
 from executor_svc.plan import SAMPLER_F32, SAMPLER_I32, CheckedPlan, RowWrites
+from executor_svc.sampler_controls import SamplerControls
 from protos.layout import RowLayout
 
 _SAMPLER_WORDS = 1 + SAMPLER_F32 + SAMPLER_I32  # staged per slot: the slot, then its values
+# The sampler variants a step runs: the argmax alone; temperature, top-k/p and noise; and that with the
+# sampling controls and logprobs (sampler_controls.py) besides.
+GREEDY, SAMPLED, CONTROLLED = "greedy", "sampled", "controlled"
 
 
 class SamplerParams(NamedTuple):
@@ -94,7 +98,8 @@ class SlotStore:
     and nothing grows after construction.
     """
 
-    def __init__(self, layout: RowLayout, device: torch.device) -> None:
+    def __init__(self, layout: RowLayout, device: torch.device, vocab_size: int = 0) -> None:
+        """`vocab_size`: the model's, for the sampling controls' per-slot token tables (0: no controls)."""
         self.layout = layout
         self.device = device
         slots, columns, widest = layout.slots, layout.columns, layout.widest_bucket
@@ -107,8 +112,11 @@ class SlotStore:
         self.step_slots = torch.zeros(widest, dtype=torch.int64, device=device)  # the bucket's slots: [B]
         self._host_slots = np.zeros(widest, dtype=np.int32)  # step_slots' host copy: [B]
         self.bucket = 0  # the bucket whose slots are held (0 before the first decode step)
+        self.controls = SamplerControls(slots, vocab_size, device)
         self._samples = np.zeros(slots, dtype=bool)  # by slot: temperature > 0
-        self._greedy: dict[int, bool] = {}  # bucket -> greedy(bucket), until a plan changes slots or sampling
+        self._variants: dict[
+            int, str
+        ] = {}  # bucket -> variant(bucket), until a plan changes slots or sampling
         # The largest flush: B whole rows as runs, every slot's sampler state.
         self._staging = _Staging(
             {"slots": widest, "runs": widest * columns, "sampler": _SAMPLER_WORDS * (slots - 1)}, device
@@ -138,6 +146,7 @@ class SlotStore:
             self.write_runs(plan.rows)
         if len(plan.sampler_slots):
             self.write_sampler(plan.sampler_slots, plan.sampler_f32, plan.sampler_i32)
+            self.controls.write(plan.sampler_slots, plan.controls)
 
     def set_slots(self, slots: np.ndarray) -> None:
         """The slot of each row of the next decode buckets (0 for padding rows)."""
@@ -147,7 +156,7 @@ class SlotStore:
         staged[:bucket] = slots
         self.step_slots[:bucket].copy_(self._staging.upload("slots", bucket))
         self.bucket = bucket
-        self._greedy.clear()
+        self._variants.clear()
 
     def pad_slots(self, bucket: int) -> None:
         """Every row of the bucket padding and no bucket held (the graphs' warm-up and capture: their steps
@@ -155,7 +164,7 @@ class SlotStore:
         self.step_slots[:bucket].zero_()
         self._host_slots[:bucket] = 0
         self.bucket = 0
-        self._greedy.clear()
+        self._variants.clear()
 
     def write_runs(self, writes: RowWrites) -> None:
         """Copy parsed row runs into the rows: one upload, then one copy per segment (joined whole rows are
@@ -177,7 +186,7 @@ class SlotStore:
         if k == 0:
             return
         self._samples[slots] = f32[:, 0] > 0
-        self._greedy.clear()
+        self._variants.clear()
         staged = self._staging.host("sampler")
         staged[:k] = slots
         staged[k : 3 * k] = np.ascontiguousarray(f32, dtype=np.float32).reshape(-1).view(np.int32)
@@ -203,17 +212,21 @@ class SlotStore:
         """The host copy of the bucket's slots (0 = padding): what the step reads, for the host's decisions."""
         return self._host_slots[:bucket]
 
-    def greedy(self, bucket: int) -> bool:
-        """Whether every row of the bucket's step is greedy (padding rows read the sink row, which is). Kept
-        from step to step while the plans change neither slots nor sampling: a steady step reads nothing."""
-        greedy = self._greedy.get(bucket)
-        if greedy is None:
-            greedy = self._greedy[bucket] = self.greedy_slots(self._host_slots[:bucket])
-        return greedy
+    def variant(self, bucket: int) -> str:
+        """The sampler variant of the bucket's step (`variant_of` its slots). Kept from step to step while the
+        plans change neither slots nor sampling: a steady step reads nothing."""
+        variant = self._variants.get(bucket)
+        if variant is None:
+            variant = self._variants[bucket] = self.variant_of(self._host_slots[:bucket])
+        return variant
 
-    def greedy_slots(self, slots: np.ndarray) -> bool:
-        """Whether every one of `slots` samples greedily, by the sampler state the plans wrote."""
-        return not self._samples[slots].any()
+    def variant_of(self, slots: np.ndarray) -> str:
+        """By the sampler state the plans wrote: CONTROLLED where one of `slots` has sampling controls or
+        returns logprobs, else GREEDY where every one samples greedily (padding rows read the sink row, which
+        does), else SAMPLED."""
+        if self.controls.any_on(slots):
+            return CONTROLLED
+        return SAMPLED if self._samples[slots].any() else GREEDY
 
     def sampler_params(self, slots: torch.Tensor | slice) -> SamplerParams:
         """The sampler state of `slots` (an index tensor, or a slice to index with no host-to-device copy)."""

@@ -12,6 +12,7 @@ import structlog
 
 from planner_svc.conversations import Conversation, Conversations
 from planner_svc.link import ExecutorLink, LinkLost, StepRefused
+from planner_svc.logprobs import logprob_rows
 from planner_svc.recovery import recover
 from planner_svc.requests import Finish, Request
 from planner_svc.scheduler import PlannedStep, Scheduler
@@ -64,7 +65,8 @@ def to_proto(step: PlannedStep) -> executor_pb2.StepPlan:
     if delta.row_runs:
         plan.row_runs = delta.row_runs
     if step.sampler is not None:
-        plan.sampler_slots, plan.sampler_f32, plan.sampler_i32 = step.sampler.pack()
+        for name, data in step.sampler.pack().items():
+            setattr(plan, name, data)
     for chunk in step.prefill:
         plan.prefill.add(
             token_ids=chunk.token_ids, start=chunk.start, pages=chunk.pages, sample_slot=chunk.sample_slot
@@ -278,14 +280,17 @@ class Engine:
         self._inflight.popleft()
         if output.seq != seq:
             raise RuntimeError(f"executor answered step {output.seq}, expected {seq}")
-        produced = self.scheduler.commit(seq, unpack_i32(output.tokens), unpack_i32(output.prefill_tokens))
+        logprobs = logprob_rows(output.logprobs, output.logprob_ids)
+        produced = self.scheduler.commit(
+            seq, unpack_i32(output.tokens), unpack_i32(output.prefill_tokens), logprobs
+        )
         self.row_mismatches += output.row_mismatches
         if output.row_mismatches:
             log.error("row check failed", seq=seq, mismatches=output.row_mismatches)
         pending, queues = self._pending, self._queues
-        for request, token in produced:
+        for request, token, entry in produced:
             if request in queues:  # not aborted meanwhile
-                pending.add(request, token, request.finish)
+                pending.add(request, token, request.finish, entry)
         self._turns_ended()
         self.steps += 1
         times = self.times

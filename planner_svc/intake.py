@@ -107,6 +107,12 @@ class Intake:
             top_p=params.top_p if params.HasField("top_p") else 1.0,
             top_k=params.top_k,
             seed=params.seed,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+            logit_bias=tuple(sorted(params.logit_bias.items())),
+            top_logprobs=request.top_logprobs if request.logprobs else -1,
         )
         stops = set(request.stop_token_ids)
         if not request.ignore_eos:

@@ -31,6 +31,17 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    # The sampling controls (client.proto's SamplingParams; sampler_state.py sends them with the slot's row)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    top_logprobs: int = -1  # -1: no logprobs; else the alternatives returned with each token (0-20)
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature < float("inf"):  # also refuses NaN: the executor would refuse the step
@@ -74,6 +85,15 @@ class Request:
             raise ValueError("the prompt is empty")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+
+    def take(self, token: int) -> Finish | None:
+        """Append its next output token; the finish it brings (a stop token, or max_tokens reached)."""
+        self.output_ids.append(token)
+        if token in self.stop_ids:
+            self.finish = Finish.STOP
+        elif len(self.output_ids) >= self.max_tokens:
+            self.finish = Finish.LENGTH
+        return self.finish
 
     @property
     def prompt_len(self) -> int:

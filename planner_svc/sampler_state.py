@@ -1,4 +1,5 @@
-"""The sampler state written with a whole row: per-slot temperature, top-p, top-k, seed and last token."""
+"""The sampler state written with a whole row: per-slot temperature, top-p, top-k, seed and last token, and
+for a request that has them, its sampling controls (executor.proto's control_* fields)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner_svc.requests import Sampling
+from planner_svc.requests import Request
 from protos.wire import F32, I32
 
 _MASK32 = 0xFFFFFFFF
@@ -17,25 +18,72 @@ class SamplerWrites:
     slots: list[int] = field(default_factory=list)
     floats: list[tuple[float, float]] = field(default_factory=list)  # (temperature, top_p)
     ints: list[tuple[int, int, int, int]] = field(default_factory=list)  # (top_k, seed_lo, seed_hi, last)
+    control_slots: list[int] = field(default_factory=list)
+    control_floats: list[tuple[float, float, float, float]] = field(default_factory=list)
+    control_ints: list[tuple[int, ...]] = field(default_factory=list)  # executor.proto's control_i32 row
+    control_tokens: list[int] = field(default_factory=list)
+    control_bias: list[float] = field(default_factory=list)
 
-    def add(self, slot: int, sampling: Sampling, last_token: int) -> None:
+    def add(self, slot: int, request: Request, last_token: int) -> None:
         """`last_token < 0` keeps the device's loop-back value (a prefill of this step, or one in flight)."""
+        sampling = request.sampling
         seed = sampling.seed
         # seed halves travel as int32 bit patterns
         lo, hi = (seed & _MASK32), (seed >> 32) & _MASK32
         self.slots.append(slot)
         self.floats.append((sampling.temperature, sampling.top_p))
         self.ints.append((sampling.top_k, _as_i32(lo), _as_i32(hi), last_token))
+        self._add_controls(slot, request, last_token)
+
+    def _add_controls(self, slot: int, request: Request, last_token: int) -> None:
+        """The request's controls, when it has any. The device counts each decode step's input token (the
+        last output) itself, so the output sent is what it has not counted: all of it when the last token
+        stays on the device, all but the last token sent."""
+        s = request.sampling
+        controlled = s.min_p > 0 or s.penalized or s.logit_bias or s.top_logprobs >= 0
+        if not (controlled or request.min_tokens):
+            return
+        output = request.output_ids if last_token < 0 else request.output_ids[:-1]
+        generated = len(output)
+        prompt = request.prompt_ids if s.repetition_penalty != 1.0 else []
+        counted = output if s.penalized else []
+        stops = sorted(request.stop_ids) if request.min_tokens > generated else []
+        bias_ids = [token for token, _ in s.logit_bias]
+        self.control_slots.append(slot)
+        self.control_floats.append((s.min_p, s.repetition_penalty, s.frequency_penalty, s.presence_penalty))
+        self.control_ints.append(
+            (
+                request.min_tokens,
+                generated,
+                s.top_logprobs,
+                len(bias_ids),
+                len(prompt),
+                len(counted),
+                len(stops),
+            )
+        )
+        self.control_tokens += [*bias_ids, *prompt, *counted, *stops]
+        self.control_bias += [bias for _, bias in s.logit_bias]
 
     def __bool__(self) -> bool:
         return bool(self.slots)
 
-    def pack(self) -> tuple[bytes, bytes, bytes]:
-        return (
-            np.asarray(self.slots, dtype=I32).tobytes(),
-            np.asarray(self.floats, dtype=F32).tobytes(),
-            np.asarray(self.ints, dtype=I32).tobytes(),
-        )
+    def pack(self) -> dict[str, bytes]:
+        """The StepPlan fields, by name."""
+        fields = {
+            "sampler_slots": np.asarray(self.slots, dtype=I32).tobytes(),
+            "sampler_f32": np.asarray(self.floats, dtype=F32).tobytes(),
+            "sampler_i32": np.asarray(self.ints, dtype=I32).tobytes(),
+        }
+        if self.control_slots:
+            fields |= {
+                "control_slots": np.asarray(self.control_slots, dtype=I32).tobytes(),
+                "control_f32": np.asarray(self.control_floats, dtype=F32).tobytes(),
+                "control_i32": np.asarray(self.control_ints, dtype=I32).tobytes(),
+                "control_tokens": np.asarray(self.control_tokens, dtype=I32).tobytes(),
+                "control_bias": np.asarray(self.control_bias, dtype=F32).tobytes(),
+            }
+        return fields
 
 
 def _as_i32(value: int) -> int:

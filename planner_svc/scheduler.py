@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,6 +11,7 @@ import numpy as np
 from planner_svc.admission import Admission
 from planner_svc.config import SchedulingConfig
 from planner_svc.conversations import Conversations
+from planner_svc.logprobs import LogprobRow
 from planner_svc.pages import PagePool
 from planner_svc.requests import Finish, Phase, Request
 from planner_svc.rows import RowDelta, RowMirror
@@ -173,7 +175,7 @@ class Scheduler:
         for chunk in step.prefill:
             if chunk.sample_slot < 0:  # the chunk that ends the prompt samples into its slot
                 chunk.sample_slot = self.slots.held_slot(chunk.request)
-                writes.add(chunk.sample_slot, chunk.request.sampling, last_token=-1)
+                writes.add(chunk.sample_slot, chunk.request, last_token=-1)
             chunk.request.last_seq = seq
         self._plan_decode(step, ready, writes)
         step.sampler = writes if writes else None
@@ -272,7 +274,7 @@ class Scheduler:
             if request.stale:
                 whole.append((slot, self.mirror.whole_row(kv_len, request.pages)))
                 last = request.output_ids[-1] if request.last_seq <= self.committed else -1
-                writes.add(slot, request.sampling, last_token=last)
+                writes.add(slot, request, last_token=last)
                 request.stale = False
             request.last_seq = step.seq
         step.bucket = bucket
@@ -338,24 +340,22 @@ class Scheduler:
 
     # --- outputs -------------------------------------------------------------------------------
 
-    def commit(self, seq: int, tokens: np.ndarray, prefill_tokens: np.ndarray) -> list[tuple[Request, int]]:
-        """Step `seq`'s sampled tokens arrived. Returns (request, token) for every token a client gets;
-        a request's `finish` is set on its last one. Tokens of rows that had already finished are dropped."""
+    def commit(
+        self, seq: int, tokens: np.ndarray, prefill: np.ndarray, logprobs: Iterator[LogprobRow] | None = None
+    ) -> list[tuple[Request, int, LogprobRow | None]]:
+        """Step `seq`'s tokens (and logprobs of the rows that asked) arrived: (request, token, logprobs) for every
+        token a client gets; `finish` set on a request's last. Tokens of rows already finished are dropped."""
         self._sync_reads()
         step = self._steps.pop(seq)
-        produced: list[tuple[Request, int]] = []
-        sampled = [(chunk.request, int(t)) for chunk, t in zip(step.prefill, prefill_tokens) if t >= 0]
+        produced: list[tuple[Request, int, LogprobRow | None]] = []
+        sampled = [(chunk.request, int(t)) for chunk, t in zip(step.prefill, prefill) if t >= 0]
         sampled += zip(step.rows, tokens.tolist())
         for request, token in sampled:
+            entry = next(logprobs) if logprobs is not None and request.sampling.top_logprobs >= 0 else None
             if request.finish is not None:
                 continue  # ran once more after its stop; the token is dropped
-            request.output_ids.append(token)
-            produced.append((request, token))
-            if token in request.stop_ids:
-                request.finish = Finish.STOP
-            elif len(request.output_ids) >= request.max_tokens:
-                request.finish = Finish.LENGTH
-            if request.finish is not None:
+            produced.append((request, token, entry))
+            if request.take(token) is not None:
                 self._retire(request)
                 self._dirty = True
         self.committed = seq

@@ -150,7 +150,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         context: grpc.aio.ServicerContext,
         mount: Mount,
     ):
-        choice = ChoiceText(self.tokenizer, req.stop_strings, req.min_tokens)
+        choice = ChoiceText(self.tokenizer, req.stop_strings, req.min_tokens, req.sampling.top_logprobs)
         first = True
         while True:
             event = await queue.get()
@@ -158,18 +158,19 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 event.join(queue.get_nowait())
             if event.error is not None:
                 await context.abort(grpc.StatusCode[event.code], event.error)
-            token_ids, text, stop_string = choice.add(event.token_ids)
-            finish = event.finish
-            if stop_string is not None:  # ends the request now: its pages free at the match
+            piece = choice.add(event.token_ids, event.logprobs)
+            finish, text = event.finish, piece.text
+            if piece.stop_string is not None:  # ends the request now: its pages free at the match
                 engine.abort(req, Finish.STOP)
                 finish = Finish.STOP
             elif finish is not None:
                 text += choice.flush()
             response = client_pb2.GenerateResponse(
                 request_id=req.request_id,
-                token_ids=pack_i32(token_ids),
+                token_ids=pack_i32(piece.token_ids),
                 text=text,
-                stop_string=stop_string or "",
+                stop_string=piece.stop_string or "",
+                logprobs=piece.logprobs,
             )
             if first:
                 response.prompt_tokens = req.prompt_len

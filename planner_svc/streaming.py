@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Generic, TypeVar
 
+from planner_svc.logprobs import LogprobRow
 from planner_svc.requests import Finish
 
 Key = TypeVar("Key")
@@ -20,9 +21,11 @@ class TokenEvent:
     finish: Finish | None = None
     error: str | None = None  # the request ends with this message and status `code`
     code: str = "UNAVAILABLE"  # a grpc.StatusCode name: UNAVAILABLE (executor lost), INTERNAL (plan refused)
+    logprobs: list[LogprobRow | None] = field(default_factory=list)  # by token, where the request asked
 
     def join(self, later: TokenEvent) -> None:
         self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
         self.finish, self.error, self.code = later.finish, later.error, later.code
 
 
@@ -35,12 +38,13 @@ class PendingTokens(Generic[Key]):
     def __len__(self) -> int:
         return len(self._events)
 
-    def add(self, key: Key, token: int, finish: Finish | None) -> None:
+    def add(self, key: Key, token: int, finish: Finish | None, logprobs: LogprobRow | None = None) -> None:
         event = self._events.get(key)
         if event is None:
-            self._events[key] = TokenEvent([token], finish)
+            self._events[key] = TokenEvent([token], finish, logprobs=[logprobs])
         else:
             event.token_ids.append(token)
+            event.logprobs.append(logprobs)
             event.finish = finish
 
     def take(self, count: int) -> list[tuple[Key, TokenEvent]]:

@@ -155,17 +155,7 @@ def check_response_format(response_format: client_pb2.ResponseFormat) -> None:
 
 # Fields whose behaviour is not built yet: refused by name (UNIMPLEMENTED), never silently ignored.
 _NOT_BUILT: tuple[tuple[str, Callable[[client_pb2.GenerateRequest], bool]], ...] = (
-    ("sampling.min_p", lambda r: r.sampling.min_p > 0),
-    (
-        "sampling.repetition_penalty",
-        lambda r: r.sampling.HasField("repetition_penalty") and r.sampling.repetition_penalty != 1,
-    ),
-    ("sampling.frequency_penalty", lambda r: r.sampling.frequency_penalty != 0),
-    ("sampling.presence_penalty", lambda r: r.sampling.presence_penalty != 0),
-    ("sampling.logit_bias", lambda r: bool(r.sampling.logit_bias)),
-    ("min_tokens", lambda r: r.min_tokens > 0),
     ("n", lambda r: r.n > 1),
-    ("logprobs", lambda r: r.logprobs),
     ("response_format", lambda r: r.HasField("response_format")),
 )
 

@@ -62,7 +62,7 @@ class PrefillChunk(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., start: _Optional[int] = ..., pages: _Optional[bytes] = ..., sample_slot: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("seq", "bucket", "slots", "row_runs", "sampler_slots", "sampler_f32", "sampler_i32", "prefill", "mirror")
+    __slots__ = ("seq", "bucket", "slots", "row_runs", "sampler_slots", "sampler_f32", "sampler_i32", "prefill", "mirror", "control_slots", "control_f32", "control_i32", "control_tokens", "control_bias")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,11 @@ class StepPlan(_message.Message):
     SAMPLER_I32_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     MIRROR_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_F32_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_I32_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_BIAS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     bucket: int
     slots: bytes
@@ -81,21 +86,30 @@ class StepPlan(_message.Message):
     sampler_i32: bytes
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillChunk]
     mirror: bytes
-    def __init__(self, seq: _Optional[int] = ..., bucket: _Optional[int] = ..., slots: _Optional[bytes] = ..., row_runs: _Optional[bytes] = ..., sampler_slots: _Optional[bytes] = ..., sampler_f32: _Optional[bytes] = ..., sampler_i32: _Optional[bytes] = ..., prefill: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., mirror: _Optional[bytes] = ...) -> None: ...
+    control_slots: bytes
+    control_f32: bytes
+    control_i32: bytes
+    control_tokens: bytes
+    control_bias: bytes
+    def __init__(self, seq: _Optional[int] = ..., bucket: _Optional[int] = ..., slots: _Optional[bytes] = ..., row_runs: _Optional[bytes] = ..., sampler_slots: _Optional[bytes] = ..., sampler_f32: _Optional[bytes] = ..., sampler_i32: _Optional[bytes] = ..., prefill: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., mirror: _Optional[bytes] = ..., control_slots: _Optional[bytes] = ..., control_f32: _Optional[bytes] = ..., control_i32: _Optional[bytes] = ..., control_tokens: _Optional[bytes] = ..., control_bias: _Optional[bytes] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("seq", "tokens", "prefill_tokens", "row_mismatches", "device_wait_us")
+    __slots__ = ("seq", "tokens", "prefill_tokens", "row_mismatches", "device_wait_us", "logprobs", "logprob_ids")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROW_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_IDS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     tokens: bytes
     prefill_tokens: bytes
     row_mismatches: int
     device_wait_us: int
-    def __init__(self, seq: _Optional[int] = ..., tokens: _Optional[bytes] = ..., prefill_tokens: _Optional[bytes] = ..., row_mismatches: _Optional[int] = ..., device_wait_us: _Optional[int] = ...) -> None: ...
+    logprobs: bytes
+    logprob_ids: bytes
+    def __init__(self, seq: _Optional[int] = ..., tokens: _Optional[bytes] = ..., prefill_tokens: _Optional[bytes] = ..., row_mismatches: _Optional[int] = ..., device_wait_us: _Optional[int] = ..., logprobs: _Optional[bytes] = ..., logprob_ids: _Optional[bytes] = ...) -> None: ...
 
 class ParkPagesRequest(_message.Message):
     __slots__ = ("conversation_id", "tenant", "token_ids", "checkpoints", "pages")

@@ -30,7 +30,7 @@ async def start_tiny_stack(pool_pages: int):
     runner = StepRunner(
         model,
         model.make_kv_pool(pool_pages, PAGE),
-        SlotStore(layout, model.device),
+        SlotStore(layout, model.device, model.config.vocab_size),
         layout,
         True,
         buckets=BUCKETS,

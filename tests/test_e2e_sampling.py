@@ -1,10 +1,13 @@
-"""Issue 15's sampling controls over real gRPC on SmolLM2: stop strings matched across token boundaries."""
+"""Issue 15's sampling controls over real gRPC on SmolLM2: stop strings matched across token boundaries;
+penalties and logit bias against a torch reference on transformers' logits; logprobs; min_tokens; seeds."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from planner_svc.client import GenerateOptions, PlannerClient
+from tests.hf_reference import hf_model, hf_tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -42,3 +45,90 @@ async def test_a_stop_string_split_across_tokens_ends_the_choice_before_it(smol_
             GenerateOptions(text=PROMPT, max_tokens=16, ignore_eos=True, stop=["never here"])
         )
         assert (unmatched.text, unmatched.finish_reason, unmatched.stop_string) == (plain.text, "length", "")
+
+
+def hf_logits(ids: list[int]) -> torch.Tensor:
+    """The model's next-token logits after `ids`, in transformers (the reference of every model path)."""
+    with torch.inference_mode():
+        return hf_model()(torch.tensor([ids])).logits[0, -1].float()
+
+
+def penalized(
+    logits: torch.Tensor, prompt: list[int], output: list[int], bias: dict[int, float]
+) -> torch.Tensor:
+    """The same rules in plain torch (vLLM's repetition penalty, OpenAI's frequency/presence and logit bias)."""
+    logits = logits.clone()
+    for token, value in bias.items():
+        logits[token] += value
+    for token in set(prompt) | set(output):
+        logits[token] = logits[token] / REP if logits[token] > 0 else logits[token] * REP
+    for token in set(output):
+        logits[token] -= FREQ * output.count(token) + PRES
+    return logits
+
+
+REP, FREQ, PRES = 1.3, 0.8, 0.4
+
+
+async def test_penalties_and_logit_bias_follow_the_torch_reference(smol_stack):
+    prompt = hf_tokenizer()("Repeat after me: apple apple apple apple")["input_ids"]
+    banned = int(hf_logits(prompt).argmax())
+    bias = {banned: -100.0, 11: 3.0}
+    async with PlannerClient(smol_stack.addr) as client:
+        got = await client.generate_all(
+            GenerateOptions(
+                token_ids=prompt,
+                max_tokens=6,
+                ignore_eos=True,
+                repetition_penalty=REP,
+                frequency_penalty=FREQ,
+                presence_penalty=PRES,
+                logit_bias=bias,
+            )
+        )
+    expected: list[int] = []
+    for _ in range(6):
+        expected.append(int(penalized(hf_logits(prompt + expected), prompt, expected, bias).argmax()))
+    assert got.token_ids == expected and banned not in got.token_ids
+
+
+async def test_logprobs_are_log_softmax_of_the_model_logits(smol_stack):
+    prompt = hf_tokenizer()(PROMPT)["input_ids"]
+    async with PlannerClient(smol_stack.addr) as client:
+        got = await client.generate_all(
+            GenerateOptions(token_ids=prompt, max_tokens=2, ignore_eos=True, logprobs=True, top_logprobs=3)
+        )
+        plain = await client.generate_all(GenerateOptions(token_ids=prompt, max_tokens=2, ignore_eos=True))
+    assert got.token_ids == plain.token_ids and len(got.logprobs) == 2
+    for index, entry in enumerate(got.logprobs):
+        expected = torch.log_softmax(hf_logits(prompt + got.token_ids[:index]), dim=-1)
+        top = expected.topk(3)
+        assert entry.chosen.token_id == got.token_ids[index] == int(top.indices[0])
+        assert entry.chosen.logprob == pytest.approx(float(top.values[0]), abs=1e-3)
+        assert [t.token_id for t in entry.top] == top.indices.tolist()
+        assert [t.logprob for t in entry.top] == pytest.approx(top.values.tolist(), abs=1e-3)
+        assert entry.chosen.token == hf_tokenizer().decode([entry.chosen.token_id])
+        assert entry.chosen.token_bytes.decode("utf-8", "replace") == entry.chosen.token
+
+
+async def test_min_tokens_holds_off_the_end_of_sequence(smol_stack):
+    chat = [{"role": "user", "content": "Say only the word yes."}]
+    async with PlannerClient(smol_stack.addr) as client:
+        natural = await client.generate_all(GenerateOptions(chat=chat, max_tokens=24))
+        assert natural.finish_reason == "stop" and len(natural.token_ids) < 20
+        held = await client.generate_all(
+            GenerateOptions(chat=chat, max_tokens=24, min_tokens=len(natural.token_ids) + 3)
+        )
+    eos = smol_stack.planner.eos_token_id
+    assert len(held.token_ids) >= len(natural.token_ids) + 3
+    assert eos not in held.token_ids[: len(natural.token_ids) + 2]
+
+
+async def test_seeded_sampling_with_controls_repeats(smol_stack):
+    options = dict(text=PROMPT, max_tokens=8, ignore_eos=True, temperature=0.9, min_p=0.05)
+    options |= dict(presence_penalty=0.5, logprobs=True)
+    async with PlannerClient(smol_stack.addr) as client:
+        first = await client.generate_all(GenerateOptions(seed=11, **options))
+        again = await client.generate_all(GenerateOptions(seed=11, **options))
+    assert first.token_ids == again.token_ids
+    assert [e.chosen.logprob for e in first.logprobs] == [e.chosen.logprob for e in again.logprobs]

@@ -30,7 +30,7 @@ from executor_svc.models.dense import DenseModel
 from executor_svc.plan import row_writes
 from executor_svc.prefill.batch import PrefillShape
 from executor_svc.runner import StepRunner, runner_for_model
-from executor_svc.slot_store import SlotStore
+from executor_svc.slot_store import GREEDY, SAMPLED, SlotStore
 from protos.layout import RowLayout
 from protos.wire import unpack_i32
 from tests.test_runner import (
@@ -65,7 +65,7 @@ def tiny_model(device: torch.device, dtype: torch.dtype = torch.float32, config=
 
 
 def graph_runner(model: DenseModel, decode_path: str, prefill_buckets: tuple[int, ...] = ()) -> StepRunner:
-    store = SlotStore(LAYOUT, model.device)
+    store = SlotStore(LAYOUT, model.device, model.config.vocab_size)
     kv = model.make_kv_pool(POOL_PAGES, PAGE)
     max_seq_len = model.config.max_seq_len
     attention = decode_attention(decode_path, model, kv, store, BUCKETS, max_seq_len)
@@ -209,9 +209,9 @@ def test_steps_of_greedy_rows_take_the_argmax_graph():
     model = tiny_model(DEVICE)
     greedy_only, mixed = graph_runner(model, "resident"), graph_runner(model, "resident")
     got = run_script(greedy_only, [1, 0])  # A (greedy) decodes alone; B (sampled) only prefills
-    assert greedy_only.store.greedy(2) and got[1] == reference_tokens(model)[1]
+    assert greedy_only.store.variant(2) == GREEDY and got[1] == reference_tokens(model)[1]
     run_script(mixed, [1, 2])
-    assert not mixed.store.greedy(2)
+    assert mixed.store.variant(2) == SAMPLED
 
 
 def test_greedy_follows_the_plans_that_change_slots_or_sampling():
@@ -221,15 +221,15 @@ def test_greedy_follows_the_plans_that_change_slots_or_sampling():
     sampled, greedy = np.array([[0.8, 1.0]], np.float32), np.array([[0.0, 1.0]], np.float32)
     keep_token = np.array([[0, 0, 0, -1]], np.int32)
     store.set_slots(np.array([1, 2], np.int32))
-    assert store.greedy(2)
+    assert store.variant(2) == GREEDY
     store.write_sampler(np.array([2], np.int32), sampled, keep_token)
-    assert not store.greedy(2) and store.greedy(1)
+    assert store.variant(2) == SAMPLED and store.variant(1) == GREEDY
     store.set_slots(np.array([1, 3], np.int32))  # slot 2 leaves the step
-    assert store.greedy(2)
+    assert store.variant(2) == GREEDY
     store.set_slots(np.array([2, 1], np.int32))
-    assert not store.greedy(2)
+    assert store.variant(2) == SAMPLED
     store.write_sampler(np.array([2], np.int32), greedy, keep_token)
-    assert store.greedy(2)
+    assert store.variant(2) == GREEDY
 
 
 def test_a_step_launched_before_the_last_is_collected_gives_the_same_outputs():

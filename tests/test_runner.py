@@ -44,7 +44,7 @@ def tiny_model(seed: int = 0, device: str = "cpu") -> DenseModel:
 
 def tiny_runner(model: DenseModel) -> StepRunner:
     """A runner with the row check on, over a fresh KV pool and slot store."""
-    store = SlotStore(LAYOUT, model.device)
+    store = SlotStore(LAYOUT, model.device, model.config.vocab_size)
     kv = model.make_kv_pool(POOL_PAGES, PAGE)
     return StepRunner(model, kv, store, LAYOUT, True, buckets=BUCKETS, fingerprint="tiny")
 

@@ -34,7 +34,7 @@ TENANT, CONVERSATION = "acme", "chat-1"
 
 
 def make_runner(model, fingerprint: str = "tiny") -> StepRunner:
-    store = SlotStore(LAYOUT, model.device)
+    store = SlotStore(LAYOUT, model.device, model.config.vocab_size)
     return StepRunner(
         model,
         model.make_kv_pool(POOL_PAGES, PAGE),

@@ -11,13 +11,14 @@ import structlog
 import torch
 
 from executor_svc.attention.prefill import PrefillAttention
-from executor_svc.decode_graphs import capture_order, capture_step
+from executor_svc.decode_graphs import Sampled, capture_order, capture_step
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.family import ExecutorModel
 from executor_svc.plan import CheckedPlan
 from executor_svc.prefill.batch import PrefillBatch, PrefillShape
 from executor_svc.sampler import sample
-from executor_svc.slot_store import SlotStore
+from executor_svc.sampler_controls import sample_controlled
+from executor_svc.slot_store import GREEDY, SAMPLED, SlotStore
 
 if TYPE_CHECKING:
     from executor_svc.decode_graphs import GraphPool
@@ -46,18 +47,23 @@ def smallest_holding(shapes: Sequence[PrefillShape], batch: PrefillShape) -> Pre
 
 
 def prefill_step(
-    model: ExecutorModel, attention: PrefillAttention, store: SlotStore, greedy: bool
-) -> torch.Tensor:
+    model: ExecutorModel, attention: PrefillAttention, store: SlotStore, variant: str
+) -> Sampled:
     """The body of a prefill step, captured or eager: the batch's forward, then the tokens of its sampling
-    chunks (i64[S], on the device), looped back into their slots. Reads nothing back."""
+    chunks (i64[S], on the device), looped back into their slots, and CONTROLLED their logprob table. Reads
+    nothing back."""
     batch = attention.batch
     logits = model.forward(batch.inputs, attention, select=batch.sample_index)  # logits: [S, V]
-    if greedy:  # the argmax that `sample` takes for greedy rows, without the rest
+    slots, table = batch.sample_slots, None
+    if variant == GREEDY:  # the argmax that `sample` takes for greedy rows, without the rest
         tokens = logits.argmax(dim=-1)
+    elif variant == SAMPLED:
+        tokens = sample(logits, *store.sampler_params(slots), batch.sample_counters)
     else:
-        tokens = sample(logits, *store.sampler_params(batch.sample_slots), batch.sample_counters)
-    store.store_prefill_tokens(batch.sample_slots, tokens)
-    return tokens
+        params = store.sampler_params(slots)
+        tokens, table = sample_controlled(logits, params, store.controls, slots, batch.sample_counters)
+    store.store_prefill_tokens(slots, tokens)
+    return tokens, table
 
 
 class PrefillGraphs:
@@ -99,25 +105,25 @@ class PrefillGraphs:
         self._sampled = torch.zeros(
             max((s.samples for s in self.shapes), default=0), dtype=torch.int64, device=device
         )
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # (token bucket, variant) -> graph
         self.states: dict[int, str] = {}  # token bucket -> what the log line said
         self._pool = pool if pool is not None or not self.shapes else torch.cuda.graph_pool_handle()
         for tokens in capture_order(s.tokens for s in self.shapes):
             self._build(next(s for s in self.shapes if s.tokens == tokens))
 
-    def run(self, plan: CheckedPlan) -> torch.Tensor | None:
-        """Run the plan's prefill chunks; the tokens of those that sample (i64, on the device, in chunk order),
-        or None where none samples."""
+    def run(self, plan: CheckedPlan) -> Sampled | None:
+        """Run the plan's prefill chunks; the tokens of those that sample (i64, on the device, in chunk order)
+        and CONTROLLED their logprob table, or None where none samples. A CONTROLLED batch runs eagerly."""
         chunks, slots = plan.prefill, plan.sample_slots
         sampling = [slot for slot in slots if slot]
-        greedy = self.store.greedy_slots(np.array(sampling, dtype=np.int64))
-        tokens = self.launch(chunks, slots, greedy)
-        if tokens is None:
+        variant = self.store.variant_of(np.array(sampling, dtype=np.int64))
+        sampled = self.launch(chunks, slots, variant)
+        if sampled is None:
             with torch.inference_mode():  # not for a replay: it costs more to enter than one
-                tokens = self._eager(chunks, slots, greedy)
-        return tokens if sampling else None
+                sampled = self._eager(chunks, slots, variant)
+        return sampled if sampling else None
 
-    def _eager(self, chunks: Sequence[tuple], slots: Sequence[int], greedy: bool) -> torch.Tensor | None:
+    def _eager(self, chunks: Sequence[tuple], slots: Sequence[int], variant: str) -> Sampled | None:
         batch = PrefillBatch.build(
             chunks, self.kv_pool.page_size, self.max_seq_len, self.store.device, sample_slots=slots
         )
@@ -125,17 +131,17 @@ class PrefillGraphs:
         if not len(batch.sampled_chunks):  # no chunk ends its prompt: the K/V writes are the step
             self.model.forward(batch.inputs, attention, select=batch.last_index)
             return None
-        return prefill_step(self.model, attention, self.store, greedy)
+        return prefill_step(self.model, attention, self.store, variant)
 
     def launch(
-        self, chunks: Sequence[tuple[np.ndarray, int, np.ndarray]], sample_slots: Sequence[int], greedy: bool
-    ) -> torch.Tensor | None:
+        self, chunks: Sequence[tuple[np.ndarray, int, np.ndarray]], sample_slots: Sequence[int], variant: str
+    ) -> Sampled | None:
         """Replay the step of the smallest bucket that holds the chunks; their sampled tokens i64[S] on the
-        device, or None when no captured bucket holds them."""
+        device, or None when no captured bucket holds them (or none captures the variant)."""
         if not self._graphs:
             return None
         own = PrefillBatch.exact_shape(chunks, sum(1 for slot in sample_slots if slot))
-        shape = smallest_holding([s for s in self.shapes if (s.tokens, greedy) in self._graphs], own)
+        shape = smallest_holding([s for s in self.shapes if (s.tokens, variant) in self._graphs], own)
         if shape is None:
             return None
         page_size = self.kv_pool.page_size
@@ -148,8 +154,8 @@ class PrefillGraphs:
             shape=shape,
             into=self._input,
         )
-        self._graphs[(shape.tokens, greedy)].replay()
-        return self._sampled[: own.samples]
+        self._graphs[(shape.tokens, variant)].replay()
+        return self._sampled[: own.samples], None
 
     def _build(self, shape: PrefillShape) -> None:
         """Warm the bucket's two steps up on a batch of padding alone (it writes only the sink page and slot),
@@ -159,15 +165,15 @@ class PrefillGraphs:
         )
         attention = PrefillAttention(self.kv_pool, self.model.scale, batch, fused=True)
 
-        def step(greedy: bool) -> torch.Tensor:
-            tokens = prefill_step(self.model, attention, self.store, greedy)
-            return self._sampled[: shape.samples].copy_(tokens)
+        def step(variant: str) -> Sampled:
+            tokens, _ = prefill_step(self.model, attention, self.store, variant)
+            return self._sampled[: shape.samples].copy_(tokens), None
 
         captured = {}
         try:
-            for greedy in (False, True):
-                graph, _ = capture_step(lambda: step(greedy), self.store.device, self._pool)  # noqa: B023 (called at once)
-                captured[(shape.tokens, greedy)] = graph
+            for variant in (SAMPLED, GREEDY):  # a CONTROLLED batch runs eagerly
+                graph, _ = capture_step(lambda: step(variant), self.store.device, self._pool)  # noqa: B023 (called at once)
+                captured[(shape.tokens, variant)] = graph
             torch.cuda.synchronize()
         except Exception as err:  # any failure leaves the bucket eager, said why
             self.states[shape.tokens] = f"eager (capture failed: {type(err).__name__}: {err})"

@@ -1,0 +1,112 @@
+"""The device sampler's controls (executor_svc/sampler_controls.py) against a plain torch reference of the
+same rules (vLLM's repetition penalty, OpenAI's frequency/presence penalties and logit bias), min_tokens,
+min-p and the logprob table, on the CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from executor_svc.control_writes import ControlWrites
+from executor_svc.sampler import sample
+from executor_svc.sampler_controls import SamplerControls, logprob_table, sample_controlled
+
+VOCAB, SLOTS = 12, 4
+
+
+def controls_for(
+    slot,
+    *,
+    min_p=0.0,
+    rep=1.0,
+    freq=0.0,
+    pres=0.0,
+    bias=(),
+    prompt=(),
+    output=(),
+    stop=(),
+    min_tokens=0,
+    top=-1,
+):
+    controls = SamplerControls(SLOTS, VOCAB, torch.device("cpu"))
+    bias_ids = [token for token, _ in bias]
+    writes = ControlWrites(
+        np.array([slot], np.int32),
+        np.array([[min_p, rep, freq, pres]], np.float32),
+        np.array([[min_tokens, len(output), top, len(bias), len(prompt), len(output), len(stop)]], np.int32),
+        np.array([*bias_ids, *prompt, *output, *stop], np.int32),
+        np.array([b for _, b in bias], np.float32),
+    )
+    controls.write(np.array([1, 2, 3], np.int32), writes)
+    return controls
+
+
+def reference(logits, *, rep, freq, pres, bias, prompt, output):
+    """vLLM/OpenAI: bias added, then the repetition penalty on tokens of the prompt or output (a positive
+    logit divided by it, a negative one multiplied), then -freq * count - pres * (count > 0)."""
+    logits = logits.clone()
+    for token, value in bias:
+        logits[token] += value
+    for token in set(prompt) | set(output):
+        logits[token] = logits[token] / rep if logits[token] > 0 else logits[token] * rep
+    for token in set(output):
+        count = output.count(token)
+        logits[token] -= freq * count + pres
+    return logits
+
+
+def test_penalties_and_bias_match_the_reference_and_other_rows_are_untouched():
+    torch.manual_seed(0)
+    logits = torch.randn(2, VOCAB) * 3
+    rule = dict(rep=1.3, freq=0.4, pres=0.7, bias=[(5, 2.5), (0, -100.0)], prompt=[1, 2, 3], output=[3, 4, 4])
+    controls = controls_for(2, **rule)
+    slots = torch.tensor([2, 1])  # slot 1 was written whole without controls
+    got = controls.apply(logits, slots)
+    torch.testing.assert_close(got[0], reference(logits[0], **rule))
+    torch.testing.assert_close(got[1], logits[1])
+    # The step counts its input (the last output) itself: one more 4 and a 7.
+    controls.count_inputs(torch.tensor([2, 0]), torch.tensor([4, 9]))
+    controls.count_inputs(torch.tensor([2, 0]), torch.tensor([7, 9]))
+    counted = dict(rule, output=[3, 4, 4, 4, 7])
+    torch.testing.assert_close(controls.apply(logits, slots)[0], reference(logits[0], **counted))
+    assert int(controls.generated[2]) == 5 and int(controls.counts[0].sum()) == 0  # the sink counts nothing
+
+
+def test_min_tokens_masks_the_stop_ids_until_reached():
+    controls = controls_for(1, stop=[0, 7], min_tokens=2)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7] = 10.0  # the stop token is the best
+    slot = torch.tensor([1])
+    params = (
+        torch.zeros(1),
+        torch.ones(1),
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int64),
+    )
+    tokens, _ = sample_controlled(logits, params, controls, slot, torch.zeros(1, dtype=torch.int64))
+    assert int(tokens[0]) != 7 and torch.isinf(controls.apply(logits, slot)[0, [0, 7]]).all()
+    controls.count_inputs(slot, tokens)
+    controls.count_inputs(slot, tokens)  # two outputs: min_tokens reached
+    tokens, _ = sample_controlled(logits, params, controls, slot, torch.zeros(1, dtype=torch.int64))
+    assert int(tokens[0]) == 7
+
+
+def test_min_p_keeps_only_tokens_near_the_best():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = set()
+    for counter in range(200):
+        args = (torch.ones(1), torch.ones(1), torch.zeros(1, dtype=torch.int32), torch.tensor([3]))
+        kept.add(int(sample(logits, *args, torch.tensor([counter]), min_p=torch.tensor([0.5]))[0]))
+    assert kept == {0, 1}  # 0.15 < 0.5 * 0.5
+
+
+def test_logprob_table_is_log_softmax_of_the_logits_with_the_top_ids():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 64)
+    tokens = torch.tensor([5, 0, 63])
+    table = logprob_table(logits, tokens)
+    expected = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(table[:, 0], expected.gather(1, tokens[:, None])[:, 0])
+    top = expected.topk(20)
+    torch.testing.assert_close(table[:, 1:21], top.values)
+    assert torch.equal(table[:, 21:].long(), top.indices)
