@@ -169,6 +169,12 @@ def add_planner_flags(flags: Flags) -> None:
         help="share the full KV pages of identical prompt starts across requests",
     )
     flags.option(
+        "--metrics-port",
+        type=port,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://--host:PORT/metrics (0 picks a free one); unset: none",
+    )
+    flags.option(
         "--drain-timeout",
         type=float_in(0.0, 86400.0),
         default=30.0,

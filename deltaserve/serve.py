@@ -9,6 +9,8 @@ import contextlib
 import os
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
+
 from deltaserve.aio import until_stopped
 from deltaserve.logs import get_logger
 from deltaserve.trust import Trust
@@ -16,6 +18,7 @@ from executor_svc.config import ExecutorConfig
 from planner_svc.config import PlannerConfig, SchedulingConfig
 from planner_svc.retention import RetentionConfig
 from protos import executor_pb2, executor_pb2_grpc
+from protos.metrics_port import serve_metrics
 from protos.rpc import ChannelSecurity, open_channel, wait_serving
 
 PLANNER_PORT = 50051
@@ -153,6 +156,18 @@ async def _start_gateway(
     return started.port
 
 
+def _metrics(
+    servers: contextlib.AsyncExitStack, args: argparse.Namespace
+) -> tuple[CollectorRegistry | None, dict]:
+    """The process's metrics registry and its port (--metrics-port; stopped with `servers`), or none."""
+    if args.metrics_port is None:
+        return None, {}
+    registry = CollectorRegistry()
+    served = serve_metrics(registry, args.host, args.metrics_port)
+    servers.callback(served.stop)
+    return registry, {"metrics": f"{args.host}:{served.port}"}
+
+
 async def _serve_until_stopped(stop: asyncio.Event, **listening) -> None:
     log.info("listening", **listening)
     await stop.wait()
@@ -199,6 +214,7 @@ async def serve_up(
         servers.push_async_callback(executor.stop, SHUTDOWN_GRACE_S)
         executor_addr = f"127.0.0.1:{executor.port}"
         planner_cfg.executors = [executor_addr]
+        registry, metrics_fields = _metrics(servers, args)
         planner = await start_planner_server(
             planner_cfg,
             args.host,
@@ -206,6 +222,7 @@ async def serve_up(
             security=args.trust.server,
             executor_channel=args.trust.self_link,  # its own executor, on loopback
             cache_channel=args.trust.cache_link,
+            metrics=registry,
         )
         servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
         http_fields = {}
@@ -224,6 +241,7 @@ async def serve_up(
             stop,
             addr=f"{args.host}:{planner.port}",
             **http_fields,
+            **metrics_fields,
             device=described.device,
             model=described.model_name,
             dtype=described.dtype,
@@ -287,6 +305,7 @@ async def serve_planner(args: argparse.Namespace, config: PlannerConfig, stop: a
             log.info("stopped before the executors were up")
             return 0
     async with contextlib.AsyncExitStack() as servers:
+        registry, metrics_fields = _metrics(servers, args)
         planner = await start_planner_server(
             config,
             args.host,
@@ -294,6 +313,7 @@ async def serve_planner(args: argparse.Namespace, config: PlannerConfig, stop: a
             security=args.trust.server,
             executor_channel=args.trust.executor_link,
             cache_channel=args.trust.cache_link,
+            metrics=registry,
         )
         servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
         described = await _describe_executor(config.executors[0], args.trust.executor_link)
@@ -301,6 +321,7 @@ async def serve_planner(args: argparse.Namespace, config: PlannerConfig, stop: a
             stop,
             addr=f"{args.host}:{planner.port}",
             executors=config.executors,
+            **metrics_fields,
             device=described.device,
             model=described.model_name,
             cache=config.cache or "off",

@@ -8,6 +8,7 @@ import uuid
 
 import grpc
 import structlog
+from prometheus_client import CollectorRegistry
 
 from planner_svc.choice_text import ChoiceText
 from planner_svc.config import PlannerConfig
@@ -16,6 +17,7 @@ from planner_svc.decode_guard import guarded
 from planner_svc.engine import Engine
 from planner_svc.intake import Intake, model_eos_ids
 from planner_svc.link import ExecutorLink, GrpcLink
+from planner_svc.metrics import PlannerMetrics
 from planner_svc.parking import ParkError, Parking
 from planner_svc.requests import Finish, Request
 from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
@@ -85,6 +87,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         self.running_requests = self._requests  # what a drain waits for (drain.py)
         self.draining: str | None = None  # set by a drain: new requests are refused with it
         self.cut: dict[tuple[str, str], str] = {}  # (tenant, request id) -> why a drain cut it
+        self.metrics: PlannerMetrics | None = None  # set when the process serves metrics
 
     async def Generate(self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         request_id = request.request_id or uuid.uuid4().hex
@@ -111,6 +114,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         self, request: client_pb2.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext
     ):
         mount = Mount()
+        clock = self.metrics.request() if self.metrics is not None else None  # from the request's arrival
         try:
             req, messages = await self.intake.prepare(request, request_id)
             if request.conversation_id:
@@ -133,10 +137,19 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             await context.abort(error.code, str(error))
         self._requests[(req.tenant, request_id)] = (req, engine)
         log.info("request admitted", prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
+        reason = "error"  # a status other than OK; a client gone is an abort
         try:
             async for response in self._stream(req, engine, queue, context, mount):
+                if clock is not None:
+                    clock.sent(response)
                 yield response
+            reason = (req.finish or Finish.ABORT).value
+        except (GeneratorExit, asyncio.CancelledError):
+            reason = "abort"
+            raise
         finally:
+            if clock is not None:
+                clock.ended(req, mount, reason)
             self._requests.pop((req.tenant, request_id), None)
             if req.finish is None:  # the client went away: free its pages and slot
                 engine.abort(req)
@@ -315,12 +328,13 @@ async def start_planner_server(
     security: ServerSecurity | None = None,
     executor_channel: ChannelSecurity | None = None,
     cache_channel: ChannelSecurity | None = None,
+    metrics: CollectorRegistry | None = None,
 ) -> StartedServer[PlannerServicer]:
     """Attach to the executors (waiting until they answer), then serve the client API.
 
     Stopping the returned server stops the engines and closes the cache channel. `security`: TLS and API
     keys of the client API; `executor_channel` and `cache_channel`: how it reaches the executors (TLS) and
-    the cache (TLS, and the service key).
+    the cache (TLS, and the service key). `metrics`: the registry its metrics are recorded in (planner_svc/metrics.py).
     """
     if links is None:
         if not config.executors:
@@ -340,6 +354,9 @@ async def start_planner_server(
     for engine in engines:
         await engine.start()
     servicer = PlannerServicer(engines, descriptions, tokenizer, turns)
+    if metrics is not None:
+        servicer.metrics = PlannerMetrics(metrics)
+        servicer.metrics.follow(lambda: [engine.scheduler for engine in engines])
     started = await start_server(
         servicer,
         guarded(client_pb2_grpc.add_PlannerServicer_to_server),  # invalid UTF-8: INVALID_ARGUMENT

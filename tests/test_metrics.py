@@ -1,0 +1,65 @@
+"""The planner's Prometheus metrics over the real stack: the endpoint parsed with prometheus-client's own
+parser before and after requests (a plain one, and a conversation's second turn reusing its checkpoint)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx2 as httpx
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from planner_svc.client import GenerateOptions, PlannerClient
+from planner_svc.metrics import PlannerMetrics
+from protos.metrics_port import serve_metrics
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def test_counters_histograms_and_gauges_move_with_requests(smol_stack):
+    registry = CollectorRegistry()
+    metrics = PlannerMetrics(registry)
+    metrics.follow(lambda: [engine.scheduler for engine in smol_stack.planner.engines])
+    served = serve_metrics(registry, "127.0.0.1", 0)
+    smol_stack.planner.metrics = metrics
+    try:
+        await smol_stack.wait_idle()
+        before = await asyncio.to_thread(scrape, served.port)
+        assert before[("deltaserve_kv_pages_total", ())] == smol_stack.scheduler.pages.total
+        assert before[("deltaserve_requests_running", ())] == 0
+        chat = [{"role": "user", "content": "Count to three."}]
+        async with PlannerClient(smol_stack.addr) as client:
+            first = await client.generate_all(GenerateOptions(chat=chat, max_tokens=4, conversation_id="m1"))
+            chat += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Again."}]
+            second = await client.generate_all(GenerateOptions(chat=chat, max_tokens=4, conversation_id="m1"))
+        await smol_stack.wait_idle()
+        after = await asyncio.to_thread(scrape, served.port)
+    finally:
+        smol_stack.planner.metrics = None
+        served.stop()
+
+    def grew(name: str, labels: tuple = ()) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert grew("deltaserve_prompt_tokens_total") == first.prompt_tokens + second.prompt_tokens
+    assert grew("deltaserve_generation_tokens_total") == len(first.token_ids) + len(second.token_ids)
+    assert grew("deltaserve_requests_finished_total", (("reason", "length"),)) == 2
+    assert second.checkpoint.startswith("checkpoint@") and second.reused_tokens > 0
+    assert grew("deltaserve_prompt_tokens_reused_total", (("source", "checkpoint"),)) == second.reused_tokens
+    assert grew("deltaserve_time_to_first_token_seconds_count") == 2
+    assert grew("deltaserve_request_duration_seconds_count") == 2
+    assert (
+        grew("deltaserve_inter_token_latency_seconds_count")
+        == len(first.token_ids) + len(second.token_ids) - 2
+    )
+    assert after[("deltaserve_kv_pages_used", ())] > 0  # the conversation keeps its pages
