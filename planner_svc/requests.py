@@ -63,6 +63,9 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()  # matched on the streamed text (stop_strings.py)
     min_tokens: int = 0  # no stop before this many output tokens
+    choices: list[Request] = field(
+        default_factory=list
+    )  # n > 1: the other choices let in so far (choices.py)
 
     phase: Phase = Phase.WAITING
     pages: list[int] = field(default_factory=list)

@@ -10,7 +10,6 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry
 
-from planner_svc.choice_text import ChoiceText
 from planner_svc.config import PlannerConfig
 from planner_svc.conversations import Conversations, Mount
 from planner_svc.decode_guard import guarded
@@ -20,25 +19,19 @@ from planner_svc.link import ExecutorLink, GrpcLink
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.parking import ParkError, Parking
 from planner_svc.requests import Finish, Request
+from planner_svc.responses import ResponseStreams
 from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
-from planner_svc.streaming import TokenEvent
 from planner_svc.tokenizer import load_tokenizer
 from planner_svc.turns import Turns
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.auth import request_tenant
 from protos.layout import RowLayout
 from protos.rpc import ChannelSecurity, ServerSecurity, StartedServer, log_access, start_server
-from protos.wire import pack_i32
 
 log = structlog.get_logger("deltaserve.planner")
 
 VERSION = "0.1.0"
 SERVICE_NAME = client_pb2.DESCRIPTOR.services_by_name["Planner"].full_name
-_FINISH = {
-    Finish.STOP: client_pb2.FINISH_REASON_STOP,
-    Finish.LENGTH: client_pb2.FINISH_REASON_LENGTH,
-    Finish.ABORT: client_pb2.FINISH_REASON_ABORT,
-}
 
 
 def build_engine(
@@ -87,6 +80,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         self.running_requests = self._requests  # what a drain waits for (drain.py)
         self.draining: str | None = None  # set by a drain: new requests are refused with it
         self.cut: dict[tuple[str, str], str] = {}  # (tenant, request id) -> why a drain cut it
+        self.responses = ResponseStreams(tokenizer, self.cut)
         self.metrics: PlannerMetrics | None = None  # set when the process serves metrics
 
     async def Generate(self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -139,7 +133,11 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         log.info("request admitted", prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
         reason = "error"  # a status other than OK; a client gone is an abort
         try:
-            async for response in self._stream(req, engine, queue, context, mount):
+            if request.n > 1:
+                stream = self.responses.choices(req, engine, queue, context, request.n)
+            else:
+                stream = self.responses.one(req, engine, queue, context, mount)
+            async for response in stream:
                 if clock is not None:
                     clock.sent(response)
                 yield response
@@ -155,66 +153,6 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 engine.abort(req)
                 log.info("client disconnected; request aborted")
 
-    async def _stream(
-        self,
-        req: Request,
-        engine: Engine,
-        queue: asyncio.Queue[TokenEvent],
-        context: grpc.aio.ServicerContext,
-        mount: Mount,
-    ):
-        choice = ChoiceText(self.tokenizer, req.stop_strings, req.min_tokens, req.sampling.top_logprobs)
-        first = True
-        while True:
-            event = await queue.get()
-            while event.finish is None and not queue.empty():  # join what piled up into one message
-                event.join(queue.get_nowait())
-            if event.error is not None:
-                await context.abort(grpc.StatusCode[event.code], event.error)
-            piece = choice.add(event.token_ids, event.logprobs)
-            finish, text = event.finish, piece.text
-            if piece.stop_string is not None:  # ends the request now: its pages free at the match
-                engine.abort(req, Finish.STOP)
-                finish = Finish.STOP
-            elif finish is not None:
-                text += choice.flush()
-            response = client_pb2.GenerateResponse(
-                request_id=req.request_id,
-                token_ids=pack_i32(piece.token_ids),
-                text=text,
-                stop_string=piece.stop_string or "",
-                logprobs=piece.logprobs,
-            )
-            if first:
-                response.prompt_tokens = req.prompt_len
-                first = False
-            if finish is Finish.ABORT and (req.tenant, req.request_id) in self.cut:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, self.cut.pop((req.tenant, req.request_id)))
-            if finish is not None:
-                response.finish_reason = _FINISH[finish]
-                response.prompt_tokens = req.prompt_len
-                response.reused_tokens = req.reused
-                response.read_tokens = req.prompt_len - req.reused
-                response.checkpoint = self._mounted(req, mount)
-                response.diverged_at = mount.diverged_at
-                log.info(
-                    "request finished",
-                    finish=finish.value,
-                    tokens=len(req.output_ids),
-                    reused=req.reused,
-                    checkpoint=response.checkpoint,
-                )
-                yield response
-                return
-            yield response
-
-    @staticmethod
-    def _mounted(req: Request, mount: Mount) -> str:
-        """What the request reused: its conversation's checkpoint, else shared prefix pages, and why not."""
-        if mount.reused or not req.reused:
-            return mount.checkpoint
-        return "prefix" if mount.checkpoint == "none" else f"prefix, {mount.checkpoint}"
-
     @staticmethod
     async def _owner(
         req: Request, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -229,7 +167,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         if found is None:
             return client_pb2.AbortResponse(aborted=False)
         req, engine = found
-        return client_pb2.AbortResponse(aborted=engine.abort(req))
+        aborted = [engine.abort(choice) for choice in (req, *req.choices)]
+        return client_pb2.AbortResponse(aborted=any(aborted))
 
     async def Park(self, request: client_pb2.ParkRequest, context: grpc.aio.ServicerContext):
         try:

@@ -131,6 +131,10 @@ def check_controls(request: client_pb2.GenerateRequest) -> None:
         raise _bad("min_tokens", request.min_tokens, f"must be in [0, max_tokens = {request.max_tokens}]")
     if not 0 <= request.n <= MAX_CHOICES:
         raise _bad("n", request.n, f"must be in [1, {MAX_CHOICES}] (0 means 1)")
+    if request.n > 1 and request.conversation_id:
+        raise InvalidRequest(
+            f"n is {request.n} but a conversation's turn has one answer: leave conversation_id empty"
+        )
     if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
         raise _bad("top_logprobs", request.top_logprobs, f"must be in [0, {MAX_TOP_LOGPROBS}]")
     if request.top_logprobs and not request.logprobs:
@@ -155,7 +159,6 @@ def check_response_format(response_format: client_pb2.ResponseFormat) -> None:
 
 # Fields whose behaviour is not built yet: refused by name (UNIMPLEMENTED), never silently ignored.
 _NOT_BUILT: tuple[tuple[str, Callable[[client_pb2.GenerateRequest], bool]], ...] = (
-    ("n", lambda r: r.n > 1),
     ("response_format", lambda r: r.HasField("response_format")),
 )
 

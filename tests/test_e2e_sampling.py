@@ -132,3 +132,18 @@ async def test_seeded_sampling_with_controls_repeats(smol_stack):
         again = await client.generate_all(GenerateOptions(seed=11, **options))
     assert first.token_ids == again.token_ids
     assert [e.chosen.logprob for e in first.logprobs] == [e.chosen.logprob for e in again.logprobs]
+
+
+async def test_n_choices_share_the_prompt_and_draw_from_their_own_seeds(smol_stack):
+    sampled = dict(text=PROMPT * 3, max_tokens=6, ignore_eos=True, temperature=1.0, seed=5)
+    async with PlannerClient(smol_stack.addr) as client:
+        before = await free_state(smol_stack, client)
+        choices = await client.generate_choices(GenerateOptions(n=2, **sampled))
+        alone = [await client.generate_all(GenerateOptions(**(sampled | {"seed": seed}))) for seed in (5, 6)]
+        assert await free_state(smol_stack, client) == before
+    assert [c.index for c in choices] == [0, 1]
+    assert [c.token_ids for c in choices] == [a.token_ids for a in alone]
+    assert choices[0].token_ids != choices[1].token_ids
+    # The second choice read only the prompt's last, partial page: the first's full pages were shared.
+    page_size = smol_stack.scheduler.config.page_size
+    assert choices[1].read_tokens <= page_size < choices[0].read_tokens

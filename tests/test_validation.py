@@ -85,6 +85,7 @@ def request(**fields) -> client_pb2.GenerateRequest:
         (dict(min_tokens=-1), "min_tokens"),
         (dict(n=17), "n must be in [1, 16] (0 means 1), got 17"),
         (dict(n=-1), "n must be in"),
+        (dict(n=2, conversation_id="c"), "n is 2 but a conversation's turn has one answer"),
         (dict(logprobs=True, top_logprobs=21), "top_logprobs must be in [0, 20], got 21"),
         (dict(top_logprobs=2), "top_logprobs is 2 but logprobs is off"),
         (dict(response_format=dict(json_object=False)), "response_format.json_object must be true"),
