@@ -89,7 +89,14 @@ async def _answer(
 
         await unless_disconnected(request, gather())
         reply = openai_replies.completion(
-            kind, response_id, created, model, list(states.values()), conversation, body.return_token_ids
+            kind,
+            response_id,
+            created,
+            model,
+            list(states.values()),
+            conversation,
+            body.return_token_ids,
+            choices[0].options.logprobs,
         )
         return JSONResponse(reply, headers=headers)
     writer = ChunkWriter(
@@ -100,6 +107,7 @@ async def _answer(
         conversation,
         token_ids=body.return_token_ids,
         include_usage=body.stream_options is not None and body.stream_options.include_usage,
+        with_logprobs=choices[0].options.logprobs,
     )
     # The first response before the headers: a request the planner refuses gets its own HTTP status.
     try:

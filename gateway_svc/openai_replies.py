@@ -4,6 +4,7 @@ extension object. Pure: dicts from the planner's responses, no I/O."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -26,12 +27,15 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)
     prompt_tokens: int = 0
     last: client_pb2.GenerateResponse | None = None  # the one with the finish reason
+    logprobs: list[client_pb2.TokenLogprobs] = field(default_factory=list)  # one per token, when asked
+    text_chars: int = 0  # characters of text streamed so far (a completion's text_offset)
 
     def add(self, response: client_pb2.GenerateResponse) -> list[int]:
         """Takes one response in; returns its token ids."""
         ids = unpack_i32(response.token_ids).tolist()
         self.token_ids.extend(ids)
         self.text.append(response.text)
+        self.logprobs.extend(response.logprobs)
         self.prompt_tokens = response.prompt_tokens or self.prompt_tokens
         if response.finish_reason != client_pb2.FINISH_REASON_UNSPECIFIED:
             self.last = response
@@ -40,6 +44,35 @@ class ChoiceState:
     @property
     def finish_reason(self) -> str | None:
         return None if self.last is None else FINISH_REASONS[self.last.finish_reason]
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop string that ended the choice (vLLM's stop_reason), if one did."""
+        return (self.last.stop_string or None) if self.last is not None else None
+
+
+def _alternative(entry: client_pb2.TokenLogprob) -> dict[str, Any]:
+    return {"token": entry.token, "logprob": entry.logprob, "bytes": list(entry.token_bytes)}
+
+
+def logprobs(kind: Kind, entries: Sequence[client_pb2.TokenLogprobs], offset: int = 0) -> dict[str, Any]:
+    """OpenAI's logprobs object of some tokens: chat's `content` list, or a completion's parallel lists
+    (`text_offset` counted from `offset`, the characters before these tokens)."""
+    if kind == "chat":
+        content = [
+            {**_alternative(e.chosen), "top_logprobs": [_alternative(t) for t in e.top]} for e in entries
+        ]
+        return {"content": content}
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.chosen.token)
+    return {
+        "tokens": [e.chosen.token for e in entries],
+        "token_logprobs": [e.chosen.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def extension(state: ChoiceState, conversation: str) -> dict[str, Any]:
@@ -89,6 +122,7 @@ def completion(
     states: list[ChoiceState],
     conversation: str,
     token_ids: bool,
+    with_logprobs: bool,
 ) -> dict[str, Any]:
     """The whole (non-streamed) answer."""
     choices = []
@@ -96,7 +130,8 @@ def completion(
         choice: dict[str, Any] = {
             "index": state.index,
             "finish_reason": state.finish_reason,
-            "logprobs": None,
+            "stop_reason": state.stop_reason,
+            "logprobs": logprobs(kind, state.logprobs) if with_logprobs else None,
         }
         text = "".join(state.text)
         if kind == "chat":
@@ -123,6 +158,7 @@ class ChunkWriter:
     conversation: str
     token_ids: bool  # each delta carries its token ids
     include_usage: bool
+    with_logprobs: bool  # each delta carries its tokens' logprobs
     _started: set[int] = field(default_factory=set)  # choices whose first chunk went out
 
     def event(self, payload: dict[str, Any]) -> bytes:
@@ -135,10 +171,16 @@ class ChunkWriter:
         held back until a character is whole)."""
         finish = state.finish_reason if state.last is response else None
         first = state.index not in self._started
-        if not (response.text or finish or first or (self.token_ids and ids)):
+        offset = state.text_chars
+        state.text_chars += len(response.text)
+        if not (response.text or finish or first or ((self.token_ids or self.with_logprobs) and ids)):
             return None
         self._started.add(state.index)
         choice: dict[str, Any] = {"index": state.index, "finish_reason": finish, "logprobs": None}
+        if self.with_logprobs:
+            choice["logprobs"] = logprobs(self.kind, response.logprobs, offset)
+        if finish is not None:
+            choice["stop_reason"] = state.stop_reason
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if response.text or first:

@@ -67,19 +67,22 @@ class GenerationBody(BaseModel):
     # deltaserve: continue a conversation (the prompt carries the whole history), and pin its shared start
     conversation_id: Annotated[str, Field(max_length=256)] | None = None
     shared_prefix: SharedPrefixSpec | None = None
-    # Declared to be refused by name (translate.UNSUPPORTED), never silently dropped.
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = None  # stop strings (the planner takes at most 4)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's) -> bias
+    min_p: float | None = None  # vLLM's extension
+    repetition_penalty: float | None = None  # vLLM's extension
+    min_tokens: NonNegativeInt | None = None  # vLLM's extension
+    # Declared to be refused by name (translate.UNSUPPORTED), never silently dropped.
     best_of: int | None = None
 
 
 class ChatCompletionBody(GenerationBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: NonNegativeInt | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -95,5 +98,6 @@ Prompt = str | Annotated[list[NonNegativeInt], Field(min_length=1)] | list[str] 
 
 class CompletionBody(GenerationBody):
     prompt: Prompt
+    logprobs: NonNegativeInt | None = None  # the chosen token's logprob and this many alternatives
     echo: bool = False
     suffix: str | None = None

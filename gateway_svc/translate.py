@@ -15,14 +15,7 @@ from planner_svc.client import GenerateOptions
 
 # body field -> why it is refused; checked when the field is set to something other than its default
 UNSUPPORTED = {
-    "stop": "stop strings are not supported yet (stop_token_ids are)",
-    "frequency_penalty": "frequency_penalty is not supported yet",
-    "presence_penalty": "presence_penalty is not supported yet",
-    "logit_bias": "logit_bias is not supported yet",
-    "logprobs": "logprobs are not supported yet",
-    "top_logprobs": "top_logprobs are not supported yet",
     "best_of": "best_of is not supported",
-    "response_format": "response_format (structured output) is not supported yet",
     "tools": "tools and function calling are not supported",
     "tool_choice": "tools and function calling are not supported",
     "functions": "tools and function calling are not supported",
@@ -35,13 +28,10 @@ UNSUPPORTED = {
 }
 # values that mean "not asked for" even when a client sends them explicitly
 _HARMLESS = {
-    "logprobs": (None, False, 0),
     "best_of": (None, 1),
     "echo": (False,),
     "modalities": (None, ["text"]),
-    "response_format": (None, {"type": "text"}),
     "tool_choice": (None, "none"),
-    "stop": (None, [], ""),
 }
 
 
@@ -91,6 +81,16 @@ def conversation_of(body: GenerationBody, header: str | None) -> str:
     return field or header
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys) with integer ids; the planner checks the ranges."""
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise BadField("logit_bias", "logit_bias keys must be token ids (integers)") from None
+
+
 def _base_options(body: GenerationBody, conversation: str, max_tokens: int | None) -> GenerateOptions:
     if body.shared_prefix is not None and not conversation:
         raise BadField(
@@ -100,6 +100,13 @@ def _base_options(body: GenerationBody, conversation: str, max_tokens: int | Non
         raise BadField("n", "a conversation continues with one answer: n must be 1 with a conversation_id")
     return GenerateOptions(
         max_tokens=max_tokens or 0,  # 0: as many as fit in the context after the prompt
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or ()),
+        frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens or 0,
+        logit_bias=_logit_bias(body.logit_bias),
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
@@ -144,6 +151,12 @@ def chat_choices(body: ChatCompletionBody, conversation_header: str | None, requ
         raise BadField("max_completion_tokens", "max_tokens and max_completion_tokens differ; give one")
     conversation = conversation_of(body, conversation_header)
     base = _base_options(body, conversation, body.max_completion_tokens or body.max_tokens)
+    base = replace(
+        base,
+        logprobs=bool(body.logprobs),
+        top_logprobs=body.top_logprobs or 0,
+        response_format=None if body.response_format in (None, {"type": "text"}) else body.response_format,
+    )
     chat = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
     return _fan_out([replace(base, chat=chat)], body.n, body.seed, request_id)
 
@@ -168,6 +181,8 @@ def completion_choices(
     if conversation and len(prompts) > 1:
         raise BadField("prompt", "a conversation continues with one prompt, not a batch")
     base = _base_options(body, conversation, body.max_tokens or 16)  # OpenAI's completions default: 16
+    if body.logprobs is not None:  # OpenAI's completions: logprobs N is the chosen token and N alternatives
+        base = replace(base, logprobs=True, top_logprobs=body.logprobs)
     options = [
         replace(base, text=p) if isinstance(p, str) else replace(base, token_ids=tuple(p)) for p in prompts
     ]

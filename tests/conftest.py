@@ -136,3 +136,26 @@ def tiny_llama_config(**overrides):
     )
     fields.update(overrides)
     return DenseConfig(**fields)
+
+
+class Http:
+    """The HTTP gateway over the smol stack, with OpenAI's client pointed at it."""
+
+    def __init__(self, stack, gateway, planner, model: str):
+        import openai
+
+        self.stack, self.gateway, self.planner, self.model = stack, gateway, planner, model
+        self.base = f"http://127.0.0.1:{gateway.port}"
+        self.client = openai.AsyncOpenAI(api_key="unused", base_url=f"{self.base}/v1", max_retries=0)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def http(smol_stack):
+    from gateway_svc.http_server import start_gateway
+    from planner_svc.client import PlannerClient
+
+    gateway = await start_gateway(smol_stack.addr)
+    async with PlannerClient(smol_stack.addr) as planner:
+        model = (await planner.model_info()).name
+        yield Http(smol_stack, gateway, planner, model)
+    await gateway.stop()

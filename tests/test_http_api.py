@@ -7,32 +7,14 @@ from __future__ import annotations
 import asyncio
 
 import httpx2 as httpx
-import openai
 import pytest
-import pytest_asyncio
 
 from gateway_svc.http_server import start_gateway
-from planner_svc.client import GenerateOptions, PlannerClient
+from planner_svc.client import GenerateOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-class Http:
-    def __init__(self, stack, gateway, planner: PlannerClient, model: str):
-        self.stack, self.gateway, self.planner, self.model = stack, gateway, planner, model
-        self.base = f"http://127.0.0.1:{gateway.port}"
-        self.client = openai.AsyncOpenAI(api_key="unused", base_url=f"{self.base}/v1", max_retries=0)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def http(smol_stack):
-    gateway = await start_gateway(smol_stack.addr)
-    async with PlannerClient(smol_stack.addr) as planner:
-        model = (await planner.model_info()).name
-        yield Http(smol_stack, gateway, planner, model)
-    await gateway.stop()
 
 
 async def test_chat_streamed_and_whole_equal_the_grpc_tokens(http):

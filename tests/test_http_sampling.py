@@ -1,0 +1,98 @@
+"""The sampling controls through the HTTP API (OpenAI's client, the real stack): stop strings split across
+tokens, n choices with seeds, logprobs as the planner's sampler reports them, the penalties forwarded, and
+response_format refused while the planner cannot honour it."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from planner_svc.client import GenerateOptions
+from tests.test_http_api import QUESTION
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def test_a_stop_string_across_tokens_ends_the_answer_before_it(http):
+    plain = await http.planner.generate_all(GenerateOptions(chat=QUESTION, max_tokens=12))
+    words = http.stack.planner.tokenizer.convert_ids_to_tokens(plain.token_ids)
+    assert len(words) > 4
+    # the end of one token and the start of the next: a match no single token holds
+    start = len(http.stack.planner.tokenizer.decode(plain.token_ids[:3], skip_special_tokens=True))
+    stop = plain.text[start - 2 : start + 2]
+    assert len(stop) == 4 and stop in plain.text
+    fields = dict(model=http.model, messages=QUESTION, max_tokens=12, temperature=0, stop=[stop])
+    whole = await http.client.chat.completions.create(**fields)
+    choice = whole.choices[0]
+    assert choice.message.content == plain.text[: plain.text.index(stop)]
+    assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", stop)
+    stream = await http.client.chat.completions.create(**fields, stream=True)
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_n_seeded_choices_differ_and_repeat(http):
+    fields = dict(
+        model=http.model,
+        messages=QUESTION,
+        max_tokens=6,
+        temperature=1.5,
+        n=2,
+        seed=5,
+        extra_body={"top_k": 50},
+    )
+    first = await http.client.chat.completions.create(**fields)
+    again = await http.client.chat.completions.create(**fields)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1]
+    assert texts == [c.message.content for c in again.choices]
+    assert texts[0] != texts[1]
+    assert 2 <= first.usage.completion_tokens <= 2 * 6  # every choice counted
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens  # the prompt counted once
+
+
+async def test_logprobs_are_the_samplers(http):
+    grpc_answer = await http.planner.generate_all(
+        GenerateOptions(chat=QUESTION, max_tokens=5, logprobs=True, top_logprobs=3)
+    )
+    whole = await http.client.chat.completions.create(
+        model=http.model, messages=QUESTION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = whole.choices[0].logprobs.content
+    assert [e.logprob for e in content] == pytest.approx([e.chosen.logprob for e in grpc_answer.logprobs])
+    assert [e.token for e in content] == [e.chosen.token for e in grpc_answer.logprobs]
+    for entry in content:  # greedy: the chosen token is the most likely one
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+    text = await http.client.completions.create(
+        model=http.model, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2
+    )
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == text.choices[0].text and lp.text_offset[0] == 0
+
+
+async def test_penalties_and_bias_are_forwarded_and_checked_by_the_planner(http):
+    fields = dict(model=http.model, messages=QUESTION, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        await http.client.chat.completions.create(**fields, frequency_penalty=3.0)
+    with pytest.raises(openai.BadRequestError, match="logit_bias keys must be token ids"):
+        await http.client.chat.completions.create(**fields, logit_bias={"hello": 1.0})
+    plain = await http.planner.generate_all(GenerateOptions(chat=QUESTION, max_tokens=2))
+    banned = await http.client.chat.completions.create(
+        **fields,
+        temperature=0,
+        logit_bias={str(plain.token_ids[0]): -100},
+        extra_body={"return_token_ids": True},
+    )
+    assert banned.choices[0].model_extra["token_ids"][0] != plain.token_ids[0]
+
+
+async def test_response_format_is_refused_while_the_planner_cannot_honour_it(http):
+    with pytest.raises(openai.APIStatusError) as refused:
+        await http.client.chat.completions.create(
+            model=http.model, messages=QUESTION, max_tokens=2, response_format={"type": "json_object"}
+        )
+    assert refused.value.status_code == 501 and "response_format" in refused.value.message
+    await http.stack.wait_idle()
