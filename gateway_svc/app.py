@@ -77,7 +77,7 @@ async def _answer(
     model = await gateway.models.check(body.model, key)
     conversation = choices[0].options.conversation_id
     headers = {"X-Conversation-Id": conversation} if conversation else None
-    states = {c.index: ChoiceState(c.index, c.prompt) for c in choices}
+    states = {index: ChoiceState(index, c.prompt) for c in choices for index in c.indices()}
     stream = responses(gateway.planner, choices, key)
     created = int(time.time())
     if not body.stream:

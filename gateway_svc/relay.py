@@ -81,15 +81,16 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         await asyncio.gather(task, watch, return_exceptions=True)
 
 
-Response = tuple[int, client_pb2.GenerateResponse]  # (position of the choice, one of its responses)
+Response = tuple[int, client_pb2.GenerateResponse]  # (the choice's index in the answer, one of its responses)
 
 
 async def _one(planner: PlannerClient, choice: Choice, key: str | None) -> AsyncGenerator[Response, None]:
-    """One choice's Generate call; its status (and a request the client refuses to build) as ApiError."""
+    """One prompt's Generate call (its n choices); its status (and a request the client refuses to build) as
+    ApiError."""
     try:
         async with contextlib.aclosing(planner.generate(choice.options, key)) as stream:
             async for response in stream:
-                yield choice.index, response
+                yield choice.index + response.index, response
     except grpc.aio.AioRpcError as error:
         raise ApiError.from_rpc(error) from None
     except ValueError as error:  # build_generate_request: a malformed chat or shared prefix
@@ -99,8 +100,8 @@ async def _one(planner: PlannerClient, choice: Choice, key: str | None) -> Async
 async def responses(
     planner: PlannerClient, choices: list[Choice], key: str | None
 ) -> AsyncGenerator[Response, None]:
-    """The responses of every choice as they arrive. Closing it early (or an error in one choice) cancels
-    every call still running."""
+    """The responses of every prompt's choices as they arrive. Closing it early (or an error in one call)
+    cancels every call still running."""
     streams = [_one(planner, choice, key) for choice in choices]
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]) as only:

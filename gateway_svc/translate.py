@@ -1,7 +1,7 @@
 """OpenAI request bodies to the planner's GenerateOptions: pure, no I/O.
 
-One body becomes one or more *choices*, each a GenerateOptions of its own: `n` choices per prompt, and a
-text completion may carry several prompts (choice index = prompt index x n + j, as OpenAI numbers them).
+One body becomes one planner request per prompt (a text completion may carry several), each asking for the
+body's `n` choices; choice index = prompt index x n + j, as OpenAI numbers them.
 A field the gateway cannot honour is an UnsupportedField (a 400 naming it), never dropped.
 """
 
@@ -53,9 +53,14 @@ class BadField(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    index: int  # the choice's index in the response
+    """One planner request: a prompt's n choices, numbered from `index` in the response."""
+
+    index: int  # the index of its first choice in the response (prompt x n)
     prompt: int  # which prompt it answers (usage counts each prompt once)
     options: GenerateOptions
+
+    def indices(self) -> range:
+        return range(self.index, self.index + self.options.n)
 
 
 def check_supported(body: GenerationBody) -> None:
@@ -96,8 +101,6 @@ def _base_options(body: GenerationBody, conversation: str, max_tokens: int | Non
         raise BadField(
             "shared_prefix", "shared_prefix marks a conversation's prefix: give a conversation_id too"
         )
-    if conversation and body.n > 1:
-        raise BadField("n", "a conversation continues with one answer: n must be 1 with a conversation_id")
     return GenerateOptions(
         max_tokens=max_tokens or 0,  # 0: as many as fit in the context after the prompt
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or ()),
@@ -118,15 +121,14 @@ def _base_options(body: GenerationBody, conversation: str, max_tokens: int | Non
 
 
 def _fan_out(prompts: list[GenerateOptions], n: int, seed: int | None, request_id: str) -> list[Choice]:
-    """n choices per prompt. A seeded request's choices get seeds seed, seed + 1, ... (each repeats exactly);
-    an unseeded one's a random seed each (the planner's seed 0 is a seed like any other: unseeded requests
-    would all draw the same tokens)."""
+    """One request per prompt, asking the planner for its n choices (they share the prompt's pages; choice j
+    draws from seed + j). An unseeded request gets a random seed: the planner's seed 0 is a seed like any
+    other, so unseeded requests would all draw the same tokens."""
     choices = []
     for p, options in enumerate(prompts):
-        for j in range(n):
-            index = p * n + j
-            drawn = random.getrandbits(64) if seed is None else (seed + j) % 2**64
-            choices.append(Choice(index, p, replace(options, request_id=f"{request_id}-{index}", seed=drawn)))
+        drawn = random.getrandbits(64) if seed is None else seed
+        request = replace(options, request_id=f"{request_id}-{p}", seed=drawn, n=n)
+        choices.append(Choice(p * n, p, request))
     return choices
 
 

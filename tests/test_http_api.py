@@ -132,7 +132,12 @@ async def _error(http, path: str, body: dict, headers: dict | None = None) -> tu
             None,
             "shared_prefix must be",
         ),
-        ({"model": "{model}", "messages": QUESTION, "conversation_id": "c", "n": 2}, 400, "n", "n must be 1"),
+        (
+            {"model": "{model}", "messages": QUESTION, "conversation_id": "c", "n": 2},
+            400,
+            None,
+            "a conversation's turn has one answer",
+        ),
     ],
 )
 async def test_each_bad_request_is_a_4xx_with_openais_error_object(http, body, status, param, says):

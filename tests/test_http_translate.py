@@ -38,7 +38,7 @@ def test_a_chat_body_maps_onto_the_planners_request():
     o = choice.options
     assert o.chat == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert (o.max_tokens, o.temperature, o.top_p, o.top_k, o.seed) == (7, 0.5, 0.9, 3, 11)
-    assert (tuple(o.stop_token_ids), o.conversation_id, o.request_id) == ((5,), "c", "chatcmpl-x-0")
+    assert (tuple(o.stop_token_ids), o.conversation_id, o.request_id, o.n) == ((5,), "c", "chatcmpl-x-0", 1)
     assert o.shared_prefix == {"message": 0, "chars": 3}
 
 
@@ -49,17 +49,14 @@ def test_defaults_are_openais():
     assert text.options.max_tokens == 16 and text.options.text == "x"
 
 
-def test_n_choices_per_prompt_are_numbered_as_openai_does_with_their_own_seeds():
+def test_each_prompt_is_one_request_for_its_n_choices_numbered_as_openai_does():
     body = CompletionBody(model="m", prompt=[[1, 2], [3]], n=2, seed=7)
     choices = completion_choices(body, None, "r")
-    assert [(c.index, c.prompt, c.options.seed) for c in choices] == [
-        (0, 0, 7),
-        (1, 0, 8),
-        (2, 1, 7),
-        (3, 1, 8),
-    ]
-    assert [tuple(c.options.token_ids or ()) for c in choices] == [(1, 2), (1, 2), (3,), (3,)]
-    unseeded = completion_choices(CompletionBody(model="m", prompt="x", n=2), None, "r")
+    assert [(c.index, c.prompt, c.options.n, c.options.seed) for c in choices] == [(0, 0, 2, 7), (2, 1, 2, 7)]
+    assert [list(c.indices()) for c in choices] == [[0, 1], [2, 3]]
+    assert [tuple(c.options.token_ids or ()) for c in choices] == [(1, 2), (3,)]
+    assert [c.options.request_id for c in choices] == ["r-0", "r-1"]
+    unseeded = [completion_choices(CompletionBody(model="m", prompt="x"), None, "r")[0] for _ in range(2)]
     assert unseeded[0].options.seed != unseeded[1].options.seed  # the planner's seed 0 is a seed too
 
 
