@@ -85,6 +85,7 @@ def write_gguf(model, path: Path, arch: str) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_eos_token_id(2)
+    writer.add_eot_token_id(7)  # Llama 3's <|eot_id|> beside its EOS: both end a request
     writer.add_bos_token_id(1)
     if config.rope_parameters["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_factors(config))
@@ -132,4 +133,5 @@ def test_gguf_of_each_family_generates_transformers_tokens(variant: str, arch: s
     write_gguf(hf, tmp_path / "tiny.gguf", arch)
     ours = load_model(str(tmp_path / "tiny.gguf"), "cpu", torch.float32)
     assert ours.config.rope_type == tiny_families.VARIANTS[variant][1]["rope_parameters"]["rope_type"]
+    assert ours.config.eos_token_ids == (2, 7)
     assert greedy(ours, PROMPT, NEW_TOKENS) == tiny_families.hf_greedy(hf, PROMPT, NEW_TOKENS, None)

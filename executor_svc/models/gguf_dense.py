@@ -80,7 +80,7 @@ def read_dense_gguf(
         rms_eps=float(meta(f"{arch}.attention.layer_norm_rms_epsilon")),
         max_seq_len=int(meta(f"{arch}.context_length")),
         tie_embeddings="output.weight" not in tensors,
-        eos_token_ids=(int(meta("tokenizer.ggml.eos_token_id")),),
+        eos_token_ids=_end_ids(meta),
         bos_token_id=meta("tokenizer.ggml.bos_token_id", None),
         name=str(meta("general.name", os.path.basename(path))),
         rope_type=rope_type,
@@ -103,6 +103,17 @@ def read_dense_gguf(
         # F32 tensors come back as read-only views of the file: copy those only.
         weights[_hf_name(path, arch, name)] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
     return config, weights
+
+
+def _end_ids(meta: Any) -> tuple[int, ...]:
+    """The ids that end generation, as llama.cpp counts them: its EOS, and its end-of-turn and end-of-message
+    ids where the file names them (Llama 3's <|eot_id|>, <|eom_id|>)."""
+    ids = [int(meta("tokenizer.ggml.eos_token_id"))]
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        found = meta(key, None)
+        if found is not None and int(found) not in ids:
+            ids.append(int(found))
+    return tuple(ids)
 
 
 def _undo_rope_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:

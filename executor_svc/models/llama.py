@@ -15,7 +15,9 @@ def _read_hf_config(hf: dict[str, Any], path: str) -> DenseConfig:
     return dense_config_from_hf(hf, path, LlamaConfig, qk_norm=False)
 
 
-def hf_weight_name(name: str) -> str:
+def hf_weight_name(name: str) -> str | None:
+    if name.endswith("rotary_emb.inv_freq"):
+        return None  # older checkpoints saved the rope buffer; the rope tables are computed from the config
     return name.removeprefix("model.")
 
 
