@@ -274,5 +274,11 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Only the commands that load a model pay for importing transformers (about a second) to quiet it.
-    configure_logging(args.log_level, args.log_json, route_transformers=args.command in SERVING)
+    name = command_name(args)
+    configure_logging(
+        args.log_level,
+        args.log_json,
+        route_transformers=args.command in SERVING,
+        service="cache" if name == "cache serve" else name,
+    )
     return _run(args)

@@ -24,11 +24,16 @@ def _level_number(level: str) -> int:
 
 
 def configure_logging(
-    level: str = "info", json: bool | None = None, *, route_transformers: bool = True
+    level: str = "info",
+    json: bool | None = None,
+    *,
+    route_transformers: bool = True,
+    service: str | None = None,
 ) -> None:
     """Sends every log line (structlog and stdlib) to stderr, rendered one way.
 
-    json=None picks JSON lines when stderr is not a terminal. route_transformers makes transformers'
+    json=None picks JSON lines when stderr is not a terminal. `service` (planner, executor, cache, up) is
+    a field of every line, so the lines of a stack's services stay apart once collected in one place. route_transformers makes transformers'
     own handler step aside so its warnings come through here too; it imports transformers' logging
     module (about a second), which a short-lived client command can skip.
     """
@@ -41,6 +46,7 @@ def configure_logging(
         os.environ.setdefault("TQDM_DISABLE", "1")
 
     shared_processors: list = [
+        *([_add_service(service)] if service is not None else []),
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
@@ -73,6 +79,14 @@ def configure_logging(
         _route_transformers_logging()
     for name in _QUIET_LIBRARIES:
         logging.getLogger(name).setLevel(max(logging.WARNING, level_number))
+
+
+def _add_service(service: str) -> structlog.typing.Processor:
+    def add(logger: object, method: str, event: structlog.typing.EventDict) -> structlog.typing.EventDict:
+        event.setdefault("service", service)
+        return event
+
+    return add
 
 
 def _route_transformers_logging() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 
 import grpc
 import numpy as np
@@ -299,6 +300,29 @@ async def test_health_and_reflection(served):
         names = [s.name async for reply in call for s in reply.list_services_response.service]
     assert SERVICE_NAME in names
     await client.wait_ready(5)
+
+
+async def run_health_probe(port: int) -> tuple[int, str]:
+    """`python -m deltaserve.health_probe` as a container's health check runs it: the port from the env."""
+    probe = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "deltaserve.health_probe",
+        env={**os.environ, "DELTASERVE_PORT": str(port)},
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await probe.communicate()
+    return probe.returncode or 0, out.decode().strip()
+
+
+async def test_the_health_probe_exits_0_only_while_serving(tmp_path):
+    server = await start_cache_server(str(tmp_path), budget_bytes=MiB)
+    assert await run_health_probe(server.port) == (0, f"127.0.0.1:{server.port}: SERVING")
+    await server.set_serving(False)  # what a draining planner, or one with no executor, says
+    assert await run_health_probe(server.port) == (1, f"127.0.0.1:{server.port}: NOT_SERVING")
+    await server.stop(None)
+    code, said = await run_health_probe(server.port)
+    assert code == 1 and "UNAVAILABLE" in said
 
 
 async def test_a_put_cancelled_midway_leaves_the_older_snapshot_and_no_temporary_files(served):
