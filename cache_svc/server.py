@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import structlog
+from prometheus_client import CollectorRegistry
 
 from cache_svc import CHUNK_BYTES
 from cache_svc.budget import OverBudget
+from cache_svc.cache_metrics import CacheMetrics
 from cache_svc.index import IndexEntry, SnapshotIndex
 from cache_svc.manifest import (
     DEFAULT_TENANT,
@@ -132,11 +135,13 @@ async def _drain(parts: AsyncIterator[cache_pb2.SnapshotPart]) -> None:
 class CacheServicer(cache_pb2_grpc.CacheServicer):
     def __init__(self, index: SnapshotIndex) -> None:
         self.index = index
+        self.metrics: CacheMetrics | None = None  # set when the process serves metrics
 
     async def Put(
         self, request_iterator: AsyncIterator[cache_pb2.SnapshotPart], context: grpc.aio.ServicerContext
     ) -> cache_pb2.PutReply:
         pending: PendingSnapshot | None = None
+        began = time.perf_counter()
         try:
             async for part in request_iterator:
                 kind = part.WhichOneof("part")
@@ -163,6 +168,9 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         finally:
             if pending is not None:
                 pending.abort()  # removes what an unfinished put wrote; a no-op after the commit
+        if self.metrics is not None:
+            self.metrics.park_seconds.observe(time.perf_counter() - began)
+            self.metrics.evictions.inc(len(evicted))
         log.info(
             "snapshot stored",
             key=stored.key,
@@ -179,6 +187,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         readers: list[ShardReader] = []
         next_read: asyncio.Future | None = None
         opened: Manifest | None = None  # the snapshot being read, once its manifest is open
+        began = time.perf_counter()
         try:
             tenant, conversation_id = await _owner(request, context)
             if (
@@ -208,7 +217,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                     yield cache_pb2.SnapshotPart(
                         chunk=cache_pb2.ShardChunk(shard=position, data=data[offset : offset + CHUNK_BYTES])
                     )
+            if self.metrics is not None:
+                self.metrics.restore_seconds.observe(time.perf_counter() - began)
         except SnapshotError as err:
+            if isinstance(err, CorruptSnapshot) and self.metrics is not None:
+                self.metrics.checksum_failures.inc()
             if isinstance(err, CorruptSnapshot):  # never offered again: aside, out of index and budget
                 generation = opened.generation if opened is not None else None
                 await asyncio.to_thread(self.index.quarantine, err.key, str(err), generation)
@@ -277,19 +290,24 @@ async def start_cache_server(
     *,
     tenant_budget_bytes: int | None = None,
     security: ServerSecurity | None = None,
+    metrics: CollectorRegistry | None = None,
 ) -> StartedServer[CacheServicer]:
     """Opens (or rebuilds) the index under root_dir, then serves Cache, grpc.health.v1 and reflection
     on host:port (0 = any free port). Stopping the server closes the index.
 
-    `tenant_budget_bytes`: each tenant's share of the budget (None: the whole); `security`: TLS and API keys.
+    `tenant_budget_bytes`: each tenant's share of the budget (None: the whole); `security`: TLS and API keys;
+    `metrics`: the registry its metrics are recorded in (cache_metrics.py).
     """
     index = await asyncio.to_thread(SnapshotIndex, root_dir, budget_bytes, tenant_budget_bytes)
 
     async def close_index() -> None:
         index.close()
 
+    servicer = CacheServicer(index)
+    if metrics is not None:
+        servicer.metrics = CacheMetrics(metrics, index)
     started = await start_server(
-        CacheServicer(index),
+        servicer,
         cache_pb2_grpc.add_CacheServicer_to_server,
         (SERVICE_NAME,),
         host,

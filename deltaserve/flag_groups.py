@@ -122,6 +122,12 @@ def add_serve_flags(flags: Flags, *, port_number: int) -> None:
         metavar="PORT",
         help="port to listen on (0 picks a free one)",
     )
+    flags.option(
+        "--metrics-port",
+        type=port,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://--host:PORT/metrics (0 picks a free one); unset: none",
+    )
 
 
 def add_planner_flags(flags: Flags) -> None:
@@ -167,12 +173,6 @@ def add_planner_flags(flags: Flags) -> None:
         "--prefix-cache",
         default=defaults.scheduling.prefix_cache,
         help="share the full KV pages of identical prompt starts across requests",
-    )
-    flags.option(
-        "--metrics-port",
-        type=port,
-        metavar="PORT",
-        help="serve Prometheus metrics at http://--host:PORT/metrics (0 picks a free one); unset: none",
     )
     flags.option(
         "--drain-timeout",

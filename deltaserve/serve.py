@@ -122,7 +122,12 @@ async def _load_runner(config: ExecutorConfig):
 
 
 async def _start_cache(
-    servers: contextlib.AsyncExitStack, config: CacheServiceConfig, host: str, port: int, trust: Trust
+    servers: contextlib.AsyncExitStack,
+    config: CacheServiceConfig,
+    host: str,
+    port: int,
+    trust: Trust,
+    metrics: CollectorRegistry | None,
 ) -> tuple[str, int]:
     """Starts the cache service, to be stopped with `servers`; returns (address to dial, bound port)."""
     from cache_svc.server import start_cache_server
@@ -134,6 +139,7 @@ async def _start_cache(
         port,
         tenant_budget_bytes=config.tenant_budget_bytes,
         security=trust.server,
+        metrics=metrics,
     )
     servers.push_async_callback(started.stop, CACHE_SHUTDOWN_GRACE_S)
     return dial_address(host, started.port), started.port
@@ -146,12 +152,15 @@ async def _start_gateway(
     port: int,
     trust: Trust,
     link: ChannelSecurity,
+    metrics: CollectorRegistry | None,
 ) -> int:
     """Starts the HTTP API (to be stopped with `servers`) over the planner at planner_addr, reached over
     `link`, HTTPS with the process's own TLS; returns its port."""
     from gateway_svc.http_server import start_gateway  # FastAPI and uvicorn: only the commands serving HTTP
 
-    started = await start_gateway(planner_addr, host, port, planner_channel=link, tls=trust.server.tls)
+    started = await start_gateway(
+        planner_addr, host, port, planner_channel=link, tls=trust.server.tls, metrics=metrics
+    )
     servers.push_async_callback(started.stop)
     return started.port
 
@@ -193,10 +202,13 @@ async def serve_up(
     from planner_svc.server import start_planner_server
 
     async with contextlib.AsyncExitStack() as servers:  # stopped in reverse: planner, executor, cache
+        registry, metrics_fields = _metrics(servers, args)  # one port for every service of the process
         cache_fields = {"cache": executor_cfg.cache or "off"}
         if cache_cfg is not None:
             # First: a cache directory that cannot be used fails the command before the model loads.
-            cache_addr, _ = await _start_cache(servers, cache_cfg, args.host, args.cache_port, args.trust)
+            cache_addr, _ = await _start_cache(
+                servers, cache_cfg, args.host, args.cache_port, args.trust, registry
+            )
             executor_cfg.cache = planner_cfg.cache = cache_addr
             cache_fields = {"cache": cache_addr, "snapshots": cache_cfg.root_dir}
         runner = await _load_runner(executor_cfg)
@@ -210,11 +222,11 @@ async def serve_up(
             shard_layers=executor_cfg.shard_layers,
             security=args.trust.executor_server,
             cache_channel=args.trust.cache_link,
+            metrics=registry,
         )
         servers.push_async_callback(executor.stop, SHUTDOWN_GRACE_S)
         executor_addr = f"127.0.0.1:{executor.port}"
         planner_cfg.executors = [executor_addr]
-        registry, metrics_fields = _metrics(servers, args)
         planner = await start_planner_server(
             planner_cfg,
             args.host,
@@ -234,6 +246,7 @@ async def serve_up(
                 args.http_port,
                 args.trust,
                 args.trust.self_link,
+                registry,
             )
             http_fields = {"http": f"{args.host}:{http_port}"}
         described = await _describe_executor(executor_addr, args.trust.self_link)
@@ -260,6 +273,7 @@ async def serve_executor(args: argparse.Namespace, config: ExecutorConfig, stop:
     if stop.is_set():
         return 0
     async with contextlib.AsyncExitStack() as servers:
+        registry, metrics_fields = _metrics(servers, args)
         executor = await start_executor_server(
             runner,
             host=args.host,
@@ -268,12 +282,14 @@ async def serve_executor(args: argparse.Namespace, config: ExecutorConfig, stop:
             shard_layers=config.shard_layers,
             security=args.trust.executor_server,
             cache_channel=args.trust.cache_link,
+            metrics=registry,
         )
         servers.push_async_callback(executor.stop, SHUTDOWN_GRACE_S)
         described = await _describe_executor(dial_address(args.host, executor.port), args.trust.self_link)
         await _serve_until_stopped(
             stop,
             addr=f"{args.host}:{executor.port}",
+            **metrics_fields,
             device=described.device,
             model=described.model_name,
             dtype=described.dtype,
@@ -333,10 +349,12 @@ async def serve_planner(args: argparse.Namespace, config: PlannerConfig, stop: a
 
 async def serve_cache(args: argparse.Namespace, config: CacheServiceConfig, stop: asyncio.Event) -> int:
     async with contextlib.AsyncExitStack() as servers:
-        _, port = await _start_cache(servers, config, args.host, args.port, args.trust)
+        registry, metrics_fields = _metrics(servers, args)
+        _, port = await _start_cache(servers, config, args.host, args.port, args.trust, registry)
         await _serve_until_stopped(
             stop,
             addr=f"{args.host}:{port}",
+            **metrics_fields,
             snapshots=config.root_dir,
             budget_gib=round(config.budget_bytes / GIB, 3),
         )
@@ -348,9 +366,10 @@ async def serve_http(args: argparse.Namespace, stop: asyncio.Event) -> int:
     """The HTTP API alone, over the planner at --planner (it need not be up yet: /health says 503 until
     it is, and requests get 503)."""
     async with contextlib.AsyncExitStack() as servers:
+        registry, metrics_fields = _metrics(servers, args)
         port = await _start_gateway(
-            servers, args.planner, args.host, args.port, args.trust, args.trust.planner_link
+            servers, args.planner, args.host, args.port, args.trust, args.trust.planner_link, registry
         )
-        await _serve_until_stopped(stop, addr=f"{args.host}:{port}", planner=args.planner)
+        await _serve_until_stopped(stop, addr=f"{args.host}:{port}", planner=args.planner, **metrics_fields)
     log.info("stopped")
     return 0

@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator, Awaitable
 
 import grpc
 import structlog
+from prometheus_client import CollectorRegistry
 
 from executor_svc.config import DEFAULT_SHARD_LAYERS
+from executor_svc.executor_metrics import register_executor_metrics
 from executor_svc.plan import PlanError
 from executor_svc.runner import LaunchedStep, StepRunner, collect_when_ready, launch_step
 from executor_svc.snapshots import SnapshotRefused, Snapshots
@@ -139,15 +141,19 @@ async def start_executor_server(
     shard_layers: int = DEFAULT_SHARD_LAYERS,
     security: ServerSecurity | None = None,
     cache_channel: ChannelSecurity | None = None,
+    metrics: CollectorRegistry | None = None,
 ) -> StartedServer[ExecutorServicer]:
     """Serve Executor, grpc.health.v1 (SERVING) and reflection on host:port (0 = any free port).
 
     `cache` and `shard_layers` are ExecutorConfig's: the cache service Park and Restore use (None
     refuses them) and the layers per snapshot shard. `security`: TLS on its port (the executor takes no
     API keys: its callers are the planners, checked by mTLS where --tls-client-ca is given);
-    `cache_channel`: how it reaches the cache (TLS, the service key).
+    `cache_channel`: how it reaches the cache (TLS, the service key); `metrics`: the registry its step times
+    are read into when scraped (executor_metrics.py).
     """
     servicer = ExecutorServicer(runner, cache=cache, shard_layers=shard_layers, cache_channel=cache_channel)
+    if metrics is not None:
+        register_executor_metrics(metrics, runner)
     return await start_server(
         servicer,
         executor_pb2_grpc.add_ExecutorServicer_to_server,

@@ -12,9 +12,11 @@ import structlog
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry
 
 from gateway_svc import openai_replies
 from gateway_svc.http_errors import ApiError, install_error_handlers
+from gateway_svc.http_metrics import CountResponses
 from gateway_svc.openai_replies import ChoiceState, ChunkWriter, Kind
 from gateway_svc.openai_schema import ChatCompletionBody, CompletionBody, GenerationBody
 from gateway_svc.relay import ModelCatalog, responses, unless_disconnected
@@ -185,8 +187,9 @@ async def health(request: Request):
     )
 
 
-def create_app(planner: PlannerClient) -> FastAPI:
-    """The gateway's ASGI app over a planner client (the caller opens and closes the client)."""
+def create_app(planner: PlannerClient, metrics: CollectorRegistry | None = None) -> FastAPI:
+    """The gateway's ASGI app over a planner client (the caller opens and closes the client); `metrics`:
+    the registry its answers are counted in (http_metrics.py)."""
     app = FastAPI(
         title="deltaserve",
         version=VERSION,
@@ -196,4 +199,6 @@ def create_app(planner: PlannerClient) -> FastAPI:
     app.state.gateway = Gateway(planner)
     install_error_handlers(app)
     app.include_router(router)
+    if metrics is not None:
+        app.add_middleware(CountResponses, registry=metrics)
     return app

@@ -1,12 +1,19 @@
 """The HTTP API from the command line: `deltaserve up --http-port` beside gRPC, and `deltaserve http` as its
-own process over that planner; the bearer key of each HTTP caller checked by the planner's --api-keys."""
+own process over that planner; the bearer key of each HTTP caller checked by the planner's --api-keys; `up`'s
+one --metrics-port for every service in it (planner, executor, cache, gateway), parsed with
+prometheus-client's parser."""
 
 from __future__ import annotations
+
+import asyncio
 
 import httpx2 as httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from planner_svc.client import PlannerClient
+from protos.rpc import ChannelSecurity
 from tests.test_cli import Serving, free_port
 
 ALICE = "alice-http-key-0123456789"
@@ -16,7 +23,7 @@ QUESTION = [{"role": "user", "content": "Name a colour."}]
 def test_up_serves_http_beside_grpc_and_http_runs_alone_with_the_same_keys(tmp_path):
     keys = tmp_path / "keys.txt"
     keys.write_text(f"{ALICE} alice\n")
-    port, http_port, alone_port = free_port(), free_port(), free_port()
+    port, http_port, alone_port, metrics_port, cache_port = (free_port() for _ in range(5))
     up = Serving(
         tmp_path / "up.log",
         "up",
@@ -26,7 +33,12 @@ def test_up_serves_http_beside_grpc_and_http_runs_alone_with_the_same_keys(tmp_p
         str(http_port),
         "--api-keys",
         str(keys),
-        "--no-cache",
+        "--metrics-port",
+        str(metrics_port),
+        "--cache-port",
+        str(cache_port),
+        "--cache-dir",
+        str(tmp_path / "snapshots"),
         "--device",
         "cpu",
         "--pool-pages",
@@ -61,6 +73,66 @@ def test_up_serves_http_beside_grpc_and_http_runs_alone_with_the_same_keys(tmp_p
             )
             answers.append(reply.choices[0].message.content)
         assert answers[0] == answers[1] and answers[0]
+        check_metrics(f"http://127.0.0.1:{http_port}/v1", f"127.0.0.1:{port}", metrics_port)
     finally:
         codes = [alone.stop() if alone is not None else 0, up.stop()]
     assert codes == [0, 0], (up.log_path.read_text()[-2000:], alone and alone.log_path.read_text()[-2000:])
+
+
+def scrape(metrics_port: int) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def check_metrics(base: str, planner: str, metrics_port: int) -> None:
+    """A conversation's turn, parked and resumed by its next turn: every service's metrics move."""
+    before = scrape(metrics_port)
+    client = openai.OpenAI(api_key=ALICE, base_url=base, max_retries=0)
+    model = client.models.list().data[0].id
+    chat = [*QUESTION]
+    first = client.chat.completions.create(
+        model=model, messages=chat, max_tokens=3, temperature=0, extra_body={"conversation_id": "m"}
+    )
+
+    async def park() -> None:
+        async with PlannerClient(planner, ChannelSecurity(api_key=ALICE)) as planner_client:
+            await planner_client.park("m")
+
+    asyncio.run(park())
+    chat += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "More."},
+    ]
+    second = client.chat.completions.create(
+        model=model, messages=chat, max_tokens=3, temperature=0, extra_body={"conversation_id": "m"}
+    )
+    assert second.model_extra["deltaserve"]["checkpoint"].startswith("snapshot@")
+    after = scrape(metrics_port)
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("deltaserve_requests_finished_total", reason="length") == 2
+    assert (
+        grew("deltaserve_prompt_tokens_reused_total", source="snapshot")
+        == second.usage.prompt_tokens_details.cached_tokens
+    )
+    assert (
+        grew("deltaserve_executor_step_seconds_count") >= 4
+        and grew("deltaserve_executor_step_seconds_sum") > 0
+    )
+    assert (
+        grew("deltaserve_cache_park_seconds_count") == 1
+        and grew("deltaserve_cache_restore_seconds_count") == 1
+    )
+    assert after[("deltaserve_cache_snapshots", ())] >= 1 and after[("deltaserve_cache_bytes", ())] > 0
+    assert grew("deltaserve_http_responses_total", path="/v1/chat/completions", status="200") == 2
+    assert ("deltaserve_cache_checksum_failures_total", ()) in after and (
+        "deltaserve_cache_evictions_total",
+        (),
+    ) in after

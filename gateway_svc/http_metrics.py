@@ -1,0 +1,34 @@
+"""The gateway's Prometheus metrics: HTTP answers by path and status, counted as their status goes out."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")  # others count as "other"
+
+
+class CountResponses:
+    """ASGI middleware: deltaserve_http_responses_total{path, status} (a stream counts once, at its start)."""
+
+    def __init__(self, app: ASGIApp, registry: CollectorRegistry) -> None:
+        self.app = app
+        self.responses = Counter(
+            "deltaserve_http_responses",
+            "HTTP answers of the OpenAI-compatible API, by path and status",
+            ["path", "status"],
+            registry=registry,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"] if scope["path"] in PATHS else "other"
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.responses.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
