@@ -237,3 +237,24 @@ async def test_a_planner_that_does_not_answer_is_503(http):
         assert reply.json()["error"]["type"] == "service_unavailable_error"
     finally:
         await asyncio.wait_for(gateway.stop(), 10)
+
+
+async def test_a_second_turn_while_the_first_streams_is_a_409(http):
+    body = {
+        "model": http.model,
+        "messages": QUESTION,
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+        "conversation_id": "busy",
+    }
+    async with httpx.AsyncClient(base_url=http.base) as client:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+            assert reply.status_code == 200
+            lines = reply.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass
+            status, error = await _error(http, "/v1/chat/completions", {**body, "stream": False})
+    assert (status, error["type"], error["code"]) == (409, "conflict_error", "failed_precondition")
+    assert "already running a turn" in error["message"]
+    await http.stack.wait_idle(timeout=10)
