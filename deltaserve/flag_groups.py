@@ -77,6 +77,14 @@ def add_model_flags(flags: Flags) -> None:
         help="KV pages in the pool, the sink page included",
     )
     flags.option(
+        "--state-slots",
+        type=int_at_least(2),
+        default=defaults.state_slots,
+        metavar="N",
+        help="recurrent-state slots (models with recurrent layers, e.g. Qwen3.5), the sink slot included; "
+        "default 2 x the widest bucket + 1; the start-up log gives a slot's bytes",
+    )
+    flags.option(
         "--buckets",
         type=buckets,
         default=",".join(map(str, DEFAULT_BUCKETS)),

@@ -57,6 +57,7 @@ def executor_config(args: argparse.Namespace, *, cache: str | None) -> ExecutorC
         dtype=args.dtype,
         page_size=args.page_size,
         pool_pages=args.pool_pages,
+        state_slots=args.state_slots,
         max_seq_len=args.max_seq_len,
         buckets=tuple(args.buckets),
         prefill_buckets=tuple(args.prefill_buckets),

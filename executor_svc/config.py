@@ -29,6 +29,9 @@ class ExecutorConfig:
     decode_path: str = "resident"  # one of DECODE_PATHS (used on CUDA only)
     cache: str | None = None  # the cache service's host:port; None = Park and Restore are refused
     shard_layers: int = DEFAULT_SHARD_LAYERS  # layers per snapshot shard; a restore reads only its own
+    # Recurrent-state pool slots, slot 0 (the sink) included, for a model with recurrent layers (Qwen3.5);
+    # None = 2 * max(buckets) + 1, a state for every row the slot store holds.
+    state_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -51,5 +54,9 @@ class ExecutorConfig:
             raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
         if self.cache is not None and not self.cache.strip():
             raise ValueError("cache must be a host:port address or None, got an empty string")
+        if self.state_slots is not None and self.state_slots < 2:
+            raise ValueError(
+                f"state_slots must be at least 2 (slot 0 is the sink slot), got {self.state_slots}"
+            )
         if self.shard_layers < 1:
             raise ValueError(f"shard_layers must be positive, got {self.shard_layers}")

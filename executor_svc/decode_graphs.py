@@ -16,6 +16,7 @@ from executor_svc.plan import CheckedPlan
 from executor_svc.sampler import sample
 from executor_svc.sampler_controls import sample_controlled
 from executor_svc.slot_store import CONTROLLED, GREEDY, SAMPLED, SlotStore
+from executor_svc.state_pool import StateInputs, StatePool
 
 if TYPE_CHECKING:
     # what torch.cuda.graph_pool_handle() returns and torch.cuda.graph(pool=) takes: a tuple[int, int]
@@ -69,8 +70,10 @@ class DecodeGraphs:
         buckets: Iterable[int],
         *,
         capture: bool | None = None,
+        state_pool: StatePool | None = None,
     ) -> None:
         self.model = model
+        self.state_pool = state_pool  # the recurrent-state pool, read and written by each row's STATE_SLOT
         self.store = store
         self.attention = attention
         self.buckets = tuple(sorted(set(buckets)))
@@ -130,6 +133,8 @@ class DecodeGraphs:
         """The body of a bucket's graph: nothing here may read the device back or depend on the step."""
         store = self.store
         inputs = self.attention.inputs(bucket)
+        if self.state_pool is not None:
+            inputs = inputs._replace(states=StateInputs(self.state_pool, store.state_slots(bucket)))
         logits = self.model.forward(inputs, self.attention)  # logits: [B, V]
         slots, table = store.step_slots[:bucket], None
         if variant == GREEDY:  # the argmax that `sample` takes for greedy rows, without the rest

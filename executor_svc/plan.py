@@ -105,6 +105,7 @@ class PlanLimits:
     page_size: int
     pool_pages: int
     max_run_cells: int
+    state_slots: int = 0  # the recurrent-state pool's slots, the sink included (0: no recurrent layers)
 
 
 class PrefillWork(NamedTuple):
@@ -127,6 +128,9 @@ class CheckedPlan:
     sampler_i32: np.ndarray  # int32[k, 4]
     prefill: list[PrefillWork]
     sample_slots: list[int]  # per prefill chunk: the slot it samples into, 0 where it does not
+    state_slots: list[
+        int
+    ]  # per prefill chunk: its recurrent-state slot (0 for a model without recurrent layers)
     mirror: np.ndarray | None  # int32[bucket, C]
     controls: ControlWrites | None = None  # sampling controls of some of sampler_slots
 
@@ -154,6 +158,7 @@ def _check_cell_values(columns: np.ndarray, values: np.ndarray, limits: PlanLimi
     checks = (
         (columns == RowLayout.KV_LEN, 0, limits.max_seq_len + 1, "KV_LEN"),
         (columns == RowLayout.POS_OFFSET, 0, limits.max_seq_len + 1, "POS_OFFSET"),
+        (columns == RowLayout.STATE_SLOT, 0, max(limits.state_slots, 1), "STATE_SLOT"),
         (columns >= RowLayout.BLOCK_TABLE, 0, limits.pool_pages, "a block-table page"),
     )
     for where, low, high, name in checks:
@@ -246,6 +251,13 @@ def _check_prefill(chunk: executor_pb2.PrefillChunk, index: int, limits: PlanLim
         )
     if not 0 <= chunk.sample_slot < limits.layout.slots:
         raise PlanError(f"{field}: sample_slot {chunk.sample_slot} is outside [0, {limits.layout.slots})")
+    if limits.state_slots and not 1 <= chunk.state_slot < limits.state_slots:
+        raise PlanError(
+            f"{field}: state_slot {chunk.state_slot} is outside [1, {limits.state_slots}) "
+            f"(the model has recurrent layers; slot 0 is the sink slot)"
+        )
+    if not limits.state_slots and chunk.state_slot:
+        raise PlanError(f"{field}: state_slot {chunk.state_slot} for a model without recurrent layers")
     return PrefillWork(ids, chunk.start, pages)
 
 
@@ -261,7 +273,7 @@ def _steady(bucket: int) -> CheckedPlan:
     plan = _STEADY.get(bucket)
     if plan is None:
         plan = _STEADY[bucket] = CheckedPlan(
-            bucket, None, NO_ROW_WRITES, _NO_INTS, _NO_SAMPLER_F32, _NO_SAMPLER_I32, [], [], None
+            bucket, None, NO_ROW_WRITES, _NO_INTS, _NO_SAMPLER_F32, _NO_SAMPLER_I32, [], [], [], None
         )
     return plan
 
@@ -305,6 +317,7 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
         raise PlanError(
             f"prefill: {sampling} chunks sample, more than the widest bucket ({limits.layout.widest_bucket})"
         )
+    state_slots = [chunk.state_slot for chunk in plan.prefill]
     mirror = None
     if plan.mirror:
         columns = limits.layout.columns
@@ -315,5 +328,15 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
             )
         mirror = unpack_i32(plan.mirror).reshape(bucket, columns)
     return CheckedPlan(
-        bucket, slots, rows, sampler_slots, sampler_f32, sampler_i32, prefill, sample_slots, mirror, controls
+        bucket,
+        slots,
+        rows,
+        sampler_slots,
+        sampler_f32,
+        sampler_i32,
+        prefill,
+        sample_slots,
+        state_slots,
+        mirror,
+        controls,
     )

@@ -11,6 +11,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
+import structlog
 import torch
 
 from executor_svc.attention import decode_attention
@@ -25,10 +26,13 @@ from executor_svc.plan import CheckedPlan, PlanLimits, check_plan
 from executor_svc.prefill.graphs import PrefillGraphs
 from executor_svc.sampler_controls import LOGPROB_COLUMNS
 from executor_svc.slot_store import SlotStore
+from executor_svc.state_pool import StatePool, make_state_pool
 from protos import executor_pb2
 from protos.layout import RowLayout
 from protos.model_files import resolve_model_path
 from protos.wire import pack_i32
+
+log = structlog.get_logger("deltaserve.executor.runner")
 
 
 @dataclass(slots=True)
@@ -115,6 +119,7 @@ class StepRunner:
         fingerprint: str = "",
         graphs: DecodeGraphs | None = None,
         prefill_graphs: PrefillGraphs | None = None,
+        state_pool: StatePool | None = None,
     ) -> None:
         widest = layout.widest_bucket
         if buckets is None:  # the default buckets that fit, and the widest the layout holds
@@ -128,6 +133,7 @@ class StepRunner:
             raise ValueError(f"max_seq_len {max_seq_len} is outside the model's context [1, {context}]")
         self.model = model
         self.kv_pool = kv_pool
+        self.state_pool = state_pool
         self.store = store
         self.layout = layout
         self.row_check = row_check
@@ -144,12 +150,15 @@ class StepRunner:
             page_size=kv_pool.page_size,
             pool_pages=kv_pool.num_pages,
             max_run_cells=store.max_run_cells,
+            state_slots=0 if state_pool is None else state_pool.num_slots,
         )
         if graphs is None:
             attention = decode_attention("torch", model, kv_pool, store, buckets, max_seq_len)
-            graphs = DecodeGraphs(model, store, attention, buckets, capture=False)
+            graphs = DecodeGraphs(model, store, attention, buckets, capture=False, state_pool=state_pool)
         if prefill_graphs is None:
-            prefill_graphs = PrefillGraphs(model, kv_pool, store, (), max_seq_len=max_seq_len)
+            prefill_graphs = PrefillGraphs(
+                model, kv_pool, store, (), max_seq_len=max_seq_len, state_pool=state_pool
+            )
         self.graphs = graphs
         self.prefill_graphs = prefill_graphs
         self.times = RunnerTimes()
@@ -182,6 +191,7 @@ class StepRunner:
             layer_end=config.num_layers,
             eos_token_id=config.eos_token_ids[0],
             eos_token_ids=list(config.eos_token_ids),
+            state_slots=limits.state_slots,
         )
 
     def bind_thread(self) -> None:
@@ -377,11 +387,14 @@ def runner_for_model(model: ExecutorModel, config: ExecutorConfig, fingerprint: 
     kv_pool = model.make_kv_pool(config.pool_pages, config.page_size, device, dtype)
     layout = RowLayout.build(list(config.buckets), max_seq_len, config.page_size, config.pool_pages)
     store = SlotStore(layout, device, model.config.vocab_size)
+    state_pool = make_state_pool(model, config.state_slots, layout.widest_bucket)
     graphs = prefill_graphs = None
     if cuda:
         attention = decode_attention(config.decode_path, model, kv_pool, store, config.buckets, max_seq_len)
-        graphs = DecodeGraphs(model, store, attention, config.buckets)
-        if config.prefill_buckets and graphs.capture:
+        graphs = DecodeGraphs(model, store, attention, config.buckets, state_pool=state_pool)
+        if state_pool is not None:
+            log.info("prefill graphs off: a model with recurrent layers prefills eager")
+        elif config.prefill_buckets and graphs.capture:
             prefill_graphs = PrefillGraphs(
                 model, kv_pool, store, config.prefill_buckets, max_seq_len=max_seq_len, pool=graphs.pool
             )
@@ -396,4 +409,5 @@ def runner_for_model(model: ExecutorModel, config: ExecutorConfig, fingerprint: 
         fingerprint=fingerprint,
         graphs=graphs,
         prefill_graphs=prefill_graphs,
+        state_pool=state_pool,
     )

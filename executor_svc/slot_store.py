@@ -246,6 +246,11 @@ class SlotStore:
             sampler=self.sampler_params(slots),
         )
 
+    def state_slots(self, bucket: int) -> torch.Tensor:
+        """i64[B]: the recurrent-state slot of each row of the bucket, read by slot (padding rows: the sink)."""
+        rows = self.rows.index_select(0, self.step_slots[:bucket])
+        return rows[:, RowLayout.STATE_SLOT].long()
+
     # --- the step's own writes (inside the graphs: no host work) ----------------------------------------
 
     def advance(self, bucket: int) -> None:

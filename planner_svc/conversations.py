@@ -52,9 +52,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Conversations:
     """The conversations of one executor group, keyed by (tenant, conversation id)."""
 
-    def __init__(self, page_size: int, retention: RetentionConfig):
+    def __init__(self, page_size: int, retention: RetentionConfig, recurrent: bool = False):
         self.page_size = page_size
         self.retention = retention
+        # A model with recurrent layers: pages alone cannot resume a turn (the state at the checkpoint is not
+        # kept), so every turn reads its history again.
+        self.recurrent = recurrent
         self._by_key: dict[tuple[str, str], Conversation] = {}
         self._clock = 0
 
@@ -95,10 +98,12 @@ class Conversations:
         position = conversation.retention.best_prefix(min(common, len(prompt_ids) - 1))
         # Only whole pages are kept: the turn writes from a page boundary on, never into a kept page
         # (a full page may be indexed for sharing, so its tokens must not change).
-        keep = (position or 0) // self.page_size if conversation.pages else 0
+        keep = (position or 0) // self.page_size if conversation.pages and not self.recurrent else 0
         if not keep:
             mount = Mount(diverged_at=diverged)
-            if conversation.tokens:
+            if conversation.tokens and self.recurrent:
+                mount.checkpoint = "none (a model with recurrent layers keeps no state at checkpoints yet)"
+            elif conversation.tokens:
                 mount.checkpoint = (
                     f"none (no retained checkpoint covers a page of the {common} common tokens)"
                 )

@@ -69,7 +69,11 @@ def to_proto(step: PlannedStep) -> executor_pb2.StepPlan:
             setattr(plan, name, data)
     for chunk in step.prefill:
         plan.prefill.add(
-            token_ids=chunk.token_ids, start=chunk.start, pages=chunk.pages, sample_slot=chunk.sample_slot
+            token_ids=chunk.token_ids,
+            start=chunk.start,
+            pages=chunk.pages,
+            sample_slot=chunk.sample_slot,
+            state_slot=chunk.state_slot,
         )
     if step.mirror:
         plan.mirror = step.mirror

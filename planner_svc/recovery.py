@@ -18,6 +18,7 @@ from planner_svc.pages import PagePool
 from planner_svc.requests import Phase, Request
 from planner_svc.scheduler import PlannedStep, Scheduler
 from planner_svc.slots import SlotCache
+from planner_svc.state_slots import StateSlots
 
 
 @dataclass(slots=True)
@@ -73,6 +74,7 @@ def recover(
     if lost:
         result.conversations_lost = _forget_resident(scheduler, reason)
         scheduler.pages = PagePool(scheduler.pages.num_pages)
+        scheduler.states = StateSlots(scheduler.states.num_slots)  # the recurrent states went with the pool
     scheduler.mark_stale()  # nothing left to mark after the above: every running row is stale already
     scheduler._dirty = True
     return result
@@ -100,7 +102,7 @@ def _read_again(scheduler: Scheduler, request: Request, keep_pages: bool) -> Non
         request.phase = Phase.PREFILL
         scheduler.prefilling.append(request)
     else:
-        request.pages, request.reused, request.prefilled = [], 0, 0
+        request.pages, request.reused, request.prefilled, request.state_slot = [], 0, 0, 0
         request.phase = Phase.WAITING
 
 

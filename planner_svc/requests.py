@@ -73,6 +73,7 @@ class Request:
     kv_len: int = 0  # stored length, while the request holds no slot (the mirror has it otherwise)
     stale: bool = True  # its device row must be written whole before a decode reads it
     last_seq: int = -1  # the last step that read or wrote its pages or slot
+    state_slot: int = 0  # its recurrent-state slot from admission to its last step's commit (0: none)
     output_ids: list[int] = field(default_factory=list)
     finish: Finish | None = None
 

@@ -4,62 +4,21 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from planner_svc.admission import Admission
-from planner_svc.config import SchedulingConfig
 from planner_svc.conversations import Conversations
 from planner_svc.logprobs import LogprobRow
 from planner_svc.pages import PagePool
+from planner_svc.planned import CapacityError, PlannedStep, PrefillChunk, SchedulerConfig
 from planner_svc.requests import Finish, Phase, Request
-from planner_svc.rows import RowDelta, RowMirror
+from planner_svc.rows import RowMirror
 from planner_svc.sampler_state import SamplerWrites
 from planner_svc.slots import SlotCache
+from planner_svc.state_slots import StateSlots
 from protos.layout import RowLayout
 from protos.wire import I32
-
-
-class CapacityError(Exception):
-    """The request can never be served by this pool (RESOURCE_EXHAUSTED)."""
-
-
-@dataclass(slots=True)
-class PrefillChunk:
-    request: Request
-    start: int
-    token_ids: bytes  # int32 packed
-    pages: bytes  # int32 packed: the pages covering [0, start + n)
-    sample_slot: int  # 0 unless this chunk ends the prompt
-
-
-@dataclass(slots=True)
-class PlannedStep:
-    """One step as the executor receives it, plus who each row belongs to."""
-
-    seq: int
-    bucket: int = 0
-    rows: list[Request] = field(default_factory=list)  # the real decode rows, in slot order of the bucket
-    delta: RowDelta = field(default_factory=RowDelta)
-    sampler: SamplerWrites | None = None
-    prefill: list[PrefillChunk] = field(default_factory=list)
-    mirror: bytes = b""  # row check: the rows read, as the planner holds them
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    """One executor group's shape, as its executor describes it, and the planner's settings."""
-
-    page_size: int
-    pool_pages: int  # page 0 included
-    buckets: tuple[int, ...]
-    max_seq_len: int
-    vocab_size: int
-    settings: SchedulingConfig = field(default_factory=SchedulingConfig)
-
-    def __post_init__(self) -> None:
-        self.buckets = tuple(sorted(self.buckets))
 
 
 class Scheduler:
@@ -73,6 +32,9 @@ class Scheduler:
         self.layout = layout
         self.pages = PagePool(config.pool_pages)
         self.slots: SlotCache[Request] = SlotCache(layout.widest_bucket)
+        self.states = StateSlots(config.state_slots)
+        # Shared prefix pages would skip tokens whose recurrent state no page holds: off for such models.
+        self.prefix_cache = config.settings.prefix_cache and not self.states.enabled
         self.mirror = RowMirror(layout)
         self.waiting: deque[Request] = deque()
         self.admission: Admission[Request] = Admission(config.settings.admission_skips)
@@ -243,9 +205,10 @@ class Scheduler:
                 np.asarray(request.prompt_ids[start:end], dtype=I32).tobytes(),
                 np.asarray(request.pages[: -(-end // page_size)], dtype=I32).tobytes(),
                 sample_slot=0,
+                state_slot=request.state_slot,
             )
             request.prefilled = end
-            if self.config.settings.prefix_cache:
+            if self.prefix_cache:
                 full = end // page_size
                 self.pages.register(request.prefix_hashes(full * page_size, page_size), request.pages[:full])
             if end == request.prompt_len:
@@ -272,7 +235,9 @@ class Scheduler:
             slots[row] = slot
             kv_len = self._kv_len(request)
             if request.stale:
-                whole.append((slot, self.mirror.whole_row(kv_len, request.pages)))
+                whole.append(
+                    (slot, self.mirror.whole_row(kv_len, request.pages, state_slot=request.state_slot))
+                )
                 last = request.output_ids[-1] if request.last_seq <= self.committed else -1
                 writes.add(slot, request, last_token=last)
                 request.stale = False
@@ -299,7 +264,8 @@ class Scheduler:
     # --- admission (the order: admission.py) ----------------------------------------------------
     def _can_admit(self, request: Request) -> bool:
         need = request.pages_needed(self.config.page_size) - len(request.pages)
-        return self.pages.free_count >= need
+        state_ok = request.state_slot or not self.states.enabled or self.states.free_count
+        return self.pages.free_count >= need and bool(state_ok)
 
     def take_pages(self, n: int) -> list[int] | None:
         """Pages for something outside the schedule (a restore)."""
@@ -322,8 +288,10 @@ class Scheduler:
         """First come, first served; a bounded number may pass a head waiting for pages (admission.py)."""
         page_size = self.config.page_size
         for request in self.admission.take(self.waiting, self._can_admit):
-            if self.config.settings.prefix_cache and not request.pages:
+            if self.prefix_cache and not request.pages:
                 self._match_prefix(request)
+            if self.states.enabled and not request.state_slot:
+                request.state_slot = self.states.take()
             # Every page it can write, now: its decode steps then never cross onto a page the device
             # row lacks, so a steady step's plan stays the seq and the bucket at any batch size.
             request.pages += self.pages.allocate(request.pages_needed(page_size) - len(request.pages))
@@ -388,6 +356,9 @@ class Scheduler:
     def _release_pages(self, request: Request) -> None:
         """Its steps are done: a conversation keeps the pages of its tokens, the rest return to the pool."""
         pages, request.pages = request.pages, []
+        if request.state_slot:
+            self.states.give_back(request.state_slot)
+            request.state_slot = 0
         conversation = request.conversation
         if conversation is not None and self.conversations is not None:
             tokens = request.kv_tokens()

@@ -38,7 +38,9 @@ def build_engine(
     description: executor_pb2.ExecutorDescription, link: ExecutorLink, config: PlannerConfig
 ) -> Engine:
     layout = RowLayout(slots=description.slots, block_span=description.block_span)
-    conversations = Conversations(description.page_size, config.retention)
+    conversations = Conversations(
+        description.page_size, config.retention, recurrent=description.state_slots > 0
+    )
     scheduler = Scheduler(
         SchedulerConfig(
             page_size=description.page_size,
@@ -46,11 +48,17 @@ def build_engine(
             buckets=tuple(description.buckets),
             max_seq_len=description.max_seq_len,
             vocab_size=description.vocab_size,
+            state_slots=description.state_slots,
             settings=config.scheduling.for_device(description.device),  # the prefill budget by device
         ),
         layout,
         conversations,
     )
+    if scheduler.states.enabled and config.scheduling.prefix_cache:
+        log.info(
+            f"{description.model_name}: prefix sharing off (a model with recurrent layers: a shared page holds "
+            "no recurrent state); conversations resume by reading their history again"
+        )
     return Engine(
         scheduler, link, inflight_plans=config.inflight_plans, executor_timeout=config.executor_timeout
     )

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorDescription(_message.Message):
-    __slots__ = ("model_name", "model_fingerprint", "vocab_size", "max_seq_len", "num_layers", "page_size", "pool_pages", "buckets", "slots", "row_columns", "block_span", "device", "dtype", "layer_begin", "layer_end", "eos_token_id", "eos_token_ids")
+    __slots__ = ("model_name", "model_fingerprint", "vocab_size", "max_seq_len", "num_layers", "page_size", "pool_pages", "buckets", "slots", "row_columns", "block_span", "device", "dtype", "layer_begin", "layer_end", "eos_token_id", "eos_token_ids", "state_slots")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class ExecutorDescription(_message.Message):
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_fingerprint: str
     vocab_size: int
@@ -47,19 +48,22 @@ class ExecutorDescription(_message.Message):
     layer_end: int
     eos_token_id: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., pool_pages: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., row_columns: _Optional[int] = ..., block_span: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    state_slots: int
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., pool_pages: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., row_columns: _Optional[int] = ..., block_span: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., state_slots: _Optional[int] = ...) -> None: ...
 
 class PrefillChunk(_message.Message):
-    __slots__ = ("token_ids", "start", "pages", "sample_slot")
+    __slots__ = ("token_ids", "start", "pages", "sample_slot", "state_slot")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_SLOT_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     start: int
     pages: bytes
     sample_slot: int
-    def __init__(self, token_ids: _Optional[bytes] = ..., start: _Optional[int] = ..., pages: _Optional[bytes] = ..., sample_slot: _Optional[int] = ...) -> None: ...
+    state_slot: int
+    def __init__(self, token_ids: _Optional[bytes] = ..., start: _Optional[int] = ..., pages: _Optional[bytes] = ..., sample_slot: _Optional[int] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("seq", "bucket", "slots", "row_runs", "sampler_slots", "sampler_f32", "sampler_i32", "prefill", "mirror", "control_slots", "control_f32", "control_i32", "control_tokens", "control_bias")

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from executor_svc.models.family import ExecutorModel
     from executor_svc.plan import CheckedPlan
     from executor_svc.slot_store import SlotStore
+    from executor_svc.state_pool import StateInputs
 
 
 class StepInputs(NamedTuple):
@@ -30,6 +31,7 @@ class StepInputs(NamedTuple):
     kv_lens: torch.Tensor  # i32[B]: stored length before the step (a prefill token's is its position)
     write_page: torch.Tensor  # i32[B]: the page the position's K/V goes to
     write_offset: torch.Tensor  # i32[B]: its offset in that page
+    states: StateInputs | None = None  # the recurrent layers' state slots (None: a model without any)
 
 
 class Attention(Protocol):

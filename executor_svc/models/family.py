@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from executor_svc.kv_pool import KVPool
 
 # One module per family, each with a FAMILY. A new family adds its module here.
-FAMILY_MODULES = ("executor_svc.models.llama", "executor_svc.models.qwen3")
+FAMILY_MODULES = ("executor_svc.models.llama", "executor_svc.models.qwen3", "executor_svc.models.qwen3_5")
 
 
 class ModelConfig(Protocol):

@@ -19,6 +19,7 @@ from executor_svc.prefill.batch import PrefillBatch, PrefillShape
 from executor_svc.sampler import sample
 from executor_svc.sampler_controls import sample_controlled
 from executor_svc.slot_store import GREEDY, SAMPLED, SlotStore
+from executor_svc.state_pool import StateInputs, StatePool
 
 if TYPE_CHECKING:
     from executor_svc.decode_graphs import GraphPool
@@ -47,13 +48,18 @@ def smallest_holding(shapes: Sequence[PrefillShape], batch: PrefillShape) -> Pre
 
 
 def prefill_step(
-    model: ExecutorModel, attention: PrefillAttention, store: SlotStore, variant: str
+    model: ExecutorModel,
+    attention: PrefillAttention,
+    store: SlotStore,
+    variant: str,
+    states: StateInputs | None = None,
 ) -> Sampled:
     """The body of a prefill step, captured or eager: the batch's forward, then the tokens of its sampling
     chunks (i64[S], on the device), looped back into their slots, and CONTROLLED their logprob table. Reads
-    nothing back."""
+    nothing back. `states`: the chunks' recurrent-state slots (a model with recurrent layers)."""
     batch = attention.batch
-    logits = model.forward(batch.inputs, attention, select=batch.sample_index)  # logits: [S, V]
+    inputs = batch.inputs if states is None else batch.inputs._replace(states=states)
+    logits = model.forward(inputs, attention, select=batch.sample_index)  # logits: [S, V]
     slots, table = batch.sample_slots, None
     if variant == GREEDY:  # the argmax that `sample` takes for greedy rows, without the rest
         tokens = logits.argmax(dim=-1)
@@ -85,15 +91,21 @@ class PrefillGraphs:
         *,
         max_seq_len: int,
         pool: GraphPool | None = None,
+        state_pool: StatePool | None = None,
     ) -> None:
         device = store.device
         self.fused = device.type == "cuda"  # the Triton kernels, one attention launch a layer for all chunks
         token_buckets = tuple(token_buckets)
         if token_buckets and not self.fused:
             raise ValueError("prefill graphs need a CUDA device")
+        if token_buckets and state_pool is not None:
+            raise ValueError(
+                "prefill graphs of a model with recurrent layers are not built: its prefill runs eager"
+            )
         self.model = model
         self.kv_pool = kv_pool
         self.store = store
+        self.state_pool = state_pool  # the recurrent-state pool, or None
         self.max_seq_len = max_seq_len
         self.shapes = bucket_shapes(token_buckets, store.layout.widest_bucket, max_seq_len, kv_pool.page_size)
         self._input = torch.zeros(
@@ -120,18 +132,31 @@ class PrefillGraphs:
         sampled = self.launch(chunks, slots, variant)
         if sampled is None:
             with torch.inference_mode():  # not for a replay: it costs more to enter than one
-                sampled = self._eager(chunks, slots, variant)
+                sampled = self._eager(chunks, slots, variant, plan.state_slots)
         return sampled if sampling else None
 
-    def _eager(self, chunks: Sequence[tuple], slots: Sequence[int], variant: str) -> Sampled | None:
+    def _eager(
+        self, chunks: Sequence[tuple], slots: Sequence[int], variant: str, state_slots: Sequence[int]
+    ) -> Sampled | None:
         batch = PrefillBatch.build(
             chunks, self.kv_pool.page_size, self.max_seq_len, self.store.device, sample_slots=slots
         )
         attention = PrefillAttention(self.kv_pool, self.model.scale, batch, self.fused)
-        if not len(batch.sampled_chunks):  # no chunk ends its prompt: the K/V writes are the step
-            self.model.forward(batch.inputs, attention, select=batch.last_index)
+        states = None
+        if self.state_pool is not None:
+            host_slots = np.asarray(state_slots, dtype=np.int64)
+            states = StateInputs(
+                self.state_pool,
+                torch.from_numpy(host_slots).to(self.store.device),
+                seq_starts=batch.seq_starts_host,
+                host_slots=host_slots,
+                fresh=batch.starts == 0,
+            )
+        if not len(batch.sampled_chunks):  # no chunk ends its prompt: the K/V and state writes are the step
+            inputs = batch.inputs if states is None else batch.inputs._replace(states=states)
+            self.model.forward(inputs, attention, select=batch.last_index)
             return None
-        return prefill_step(self.model, attention, self.store, variant)
+        return prefill_step(self.model, attention, self.store, variant, states)
 
     def launch(
         self, chunks: Sequence[tuple[np.ndarray, int, np.ndarray]], sample_slots: Sequence[int], variant: str

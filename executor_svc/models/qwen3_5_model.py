@@ -1,0 +1,356 @@
+"""The Qwen3.5 hybrid decoder: gated delta net layers whose conv window and recurrent state live in a state
+pool by slot, and gated full-attention layers (output gate, partial rotary, q/k norms) over the paged KV
+pool; (1 + w) RMSNorms; the layer pattern from `layer_types`. transformers' modeling_qwen3_5 is the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor_svc.kernels import gated_delta_ref as ref
+from executor_svc.kv_pool import KVPool
+from executor_svc.state_pool import StateInputs, StatePool
+
+if TYPE_CHECKING:
+    from executor_svc.attention import Attention, StepInputs
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(slots=True)
+class Qwen35Config:
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    num_heads: int  # full attention
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int  # the leading dims of each head that rope turns
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_key_dim: int
+    linear_value_dim: int
+    conv_width: int
+    intermediate_size: int
+    rope_theta: float
+    rms_eps: float
+    max_seq_len: int
+    tie_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    name: str
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.layer_types) - {LINEAR, FULL})
+        if unknown:
+            raise ValueError(f"layer_types {unknown} are not supported (only {LINEAR!r} and {FULL!r})")
+        if FULL not in self.layer_types:
+            raise ValueError("layer_types has no full_attention layer; the KV pool needs at least one")
+        if self.num_heads % self.num_kv_heads or self.linear_value_heads % self.linear_key_heads:
+            raise ValueError("query heads must be a multiple of KV heads, value heads of key heads")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and within head_dim {self.head_dim}")
+        if not self.eos_token_ids or not all(0 <= e < self.vocab_size for e in self.eos_token_ids):
+            raise ValueError(
+                f"eos_token_ids {self.eos_token_ids} are empty or outside the vocabulary ({self.vocab_size})"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def conv_channels(self) -> int:
+        return (
+            2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+        )
+
+    def layer_indices(self, kind: str) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == kind]
+
+
+def _weight(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
+    # Uninitialised on purpose: the loader overwrites every weight.
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class _Linear(nn.Module):
+    def __init__(self, n_in: int, n_out: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _weight(n_out, n_in, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class _Embedding(_Linear):
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.weight)
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm scaled by (1 + w) in float32, then cast (Qwen3.5's, unlike Llama's w * x.to(dtype))."""
+
+    def __init__(self, size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _weight(size, device=device, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """w * norm(x), then times SiLU(gate): the gated delta net's output norm."""
+
+    def __init__(self, size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _weight(size, device=device, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+class _GatedAttention(nn.Module):
+    def __init__(self, cfg: Qwen35Config, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        # q_proj's rows per head: the query's D, then its output gate's D
+        self.q_proj = _Linear(cfg.hidden_size, cfg.num_heads * d * 2, device, dtype)
+        self.k_proj = _Linear(cfg.hidden_size, cfg.num_kv_heads * d, device, dtype)
+        self.v_proj = _Linear(cfg.hidden_size, cfg.num_kv_heads * d, device, dtype)
+        self.o_proj = _Linear(cfg.num_heads * d, cfg.hidden_size, device, dtype)
+        self.q_norm = OffsetRMSNorm(d, cfg.rms_eps, device, dtype)
+        self.k_norm = OffsetRMSNorm(d, cfg.rms_eps, device, dtype)
+
+
+class _Conv1d(nn.Module):
+    def __init__(self, channels: int, width: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _weight(channels, 1, width, device=device, dtype=dtype)  # depthwise, as nn.Conv1d's
+
+
+class _GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: Qwen35Config, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        heads, value_size = cfg.linear_value_heads, cfg.linear_value_heads * cfg.linear_value_dim
+        self.in_proj_qkv = _Linear(cfg.hidden_size, cfg.conv_channels, device, dtype)
+        self.in_proj_z = _Linear(cfg.hidden_size, value_size, device, dtype)
+        self.in_proj_b = _Linear(cfg.hidden_size, heads, device, dtype)
+        self.in_proj_a = _Linear(cfg.hidden_size, heads, device, dtype)
+        self.conv1d = _Conv1d(cfg.conv_channels, cfg.conv_width, device, dtype)
+        self.dt_bias = _weight(heads, device=device, dtype=dtype)
+        self.A_log = _weight(heads, device=device, dtype=dtype)
+        self.norm = GatedRMSNorm(cfg.linear_value_dim, cfg.rms_eps, device, dtype)
+        self.out_proj = _Linear(value_size, cfg.hidden_size, device, dtype)
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: Qwen35Config, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = _Linear(cfg.hidden_size, cfg.intermediate_size, device, dtype)
+        self.up_proj = _Linear(cfg.hidden_size, cfg.intermediate_size, device, dtype)
+        self.down_proj = _Linear(cfg.intermediate_size, cfg.hidden_size, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: Qwen35Config, kind: str, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == LINEAR:
+            self.linear_attn = _GatedDeltaNet(cfg, device, dtype)
+        else:
+            self.self_attn = _GatedAttention(cfg, device, dtype)
+        self.mlp = _MLP(cfg, device, dtype)
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_eps, device, dtype)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_eps, device, dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Qwen35Model(nn.Module):
+    """Parameter names follow transformers' Qwen3_5ForCausalLM with the leading `model.` dropped.
+
+    The KV pool holds the full-attention layers only (KV layer i is the i-th of them); the state pool the
+    gated delta net layers (state layer j is the j-th of them). One entry point, `forward(inputs, attention)`,
+    as Llama's: the rows are a decode step's (one token a sequence, `inputs.states.seq_starts` None) or a
+    packed prefill batch's tokens; `inputs.states` says which state slot each sequence reads and writes.
+    """
+
+    rope_cos: torch.Tensor  # buffers [max_seq_len, rotary_dim], registered in __init__
+    rope_sin: torch.Tensor
+
+    def __init__(self, config: Qwen35Config, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.embed_tokens = _Embedding(config.hidden_size, config.vocab_size, self.device, dtype)
+        self.layers = nn.ModuleList(_Layer(config, kind, self.device, dtype) for kind in config.layer_types)
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_eps, self.device, dtype)
+        self.lm_head = (
+            None
+            if config.tie_embeddings
+            else _Linear(config.hidden_size, config.vocab_size, self.device, dtype)
+        )
+        self.scale = config.head_dim**-0.5
+        # The layer's index in its pool: KV layers for full attention, state layers for gated delta nets.
+        self.pool_index = [config.layer_indices(kind).index(i) for i, kind in enumerate(config.layer_types)]
+        # Default rope over the first rotary_dim dims, as transformers computes it (float32, then the dtype).
+        dim = config.rotary_dim
+        steps = torch.arange(0, dim, 2, dtype=torch.float, device=self.device)
+        inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
+        positions = torch.arange(config.max_seq_len, dtype=torch.float, device=self.device)
+        angles = positions[:, None] * inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)  # angles: [max_seq_len, rotary_dim]
+        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+
+    @property
+    def recurrent_layers(self) -> int:
+        return len(self.config.layer_indices(LINEAR))
+
+    def make_kv_pool(
+        self,
+        num_pages: int,
+        page_size: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> KVPool:
+        cfg = self.config
+        return KVPool(
+            len(cfg.layer_indices(FULL)),
+            num_pages,
+            page_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=self.dtype if dtype is None else dtype,
+            device=self.device if device is None else device,
+        )
+
+    def make_state_pool(self, num_slots: int, device: torch.device | str | None = None) -> StatePool:
+        cfg = self.config
+        return StatePool(
+            self.recurrent_layers,
+            num_slots,
+            cfg.conv_channels,
+            cfg.conv_width,
+            cfg.linear_value_heads,
+            cfg.linear_key_dim,
+            cfg.linear_value_dim,
+            dtype=self.dtype,
+            device=self.device if device is None else device,
+        )
+
+    def _decoder_layers(self) -> Sequence[_Layer]:
+        return self.layers  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def forward(
+        self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Float32 logits[B or len(select), V] of the rows; writes each full-attention layer's K/V at
+        (inputs.write_page, inputs.write_offset) and each recurrent layer's state at its slots."""
+        states = inputs.states
+        if states is None:
+            raise ValueError("a Qwen3.5 step needs its state slots (inputs.states)")
+        cos = self.rope_cos[inputs.positions][:, None, :]  # cos, sin: [B, 1, rotary_dim]
+        sin = self.rope_sin[inputs.positions][:, None, :]
+        x = self.embed_tokens(inputs.tokens)  # x: [B, hidden]
+        for layer, pool_index in zip(self._decoder_layers(), self.pool_index, strict=True):
+            h = layer.input_layernorm(x)
+            if layer.kind == LINEAR:
+                x = x + self._delta_net(layer.linear_attn, h, states, pool_index)
+            else:
+                x = x + self._attention(layer.self_attn, h, inputs, attention, pool_index, cos, sin)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if select is not None:
+            x = x.index_select(0, select)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(x), head).float()
+
+    def _attention(
+        self,
+        attn: _GatedAttention,
+        h: torch.Tensor,
+        inputs: StepInputs,
+        attention: Attention,
+        kv_layer: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        cfg = self.config
+        d, rot = cfg.head_dim, cfg.rotary_dim
+        query_gate = attn.q_proj(h).view(-1, cfg.num_heads, 2 * d)
+        q, gate = query_gate[..., :d], query_gate[..., d:].reshape(h.shape[0], -1)  # q: [B, H, D]
+        q = attn.q_norm(q)
+        k = attn.k_norm(attn.k_proj(h).view(-1, cfg.num_kv_heads, d))
+        v = attn.v_proj(h).view(-1, cfg.num_kv_heads, d)
+        q = torch.cat((q[..., :rot] * cos + _rotate_half(q[..., :rot]) * sin, q[..., rot:]), dim=-1)
+        k = torch.cat((k[..., :rot] * cos + _rotate_half(k[..., :rot]) * sin, k[..., rot:]), dim=-1)
+        attention.kv.write(kv_layer, inputs.write_page, inputs.write_offset, k, v)
+        out = attention.forward(kv_layer, q.contiguous()).flatten(1)
+        return attn.o_proj(out * torch.sigmoid(gate))
+
+    def _delta_net(
+        self, net: _GatedDeltaNet, h: torch.Tensor, states: StateInputs, state_layer: int
+    ) -> torch.Tensor:
+        cfg = self.config
+        hk, dk, hv, dv = (
+            cfg.linear_key_heads,
+            cfg.linear_key_dim,
+            cfg.linear_value_heads,
+            cfg.linear_value_dim,
+        )
+        mixed = net.in_proj_qkv(h)  # mixed: [T, C], q | k | v before the conv
+        z = net.in_proj_z(h).view(-1, hv, dv)
+        beta = torch.sigmoid(net.in_proj_b(h))  # beta, g: [T, H]
+        g = -net.A_log.float().exp() * F.softplus(net.in_proj_a(h).float() + net.dt_bias)
+        weight = net.conv1d.weight[:, 0, :]  # [C, K]
+        conv, recurrent = states.pool.conv[state_layer], states.pool.recurrent[state_layer]
+
+        def split(mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+            return q.view(-1, hk, dk), k.view(-1, hk, dk), v.view(-1, hv, dv)
+
+        if (
+            states.seq_starts is None
+        ):  # decode: one token of each row's sequence, states read and written by slot
+            slots = states.slots
+            real = (slots != 0)[:, None, None]  # padding rows write zeros back into the sink slot
+            mixed, window = ref.conv1d_step(mixed, weight, conv.index_select(0, slots))
+            conv.index_copy_(0, slots, window * real)
+            out, state = ref.delta_rule_step(*split(mixed), g, beta, recurrent.index_select(0, slots))
+            recurrent.index_copy_(0, slots, state * real[..., None])
+        else:
+            assert states.host_slots is not None and states.fresh is not None
+            outs = []
+            bounds = states.seq_starts
+            for i, slot in enumerate(states.host_slots.tolist()):
+                part = slice(int(bounds[i]), int(bounds[i + 1]))
+                fresh = bool(states.fresh[i])
+                mixed_i, conv[slot] = ref.conv1d_sequence(mixed[part], weight, None if fresh else conv[slot])
+                out_i, recurrent[slot] = ref.delta_rule_sequence(
+                    *split(mixed_i), g[part], beta[part], None if fresh else recurrent[slot]
+                )
+                outs.append(out_i)
+            out = torch.cat(outs)
+        core = net.norm(out.to(h.dtype), z)  # core: [T, H, Dv]
+        return net.out_proj(core.flatten(1))

@@ -1,0 +1,114 @@
+"""The Qwen3.5 hybrid served over real gRPC: greedy tokens equal transformers' fp32 ones, one request at a time
+and all at once (padded buckets, chunked prefill, a prompt over 1,000 tokens), under state-slot pressure; the
+text and the multimodal layouts give the same tokens; every page, slot and state slot is free at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import pytest_asyncio
+
+from executor_svc.config import ExecutorConfig
+from planner_svc.client import GenerateOptions, PlannerClient
+from planner_svc.config import PlannerConfig, SchedulingConfig
+from tests.conftest import start_stack, stop_stack
+from tests.hybrid_model import build_text_model, greedy, save_layouts
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+NEW_TOKENS = 8
+PROMPT_LENGTHS = (5, 17, 64, 150, 333, 1100)
+STATE_SLOTS = 4  # three for requests: six prompts at once wait for each other's
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """(text layout dir, multimodal layout dir, [(prompt, transformers' greedy tokens)])."""
+    from tests.hf_reference import hf_tokenizer
+
+    model = build_text_model()
+    text_dir, multimodal_dir = save_layouts(model, str(tmp_path_factory.mktemp("qwen3_5")), hf_tokenizer())
+    rng = random.Random(0)
+    cases = []
+    for length in PROMPT_LENGTHS:
+        prompt = [rng.randrange(3, 512) for _ in range(length)]
+        cases.append((prompt, greedy(model, prompt, NEW_TOKENS)))
+    return text_dir, multimodal_dir, cases
+
+
+def _configs(model_dir: str) -> tuple[ExecutorConfig, PlannerConfig]:
+    executor = ExecutorConfig(
+        model=model_dir,
+        device="cpu",
+        dtype="float32",
+        pool_pages=160,
+        page_size=16,
+        buckets=(1, 2, 4),
+        state_slots=STATE_SLOTS,
+        row_check=True,
+    )
+    # A budget that splits the long prompt into chunks, so a chunk continues the state of the one before.
+    planner = PlannerConfig(
+        model=model_dir, scheduling=SchedulingConfig(row_check=True, prefill_token_budget=256)
+    )
+    return executor, planner
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def text_stack(hybrid):
+    stack, servers = await start_stack(*_configs(hybrid[0]))
+    yield stack
+    await stop_stack(servers)
+
+
+async def _all_at_once(stack, cases) -> list[list[int]]:
+    async with PlannerClient(stack.addr) as client:
+        results = await asyncio.gather(
+            *(
+                client.generate_all(GenerateOptions(token_ids=prompt, max_tokens=NEW_TOKENS))
+                for prompt, _ in cases
+            )
+        )
+    return [got.token_ids for got in results]
+
+
+async def _all_free(stack) -> None:
+    await stack.wait_idle()
+    scheduler = stack.scheduler
+    assert scheduler.pages.free_count == scheduler.pages.total
+    assert scheduler.slots.free_count == scheduler.slots.num_slots - 1
+    assert scheduler.states.free_count == scheduler.states.total == STATE_SLOTS - 1
+    scheduler.states.check()
+    assert stack.engine.row_mismatches == 0
+
+
+async def test_described_state_slots(text_stack):
+    assert text_stack.runner.describe().state_slots == STATE_SLOTS
+    assert not text_stack.scheduler.prefix_cache  # off for a model with recurrent layers
+
+
+async def test_one_at_a_time_equals_transformers(text_stack, hybrid):
+    async with PlannerClient(text_stack.addr) as client:
+        for prompt, expected in hybrid[2]:
+            got = await client.generate_all(GenerateOptions(token_ids=prompt, max_tokens=NEW_TOKENS))
+            assert got.token_ids == expected, len(prompt)
+    await _all_free(text_stack)
+
+
+async def test_all_at_once_equals_transformers(text_stack, hybrid):
+    """Six requests for three state slots: they wait for each other's, in padded buckets of mixed steps."""
+    cases = hybrid[2]
+    assert await _all_at_once(text_stack, cases) == [expected for _, expected in cases]
+    await _all_free(text_stack)
+
+
+async def test_multimodal_layout_gives_the_same_tokens(hybrid):
+    stack, servers = await start_stack(*_configs(hybrid[1]))
+    try:
+        cases = hybrid[2]
+        assert await _all_at_once(stack, cases) == [expected for _, expected in cases]
+        await _all_free(stack)
+    finally:
+        await stop_stack(servers)

@@ -1,0 +1,93 @@
+"""The torch reference of the gated delta net's stateful ops equals transformers' own torch implementation
+(modeling_qwen3_5's fallbacks), from a given state and from zeros, and a sequence split in chunks equals it
+read whole; the state pool's copies and its sink."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from executor_svc.kernels import gated_delta_ref as ref
+from executor_svc.state_pool import StatePool
+
+T, HK, H, DK, DV, C, K = 150, 2, 4, 16, 8, 24, 4  # T spans three blocks of the chunked rule, the last partial
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return modeling_qwen3_5
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(1, T, HK, DK, generator=g), torch.randn(1, T, HK, DK, generator=g)
+    v = torch.randn(1, T, H, DV, generator=g)
+    decay, beta = -torch.rand(1, T, H, generator=g), torch.rand(1, T, H, generator=g)
+    return q, k, v, decay, beta, torch.randn(1, H, DK, DV, generator=g)
+
+
+@pytest.mark.parametrize("from_zeros", [False, True])
+def test_sequence_equals_transformers_chunked(hf, from_zeros):
+    q, k, v, g, beta, state = _inputs()
+    initial = None if from_zeros else state
+    expected, final = hf.torch_chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    out, got = ref.delta_rule_sequence(q[0], k[0], v[0], g[0], beta[0], None if from_zeros else state[0])
+    torch.testing.assert_close(out, expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, final[0], atol=1e-5, rtol=1e-5)
+
+
+def test_steps_equal_transformers_recurrent(hf):
+    q, k, v, g, beta, state = _inputs(1)
+    expected, final = hf.torch_recurrent_gated_delta_rule(
+        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    outs = []
+    for t in range(T):
+        out, state = ref.delta_rule_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        outs.append(out)
+    torch.testing.assert_close(torch.stack(outs, 1), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, final, atol=1e-5, rtol=1e-5)
+
+
+def test_chunks_continue_the_state():
+    q, k, v, g, beta, _ = _inputs(2)
+    whole, final = ref.delta_rule_sequence(q[0], k[0], v[0], g[0], beta[0], None)
+    first, state = ref.delta_rule_sequence(q[0, :70], k[0, :70], v[0, :70], g[0, :70], beta[0, :70], None)
+    rest, state = ref.delta_rule_sequence(q[0, 70:], k[0, 70:], v[0, 70:], g[0, 70:], beta[0, 70:], state)
+    torch.testing.assert_close(torch.cat([first, rest]), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, final, atol=1e-5, rtol=1e-5)
+
+
+def test_conv_equals_transformers(hf):
+    g = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(1, C, T, generator=g), torch.randn(C, K, generator=g)
+    expected = hf.causal_conv1d_fn(x, weight, None, activation="silu")[0].t()
+    first, window = ref.conv1d_sequence(x[0, :, :100].t(), weight, None)
+    rest, window = ref.conv1d_sequence(x[0, :, 100:].t(), weight, window)
+    torch.testing.assert_close(torch.cat([first, rest]), expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(window, x[0, :, -(K - 1) :])
+    # one token of two sequences: transformers' update kernel, which updates its state in place
+    states, token = torch.randn(2, C, K - 1, generator=g), torch.randn(2, C, 1, generator=g)
+    theirs = states.clone()
+    expected = hf.causal_conv1d_update(token, theirs, weight, None, activation="silu")[:, :, 0]
+    out, window = ref.conv1d_step(token[:, :, 0], weight, states)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(window, theirs)
+
+
+def test_state_pool_copies_and_sizes():
+    pool = StatePool(2, 4, C, K, H, DK, DV, dtype=torch.float32, device="cpu")
+    assert pool.nbytes == 2 * 4 * (C * (K - 1) + H * DK * DV) * 4
+    assert pool.slot_nbytes * pool.num_slots == pool.nbytes
+    pool.conv[:, 1] = 1.0
+    pool.recurrent[:, 1] = 2.0
+    pool.copy(np.array([[1, 3]]))
+    assert (pool.conv[:, 3] == 1.0).all() and (pool.recurrent[:, 3] == 2.0).all()
+    assert (pool.conv[:, 0] == 0).all() and (pool.recurrent[:, 2] == 0).all()
+    with pytest.raises(ValueError, match="sink"):
+        StatePool(2, 1, C, K, H, DK, DV, dtype=torch.float32, device="cpu")
