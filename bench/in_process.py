@@ -7,7 +7,7 @@ import asyncio
 import concurrent.futures
 from collections import deque
 
-from executor_svc.runner import collect_when_ready, launch_step
+from executor_svc.step_loop import collect_when_ready, launch_step
 from planner_svc.link import LinkError
 from protos import executor_pb2
 

@@ -13,8 +13,9 @@ from prometheus_client import CollectorRegistry
 from executor_svc.config import DEFAULT_SHARD_LAYERS
 from executor_svc.executor_metrics import register_executor_metrics
 from executor_svc.plan import PlanError
-from executor_svc.runner import LaunchedStep, StepRunner, collect_when_ready, launch_step
+from executor_svc.runner import LaunchedStep, StepRunner
 from executor_svc.snapshots import SnapshotRefused, Snapshots
+from executor_svc.step_loop import collect_when_ready, launch_step
 from protos import executor_pb2, executor_pb2_grpc
 from protos.rpc import ChannelSecurity, ServerSecurity, StartedServer, start_server
 

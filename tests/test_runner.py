@@ -12,9 +12,10 @@ import torch
 from executor_svc.device import resolve_device, resolve_dtype
 from executor_svc.models.dense import DenseModel
 from executor_svc.plan import PlanError
-from executor_svc.runner import StepRunner, collect_when_ready
+from executor_svc.runner import StepRunner
 from executor_svc.sampler import sample
 from executor_svc.slot_store import SlotStore
+from executor_svc.step_loop import collect_when_ready
 from protos import executor_pb2
 from protos.layout import RowLayout
 from protos.wire import pack_f32, pack_i32, unpack_i32
