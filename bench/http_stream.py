@@ -128,6 +128,8 @@ class Stack:
         env = {**os.environ, "DELTASERVE_PREFIX_CACHE": "0"}
         argv = ["--port", str(self.port), "--http-port", str(self.http_port), "--no-cache"]
         argv += ["--device", args.device, "--pool-pages", str(pool_pages), "--buckets", buckets]
+        if args.model:
+            argv += ["--model", args.model]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "deltaserve", "--log-json", "--log-level", "warning", "up", *argv],
             stdout=subprocess.DEVNULL,
@@ -244,6 +246,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", help="the stack's --model (default: up's own, SmolLM2-135M-Instruct)")
     parser.add_argument("--concurrency", default="1,64,256")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=512)
