@@ -44,3 +44,35 @@ def smollm2_config(**overrides):
     )
     fields.update(overrides)
     return DenseConfig(**fields)
+
+
+def qwen3_5_0_8b_config():
+    """Qwen3.5-0.8B's published text configuration (Qwen/Qwen3.5-0.8B, a Qwen3_5ForConditionalGeneration whose
+    text_config reads: vocab 248,320, hidden 1,024, intermediate 3,584, 24 layers as 6 x (3 gated delta net + 1
+    gated full attention), attention 8 query / 2 KV heads of 256 with partial rotary 0.25 and rope theta 1e7,
+    gated delta nets of 16 key and 16 value heads of 128 with a conv of 4, RMS eps 1e-6, tied embeddings, EOS
+    248044), which the benchmarks fill with random weights."""
+    from executor_svc.models.qwen3_5_model import FULL, LINEAR, Qwen35Config
+
+    return Qwen35Config(
+        vocab_size=248320,
+        hidden_size=1024,
+        layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 6,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=256,
+        rotary_dim=64,
+        linear_key_heads=16,
+        linear_value_heads=16,
+        linear_key_dim=128,
+        linear_value_dim=128,
+        conv_width=4,
+        intermediate_size=3584,
+        rope_theta=10_000_000.0,
+        rms_eps=1e-6,
+        max_seq_len=262144,
+        tie_embeddings=True,
+        eos_token_ids=(248044,),
+        bos_token_id=None,
+        name="Qwen3.5-0.8B (random bf16 weights)",
+    )

@@ -3,8 +3,11 @@
     python bench/decode.py [--tokenizer DIR] [--concurrency 1,16,64,256] [--rounds 2]
                            [--out docs/bench/decode.json] [--plot docs/decode.png]
     python bench/decode.py --compile-only   # build FlashInfer's decode kernel (JIT) and exit
+    python bench/decode.py --model-shape qwen3.5-0.8b --out docs/bench/decode_qwen3_5.json \
+                           --plot docs/decode_qwen3_5.png   # the Qwen3.5 hybrid's shape
 
-SmolLM2-135M's shape with random bf16 weights (no checkpoint needed), random 512-token prompts, 256 output
+SmolLM2-135M's shape (or --model-shape's) with random bf16 weights (no checkpoint needed), random 512-token
+prompts (ids below SmolLM2's vocabulary, which the default tokenizer decodes), 256 output
 tokens each (EOS ignored), prefix cache off. Arms alternate within each round. Prints one line per
 measurement; writes one JSON object per arm and concurrency (both rounds inside) and a plot of tok/s.
 
@@ -39,10 +42,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deltaserve.aio
-from bench.common import commit_hash, smollm2_config, write_json
+from bench.common import commit_hash, qwen3_5_0_8b_config, smollm2_config, write_json
 from bench.in_process import InProcessLink
 from executor_svc.config import DEFAULT_BUCKETS, ExecutorConfig
 from executor_svc.models.dense import DenseModel
+from executor_svc.models.family import ExecutorModel
+from executor_svc.models.qwen3_5_model import Qwen35Model
 from executor_svc.runner import StepRunner, runner_for_model
 from executor_svc.server import start_executor_server
 from planner_svc.config import PlannerConfig, SchedulingConfig
@@ -62,26 +67,43 @@ AUTH_ARM, TLS_ARM = "resident-auth", "resident-tls"
 BENCH_KEY = "bench-key-0123456789abcdef"
 PAGE_SIZE = 16
 MAX_SEQ_LEN = 1024
-MODEL_FINGERPRINT = "random-smollm2"
 READY_TIMEOUT_S = 900.0  # a child's start: an executor's model build and graph captures
 TIMES_TIMEOUT_S = 30.0
 MEASURE_TIMEOUT_S = 1800.0
 CLOSE_TIMEOUT_S = 10.0
 STDERR_TAIL_LINES = 40
 SMOLLM2 = smollm2_config()
+MODEL_SHAPES = ("smollm2-135m", "qwen3.5-0.8b")
 
 
-def random_model(device: torch.device) -> DenseModel:
-    """SmolLM2's shape, weights ~ N(0, 0.02) and norms of one, in bf16."""
-    model = DenseModel(SMOLLM2, device=device, dtype=torch.bfloat16)
+def random_model(device: torch.device, shape: str = MODEL_SHAPES[0]) -> ExecutorModel:
+    """The shape's model, weights ~ N(0, 0.02) and norms of one (Qwen3.5's (1 + w) norms: w = 0), gated delta
+    net decays as transformers initialises them, in bf16."""
+    if shape == "qwen3.5-0.8b":
+        model: ExecutorModel = Qwen35Model(qwen3_5_0_8b_config(), device=device, dtype=torch.bfloat16)
+    else:
+        model = DenseModel(SMOLLM2, device=device, dtype=torch.bfloat16)
     generator = torch.Generator(device=device).manual_seed(0)
+    offset_norms = isinstance(model, Qwen35Model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+        for name, param in model.named_parameters():  # type: ignore[attr-defined]
+            if name.endswith("linear_attn.norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("norm.weight"):
+                param.fill_(0.0 if offset_norms else 1.0)
+            elif name.endswith("A_log"):
+                param.copy_(
+                    torch.empty_like(param, dtype=torch.float32).uniform_(1, 16, generator=generator).log()
+                )
+            elif name.endswith("dt_bias"):
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
     return model
+
+
+def model_fingerprint(shape: str) -> str:
+    return f"random-{shape}"
 
 
 def arm_list(text: str) -> tuple[str, ...]:
@@ -113,10 +135,12 @@ def executor_config(device: str, pool_pages: int, buckets: tuple[int, ...], arm:
     )
 
 
-def build_runner(model: DenseModel, config: ExecutorConfig) -> tuple[StepRunner | None, dict[str, str]]:
+def build_runner(
+    model: ExecutorModel, config: ExecutorConfig, shape: str
+) -> tuple[StepRunner | None, dict[str, str]]:
     """The runner and its capture state per bucket; (None, {"error": ...}) when it cannot be built."""
     try:
-        runner = runner_for_model(model, config, MODEL_FINGERPRINT)
+        runner = runner_for_model(model, config, model_fingerprint(shape))
     except Exception as err:  # an arm that cannot be built is reported; the rest run
         return None, {"error": f"{type(err).__name__}: {err}"}
     graphs = runner.graphs
@@ -425,20 +449,21 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"equal": same, "of": len(a), "mean_common_prefix": round(statistics.fmean(prefixes), 1)}
 
 
-def compile_only() -> None:
-    """Build FlashInfer's decode kernel for this shape (its JIT cache then serves the benchmark)."""
+def compile_only(shape: str) -> None:
+    """Build FlashInfer's decode kernel for the shape (its JIT cache then serves the benchmark)."""
     from executor_svc.attention.host_planned import FlashInferDecode, plan_from_rows
     from executor_svc.kv_pool import KVPool
     from protos.layout import RowLayout
 
     began = time.perf_counter()
     device = torch.device("cuda")
-    kv = KVPool(1, 4, PAGE_SIZE, SMOLLM2.num_kv_heads, SMOLLM2.head_dim, torch.bfloat16, device)
+    cfg = qwen3_5_0_8b_config() if shape == "qwen3.5-0.8b" else SMOLLM2
+    kv = KVPool(1, 4, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, device)
     layout = RowLayout(slots=3, block_span=4)
-    attention = FlashInferDecode((1,), kv, SMOLLM2.num_heads, layout.block_span, SMOLLM2.head_dim**-0.5)
+    attention = FlashInferDecode((1,), kv, cfg.num_heads, layout.block_span, cfg.head_dim**-0.5)
     rows = np.zeros((layout.slots, layout.columns), dtype=np.int32)
     attention.plan(1, plan_from_rows(rows, np.zeros(1, dtype=np.int32), PAGE_SIZE))
-    q = torch.zeros(1, SMOLLM2.num_heads, SMOLLM2.head_dim, dtype=torch.bfloat16, device=device)
+    q = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device=device)
     attention.attend(1, 0, q)
     torch.cuda.synchronize()
     print(f"FlashInfer decode kernel ready in {time.perf_counter() - began:.1f} s", flush=True)
@@ -476,7 +501,9 @@ async def serve_executor(args: argparse.Namespace, stop: asyncio.Event) -> None:
     protocol = protocol_stdout()
     buckets = tuple(int(b) for b in args.buckets.split(","))
     config = executor_config(args.device, args.pool_pages, buckets, args.serve_executor)
-    runner, states = build_runner(random_model(torch.device(args.device)), config)
+    runner, states = build_runner(
+        random_model(torch.device(args.device), args.model_shape), config, args.model_shape
+    )
     if runner is None:
         protocol.write(json.dumps(states) + "\n")
         return
@@ -541,7 +568,9 @@ async def run(args: argparse.Namespace) -> list[dict]:
             began = time.perf_counter()
             if in_process(name):
                 config = executor_config(args.device, pool_pages, buckets, name)
-                runner, states = build_runner(random_model(device), config)
+                runner, states = build_runner(
+                    random_model(device, args.model_shape), config, args.model_shape
+                )
             else:
                 child = children[name] = await ExecutorChild.start(
                     f"{name} executor",
@@ -553,6 +582,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
                     str(pool_pages),
                     "--buckets",
                     ",".join(map(str, buckets)),
+                    "--model-shape",
+                    args.model_shape,
                     *(
                         ["--tls-cert", certs["cert"], "--tls-key", certs["key"]]
                         if name == TLS_ARM and certs
@@ -639,6 +670,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
             "itl_mean_ms": round(statistics.fmean(r["itl_mean_ms"] or 0.0 for r in rounds), 3),
             "ttft_p50_ms": round(statistics.fmean(r["ttft_p50_ms"] or 0.0 for r in rounds), 2),
             "failed": sum(r["failed"] for r in rounds),
+            "model_shape": args.model_shape,
             "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens,
             "rounds": rounds,
@@ -687,7 +719,8 @@ def plot(records: list[dict], path: str) -> None:
     axes.set_xlabel("concurrent requests")
     axes.set_ylabel("output tokens / s")
     gpu = next((r["gpu"] for r in records if "gpu" in r), "")
-    axes.set_title(f"SmolLM2-135M shape, bf16, 512 in / 256 out ({gpu})", fontsize=9)
+    shape = next((r["model_shape"] for r in records if "model_shape" in r), MODEL_SHAPES[0])
+    axes.set_title(f"{shape} shape, bf16, 512 in / 256 out ({gpu})", fontsize=9)
     axes.grid(True, alpha=0.3)
     axes.legend()
     figure.tight_layout()
@@ -700,6 +733,12 @@ def main() -> None:
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer dir or GGUF (default: the SmolLM2 GGUF)")
     parser.add_argument("--concurrency", default="1,16,64,256")
+    parser.add_argument(
+        "--model-shape",
+        choices=MODEL_SHAPES,
+        default=MODEL_SHAPES[0],
+        help="the model whose shape random bf16 weights fill (qwen3.5-0.8b: the hybrid, its state pool by slot)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
         "--arms",
@@ -731,7 +770,7 @@ def main() -> None:
     if args.device != "cpu" and not torch.cuda.is_available():
         sys.exit("bench/decode.py needs a CUDA device (or --device cpu for a smoke run)")
     if args.compile_only:
-        compile_only()
+        compile_only(args.model_shape)
         return
     if args.serve_executor:
         deltaserve.aio.run(lambda stop: serve_executor(args, stop))
