@@ -4,11 +4,14 @@ read whole; the state pool's copies and its sink."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
 
 from executor_svc.kernels import gated_delta_ref as ref
+from executor_svc.kernels import interpreting
 from executor_svc.state_pool import StatePool
 
 T, HK, H, DK, DV, C, K = 150, 2, 4, 16, 8, 24, 4  # T spans three blocks of the chunked rule, the last partial
@@ -91,3 +94,22 @@ def test_state_pool_copies_and_sizes():
     assert (pool.conv[:, 0] == 0).all() and (pool.recurrent[:, 2] == 0).all()
     with pytest.raises(ValueError, match="sink"):
         StatePool(2, 1, C, K, H, DK, DV, dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("fla") is None or not interpreting(),
+    reason="fla-core (the gpu extra) under TRITON_INTERPRET=1",
+)
+def test_fla_decode_step_equals_the_reference():
+    """fla-core's fused recurrent kernel, the GPU's decode step, in Triton's interpreter on the CPU."""
+    from executor_svc.kernels import gated_delta_fla
+
+    g = torch.Generator().manual_seed(4)
+    n = 3
+    q, k = torch.randn(n, HK, DK, generator=g), torch.randn(n, HK, DK, generator=g)
+    v, state = torch.randn(n, H, DV, generator=g), torch.randn(n, H, DK, DV, generator=g)
+    decay, beta = -torch.rand(n, H, generator=g), torch.rand(n, H, generator=g)
+    expected, expected_state = ref.delta_rule_step(q, k, v, decay, beta, state)
+    out, new_state = gated_delta_fla.delta_rule_step(q, k, v, decay, beta, state)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new_state, expected_state, atol=1e-5, rtol=1e-5)

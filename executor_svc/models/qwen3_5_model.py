@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.kernels import gated_delta_ref as ref
+from executor_svc.kernels.gated_delta_fla import decode_step_for
 from executor_svc.kv_pool import KVPool
 from executor_svc.state_pool import StateInputs, StatePool
 
@@ -211,6 +212,7 @@ class Qwen35Model(nn.Module):
             else _Linear(config.hidden_size, config.vocab_size, self.device, dtype)
         )
         self.scale = config.head_dim**-0.5
+        self._decode_rule = decode_step_for(self.device)  # fla-core's fused kernel where it runs, else torch
         # The layer's index in its pool: KV layers for full attention, state layers for gated delta nets.
         self.pool_index = [config.layer_indices(kind).index(i) for i, kind in enumerate(config.layer_types)]
         # Default rope over the first rotary_dim dims, as transformers computes it (float32, then the dtype).
@@ -337,7 +339,7 @@ class Qwen35Model(nn.Module):
             real = (slots != 0)[:, None, None]  # padding rows write zeros back into the sink slot
             mixed, window = ref.conv1d_step(mixed, weight, conv.index_select(0, slots))
             conv.index_copy_(0, slots, window * real)
-            out, state = ref.delta_rule_step(*split(mixed), g, beta, recurrent.index_select(0, slots))
+            out, state = self._decode_rule(*split(mixed), g, beta, recurrent.index_select(0, slots))
             recurrent.index_copy_(0, slots, state * real[..., None])
         else:
             assert states.host_slots is not None and states.fresh is not None
