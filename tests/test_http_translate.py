@@ -1,13 +1,20 @@
-"""The gateway's pure parts: OpenAI bodies to GenerateOptions, and gRPC statuses to HTTP errors."""
+"""The gateway's pure parts: OpenAI bodies to GenerateOptions, gRPC statuses to HTTP errors, and the events
+of a stream that fails after it began."""
 
 from __future__ import annotations
+
+import json
 
 import grpc
 import pytest
 
+from gateway_svc.app import _events
 from gateway_svc.http_errors import HTTP_STATUS, ApiError
+from gateway_svc.openai_replies import ChoiceState, ChunkWriter
 from gateway_svc.openai_schema import ChatCompletionBody, CompletionBody
 from gateway_svc.translate import BadField, UnsupportedField, chat_choices, completion_choices
+from protos import client_pb2
+from protos.wire import pack_i32
 
 USER = {"role": "user", "content": "hi"}
 
@@ -107,3 +114,18 @@ def test_grpc_statuses_map_to_http_statuses():
         "error": {"message": "the queue is full", "type": "rate_limit_error", "param": None, "code": None}
     }
     assert error.response().headers["retry-after"] == "1"
+
+
+async def test_an_error_after_the_stream_began_is_an_event_then_done():
+    async def cut():
+        yield 0, client_pb2.GenerateResponse(request_id="r-0", token_ids=pack_i32([7]), text="Hi")
+        raise ApiError(503, "executor lost; the request was cut after 2 tokens")
+
+    stream = cut()
+    first = await anext(stream)
+    writer = ChunkWriter("chat", "chatcmpl-r", 1, "m", "", False, False, False)
+    events = [e async for e in _events(writer, stream, first, {0: ChoiceState(0, 0)})]
+    assert [e.startswith(b"data: ") and e.endswith(b"\n\n") for e in events] == [True] * 3
+    assert json.loads(events[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": "Hi"}
+    assert json.loads(events[1][6:])["error"]["type"] == "service_unavailable_error"
+    assert events[2] == b"data: [DONE]\n\n"
