@@ -98,7 +98,7 @@ class Conversations:
         position = conversation.retention.best_prefix(min(common, len(prompt_ids) - 1))
         # Only whole pages are kept: the turn writes from a page boundary on, never into a kept page
         # (a full page may be indexed for sharing, so its tokens must not change).
-        keep = (position or 0) // self.page_size if conversation.pages and not self.recurrent else 0
+        keep = (position or 0) // self.page_size if conversation.pages else 0
         if not keep:
             mount = Mount(diverged_at=diverged)
             if conversation.tokens and self.recurrent:
@@ -133,10 +133,13 @@ class Conversations:
     ) -> list[int]:
         """The turn ended: its tokens' KV is in `pages`; checkpoints are taken at the given positions.
 
-        Returns the pages beyond the tokens (to free)."""
-        keep = -(-len(tokens) // self.page_size)
+        Returns the pages beyond the tokens (to free): all of them for a model with recurrent layers, whose
+        pages alone cannot resume a turn (nothing to keep, park or restore)."""
+        keep = 0 if self.recurrent else -(-len(tokens) // self.page_size)
         conversation.tokens, conversation.pages = tokens, pages[:keep]
         conversation.busy = False
+        if self.recurrent:
+            return pages
         retention = conversation.retention
         for position in sorted(set(checkpoints)):
             if not 0 < position <= len(tokens):

@@ -112,3 +112,55 @@ async def test_multimodal_layout_gives_the_same_tokens(hybrid):
         await _all_free(stack)
     finally:
         await stop_stack(servers)
+
+
+async def test_aborts_free_their_state_slots(text_stack, hybrid):
+    """Two long requests aborted, one decoding and one that may still wait for a state slot, while others run:
+    the others keep transformers' tokens, and every state slot comes back."""
+    cases = hybrid[2]
+    async with PlannerClient(text_stack.addr) as client:
+        decoding = client.generate(
+            GenerateOptions(token_ids=cases[0][0], max_tokens=200, request_id="long-0")
+        )
+        await decoding.__anext__()
+        finished = asyncio.gather(
+            *(client.generate_all(GenerateOptions(token_ids=p, max_tokens=NEW_TOKENS)) for p, _ in cases[2:4])
+        )
+        other = asyncio.ensure_future(
+            client.generate_all(GenerateOptions(token_ids=cases[1][0], max_tokens=200, request_id="long-1"))
+        )
+        for _ in range(500):  # until the planner has taken it in
+            if await client.abort("long-1"):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("long-1 was never running")
+        assert await client.abort("long-0")
+        assert [r async for r in decoding][-1].finish_reason == 3  # FINISH_REASON_ABORT
+        assert (await other).finish_reason == "abort"
+        assert [got.token_ids for got in await finished] == [expected for _, expected in cases[2:4]]
+    await _all_free(text_stack)
+
+
+async def test_conversation_turn_reads_the_history_again(text_stack, hybrid):
+    """A second turn equals a fresh read of its whole history; its checkpoint says why none was mounted, the
+    conversation holds no pages between turns, and parking it moves nothing."""
+    from tests.hybrid_model import build_text_model, greedy
+
+    prompt, first_answer = hybrid[2][1]
+    history = prompt + first_answer + [7, 8, 9]
+    async with PlannerClient(text_stack.addr) as client:
+        first = await client.generate_all(
+            GenerateOptions(token_ids=prompt, max_tokens=NEW_TOKENS, conversation_id="chat")
+        )
+        assert first.token_ids == first_answer
+        await text_stack.wait_idle()
+        assert text_stack.scheduler.pages.free_count == text_stack.scheduler.pages.total
+        second = await client.generate_all(
+            GenerateOptions(token_ids=history, max_tokens=NEW_TOKENS, conversation_id="chat")
+        )
+        assert second.token_ids == greedy(build_text_model(), history, NEW_TOKENS)
+        assert second.reused_tokens == 0 and "recurrent" in second.checkpoint
+        await text_stack.wait_idle()
+        assert (await client.park("chat")).bytes == 0
+    await _all_free(text_stack)
