@@ -8,7 +8,9 @@ Hugging Face transformers' on the same GGUF weights, for 32 chat prompts at c=1 
 `families` (issue 20) builds each dense family variant of tests/tiny_families.py (Llama with llama3 / yarn /
 linear rope, tied and untied, biases, two EOS ids, sharded; Qwen3) as a random checkpoint, takes transformers'
 fp32 greedy tokens on the CPU for 32 token prompts of 5 to 1,100 tokens, and serves each on CUDA (captured
-decode and prefill graphs) at c=1 and all 32 at once.
+decode and prefill graphs) at c=1 and all 32 at once; then the Qwen3.5 hybrid of tests/hybrid_model.py (three
+gated delta net layers and one full attention; its decode captured with fla-core's kernel where installed, its
+prefill eager) in both layouts the same way.
 
 The reference is computed once where transformers runs (this is what the CPU tests compare against too)
 and kept as JSON with the prompt ids; `check` runs where the GPU is, sends the same chat messages, and
@@ -197,6 +199,19 @@ def families(args: argparse.Namespace) -> None:
             options = [GenerateOptions(token_ids=p, max_tokens=args.max_tokens) for p in prompts]
             for record in deltaserve.aio.run(
                 lambda stop: serve_and_compare(args, str(directory), options, expected, lengths)  # noqa: B023
+            ):
+                records.append({"variant": variant, **record})
+        from tests.hybrid_model import build_text_model, greedy, save_layouts
+
+        began = time.perf_counter()
+        hybrid = build_text_model()
+        layouts = save_layouts(hybrid, str(Path(root) / "qwen3_5"), tokenizer)
+        expected = [greedy(hybrid, prompt, args.max_tokens) for prompt in prompts]
+        print(f"qwen3_5: checkpoint and reference in {time.perf_counter() - began:.1f} s", flush=True)
+        options = [GenerateOptions(token_ids=p, max_tokens=args.max_tokens) for p in prompts]
+        for variant, directory in zip(("qwen3_5_text", "qwen3_5"), layouts, strict=True):
+            for record in deltaserve.aio.run(
+                lambda stop: serve_and_compare(args, directory, options, expected, lengths)  # noqa: B023
             ):
                 records.append({"variant": variant, **record})
     report(args, records, args.out_families)
