@@ -212,7 +212,7 @@ async def test_a_ten_turn_agent_conversation_reuses_its_history_every_turn(http)
         history.append({"role": "assistant", "content": reply.choices[0].message.content})
 
 
-async def test_a_shared_prefix_is_pinned_for_the_conversation(http):
+async def test_a_shared_prefix_is_pinned_for_the_conversation_or_logged(http):
     system = {"role": "system", "content": "You answer in one word. " * 8}
     reply = await http.client.chat.completions.create(
         model=http.model,
@@ -222,8 +222,18 @@ async def test_a_shared_prefix_is_pinned_for_the_conversation(http):
         extra_body={"conversation_id": "pinned-1", "shared_prefix": {"messages": 1}},
     )
     assert reply.model_extra["deltaserve"]["conversation_id"] == "pinned-1"
+    # one that cannot be marked (past the prompt's end) is logged, and the request goes on
+    past = await http.client.chat.completions.create(
+        model=http.model,
+        messages=[system, *QUESTION],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"conversation_id": "pinned-2", "shared_prefix": {"tokens": 100000}},
+    )
+    assert past.choices[0].message.content == reply.choices[0].message.content
     listed = {c.conversation_id: c for c in await http.planner.conversations()}
     assert 0 < listed["pinned-1"].pinned_prefix < reply.usage.prompt_tokens
+    assert listed["pinned-2"].pinned_prefix == 0
 
 
 async def test_a_planner_that_does_not_answer_is_503(http):
