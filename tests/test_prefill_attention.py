@@ -86,7 +86,7 @@ def test_refuses_mismatched_shapes():
         paged_prefill_attention(q[:, :8], pool.k[0], pool.v[0], batch, 0.125)
 
 
-def small_model():
+def small_model(**overrides):
     from executor_svc.models.dense import DenseModel
 
     config = tiny_llama_config(
@@ -99,6 +99,7 @@ def small_model():
         eos_token_ids=(1,),
         bos_token_id=None,
         name="small",
+        **overrides,
     )
     torch.manual_seed(0)
     model = DenseModel(config, DEVICE, torch.float32)
@@ -108,8 +109,10 @@ def small_model():
     return model
 
 
-def test_fused_prefill_equals_the_torch_path():
-    model = small_model()
+# Plain Llama; and Qwen3's q/k head norms with biases in every projection (the many-row GEMM path of each).
+@pytest.mark.parametrize("variant", [{}, dict(qk_norm=True, attention_bias=True, mlp_bias=True)])
+def test_fused_prefill_equals_the_torch_path(variant: dict):
+    model = small_model(**variant)
     batch = random_batch(4, seed=5)
     eager_kv = model.make_kv_pool(num_pages=POOL_PAGES, page_size=4)
     fused_kv = model.make_kv_pool(num_pages=POOL_PAGES, page_size=4)
