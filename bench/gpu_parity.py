@@ -190,7 +190,8 @@ def families(args: argparse.Namespace) -> None:
     prompts = tiny_families.prompts(lengths)
     records = []
     with tempfile.TemporaryDirectory() as root:
-        for variant in tiny_families.VARIANTS:
+        wanted = args.variants.split(",") if args.variants else [*tiny_families.VARIANTS, "qwen3_5"]
+        for variant in (v for v in tiny_families.VARIANTS if v in wanted):
             directory = Path(root) / variant
             began = time.perf_counter()
             tiny_families.save_variant(variant, directory, tokenizer, prompts[1])
@@ -201,19 +202,20 @@ def families(args: argparse.Namespace) -> None:
                 lambda stop: serve_and_compare(args, str(directory), options, expected, lengths)  # noqa: B023
             ):
                 records.append({"variant": variant, **record})
-        from tests.hybrid_model import build_text_model, greedy, save_layouts
+        if "qwen3_5" in wanted:  # the hybrid, both layouts of one model
+            from tests.hybrid_model import build_text_model, greedy, save_layouts
 
-        began = time.perf_counter()
-        hybrid = build_text_model()
-        layouts = save_layouts(hybrid, str(Path(root) / "qwen3_5"), tokenizer)
-        expected = [greedy(hybrid, prompt, args.max_tokens) for prompt in prompts]
-        print(f"qwen3_5: checkpoint and reference in {time.perf_counter() - began:.1f} s", flush=True)
-        options = [GenerateOptions(token_ids=p, max_tokens=args.max_tokens) for p in prompts]
-        for variant, directory in zip(("qwen3_5_text", "qwen3_5"), layouts, strict=True):
-            for record in deltaserve.aio.run(
-                lambda stop: serve_and_compare(args, directory, options, expected, lengths)  # noqa: B023
-            ):
-                records.append({"variant": variant, **record})
+            began = time.perf_counter()
+            hybrid = build_text_model()
+            layouts = save_layouts(hybrid, str(Path(root) / "qwen3_5"), tokenizer)
+            expected = [greedy(hybrid, prompt, args.max_tokens) for prompt in prompts]
+            print(f"qwen3_5: checkpoint and reference in {time.perf_counter() - began:.1f} s", flush=True)
+            options = [GenerateOptions(token_ids=p, max_tokens=args.max_tokens) for p in prompts]
+            for variant, directory in zip(("qwen3_5_text", "qwen3_5"), layouts, strict=True):
+                for record in deltaserve.aio.run(
+                    lambda stop: serve_and_compare(args, directory, options, expected, lengths)  # noqa: B023
+                ):
+                    records.append({"variant": variant, **record})
     report(args, records, args.out_families)
 
 
@@ -257,6 +259,11 @@ def main() -> None:
     )
     parser.add_argument("--out", default="docs/bench/gpu_parity.json")
     parser.add_argument("--out-families", default="docs/bench/gpu_parity_families.json")
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="families: comma-separated, of llama3, yarn, linear_biases, qwen3, qwen3_5 (both layouts); default all",
+    )
     parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     args = parser.parse_args()
     {"reference": reference, "check": check, "families": families}[args.what](args)
