@@ -164,3 +164,33 @@ async def test_conversation_turn_reads_the_history_again(text_stack, hybrid):
         await text_stack.wait_idle()
         assert (await client.park("chat")).bytes == 0
     await _all_free(text_stack)
+
+
+async def test_row_check_soak_under_kv_and_state_pressure(hybrid):
+    """bench/soak's random requests (greedy and seeded, 15% abandoned by their client) on few pages and few
+    state slots, prefill in chunks of 24 tokens: every row a step reads equals the planner's mirror, answers
+    under churn equal the same request alone, and every page, slot and state slot is free at the end."""
+    from bench.soak import one_request
+
+    executor, planner = _configs(hybrid[0])
+    executor.pool_pages, executor.state_slots = 24, 6
+    planner.scheduling.prefill_token_budget = 24
+    stack, servers = await start_stack(executor, planner)
+    rng = random.Random(7)
+    try:
+        async with PlannerClient(stack.addr) as client:
+            results = await asyncio.gather(*(one_request(client, rng, i, 512) for i in range(40)))
+            await stack.wait_idle(60.0)
+            assert stack.engine.row_mismatches == 0 and stack.engine.steps > 50
+            scheduler = stack.scheduler
+            assert scheduler.pages.free_count == scheduler.pages.total
+            assert scheduler.slots.free_count == scheduler.slots.num_slots - 1
+            assert scheduler.states.free_count == scheduler.states.total == 5
+            for fields, tokens, finished in results:
+                if finished:
+                    alone = await client.generate_all(
+                        GenerateOptions(**{**fields, "request_id": fields["request_id"] + "-alone"})
+                    )
+                    assert tokens == alone.token_ids
+    finally:
+        await stop_stack(servers)
