@@ -21,20 +21,22 @@ def main() -> None:
 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    # SmolLM2-135M's published configuration (config.json of HuggingFaceTB/SmolLM2-135M-Instruct)
+    from bench.common import smollm2_config
+
+    shape = smollm2_config()  # SmolLM2-135M's published configuration, as every benchmark fills it
     config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        intermediate_size=1536,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        intermediate_size=shape.intermediate_size,
+        rope_theta=shape.rope_theta,
+        rms_norm_eps=shape.rms_eps,
+        max_position_embeddings=shape.max_seq_len,
+        tie_word_embeddings=shape.tie_embeddings,
+        bos_token_id=shape.bos_token_id,
+        eos_token_id=list(shape.eos_token_ids),
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
