@@ -74,12 +74,19 @@ class Snapshots:
         self._fingerprint = snapshot_fingerprint(
             runner.fingerprint, described.dtype, page_size, self._num_layers, kv_heads, head_dim
         )
+        self._recurrent = runner.state_pool is not None
         # Made by the first park or restore on the card; `free_memory` replaces the card's memory query.
         self.copy_stream = CopyStream(runner.device, free_memory)
 
     def _require_cache(self) -> str:
         if self._cache is None:
             raise SnapshotRefused(grpc.StatusCode.FAILED_PRECONDITION, "no cache service configured")
+        if self._recurrent:
+            raise SnapshotRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "snapshots of a model with recurrent layers are not supported yet (its recurrent states would "
+                "not travel with the pages)",
+            )
         return self._cache
 
     async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:

@@ -194,3 +194,21 @@ async def test_row_check_soak_under_kv_and_state_pressure(hybrid):
                     assert tokens == alone.token_ids
     finally:
         await stop_stack(servers)
+
+
+async def test_snapshots_of_a_recurrent_model_are_refused(text_stack):
+    """Pages without their recurrent states cannot resume a conversation: park and restore say so."""
+    import grpc
+
+    from executor_svc.snapshot_checks import SnapshotRefused
+    from executor_svc.snapshots import Snapshots
+    from protos import executor_pb2
+
+    snapshots = Snapshots(text_stack.runner, copies=None, cache="127.0.0.1:1", shard_layers=8)  # type: ignore[arg-type]
+    for call in (
+        snapshots.park(executor_pb2.ParkPagesRequest(conversation_id="c")),
+        snapshots.restore(executor_pb2.RestorePagesRequest(conversation_id="c")),
+    ):
+        with pytest.raises(SnapshotRefused, match="recurrent layers") as refused:
+            await call
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
