@@ -113,3 +113,19 @@ def test_fla_decode_step_equals_the_reference():
     out, new_state = gated_delta_fla.delta_rule_step(q, k, v, decay, beta, state)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(new_state, expected_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core (the gpu extra)")
+def test_fla_prefill_falls_back_to_the_reference():
+    """fla's chunked kernel where it runs; where it fails (here: no GPU driver for its autotuner), the reference,
+    for this call and the next ones."""
+    from executor_svc.kernels import gated_delta_fla
+
+    q, k, v, g, beta, state = _inputs(5)
+    rule = gated_delta_fla._FallBack()
+    for _ in range(2):
+        out, final = rule(q[0], k[0], v[0], g[0], beta[0], state[0])
+        expected, expected_final = ref.delta_rule_sequence(q[0], k[0], v[0], g[0], beta[0], state[0])
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(final, expected_final, atol=1e-4, rtol=1e-4)
+    assert gated_delta_fla.sequence_rule_for(torch.device("cpu"), torch.bfloat16) is ref.delta_rule_sequence

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.kernels import gated_delta_ref as ref
-from executor_svc.kernels.gated_delta_fla import decode_step_for
+from executor_svc.kernels.gated_delta_fla import decode_step_for, sequence_rule_for
 from executor_svc.kv_pool import KVPool
 from executor_svc.state_pool import StateInputs, StatePool
 
@@ -212,7 +212,9 @@ class Qwen35Model(nn.Module):
             else _Linear(config.hidden_size, config.vocab_size, self.device, dtype)
         )
         self.scale = config.head_dim**-0.5
-        self._decode_rule = decode_step_for(self.device)  # fla-core's fused kernel where it runs, else torch
+        # fla-core's kernels where they run (the chunked one for 16-bit models), else the torch reference
+        self._decode_rule = decode_step_for(self.device)
+        self._sequence_rule = sequence_rule_for(self.device, dtype)
         # The layer's index in its pool: KV layers for full attention, state layers for gated delta nets.
         self.pool_index = [config.layer_indices(kind).index(i) for i, kind in enumerate(config.layer_types)]
         # Default rope over the first rotary_dim dims, as transformers computes it (float32, then the dtype).
@@ -349,7 +351,7 @@ class Qwen35Model(nn.Module):
                 part = slice(int(bounds[i]), int(bounds[i + 1]))
                 fresh = bool(states.fresh[i])
                 mixed_i, conv[slot] = ref.conv1d_sequence(mixed[part], weight, None if fresh else conv[slot])
-                out_i, recurrent[slot] = ref.delta_rule_sequence(
+                out_i, recurrent[slot] = self._sequence_rule(
                     *split(mixed_i), g[part], beta[part], None if fresh else recurrent[slot]
                 )
                 outs.append(out_i)
