@@ -8,6 +8,7 @@ import dataclasses
 import datetime
 import json
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ from protos import client_pb2
 from protos.wire import unpack_i32
 
 EXIT_INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C
+TTFT_SHOWN_S = 1.0  # `generate` prints the time to the first token when it is longer
 
 T = TypeVar("T")
 log = get_logger("deltaserve.commands")
@@ -165,10 +167,16 @@ def reuse_line(response: client_pb2.GenerateResponse) -> str:
 
 
 async def _stream_text(client: PlannerClient, options: GenerateOptions) -> client_pb2.GenerateResponse | None:
-    """Writes the text as it comes; returns the last response (None if the stream ended without one)."""
+    """Writes the text as it comes; returns the last response (None if the stream ended without one). A first
+    token later than TTFT_SHOWN_S (a long prompt on a CPU) is timed on stderr."""
     generated = 0
     last = None
+    began = time.perf_counter()
     async for response in client.generate(options):
+        if last is None and (waited := time.perf_counter() - began) > TTFT_SHOWN_S:
+            print(
+                f"first token after {waited:.1f} s ({response.prompt_tokens} prompt tokens)", file=sys.stderr
+            )
         sys.stdout.write(response.text)
         sys.stdout.flush()
         generated += len(unpack_i32(response.token_ids))

@@ -21,6 +21,7 @@ from executor_svc.config import (
     DEFAULT_BUCKETS,
     DEFAULT_PREFILL_BUCKETS,
     DEFAULT_SHARD_LAYERS,
+    WEIGHT_MODES,
     ExecutorConfig,
 )
 from planner_svc.config import PlannerConfig
@@ -61,6 +62,13 @@ def add_model_flags(flags: Flags) -> None:
         default=defaults.dtype,
         choices=("auto", "float32", "bfloat16", "float16"),
         help="weights and KV dtype; auto is bfloat16 on cuda, float32 on cpu",
+    )
+    flags.option(
+        "--weights",
+        default=defaults.weights,
+        choices=WEIGHT_MODES,
+        help="quantized GGUF weights: packed keeps them quantized (CPU, float32), dequantize makes float copies "
+        "at load; auto is packed on cpu, dequantize on cuda",
     )
     flags.option(
         "--page-size",

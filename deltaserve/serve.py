@@ -55,6 +55,7 @@ def executor_config(args: argparse.Namespace, *, cache: str | None) -> ExecutorC
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        weights=args.weights,
         page_size=args.page_size,
         pool_pages=args.pool_pages,
         state_slots=args.state_slots,

@@ -12,6 +12,8 @@ DEFAULT_PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
 # CUDA decode: captured graphs that read each row off the slot store, or the rows planned on the host
 # every step for FlashInfer (the way engines do it today; the benchmarks' baseline).
 DECODE_PATHS = ("resident", "host-planned")
+# auto = packed on the CPU for a GGUF model with float32 activations, else dequantize (always on a GPU).
+WEIGHT_MODES = ("auto", "dequantize", "packed")
 
 
 @dataclass(slots=True)
@@ -20,6 +22,7 @@ class ExecutorConfig:
     model: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16 | float16
+    weights: str = "auto"  # one of WEIGHT_MODES: quantized GGUF weights kept packed, or de-quantized at load
     page_size: int = 16
     pool_pages: int = 2048  # page 0 (the sink page) included
     max_seq_len: int | None = None  # None = the model's context length
@@ -48,6 +51,8 @@ class ExecutorConfig:
         self.prefill_buckets = tuple(sorted(set(self.prefill_buckets)))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be auto, dequantize or packed, got {self.weights!r}")
         if self.decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path must be resident or host-planned, got {self.decode_path!r}")
         if self.max_seq_len is not None and self.max_seq_len < 1:

@@ -36,3 +36,27 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}")
     return _DTYPES[name]
+
+
+def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, model_path: str) -> str:
+    """auto = packed for a GGUF model on the CPU in float32 when the packed kernel builds here, else
+    dequantize; packed asked for where it cannot run is a ValueError saying why."""
+    from executor_svc.models import packed_kernel
+
+    if name == "dequantize":
+        return name
+    reasons = []
+    if device.type != "cpu":
+        reasons.append(f"packed weights run on the CPU only, not {device}")
+    if dtype != torch.float32:
+        reasons.append(f"packed weights take float32 activations, not {dtype} (--dtype float32 or auto)")
+    if not model_path.endswith(".gguf"):
+        reasons.append(f"packed weights come from a quantized GGUF file, not {model_path}")
+    if name == "auto":
+        return "packed" if not reasons and packed_kernel.available() else "dequantize"
+    if name != "packed":
+        raise ValueError(f"weights must be auto, dequantize or packed, got {name!r}")
+    if reasons:
+        raise ValueError("; ".join(reasons))
+    packed_kernel.library()  # KernelUnavailable (a RuntimeError) says why it cannot be built
+    return name

@@ -342,7 +342,7 @@ def build_runner(config: ExecutorConfig) -> StepRunner:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     path = resolve_model_path(config.model)
-    model = load_model(path, device, dtype)
+    model = load_model(path, device, dtype, config.weights)
     return runner_for_model(model, config, model_fingerprint(path))
 
 

@@ -13,6 +13,7 @@ import structlog
 from planner_svc.conversations import Conversation, Conversations
 from planner_svc.link import ExecutorLink, LinkLost, StepRefused
 from planner_svc.logprobs import logprob_rows
+from planner_svc.prefill_progress import log_prefill_progress
 from planner_svc.recovery import recover
 from planner_svc.requests import Finish, Request
 from planner_svc.scheduler import PlannedStep, Scheduler
@@ -229,6 +230,7 @@ class Engine:
             allowance = self.executor_timeout
             if step.prefill:
                 allowance += PREFILL_S_PER_TOKEN * sum(len(c.token_ids) // 4 for c in step.prefill)
+                log_prefill_progress(step.prefill)
             self._recent.append(plan)
             await self.link.send(plan)
             sent = time.perf_counter()

@@ -54,6 +54,13 @@ class Sampling:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
 
 
+@dataclass(slots=True)
+class PrefillRead:
+    began: float  # when its first chunk was planned
+    first: int  # tokens already there then (reused pages)
+    shown: float  # when its last line was logged
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
@@ -80,6 +87,7 @@ class Request:
     # Reuse of KV already in the pool: a conversation's mounted pages, or a shared prefix.
     conversation: Conversation | None = None
     reused: int = 0  # prompt tokens whose KV `pages` already hold at admission
+    prefill_read: PrefillRead | None = None  # a long prompt's read being followed (prefill_progress.py)
     root: int | None = None  # end of the system prompt: a checkpoint kept while the cap allows
     pinned: int | None = None  # a shared read-only prefix: a checkpoint never evicted
     tenant: str = ""  # whose request: the seed of its prefix hashes (pages are shared within a tenant only)

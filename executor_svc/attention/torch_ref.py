@@ -3,7 +3,7 @@ reference the kernels are checked against)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,33 @@ if TYPE_CHECKING:
     from executor_svc.plan import CheckedPlan
     from executor_svc.prefill.batch import PrefillBatch
     from executor_svc.slot_store import SlotStore
+
+
+class DecodeGather(NamedTuple):
+    """What every layer's decode attention of one step shares: which pages to read and what to mask."""
+
+    flat_pages: torch.Tensor  # i64[B * W']: the block tables trimmed to the W' pages the longest row needs
+    width: int  # W' * page_size positions per row
+    mask: torch.Tensor  # f32[B, 1, 1, width]: 0 where visible, -inf past the row's length
+
+    @staticmethod
+    def build(
+        block_tables: torch.Tensor, attn_lens: torch.Tensor, page_size: int, dtype: torch.dtype
+    ) -> DecodeGather:
+        """block_tables: int32[B, W]; attn_lens: int32[B] (each >= 1: position 0 is always visible)."""
+        if block_tables.device.type == "cpu":
+            # On the CPU reading attn_lens.max() costs no device sync, and gathering only the pages the
+            # longest row needs saves most of the work; on a GPU the width stays fixed for graph capture.
+            pages_needed = max(1, -(-int(attn_lens.max()) // page_size))
+            block_tables = block_tables[:, :pages_needed]
+        width = block_tables.shape[1] * page_size
+        visible = torch.arange(width, device=block_tables.device)[None, :] < attn_lens[:, None]
+        # An additive mask made once a step: SDPA would turn a boolean one into this in every layer.
+        mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+            ~visible, -torch.inf
+        )
+        # index_select on int64 is the fastest gather of whole pages on the CPU (several times `k_layer[table]`).
+        return DecodeGather(block_tables.flatten().long(), width, mask[:, None, None, :])
 
 
 def decode_attention(
@@ -29,23 +56,29 @@ def decode_attention(
 
     k_layer, v_layer: [pages, page_size, kv_heads, head_dim]; block_tables: int32[B, W]; attn_lens: int32[B].
     """
+    gather = DecodeGather.build(block_tables, attn_lens, k_layer.shape[1], q.dtype)
+    return gathered_decode_attention(q, k_layer, v_layer, gather, scale)
+
+
+def gathered_decode_attention(
+    q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, gather: DecodeGather, scale: float
+) -> torch.Tensor:
+    """decode_attention with the step's pages and mask worked out already: q[B, H, D] -> [B, H, D]."""
     batch, _, head_dim = q.shape
-    page_size, kv_heads = k_layer.shape[1], k_layer.shape[2]
-    if q.device.type == "cpu":
-        # On the CPU reading attn_lens.max() costs no device sync, and gathering only the pages the
-        # longest row needs saves most of the work; on a GPU the width stays fixed for graph capture.
-        pages_needed = max(1, -(-int(attn_lens.max()) // page_size))
-        block_tables = block_tables[:, :pages_needed]
-    width = block_tables.shape[1] * page_size
-    # index_select on int64 is the fastest gather of whole pages on the CPU (several times `k_layer[table]`).
-    flat_pages = block_tables.flatten().long()
+    kv_heads = k_layer.shape[2]
     # k, v: [B, kv_heads, width, head_dim]
-    k = k_layer.index_select(0, flat_pages).view(batch, width, kv_heads, head_dim).transpose(1, 2)
-    v = v_layer.index_select(0, flat_pages).view(batch, width, kv_heads, head_dim).transpose(1, 2)
-    # visible: [B, 1, 1, width]; every row sees at least position 0, so no row is all masked
-    visible = torch.arange(width, device=q.device)[None, :] < attn_lens[:, None]
+    k = (
+        k_layer.index_select(0, gather.flat_pages)
+        .view(batch, gather.width, kv_heads, head_dim)
+        .transpose(1, 2)
+    )
+    v = (
+        v_layer.index_select(0, gather.flat_pages)
+        .view(batch, gather.width, kv_heads, head_dim)
+        .transpose(1, 2)
+    )
     out = F.scaled_dot_product_attention(
-        q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True
+        q[:, :, None, :], k, v, attn_mask=gather.mask, scale=scale, enable_gqa=True
     )
     return out[:, :, 0, :]
 
@@ -106,8 +139,7 @@ class TorchDecode:
         self.kv = kv
         self.scale = scale
         # Set by `over` for the layers' attention of the same step:
-        self._tables = torch.zeros(0, 0, dtype=torch.int32)  # the step's block tables: [B, W]
-        self._lengths = torch.zeros(0, dtype=torch.int32)  # positions each row attends, its own included: [B]
+        self._gather: DecodeGather | None = None  # the step's pages and mask, shared by its layers
 
     def plan(self, plan: CheckedPlan) -> None:
         pass
@@ -128,13 +160,14 @@ class TorchDecode:
         kv_lens[b] % P, and the row attends over kv_lens[b] + 1 positions. Padding rows: token 0, length 0,
         block table of zeros (the sink page)."""
         page_size = self.kv.page_size
-        self._tables, self._lengths = block_tables, kv_lens + 1
+        # kv_lens + 1: the positions each row attends, its own included
+        self._gather = DecodeGather.build(block_tables, kv_lens + 1, page_size, self.kv.k.dtype)
         write_page = block_tables.gather(1, (kv_lens // page_size).long()[:, None])[:, 0]
         return StepInputs(tokens, positions, kv_lens, write_page, kv_lens % page_size)
 
     def forward(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        kv = self.kv
-        return decode_attention(q, kv.k[layer], kv.v[layer], self._tables, self._lengths, self.scale)
+        assert self._gather is not None, "over() sets the step's inputs before its layers run"
+        return gathered_decode_attention(q, self.kv.k[layer], self.kv.v[layer], self._gather, self.scale)
 
     def stepped(self, bucket: int) -> None:
         pass

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.kv_pool import KVPool
@@ -135,6 +134,7 @@ class DenseAttention(nn.Module):
         self.o_proj = Linear(q_size, cfg.hidden_size, device, dtype, bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, device, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, device, dtype) if cfg.qk_norm else None
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one matmul (packed.fuse_projections)
 
 
 class DenseLayer(nn.Module):
@@ -208,7 +208,9 @@ class DenseModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(x), self.head_weight).float()
+        h = self.norm(x)
+        # Through the modules, not head_weight: a packed head has no float weight.
+        return (self.embed_tokens.project(h) if self.lm_head is None else self.lm_head(h)).float()
 
     def _project_qkv(
         self, layer: DenseLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -217,9 +219,14 @@ class DenseModel(nn.Module):
         cfg = self.config
         h = layer.input_layernorm(x)
         attn = layer.self_attn
-        q = attn.q_proj(h).view(-1, cfg.num_heads, cfg.head_dim)
-        k = attn.k_proj(h).view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = attn.v_proj(h).view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if attn.qkv_proj is None:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        else:
+            kv_size = cfg.num_kv_heads * cfg.head_dim
+            q, k, v = attn.qkv_proj(h).split([cfg.num_heads * cfg.head_dim, kv_size, kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if attn.q_norm is not None and attn.k_norm is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

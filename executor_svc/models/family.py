@@ -88,8 +88,9 @@ class ModelFamily:
     read_hf_config: Callable[[dict[str, Any], str], Any]
     # a safetensors tensor name -> the model's parameter name, or None for a tensor the model does not use
     hf_weight_name: Callable[[str], str | None]
-    # an open gguf.GGUFReader and its path -> (config, weights named as the model's parameters)
-    read_gguf: Callable[[Any, str], tuple[Any, dict[str, torch.Tensor]]] | None
+    # an open gguf.GGUFReader, its path and whether to keep quantized matrices packed -> (config, weights named as
+    # the model's parameters: tensors, or PackedWeights when packing)
+    read_gguf: Callable[[Any, str, bool], tuple[Any, dict[str, Any]]] | None
     # config, device, dtype -> the model with uninitialised weights (the loader fills them)
     build: Callable[[Any, torch.device, torch.dtype], Any]
 

@@ -10,7 +10,10 @@ import numpy as np
 import torch
 
 from executor_svc.models.dense import DenseConfig
+from executor_svc.models.gguf_packing import PACKABLE, pack_gguf
+from executor_svc.models.packed import PackedWeight
 from executor_svc.models.rope import default_inv_freq
+from protos.progress import Progress
 
 _REQUIRED = object()  # marks GGUF metadata without a default
 
@@ -34,10 +37,11 @@ _ROPE_FACTORS = "rope_freqs.weight"
 
 
 def read_dense_gguf(
-    reader: Any, path: str, *, permute_qk: bool
-) -> tuple[DenseConfig, dict[str, torch.Tensor]]:
+    reader: Any, path: str, *, permute_qk: bool, pack: bool = False
+) -> tuple[DenseConfig, dict[str, torch.Tensor | PackedWeight]]:
     """The config and the weights of a dense decoder's GGUF. permute_qk: llama.cpp interleaved the rope halves
-    of q and k's rows (its Llama converter does, for its "normal" rope; Qwen's NEOX rope needs no permute)."""
+    of q and k's rows (its Llama converter does, for its "normal" rope; Qwen's NEOX rope needs no permute).
+    pack: quantized matrices of a type gguf_packing maps stay packed (PackedWeight), the rest de-quantized."""
     import gguf
 
     def meta(key: str, default: Any = _REQUIRED) -> Any:
@@ -90,18 +94,31 @@ def read_dense_gguf(
         mlp_bias="blk.0.ffn_up.bias" in tensors,
     )
 
-    weights = {}
-    for name, tensor in tensors.items():
-        if name == _ROPE_FACTORS:
-            continue  # read into the rope frequencies above
-        # np.asarray drops the memmap subclass, whose per-slice bookkeeping doubles the dequantize time.
-        array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)  # [out, in] or [out]
-        if permute_qk and (name.endswith(".attn_q.weight") or name.endswith(".attn_q.bias")):
-            array = _undo_rope_permute(array, config.num_heads)
-        elif permute_qk and (name.endswith(".attn_k.weight") or name.endswith(".attn_k.bias")):
-            array = _undo_rope_permute(array, config.num_kv_heads)
-        # F32 tensors come back as read-only views of the file: copy those only.
-        weights[_hf_name(path, arch, name)] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+    weights: dict[str, torch.Tensor | PackedWeight] = {}
+    verb = "packing" if pack else "de-quantizing"
+    with Progress(f"{verb} {config.name}", total=len(tensors), unit="tensors") as progress:
+        for name, tensor in tensors.items():
+            progress.advance()
+            if name == _ROPE_FACTORS:
+                continue  # read into the rope frequencies above
+            heads = None
+            if permute_qk and (name.endswith(".attn_q.weight") or name.endswith(".attn_q.bias")):
+                heads = config.num_heads
+            elif permute_qk and (name.endswith(".attn_k.weight") or name.endswith(".attn_k.bias")):
+                heads = config.num_kv_heads
+            if pack and len(tensor.shape) == 2 and tensor.tensor_type.name in PACKABLE:
+                rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # ggml lists the fastest axis first
+                packed = pack_gguf(np.asarray(tensor.data), tensor.tensor_type.name, rows, cols)
+                if heads is not None:
+                    packed = packed.take_rows(torch.from_numpy(_undo_rope_permute(np.arange(rows), heads)))
+                weights[_hf_name(path, arch, name)] = packed
+                continue
+            # np.asarray drops the memmap subclass, whose per-slice bookkeeping doubles the dequantize time.
+            array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)  # [out, in] or [out]
+            if heads is not None:
+                array = _undo_rope_permute(array, heads)
+            # F32 tensors come back as read-only views of the file: copy those only.
+            weights[_hf_name(path, arch, name)] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
     return config, weights
 
 

@@ -38,6 +38,10 @@ class Embedding(nn.Module):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.weight)
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x[..., hidden] -> [..., V]: the tied output head over the same table."""
+        return F.linear(x, self.weight)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
@@ -62,9 +66,14 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, device, dtype, bias)
         self.up_proj = Linear(hidden, intermediate, device, dtype, bias)
         self.down_proj = Linear(intermediate, hidden, device, dtype, bias)
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one matmul (packed.fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,6 @@ FAMILY = ModelFamily(
     gguf_architectures=("llama",),
     read_hf_config=_read_hf_config,
     hf_weight_name=hf_weight_name,
-    read_gguf=lambda reader, path: read_dense_gguf(reader, path, permute_qk=True),
+    read_gguf=lambda reader, path, pack: read_dense_gguf(reader, path, permute_qk=True, pack=pack),
     build=DenseModel,
 )

@@ -6,22 +6,35 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
+import time
 from typing import Any
 
 import torch
 
+from executor_svc.device import resolve_weights
 from executor_svc.models.family import ExecutorModel, ModelFamily, family_for_gguf, family_for_hf
+from executor_svc.models.packed import PackedWeight, fuse_projections, install_packed
+
+log = logging.getLogger(__name__)
 
 _MIB = 1 << 20
 
 
-def load_model(path: str, device: torch.device | str, dtype: torch.dtype) -> ExecutorModel:
-    """The model of the checkpoint's family with every weight loaded, on `device` in `dtype`."""
+def load_model(
+    path: str, device: torch.device | str, dtype: torch.dtype, weights_mode: str = "auto"
+) -> ExecutorModel:
+    """The model of the checkpoint's family with every weight loaded, on `device` in `dtype`; weights_mode
+    (auto, dequantize, packed) says whether a GGUF's quantized matrices stay packed (resolve_weights)."""
+    began = time.perf_counter()
+    device = torch.device(device)
+    mode = resolve_weights(weights_mode, device, dtype, path)
+    weights: dict[str, Any]  # tensors, and PackedWeights when packing
     if os.path.isdir(path):
         family, config, weights = _read_hf_dir(path)
     elif os.path.isfile(path) and path.endswith(".gguf"):
-        family, config, weights = _read_gguf(path)
+        family, config, weights = _read_gguf(path, pack=mode == "packed")
     else:
         raise ValueError(f"model path {path!r} is neither a .gguf file nor a Hugging Face model directory")
     model = family.build(config, torch.device(device), dtype)
@@ -36,9 +49,26 @@ def load_model(path: str, device: torch.device | str, dtype: torch.dtype) -> Exe
             raise ValueError(
                 f"{path}: {name} has shape {tuple(weights[name].shape)}, expected {tuple(param.shape)}"
             )
+    packed = {name: w for name, w in weights.items() if isinstance(w, PackedWeight)}
+    install_packed(model, packed)
     # assign=True adopts the converted tensors instead of copying into the placeholders (saves a pass).
     model.load_state_dict(
-        {name: w.to(device=device, dtype=dtype) for name, w in weights.items()}, assign=True
+        {name: w.to(device=device, dtype=dtype) for name, w in weights.items() if name not in packed},
+        assign=True,
+    )
+    fuse_projections(model)  # after the load: the biases are in place
+    log.info(
+        "model loaded: %s, weights %s (%d of %d matrices packed, %.0f MB), %.1f s",
+        config.name,
+        mode,
+        len(packed),
+        sum(1 for w in weights.values() if isinstance(w, PackedWeight) or w.dim() == 2),
+        sum(
+            w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
+            for w in weights.values()
+        )
+        / 1e6,
+        time.perf_counter() - began,
     )
     return model
 
@@ -65,14 +95,14 @@ def model_fingerprint(path: str) -> str:
     return digest.hexdigest()
 
 
-def _read_gguf(path: str) -> tuple[ModelFamily, Any, dict[str, torch.Tensor]]:
+def _read_gguf(path: str, pack: bool) -> tuple[ModelFamily, Any, dict[str, Any]]:
     import gguf
 
     reader = gguf.GGUFReader(path)
     field = reader.fields.get("general.architecture")
     family = family_for_gguf("" if field is None else str(field.contents()), path)
     assert family.read_gguf is not None  # family_for_gguf returns only families that read GGUF
-    config, weights = family.read_gguf(reader, path)
+    config, weights = family.read_gguf(reader, path, pack)
     return family, config, weights
 
 

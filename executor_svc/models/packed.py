@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
 from executor_svc.models import packed_kernel
+from executor_svc.models.layers import Embedding, Linear
 
 GROUP = 32
 _TILE_BYTES = 1 << 20  # a de-quantized tile of rows for many-row matmuls: stays in the cache
@@ -91,14 +93,16 @@ def _scratch_tile(rows: int, k: int) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """A bias-free linear layer over a PackedWeight (CPU, float32 activations)."""
+    """A linear layer over a PackedWeight (CPU, float32 activations); the bias, if any, stays a float tensor."""
 
-    def __init__(self, weight: PackedWeight) -> None:
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.packed = weight
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.packed.matmul(x)
+        out = self.packed.matmul(x)
+        return out if self.bias is None else out + self.bias
 
 
 class PackedEmbedding(nn.Module):
@@ -115,3 +119,46 @@ class PackedEmbedding(nn.Module):
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         return self.packed.matmul(x)
+
+
+def install_packed(model: nn.Module, weights: dict[str, PackedWeight]) -> None:
+    """Each `<module>.weight` in `weights` replaces its module (a linear layer or an embedding, with `weight`
+    and an optional `bias`) by the packed one; the bias placeholder moves along, loaded later as before."""
+    for name, weight in weights.items():
+        path = name.removesuffix(".weight")
+        module = model.get_submodule(path)
+        replacement: nn.Module
+        if isinstance(module, Embedding):
+            replacement = PackedEmbedding(weight)
+        elif isinstance(module, Linear):
+            replacement = PackedLinear(weight, module.bias)
+        else:
+            raise ValueError(f"{name}: a {type(module).__name__} cannot take a packed weight")
+        model.set_submodule(path, replacement)
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Every module whose q, k and v (or gate and up) projections are all packed gets them as one matmul,
+    `qkv_proj` (`gate_up_proj`): one kernel call and one output where a decode step made three (two). The
+    parts' weights become row views of the fused one, so memory is not doubled."""
+    for module in model.modules():
+        for parts, fused in (
+            (("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+            (("gate_proj", "up_proj"), "gate_up_proj"),
+        ):
+            linears = [getattr(module, name, None) for name in parts]
+            if hasattr(module, fused) and all(isinstance(p, PackedLinear) for p in linears):
+                packed = [cast(PackedLinear, p) for p in linears]
+                if len({p.bias is None for p in packed}) == 1:  # all with a bias or none
+                    setattr(module, fused, _fuse(packed))
+
+
+def _fuse(parts: list[PackedLinear]) -> PackedLinear:
+    weight = PackedWeight.cat([p.packed for p in parts])
+    bias = None if parts[0].bias is None else torch.cat([cast(torch.Tensor, p.bias) for p in parts])
+    start = 0
+    for part in parts:
+        rows = part.packed.shape[0]
+        part.packed = weight.take_rows(slice(start, start + rows))
+        start += rows
+    return PackedLinear(weight, bias)

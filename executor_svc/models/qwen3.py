@@ -27,6 +27,6 @@ FAMILY = ModelFamily(
     read_hf_config=_read_hf_config,
     hf_weight_name=hf_weight_name,
     # llama.cpp's Qwen converter keeps Hugging Face's row order (NEOX rope): nothing to undo
-    read_gguf=lambda reader, path: read_dense_gguf(reader, path, permute_qk=False),
+    read_gguf=lambda reader, path, pack: read_dense_gguf(reader, path, permute_qk=False, pack=pack),
     build=DenseModel,
 )
