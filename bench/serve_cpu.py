@@ -4,6 +4,11 @@
 
 Both arms serve the same model (a runner each), alternated, two rounds each, so the gRPC hop's cost
 is the difference. Greedy, ignore_eos, a short chat prompt per request.
+
+    python bench/serve_cpu.py --side-by-side [--concurrency 1,4] [--llamacpp-python PYTHON] [--rounds 2]
+
+deltaserve against transformers `generate` and llama.cpp on the same GGUF, 28- and 512-token prompts, and the
+executor's resident memory packed vs de-quantized (bench/cpu_side_by_side.py).
 """
 
 from __future__ import annotations
@@ -96,10 +101,23 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--out", default="docs/bench/serve_cpu.json")
+    parser.add_argument("--out", default=None, help="default docs/bench/serve_cpu[_side_by_side].json")
+    parser.add_argument("--side-by-side", action="store_true", help="against transformers and llama.cpp")
+    parser.add_argument("--llamacpp-python", help="side by side: a python with llama-cpp-python installed")
+    parser.add_argument("--rounds", type=int, default=2, help="side by side: interleaved rounds")
+    parser.add_argument("--weights", default="auto", help="side by side: the executor's --weights")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="side by side: threads per arm"
+    )
     args = parser.parse_args()
-    results = asyncio.run(main_async(args))
-    write_json(args.out, results)
+    if args.side_by_side:
+        from bench.cpu_side_by_side import side_by_side
+
+        results = asyncio.run(side_by_side(args))
+        write_json(args.out or "docs/bench/serve_cpu_side_by_side.json", results)
+    else:
+        results = asyncio.run(main_async(args))
+        write_json(args.out or "docs/bench/serve_cpu.json", results)
 
 
 if __name__ == "__main__":
