@@ -96,23 +96,33 @@ def test_state_pool_copies_and_sizes():
         StatePool(2, 1, C, K, H, DK, DV, dtype=torch.float32, device="cpu")
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("fla") is None or not interpreting(),
-    reason="fla-core (the gpu extra) under TRITON_INTERPRET=1",
-)
-def test_fla_decode_step_equals_the_reference():
-    """fla-core's fused recurrent kernel, the GPU's decode step, in Triton's interpreter on the CPU."""
-    from executor_svc.kernels import gated_delta_fla
+@pytest.mark.skipif(not interpreting(), reason="Triton's interpreter (TRITON_INTERPRET=1) on the CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_at_slots_equals_the_reference(dtype):
+    """gated_delta_slots' Triton kernel, the GPU's decode step, updates the pool's states in place at each row's
+    slot as the reference's gather, step and scatter do; a padding row (slot 0) leaves the sink zero. DV = 40
+    spans two value blocks, the last partial; DK = 12 is not a power of two."""
+    from executor_svc.kernels import gated_delta_slots
 
+    dk, dv = 12, 40
     g = torch.Generator().manual_seed(4)
-    n = 3
-    q, k = torch.randn(n, HK, DK, generator=g), torch.randn(n, HK, DK, generator=g)
-    v, state = torch.randn(n, H, DV, generator=g), torch.randn(n, H, DK, DV, generator=g)
-    decay, beta = -torch.rand(n, H, generator=g), torch.rand(n, H, generator=g)
-    expected, expected_state = ref.delta_rule_step(q, k, v, decay, beta, state)
-    out, new_state = gated_delta_fla.delta_rule_step(q, k, v, decay, beta, state)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(new_state, expected_state, atol=1e-5, rtol=1e-5)
+    slots = torch.tensor([3, 0, 1, 5])  # distinct; row 1 is padding
+    n = len(slots)
+    mixed = torch.randn(n, 2 * HK * dk + H * dv, generator=g).to(
+        dtype
+    )  # q | k | v of one row, as the model's
+    q, k, v = mixed.split([HK * dk, HK * dk, H * dv], dim=-1)
+    q, k, v = q.view(n, HK, dk), k.view(n, HK, dk), v.view(n, H, dv)
+    decay, beta = -torch.rand(n, H, generator=g), torch.rand(n, H, generator=g).to(dtype)
+    states = torch.randn(6, H, dk, dv, generator=g)
+    states[0] = 0
+    expected_states = states.clone()
+    expected = ref.delta_rule_step_at_slots(q, k, v, decay, beta, expected_states, slots)
+    out = gated_delta_slots.delta_rule_step_at_slots(q, k, v, decay, beta, states, slots)
+    real = slots != 0
+    torch.testing.assert_close(out[real], expected[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states, expected_states, atol=1e-5, rtol=1e-5)
+    assert (states[0] == 0).all() and (states[[2, 4]] == expected_states[[2, 4]]).all()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core (the gpu extra)")

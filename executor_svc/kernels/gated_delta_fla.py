@@ -1,7 +1,6 @@
-"""The gated delta rule in flash-linear-attention's Triton kernels (fla-core, the `gpu` extra; vLLM and SGLang
-use them): the decode step in its fused recurrent kernel (one launch a layer where the torch reference takes a
-dozen), a prefill sequence in its chunked one. Same contracts as gated_delta_ref's, which stays the CPU path and
-the fallback where fla-core is missing."""
+"""The gated delta rule's prefill in flash-linear-attention's chunked Triton kernel (fla-core, the `gpu` extra;
+vLLM and SGLang use it). Same contract as gated_delta_ref's, which stays the CPU path and the fallback where
+fla-core is missing or fails. (The decode step is gated_delta_slots', which reads the states by slot.)"""
 
 from __future__ import annotations
 
@@ -13,46 +12,12 @@ import torch
 
 from executor_svc.kernels import gated_delta_ref
 
-StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+SequenceRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 log = structlog.get_logger("deltaserve.executor.kernels")
 
 
 def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
-
-
-def delta_rule_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of each of N sequences: q, k [N, Hk, Dk], v [N, H, Dv], g, beta [N, H], state [N, H, Dk, Dv]
-    float32. Returns (out [N, H, Dv] in v's dtype, the new state float32). Each row is a batch entry of length 1."""
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
-    out, final = fused_recurrent_gated_delta_rule(
-        q[:, None],
-        k[:, None],
-        v[:, None],
-        g[:, None].float(),
-        beta=beta[:, None],
-        scale=q.shape[-1] ** -0.5,
-        initial_state=state,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-    )
-    return out[:, 0], final
-
-
-def decode_step_for(device: torch.device) -> StepFn:
-    """fla's kernel on CUDA when fla-core is installed; the torch reference otherwise (the CPU path: the tests
-    check fla's kernel against it under Triton's interpreter, too slow to serve with)."""
-    if fla_available() and device.type == "cuda":
-        return delta_rule_step
-    return gated_delta_ref.delta_rule_step
 
 
 def delta_rule_sequence(
@@ -102,7 +67,7 @@ class _FallBack:
         return gated_delta_ref.delta_rule_sequence(*args)  # type: ignore[arg-type]
 
 
-def sequence_rule_for(device: torch.device, dtype: torch.dtype) -> StepFn:
+def sequence_rule_for(device: torch.device, dtype: torch.dtype) -> SequenceRule:
     """fla's chunked kernel on CUDA for 16-bit models (its matmuls run in TF32 on float32 inputs, off from
     transformers' fp32 by more than the parity checks allow), the torch reference otherwise."""
     if fla_available() and device.type == "cuda" and dtype != torch.float32:

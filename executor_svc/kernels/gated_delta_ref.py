@@ -1,6 +1,7 @@
 """Torch reference of a gated delta net layer's two stateful ops, by sequence: the causal depthwise conv1d
 with its rolling input window, and the gated delta rule with its recurrent state (the CPU path, and the
-reference `gated_delta_fla` is checked against). Float32 inside, as transformers' torch fallback computes.
+reference the kernels of gated_delta_fla and gated_delta_slots are checked against). Float32 inside, as
+transformers' torch fallback computes.
 
 Shapes: C conv channels, K kernel width; H value heads, Dk key and Dv value head sizes; a conv state is the
 last K - 1 inputs [C, K - 1] (oldest first), a recurrent state [H, Dk, Dv].
@@ -69,6 +70,23 @@ def delta_rule_step(
     delta = (v - remembered) * beta[..., None]
     state = state + k[..., None] * delta[..., None, :]
     return (state * q[..., None]).sum(-2), state
+
+
+def delta_rule_step_at_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """delta_rule_step on the states [slots, H, Dk, Dv] (float32) of the pool at slots[N] (distinct; slot 0, the
+    sink, for padding rows), updated in place; a padding row writes zeros back, so the sink stays zero.
+    Returns out [N, H, Dv] float32. The contract of gated_delta_slots' Triton kernel, which needs no gather."""
+    out, state = delta_rule_step(q, k, v, g, beta, states.index_select(0, slots))
+    states.index_copy_(0, slots, state * (slots != 0)[:, None, None, None])
+    return out
 
 
 def delta_rule_sequence(

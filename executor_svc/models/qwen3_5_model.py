@@ -5,7 +5,7 @@ pool; (1 + w) RMSNorms; the layer pattern from `layer_types`. transformers' mode
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.kernels import gated_delta_ref as ref
-from executor_svc.kernels.gated_delta_fla import decode_step_for, sequence_rule_for
+from executor_svc.kernels.gated_delta_fla import sequence_rule_for
 from executor_svc.kv_pool import KVPool
 from executor_svc.state_pool import StateInputs, StatePool
 
@@ -186,6 +186,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _decode_rule_for(device: torch.device) -> Callable[..., torch.Tensor]:
+    """The gated delta rule's decode step on the pool's states by slot: the Triton kernel on CUDA, the torch
+    reference (a gather and a scatter) on the CPU."""
+    if device.type == "cuda":
+        from executor_svc.kernels.gated_delta_slots import delta_rule_step_at_slots
+
+        return delta_rule_step_at_slots
+    return ref.delta_rule_step_at_slots
+
+
 class Qwen35Model(nn.Module):
     """Parameter names follow transformers' Qwen3_5ForCausalLM with the leading `model.` dropped.
 
@@ -212,8 +222,9 @@ class Qwen35Model(nn.Module):
             else _Linear(config.hidden_size, config.vocab_size, self.device, dtype)
         )
         self.scale = config.head_dim**-0.5
-        # fla-core's kernels where they run (the chunked one for 16-bit models), else the torch reference
-        self._decode_rule = decode_step_for(self.device)
+        # The decode step reads and updates the states in the pool by slot (Triton on CUDA); prefill in
+        # fla-core's chunked kernel for 16-bit models on CUDA; the torch reference otherwise.
+        self._decode_rule = _decode_rule_for(self.device)
         self._sequence_rule = sequence_rule_for(self.device, dtype)
         # The layer's index in its pool: KV layers for full attention, state layers for gated delta nets.
         self.pool_index = [config.layer_indices(kind).index(i) for i, kind in enumerate(config.layer_types)]
@@ -341,8 +352,7 @@ class Qwen35Model(nn.Module):
             real = (slots != 0)[:, None, None]  # padding rows write zeros back into the sink slot
             mixed, window = ref.conv1d_step(mixed, weight, conv.index_select(0, slots))
             conv.index_copy_(0, slots, window * real)
-            out, state = self._decode_rule(*split(mixed), g, beta, recurrent.index_select(0, slots))
-            recurrent.index_copy_(0, slots, state * real[..., None])
+            out = self._decode_rule(*split(mixed), g, beta, recurrent, slots)
         else:
             assert states.host_slots is not None and states.fresh is not None
             outs = []
