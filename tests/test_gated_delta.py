@@ -96,21 +96,22 @@ def test_state_pool_copies_and_sizes():
         StatePool(2, 1, C, K, H, DK, DV, dtype=torch.float32, device="cpu")
 
 
-@pytest.mark.skipif(not interpreting(), reason="Triton's interpreter (TRITON_INTERPRET=1) on the CPU")
+@pytest.mark.skipif(
+    not (interpreting() or torch.cuda.is_available()), reason="Triton: its interpreter or a CUDA device"
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_step_at_slots_equals_the_reference(dtype):
     """gated_delta_slots' Triton kernel, the GPU's decode step, updates the pool's states in place at each row's
-    slot as the reference's gather, step and scatter do; a padding row (slot 0) leaves the sink zero. DV = 40
-    spans two value blocks, the last partial; DK = 12 is not a power of two."""
+    slot as the reference's gather, step and scatter do; a padding row (slot 0) leaves the sink zero. DV = 20
+    spans three value blocks, the last partial; DK = 12 is not a power of two. On CUDA where not interpreting."""
     from executor_svc.kernels import gated_delta_slots
 
-    dk, dv = 12, 40
+    dk, dv = 12, 20
     g = torch.Generator().manual_seed(4)
     slots = torch.tensor([3, 0, 1, 5])  # distinct; row 1 is padding
     n = len(slots)
-    mixed = torch.randn(n, 2 * HK * dk + H * dv, generator=g).to(
-        dtype
-    )  # q | k | v of one row, as the model's
+    # q | k | v of each row in one tensor, as the model splits them
+    mixed = torch.randn(n, 2 * HK * dk + H * dv, generator=g).to(dtype)
     q, k, v = mixed.split([HK * dk, HK * dk, H * dv], dim=-1)
     q, k, v = q.view(n, HK, dk), k.view(n, HK, dk), v.view(n, H, dv)
     decay, beta = -torch.rand(n, H, generator=g), torch.rand(n, H, generator=g).to(dtype)
@@ -118,8 +119,10 @@ def test_step_at_slots_equals_the_reference(dtype):
     states[0] = 0
     expected_states = states.clone()
     expected = ref.delta_rule_step_at_slots(q, k, v, decay, beta, expected_states, slots)
-    out = gated_delta_slots.delta_rule_step_at_slots(q, k, v, decay, beta, states, slots)
-    real = slots != 0
+    device = "cpu" if interpreting() else "cuda"
+    q, k, v, decay, beta, states, slots = (x.to(device) for x in (q, k, v, decay, beta, states, slots))
+    out = gated_delta_slots.delta_rule_step_at_slots(q, k, v, decay, beta, states, slots).cpu()
+    states, real = states.cpu(), slots.cpu() != 0
     torch.testing.assert_close(out[real], expected[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states, expected_states, atol=1e-5, rtol=1e-5)
     assert (states[0] == 0).all() and (states[[2, 4]] == expected_states[[2, 4]]).all()
