@@ -13,6 +13,12 @@ rootfs="$(mktemp -d /tmp/deltaserve-rootfs.XXXXXX)"
 trap 'umount -l "$rootfs/proc" "$rootfs/sys" 2>/dev/null || true; rm -rf "$rootfs"' EXIT
 
 debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates "$suite" "$rootfs" "$mirror"
+# The host's CA bundle, so that pip in a build trusts what the host's pip trusts (a TLS-inspecting proxy's
+# CA among them); HOST_CA_BUNDLE= keeps Debian's own.
+ca_bundle="${HOST_CA_BUNDLE-/etc/ssl/certs/ca-certificates.crt}"
+if [[ -n "$ca_bundle" ]]; then
+  cp "$ca_bundle" "$rootfs/etc/ssl/certs/ca-certificates.crt"
+fi
 # What an image never reads: apt's lists and caches, documentation, manuals, translations.
 rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/* "$rootfs"/var/log/* \
   "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/* "$rootfs"/usr/share/info/* "$rootfs"/usr/share/locale/*

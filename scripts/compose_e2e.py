@@ -101,6 +101,10 @@ def start_daemon(work: Path, cleanup: contextlib.ExitStack) -> dict:
         daemon.terminate()
         daemon.wait(60)
         daemon_log.close()
+        # What it leaves mounted under its roots (the network namespace file), deepest first.
+        mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+        for mount in sorted((m for m in mounts if m.startswith(f"{root}/")), reverse=True):
+            subprocess.run(["umount", "--lazy", mount], check=False)
         log(f"stopped the docker daemon (pid {daemon.pid}) started here")
 
     cleanup.callback(stop_daemon)
