@@ -10,6 +10,7 @@ suite="${DEBIAN_SUITE:-bookworm}"  # bookworm's python3 is 3.11, the version the
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 
 rootfs="$(mktemp -d /tmp/deltaserve-rootfs.XXXXXX)"
+chmod 755 "$rootfs"  # it becomes the image's /: mktemp's 0700 would shut the non-root user out of everything
 trap 'umount -l "$rootfs/proc" "$rootfs/sys" 2>/dev/null || true; rm -rf "$rootfs"' EXIT
 
 debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates "$suite" "$rootfs" "$mirror"
