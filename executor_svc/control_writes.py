@@ -25,6 +25,7 @@ class ControlWrites(NamedTuple):
     i32: np.ndarray  # int32[m, CONTROL_I32]
     tokens: np.ndarray  # int32: per slot, bias ids, prompt, output, stop ids
     bias: np.ndarray  # float32: per slot, the bias values
+    grammars: list[str | None]  # per slot: "" (any JSON object), a JSON Schema's text, or None (no grammar)
 
 
 def check_controls(
@@ -32,7 +33,13 @@ def check_controls(
 ) -> ControlWrites | None:
     """The plan's control writes, or None when it has none; ControlError says what is wrong."""
     if not plan.control_slots:
-        if plan.control_f32 or plan.control_i32 or plan.control_tokens or plan.control_bias:
+        if (
+            plan.control_f32
+            or plan.control_i32
+            or plan.control_tokens
+            or plan.control_bias
+            or plan.control_grammar
+        ):
             raise ControlError("control_*: values without control_slots")
         return None
     sizes = {name: len(getattr(plan, name)) for name in ("control_slots", "control_f32", "control_i32")}
@@ -68,4 +75,10 @@ def check_controls(
         )
     if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ControlError(f"control_tokens: a token id is outside the vocabulary ({vocab_size})")
-    return ControlWrites(slots, f32, i32, tokens, bias)
+    if len(plan.control_grammar) not in (0, m):
+        raise ControlError(f"control_grammar: {len(plan.control_grammar)} grammars for {m} control slots")
+    grammars: list[str | None] = [None] * m
+    for index, grammar in enumerate(plan.control_grammar):
+        kind = grammar.WhichOneof("kind")
+        grammars[index] = None if kind is None else grammar.json_schema if kind == "json_schema" else ""
+    return ControlWrites(slots, f32, i32, tokens, bias, grammars)

@@ -9,18 +9,21 @@ import numpy as np
 import torch
 
 from executor_svc.control_writes import TOP_LOGPROBS
+from executor_svc.decode_graphs import Sampled
+from executor_svc.grammars import step_slots
 from executor_svc.plan import CheckedPlan
 from executor_svc.sampler_controls import LOGPROB_COLUMNS
 from executor_svc.slot_store import SlotStore
 from protos.wire import pack_f32, pack_i32
 
 
-def asking_rows(store: SlotStore, plan: CheckedPlan, sampled_chunks: Sequence[int]) -> np.ndarray:
+def asking_rows(store: SlotStore, plan: CheckedPlan, sampled: Sequence[Sampled]) -> np.ndarray | None:
     """bool[n]: which of the step's sampled rows (its prefill chunks that sampled, then its decode rows,
-    padding included) return logprobs, by the sampler state as this step reads it."""
-    prefill = np.asarray([plan.sample_slots[index] for index in sampled_chunks], dtype=np.int64)
-    slots = np.concatenate([prefill, store.host_slots(plan.bucket).astype(np.int64)])
-    return store.controls.logprob_rows(slots)
+    padding included) return logprobs, by the sampler state as this step reads it; None where no part of the
+    step ran the CONTROLLED variant (none returns logprobs)."""
+    if not any(part[1] is not None for part in sampled):
+        return None
+    return store.controls.logprob_rows(step_slots(plan, store, None))
 
 
 def gathered_table(tables: Sequence[tuple[int, torch.Tensor | None]], device: torch.device) -> torch.Tensor:

@@ -15,6 +15,7 @@ from executor_svc.attention import decode_attention
 from executor_svc.config import DEFAULT_BUCKETS, ExecutorConfig
 from executor_svc.decode_graphs import DecodeGraphs, Sampled
 from executor_svc.device import resolve_device, resolve_dtype
+from executor_svc.grammars import Grammars
 from executor_svc.kv_pool import KVPool
 from executor_svc.logprob_rows import asking_rows, gathered_table, packed
 from executor_svc.models.family import ExecutorModel
@@ -74,9 +75,7 @@ class LaunchedStep:
 
 
 UINT32_MAX = 2**32 - 1  # StepOutput.device_wait_us
-READ_BACK_RING = (
-    4  # read-backs reused round-robin: more than the steps launched ahead of their collection (2)
-)
+READ_BACK_RING = 4  # read-backs reused round-robin: more than the steps launched ahead of collection (2)
 
 
 class _ReadBack:
@@ -117,6 +116,7 @@ class StepRunner:
         graphs: DecodeGraphs | None = None,
         prefill_graphs: PrefillGraphs | None = None,
         state_pool: StatePool | None = None,
+        model_files: str | None = None,  # whose tokenizer structured output reads (None: the default model)
     ) -> None:
         widest = layout.widest_bucket
         if buckets is None:  # the default buckets that fit, and the widest the layout holds
@@ -135,6 +135,7 @@ class StepRunner:
         self.layout = layout
         self.row_check = row_check
         self.fingerprint = fingerprint
+        self.grammars = Grammars(store.controls, model_files)
         self.device = store.device
         cuda = self.device.type == "cuda"
         if cuda:  # "cuda" alone means the device current where the runner is built
@@ -208,7 +209,10 @@ class StepRunner:
         in order, from one thread."""
         began = time.perf_counter()
         checked = check_plan(plan, self.limits, self.store.bucket)
+        grammar = self.grammars.before(checked, self.store)
         self.store.apply(checked)
+        if grammar:
+            self.grammars.after(checked, self.store)
         applied = time.perf_counter()
         sampled: list[Sampled] = []
         sampled_chunks: list[int] = []
@@ -250,9 +254,7 @@ class StepRunner:
             tokens = sampled[0][0]
         else:
             tokens = torch.cat([part[0] for part in sampled])
-        asking = (
-            asking_rows(self.store, plan, sampled_chunks) if sampled and self._controlled(sampled) else None
-        )
+        asking = asking_rows(self.store, plan, sampled)
         table = None
         if asking is not None and asking.any():
             table = gathered_table([(len(part[0]), part[1]) for part in sampled], self.device)
@@ -277,12 +279,8 @@ class StepRunner:
         step = LaunchedStep(seq, plan, sampled_chunks, host, done, mismatches)
         if table is not None and asking is not None:
             step.logprobs = (table, asking)
+        self.grammars.launched(step, self.store)
         return step
-
-    @staticmethod
-    def _controlled(sampled: list[Sampled]) -> bool:
-        """Whether a part of the step ran the CONTROLLED variant (the others return no logprobs)."""
-        return any(part[1] is not None for part in sampled)
 
     def forget_launched(self) -> None:
         """The steps launched and not collected never will be (their stream ended): their read-backs are free
@@ -292,6 +290,7 @@ class StepRunner:
     def collect(self, step: LaunchedStep) -> executor_pb2.StepOutput:
         """The output of a launched step whose tokens are back (`collect_when_ready`, or after `step.wait()`)."""
         plan, chunks = step.plan, step.sampled_chunks
+        self.grammars.feed(step)
         if step.done is not None:
             self._uncollected -= 1
         host = step.host_tokens.to(torch.int32).numpy()
@@ -378,6 +377,7 @@ def runner_for_model(model: ExecutorModel, config: ExecutorConfig, fingerprint: 
         buckets=config.buckets,
         max_seq_len=max_seq_len,
         fingerprint=fingerprint,
+        model_files=config.model,
         graphs=graphs,
         prefill_graphs=prefill_graphs,
         state_pool=state_pool,

@@ -38,6 +38,13 @@ class SamplerControls:
         )  # prompt or output: [S, V]
         self.bias = torch.zeros(slots, vocab_size, dtype=torch.float32, device=device)  # [S, V]
         self.stop = torch.zeros(slots, vocab_size, dtype=torch.bool, device=device)  # masked early: [S, V]
+        # Structured output: the tokens a slot's grammar allows next, 32 a word (xgrammar's layout; all bits
+        # set for a slot without one), filled on the host by grammars.py before each step that reads it.
+        words = -(-vocab_size // 32)
+        self.grammar_mask = torch.full(
+            (slots, words), -1, dtype=torch.int32, device=device
+        )  # [S, ceil(V/32)]
+        self._bit = torch.arange(vocab_size, device=device)  # token ids: which word and bit hold each
         self._host_on = np.zeros(slots, dtype=bool)
         self._host_logprobs = np.zeros(slots, dtype=bool)  # by slot: returns logprobs
 
@@ -79,6 +86,7 @@ class SamplerControls:
             self.seen[slot, prompt] = True
             self.seen[slot, output] = True
             self.stop[slot, stop] = True
+            self.grammar_mask[slot] = -1  # grammars.py fills it where the slot has a grammar
             floats = torch.from_numpy(writes.f32[row].copy()).to(self.device)
             self.min_p[slot], self.repetition[slot], self.frequency[slot], self.presence[slot] = floats
             self.min_tokens[slot], self.generated[slot] = min_tokens, generated
@@ -108,6 +116,9 @@ class SamplerControls:
         adjusted = adjusted - self.presence[slots][:, None] * (counts > 0).to(torch.float32)
         early = (self.generated[slots] < self.min_tokens[slots])[:, None]
         adjusted = adjusted.masked_fill(self.stop[slots] & early, float("-inf"))
+        words = self.grammar_mask[slots][:, self._bit >> 5]  # words: [B, V]
+        allowed = ((words >> (self._bit & 31)) & 1).to(torch.bool)
+        adjusted = adjusted.masked_fill(~allowed, float("-inf"))
         return torch.where(self.on[slots][:, None], adjusted, logits)
 
 

@@ -67,7 +67,10 @@ def to_proto(step: PlannedStep) -> executor_pb2.StepPlan:
         plan.row_runs = delta.row_runs
     if step.sampler is not None:
         for name, data in step.sampler.pack().items():
-            setattr(plan, name, data)
+            if isinstance(data, bytes):
+                setattr(plan, name, data)
+            else:
+                getattr(plan, name).extend(data)
     for chunk in step.prefill:
         plan.prefill.add(
             token_ids=chunk.token_ids,

@@ -12,10 +12,11 @@ import jinja2
 import structlog
 
 from planner_svc.conversations import common_prefix
+from planner_svc.json_grammar import SchemaCompiler
 from planner_svc.requests import Request, Sampling
 from planner_svc.shared_prefix import resolve_shared_prefix
 from planner_svc.tokenizer import chat_ids, text_ids
-from planner_svc.validation import check_generate, check_implemented, check_length, limits_for
+from planner_svc.validation import check_generate, check_length, limits_for
 from protos import client_pb2, executor_pb2
 from protos.wire import unpack_i32
 
@@ -41,15 +42,14 @@ class Intake:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.limits = limits_for(tokenizer, vocab_size, max_seq_len)
+        self.schemas = SchemaCompiler(tokenizer, vocab_size)
         self._threads = ThreadPoolExecutor(max_workers=TOKENIZING_THREADS, thread_name_prefix="tokenize")
 
     async def prepare(
         self, request: client_pb2.GenerateRequest, request_id: str
     ) -> tuple[Request, Messages | None]:
-        """The request checked and its prompt tokenized; ValueError (INVALID_ARGUMENT) says what is wrong,
-        NotImplementedError (UNIMPLEMENTED) which field this server cannot honour yet."""
+        """The request checked and its prompt tokenized; ValueError (INVALID_ARGUMENT) says what is wrong."""
         check_generate(request, self.limits)
-        check_implemented(request)
         call = contextvars.copy_context().run  # the request id stays bound in the worker's log lines
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._threads, call, self._make_request, request, request_id)
@@ -89,6 +89,19 @@ class Intake:
                 log.info("shared prefix not marked", reason=why)
             req.pinned = tokens
 
+    def _grammar(self, request: client_pb2.GenerateRequest) -> str | None:
+        """The request's response_format as a grammar ("" any JSON object, else the schema), checked."""
+        kind = request.response_format.WhichOneof("format")
+        if kind == "json_object":
+            return ""
+        if kind != "json_schema":
+            return None
+        schema = request.response_format.json_schema.schema
+        error = self.schemas.error(schema)
+        if error is not None:
+            raise ValueError(f"response_format.json_schema.schema {error}")
+        return schema
+
     def _make_request(
         self, request: client_pb2.GenerateRequest, request_id: str
     ) -> tuple[Request, Messages | None]:
@@ -119,6 +132,7 @@ class Intake:
             stops.update(self.eos_token_ids)
         req = Request(request_id, prompt_ids, max_tokens, sampling, frozenset(stops))
         req.stop_strings, req.min_tokens = tuple(request.stop), request.min_tokens
+        req.grammar = self._grammar(request)
         if request.conversation_id:
             self._marks(request, req, messages)
         return req, messages

@@ -70,6 +70,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()  # matched on the streamed text (stop_strings.py)
     min_tokens: int = 0  # no stop before this many output tokens
+    grammar: str | None = None  # structured output: "" any JSON object, else a JSON Schema's text
     choices: list[Request] = field(
         default_factory=list
     )  # n > 1: the other choices let in so far (choices.py)

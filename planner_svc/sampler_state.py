@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner_svc.requests import Request
+from protos import executor_pb2
 from protos.wire import F32, I32
 
 _MASK32 = 0xFFFFFFFF
@@ -23,6 +24,7 @@ class SamplerWrites:
     control_ints: list[tuple[int, ...]] = field(default_factory=list)  # executor.proto's control_i32 row
     control_tokens: list[int] = field(default_factory=list)
     control_bias: list[float] = field(default_factory=list)
+    control_grammars: list[executor_pb2.Grammar] = field(default_factory=list)
 
     def add(self, slot: int, request: Request, last_token: int) -> None:
         """`last_token < 0` keeps the device's loop-back value (a prefill of this step, or one in flight)."""
@@ -40,13 +42,14 @@ class SamplerWrites:
         last output) itself, so the output sent is what it has not counted: all of it when the last token
         stays on the device, all but the last token sent."""
         s = request.sampling
-        controlled = s.min_p > 0 or s.penalized or s.logit_bias or s.top_logprobs >= 0
+        grammar = request.grammar
+        controlled = s.min_p > 0 or s.penalized or s.logit_bias or s.top_logprobs >= 0 or grammar is not None
         if not (controlled or request.min_tokens):
             return
         output = request.output_ids if last_token < 0 else request.output_ids[:-1]
         generated = len(output)
         prompt = request.prompt_ids if s.repetition_penalty != 1.0 else []
-        counted = output if s.penalized else []
+        counted = output if s.penalized or grammar is not None else []  # a grammar's matcher reads it too
         stops = sorted(request.stop_ids) if request.min_tokens > generated else []
         bias_ids = [token for token, _ in s.logit_bias]
         self.control_slots.append(slot)
@@ -64,13 +67,20 @@ class SamplerWrites:
         )
         self.control_tokens += [*bias_ids, *prompt, *counted, *stops]
         self.control_bias += [bias for _, bias in s.logit_bias]
+        self.control_grammars.append(
+            executor_pb2.Grammar()
+            if grammar is None
+            else executor_pb2.Grammar(json_schema=grammar)
+            if grammar
+            else executor_pb2.Grammar(json_object=True)
+        )
 
     def __bool__(self) -> bool:
         return bool(self.slots)
 
-    def pack(self) -> dict[str, bytes]:
-        """The StepPlan fields, by name."""
-        fields = {
+    def pack(self) -> dict[str, bytes | list[executor_pb2.Grammar]]:
+        """The StepPlan fields, by name (control_grammar a list of messages, the others packed arrays)."""
+        fields: dict[str, bytes | list[executor_pb2.Grammar]] = {
             "sampler_slots": np.asarray(self.slots, dtype=I32).tobytes(),
             "sampler_f32": np.asarray(self.floats, dtype=F32).tobytes(),
             "sampler_i32": np.asarray(self.ints, dtype=I32).tobytes(),
@@ -83,6 +93,8 @@ class SamplerWrites:
                 "control_tokens": np.asarray(self.control_tokens, dtype=I32).tobytes(),
                 "control_bias": np.asarray(self.control_bias, dtype=F32).tobytes(),
             }
+            if any(g.WhichOneof("kind") for g in self.control_grammars):
+                fields["control_grammar"] = self.control_grammars
         return fields
 
 

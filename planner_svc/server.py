@@ -129,8 +129,6 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 queue = engine.submit(req)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except NotImplementedError as error:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(error))
         except CapacityError as error:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         except ConnectionError as error:

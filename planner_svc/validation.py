@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from protos import client_pb2
@@ -36,10 +35,6 @@ TEXT_MARGIN = 2
 
 class InvalidRequest(ValueError):
     """A request field out of range (INVALID_ARGUMENT); the message names the field and its value."""
-
-
-class UnimplementedField(NotImplementedError):
-    """A request field this server cannot honour yet (UNIMPLEMENTED): refused, never silently ignored."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,18 +150,6 @@ def check_response_format(response_format: client_pb2.ResponseFormat) -> None:
             raise InvalidRequest(f"response_format.json_schema.schema is not JSON: {error}") from None
         if not isinstance(schema, dict):
             raise _bad("response_format.json_schema.schema", schema, "must be a JSON object")
-
-
-# Fields whose behaviour is not built yet: refused by name (UNIMPLEMENTED), never silently ignored.
-_NOT_BUILT: tuple[tuple[str, Callable[[client_pb2.GenerateRequest], bool]], ...] = (
-    ("response_format", lambda r: r.HasField("response_format")),
-)
-
-
-def check_implemented(request: client_pb2.GenerateRequest) -> None:
-    for name, asks in _NOT_BUILT:
-        if asks(request):
-            raise UnimplementedField(f"{name} is not implemented by this server yet")
 
 
 def _check_id(field: str, value: str) -> None:

@@ -36,6 +36,7 @@ def controls_for(
         np.array([[min_tokens, len(output), top, len(bias), len(prompt), len(output), len(stop)]], np.int32),
         np.array([*bias_ids, *prompt, *output, *stop], np.int32),
         np.array([b for _, b in bias], np.float32),
+        [None],
     )
     controls.write(np.array([1, 2, 3], np.int32), writes)
     return controls

@@ -1,0 +1,156 @@
+"""Structured output on the executor: one xgrammar matcher per constrained slot, advanced by the tokens its
+steps sample as they reach the host, and the bitmask of what it allows next filled into the sampler's
+per-slot grammar mask before each step that reads it.
+
+A step that reads a constrained slot needs that slot's previous token accepted first, so it waits for the
+steps launched before it (the only steps that lose the two-deep pipelining); steps without constrained rows
+never wait. The tokenizer (xgrammar's view of the vocabulary) is loaded with the first grammar.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from executor_svc.control_writes import ControlWrites
+from executor_svc.plan import CheckedPlan
+from executor_svc.sampler_controls import SamplerControls
+from executor_svc.slot_store import SlotStore
+from protos.model_files import resolve_model_path
+
+if TYPE_CHECKING:
+    from executor_svc.runner import LaunchedStep
+
+
+class Grammars:
+    def __init__(self, controls: SamplerControls, model: str | None) -> None:
+        self._controls = controls
+        self._model = model
+        # xgrammar's objects (imported with the first grammar: the import takes seconds)
+        self._compiler: Any = None
+        self._compiled: dict[str, Any] = {}  # grammar text -> CompiledGrammar
+        self._matchers: dict[int, Any] = {}  # slot -> GrammarMatcher
+        self._last = np.zeros(len(controls.on), dtype=np.int64)  # by slot: the last token read back
+        self._unfed: list[tuple[LaunchedStep, np.ndarray]] = []  # launched steps and the slots they sampled
+
+    def before(self, plan: CheckedPlan, store: SlotStore) -> bool:
+        """Before a plan is applied: whether its step involves a grammar (it writes one or samples a
+        constrained slot); if so, every step launched before it is waited for and fed to the matchers."""
+        writes = plan.controls
+        involved = writes is not None and any(grammar is not None for grammar in writes.grammars)
+        if not involved and self._matchers:
+            involved = any(slot in self._matchers for slot in step_slots(plan, store, plan.slots).tolist())
+        if involved:
+            self.feed(None)
+        return involved
+
+    def after(self, plan: CheckedPlan, store: SlotStore) -> None:
+        """After an involved plan is applied: the matchers of its writes, and the masks its step reads."""
+        if len(plan.sampler_slots):
+            prefill = [slot for slot in plan.sample_slots if slot]
+            self.write(plan.sampler_slots, plan.sampler_i32[:, 3], prefill, plan.controls)
+        self.fill(step_slots(plan, store, None))
+
+    def feed(self, through: LaunchedStep | None) -> None:
+        """Let the matchers accept the tokens of the launched steps, in launch order, up to `through` (None:
+        all of them, waiting for those still running)."""
+        while self._unfed and (through is None or self._unfed[0][0].seq <= through.seq):
+            step, slots = self._unfed.pop(0)
+            step.wait()
+            tokens = step.host_tokens.numpy()[: len(slots)]
+            self._last[slots] = tokens
+            for slot, token in zip(slots.tolist(), tokens.tolist()):
+                matcher = self._matchers.get(slot)
+                if matcher is None:
+                    continue
+                matcher.accept_token(token)
+                if matcher.is_terminated():  # its end-of-sequence: the request stops, the slot is free of it
+                    del self._matchers[slot]
+                    self._controls.grammar_mask[slot] = -1
+
+    def write(
+        self,
+        sampler_slots: np.ndarray,
+        last_tokens: np.ndarray,
+        prefill_slots: list[int],
+        writes: ControlWrites | None,
+    ) -> None:
+        """Slots written whole: their matchers dropped, or rebuilt from the output so far where the write has
+        a grammar. `last_tokens`: the write's last_token per sampler slot (< 0: the device's loop-back, read
+        back already, unless the slot samples this step's prefill and has no output yet)."""
+        for slot in sampler_slots.tolist():
+            self._matchers.pop(slot, None)
+        if writes is None:
+            return
+        at = 0
+        for row, slot in enumerate(writes.slots.tolist()):
+            n_bias, n_prompt, n_output, n_stop = writes.i32[row, 3:].tolist()
+            output = writes.tokens[at + n_bias + n_prompt : at + n_bias + n_prompt + n_output].tolist()
+            at += n_bias + n_prompt + n_output + n_stop
+            grammar = writes.grammars[row]
+            if grammar is None:
+                continue
+            matcher = self._matcher(grammar)
+            last = int(last_tokens[list(sampler_slots).index(slot)])
+            pending = [last] if last >= 0 else [] if slot in prefill_slots else [int(self._last[slot])]
+            for token in output + pending:
+                matcher.accept_token(token)
+            self._matchers[slot] = matcher
+
+    def fill(self, slots: np.ndarray) -> None:
+        """The grammar masks of the constrained ones of `slots`, for the step about to read them."""
+        import xgrammar
+
+        constrained = [slot for slot in dict.fromkeys(slots.tolist()) if slot in self._matchers]
+        if not constrained:
+            return
+        masks = xgrammar.allocate_token_bitmask(len(constrained), self._controls.vocab_size)
+        for row, slot in enumerate(constrained):
+            self._matchers[slot].fill_next_token_bitmask(masks, row)
+        index = torch.tensor(constrained, device=self._controls.device)
+        self._controls.grammar_mask[index] = masks.to(self._controls.device)
+
+    def launched(self, step: LaunchedStep, store: SlotStore) -> None:
+        """A step was launched: its tokens go to the matchers once read back (`feed`)."""
+        if self._matchers or self._unfed:
+            self._unfed.append((step, step_slots(step.plan, store, None)))
+
+    def _matcher(self, grammar: str):
+        import xgrammar
+
+        if self._compiler is None:
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                _tokenizer(self._model), vocab_size=self._controls.vocab_size
+            )
+            self._compiler = xgrammar.GrammarCompiler(info)
+        compiled = self._compiled.get(grammar)
+        if compiled is None:
+            compiler = self._compiler
+            compiled = (
+                compiler.compile_json_schema(grammar, strict_mode=True)
+                if grammar
+                else compiler.compile_builtin_json_grammar()
+            )
+            self._compiled[grammar] = compiled
+        return xgrammar.GrammarMatcher(compiled)
+
+
+def step_slots(plan: CheckedPlan, store: SlotStore, decode: np.ndarray | None) -> np.ndarray:
+    """The slots a step samples, in its tokens' order: its prefill chunks that sample, then its decode rows
+    (`decode`, or the rows the store holds for its bucket)."""
+    prefill = np.asarray([slot for slot in plan.sample_slots if slot], dtype=np.int64)
+    if decode is None:
+        decode = store.host_slots(plan.bucket)
+    return np.concatenate([prefill, np.asarray(decode, dtype=np.int64)])
+
+
+def _tokenizer(model: str | None):
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
