@@ -4,12 +4,16 @@ per-slot grammar mask before each step that reads it.
 
 A step that reads a constrained slot needs that slot's previous token accepted first, so it waits for the
 steps launched before it (the only steps that lose the two-deep pipelining); steps without constrained rows
-never wait. The tokenizer (xgrammar's view of the vocabulary) is loaded with the first grammar.
+never wait. xgrammar's view of the vocabulary takes seconds to build (the import, the tokenizer): a service's
+executor builds it on a thread of its own at start (`warm`), so no step waits for it; otherwise the first
+grammar does.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,11 +30,14 @@ if TYPE_CHECKING:
 
 
 class Grammars:
-    def __init__(self, controls: SamplerControls, model: str | None) -> None:
+    def __init__(self, controls: SamplerControls, model: str | None, *, warm: bool = False) -> None:
         self._controls = controls
         self._model = model
-        # xgrammar's objects (imported with the first grammar: the import takes seconds)
-        self._compiler: Any = None
+        # xgrammar's objects (imported with the compiler: the import takes seconds)
+        self._compiler: Future[Any] | None = None
+        if warm:
+            self._compiler = Future()
+            threading.Thread(target=self._build_compiler, name="grammar-compiler", daemon=True).start()
         self._compiled: dict[str, Any] = {}  # grammar text -> CompiledGrammar
         self._matchers: dict[int, Any] = {}  # slot -> GrammarMatcher
         self._last = np.zeros(len(controls.on), dtype=np.int64)  # by slot: the last token read back
@@ -118,17 +125,40 @@ class Grammars:
         if self._matchers or self._unfed:
             self._unfed.append((step, step_slots(step.plan, store, None)))
 
+    def forget_launched(self) -> None:
+        """The launched steps will never be collected (their stream ended): the planner rewrites every row,
+        and with it every matcher, so their tokens must not reach the new ones."""
+        self._unfed.clear()
+
+    def _compiler_now(self) -> Any:
+        """The compiler, built here if no thread built it or the thread's build failed (an import that raced
+        with another thread's import of transformers fails with ImportError: built again, it works)."""
+        if self._compiler is not None:
+            try:
+                return self._compiler.result()
+            except ImportError:
+                pass
+        self._compiler = Future()
+        self._build_compiler()
+        return self._compiler.result()
+
+    def _build_compiler(self) -> None:
+        assert self._compiler is not None
+        try:
+            import xgrammar
+
+            tokenizer = _tokenizer(self._model)
+            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._controls.vocab_size)
+            self._compiler.set_result(xgrammar.GrammarCompiler(info))
+        except Exception as error:  # raised where a grammar first needs it
+            self._compiler.set_exception(error)
+
     def _matcher(self, grammar: str):
         import xgrammar
 
-        if self._compiler is None:
-            info = xgrammar.TokenizerInfo.from_huggingface(
-                _tokenizer(self._model), vocab_size=self._controls.vocab_size
-            )
-            self._compiler = xgrammar.GrammarCompiler(info)
         compiled = self._compiled.get(grammar)
         if compiled is None:
-            compiler = self._compiler
+            compiler = self._compiler_now()
             compiled = (
                 compiler.compile_json_schema(grammar, strict_mode=True)
                 if grammar

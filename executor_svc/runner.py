@@ -116,7 +116,7 @@ class StepRunner:
         graphs: DecodeGraphs | None = None,
         prefill_graphs: PrefillGraphs | None = None,
         state_pool: StatePool | None = None,
-        model_files: str | None = None,  # whose tokenizer structured output reads (None: the default model)
+        grammars: Grammars | None = None,  # structured output (default: built with the first grammar)
     ) -> None:
         widest = layout.widest_bucket
         if buckets is None:  # the default buckets that fit, and the widest the layout holds
@@ -135,7 +135,7 @@ class StepRunner:
         self.layout = layout
         self.row_check = row_check
         self.fingerprint = fingerprint
-        self.grammars = Grammars(store.controls, model_files)
+        self.grammars = grammars or Grammars(store.controls, None)
         self.device = store.device
         cuda = self.device.type == "cuda"
         if cuda:  # "cuda" alone means the device current where the runner is built
@@ -286,6 +286,7 @@ class StepRunner:
         """The steps launched and not collected never will be (their stream ended): their read-backs are free
         again. Reuse is safe on the device too, since a new copy queues behind theirs."""
         self._uncollected = 0
+        self.grammars.forget_launched()
 
     def collect(self, step: LaunchedStep) -> executor_pb2.StepOutput:
         """The output of a launched step whose tokens are back (`collect_when_ready`, or after `step.wait()`)."""
@@ -377,7 +378,7 @@ def runner_for_model(model: ExecutorModel, config: ExecutorConfig, fingerprint: 
         buckets=config.buckets,
         max_seq_len=max_seq_len,
         fingerprint=fingerprint,
-        model_files=config.model,
+        grammars=Grammars(store.controls, config.model, warm=True),
         graphs=graphs,
         prefill_graphs=prefill_graphs,
         state_pool=state_pool,

@@ -72,9 +72,9 @@ class SchemaCompiler:
         found = unsupported_keyword(json.loads(schema_text))
         if found is not None:
             return f"uses {found.split(': ')[1]!r} (at {found.split(': ')[0]}), which structured output does not enforce"
-        import xgrammar
-
         with self._lock:
+            import xgrammar
+
             if self._compiler is None:
                 info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size)
                 self._compiler = xgrammar.GrammarCompiler(info)
