@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from executor_svc.runner import LaunchedStep
 
 
+ANY_OBJECT = '{"type": "object"}'
+
+
 class Grammars:
     def __init__(self, controls: SamplerControls, model: str | None, *, warm: bool = False) -> None:
         self._controls = controls
@@ -159,11 +162,8 @@ class Grammars:
         compiled = self._compiled.get(grammar)
         if compiled is None:
             compiler = self._compiler_now()
-            compiled = (
-                compiler.compile_json_schema(grammar, strict_mode=True)
-                if grammar
-                else compiler.compile_builtin_json_grammar()
-            )
+            # json_object: any object (xgrammar's builtin JSON grammar allows any value), its keys not limited
+            compiled = compiler.compile_json_schema(grammar or ANY_OBJECT, strict_mode=bool(grammar))
             self._compiled[grammar] = compiled
         return xgrammar.GrammarMatcher(compiled)
 

@@ -1,6 +1,6 @@
 """The sampling controls through the HTTP API (OpenAI's client, the real stack): stop strings split across
 tokens, n choices with seeds, logprobs as the planner's sampler reports them, the penalties forwarded, and
-response_format refused while the planner cannot honour it."""
+response_format's JSON, and a schema feature it cannot enforce a 400 naming it."""
 
 from __future__ import annotations
 
@@ -89,10 +89,22 @@ async def test_penalties_and_bias_are_forwarded_and_checked_by_the_planner(http)
     assert banned.choices[0].model_extra["token_ids"][0] != plain.token_ids[0]
 
 
-async def test_response_format_is_refused_while_the_planner_cannot_honour_it(http):
+async def test_response_format_json_and_an_unsupported_schema_feature(http):
+    answer = await http.client.chat.completions.create(
+        model=http.model,
+        messages=QUESTION,
+        max_tokens=24,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert answer.choices[0].message.content.lstrip().startswith("{")
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 3}}}
     with pytest.raises(openai.APIStatusError) as refused:
         await http.client.chat.completions.create(
-            model=http.model, messages=QUESTION, max_tokens=2, response_format={"type": "json_object"}
+            model=http.model,
+            messages=QUESTION,
+            max_tokens=2,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
         )
-    assert refused.value.status_code == 501 and "response_format" in refused.value.message
+    assert refused.value.status_code == 400 and "multipleOf" in refused.value.message
     await http.stack.wait_idle()
