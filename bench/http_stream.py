@@ -1,9 +1,9 @@
 """HTTP streaming vs gRPC (issue 15): the same stack, the same requests, through the planner's gRPC Generate
-(arm grpc), through the OpenAI-compatible HTTP API served in the same process as the planner (arm http: `up
---http-port`) and through one served by its own process (arm http-apart: `deltaserve http --planner`), at each
-concurrency, arms taking turns within each round.
+(arm grpc), through the OpenAI-compatible HTTP API `up --http-port` serves (arm http: from its child process;
+with --http-shared-loop on the planner's event loop) and through one `deltaserve http --planner` serves (arm
+http-apart), at each concurrency, arms taking turns within each round.
 
-    python bench/http_stream.py [--device cuda] [--concurrency 1,64,256] [--rounds 2]
+    python bench/http_stream.py [--device cuda] [--concurrency 1,64,256] [--rounds 2] [--http-shared-loop]
                                 [--prompt-tokens 512] [--output-tokens 256] [--out docs/bench/http_stream.json]
 
 The stack is `deltaserve up --http-port` in a child process (and `deltaserve http` in another), as deployed (SmolLM2-135M-Instruct from the
@@ -132,6 +132,8 @@ class Stack:
         argv += ["--device", args.device, "--pool-pages", str(pool_pages), "--buckets", buckets]
         if args.model:
             argv += ["--model", args.model]
+        if args.http_shared_loop:
+            argv.append("--no-http-process")
         self.processes = [self._start("up", *argv)]
 
     def _start(self, *argv: str) -> subprocess.Popen:
@@ -270,6 +272,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=256)
+    parser.add_argument(
+        "--http-shared-loop",
+        action="store_true",
+        help="arm http: up's HTTP API on the planner's event loop (--no-http-process), not its own process",
+    )
     parser.add_argument("--out", default="docs/bench/http_stream.json")
     parser.add_argument("--commit", default="", help="the commit measured (default: this tree's HEAD)")
     args = parser.parse_args()

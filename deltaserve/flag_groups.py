@@ -290,6 +290,12 @@ def add_http_port_flag(flags: Flags) -> None:
         help="also serve the OpenAI-compatible HTTP API on --host:PORT (0 picks a free one; HTTPS with "
         "--tls-cert); unset: gRPC only",
     )
+    flags.switch(
+        "--http-process",
+        default=True,
+        help="serve the HTTP API from a process of its own (--no-http-process: on the planner's event "
+        "loop, where its per-token SSE work competes with the planner's steps)",
+    )
 
 
 def add_http_flags(flags: Flags, *, planner_port: int, http_port: int) -> None:

@@ -150,18 +150,38 @@ async def _start_cache(
 async def _start_gateway(
     servers: contextlib.AsyncExitStack,
     planner_addr: str,
-    host: str,
+    args: argparse.Namespace,
     port: int,
-    trust: Trust,
     link: ChannelSecurity,
     metrics: CollectorRegistry | None,
+    *,
+    own_process: bool,
 ) -> int:
     """Starts the HTTP API (to be stopped with `servers`) over the planner at planner_addr, reached over
-    `link`, HTTPS with the process's own TLS; returns its port."""
-    from gateway_svc.http_server import start_gateway  # FastAPI and uvicorn: only the commands serving HTTP
+    `link`, HTTPS with the process's own TLS, in this process or its own (gateway_process.py); its port."""
+    # FastAPI and uvicorn: only the commands serving HTTP import them.
+    if own_process:
+        from gateway_svc.gateway_process import GatewaySpec, start_gateway_process
 
+        spec = GatewaySpec(
+            planner_addr,
+            args.host,
+            port,
+            link,
+            args.trust.server.tls,
+            metrics is not None,
+            args.log_level,
+            args.log_json,
+        )
+        process = await start_gateway_process(spec, metrics)
+        servers.push_async_callback(process.stop)
+        return process.port
+    from gateway_svc.http_metrics import count_into
+    from gateway_svc.http_server import start_gateway
+
+    count = count_into(metrics) if metrics is not None else None
     started = await start_gateway(
-        planner_addr, host, port, planner_channel=link, tls=trust.server.tls, metrics=metrics
+        planner_addr, args.host, port, planner_channel=link, tls=args.trust.server.tls, count=count
     )
     servers.push_async_callback(started.stop)
     return started.port
@@ -244,11 +264,11 @@ async def serve_up(
             http_port = await _start_gateway(
                 servers,
                 dial_address(args.host, planner.port),
-                args.host,
+                args,
                 args.http_port,
-                args.trust,
                 args.trust.self_link,
                 registry,
+                own_process=args.http_process,
             )
             http_fields = {"http": f"{args.host}:{http_port}"}
         described = await _describe_executor(executor_addr, args.trust.self_link)
@@ -370,7 +390,7 @@ async def serve_http(args: argparse.Namespace, stop: asyncio.Event) -> int:
     async with contextlib.AsyncExitStack() as servers:
         registry, metrics_fields = _metrics(servers, args)
         port = await _start_gateway(
-            servers, args.planner, args.host, args.port, args.trust, args.trust.planner_link, registry
+            servers, args.planner, args, args.port, args.trust.planner_link, registry, own_process=False
         )
         await _serve_until_stopped(stop, addr=f"{args.host}:{port}", planner=args.planner, **metrics_fields)
     log.info("stopped")

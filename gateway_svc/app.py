@@ -12,11 +12,10 @@ import structlog
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CollectorRegistry
 
 from gateway_svc import openai_replies
 from gateway_svc.http_errors import ApiError, install_error_handlers
-from gateway_svc.http_metrics import CountResponses
+from gateway_svc.http_metrics import Count, CountResponses
 from gateway_svc.openai_replies import ChoiceState, ChunkWriter, Kind
 from gateway_svc.openai_schema import ChatCompletionBody, CompletionBody, GenerationBody
 from gateway_svc.relay import ModelCatalog, responses, unless_disconnected
@@ -187,9 +186,9 @@ async def health(request: Request):
     )
 
 
-def create_app(planner: PlannerClient, metrics: CollectorRegistry | None = None) -> FastAPI:
-    """The gateway's ASGI app over a planner client (the caller opens and closes the client); `metrics`:
-    the registry its answers are counted in (http_metrics.py)."""
+def create_app(planner: PlannerClient, count: Count | None = None) -> FastAPI:
+    """The gateway's ASGI app over a planner client (the caller opens and closes the client); `count`:
+    what each answer's (path, status) is counted with (http_metrics.py)."""
     app = FastAPI(
         title="deltaserve",
         version=VERSION,
@@ -199,6 +198,6 @@ def create_app(planner: PlannerClient, metrics: CollectorRegistry | None = None)
     app.state.gateway = Gateway(planner)
     install_error_handlers(app)
     app.include_router(router)
-    if metrics is not None:
-        app.add_middleware(CountResponses, registry=metrics)
+    if count is not None:
+        app.add_middleware(CountResponses, count=count)
     return app

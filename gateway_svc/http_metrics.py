@@ -2,23 +2,38 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")  # others count as "other"
 
 
-class CountResponses:
-    """ASGI middleware: deltaserve_http_responses_total{path, status} (a stream counts once, at its start)."""
+Count = Callable[[str, str], None]  # one answer's (path, status)
 
-    def __init__(self, app: ASGIApp, registry: CollectorRegistry) -> None:
+
+def responses_counter(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "deltaserve_http_responses",
+        "HTTP answers of the OpenAI-compatible API, by path and status",
+        ["path", "status"],
+        registry=registry,
+    )
+
+
+def count_into(registry: CollectorRegistry) -> Count:
+    """deltaserve_http_responses_total{path, status} in `registry`."""
+    counter = responses_counter(registry)
+    return lambda path, status: counter.labels(path, status).inc()
+
+
+class CountResponses:
+    """ASGI middleware: each answer's (path, status) to `count` (a stream counts once, at its start)."""
+
+    def __init__(self, app: ASGIApp, count: Count) -> None:
         self.app = app
-        self.responses = Counter(
-            "deltaserve_http_responses",
-            "HTTP answers of the OpenAI-compatible API, by path and status",
-            ["path", "status"],
-            registry=registry,
-        )
+        self.count = count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -28,7 +43,7 @@ class CountResponses:
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":
-                self.responses.labels(path, str(message["status"])).inc()
+                self.count(path, str(message["status"]))
             await send(message)
 
         await self.app(scope, receive, counted)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import structlog
 import uvicorn
-from prometheus_client import CollectorRegistry
 
 from gateway_svc.app import create_app
+from gateway_svc.http_metrics import Count
 from planner_svc.client import PlannerClient
 from protos.rpc import ChannelSecurity
 from protos.tls import ServerTLS
@@ -70,14 +70,14 @@ async def start_gateway(
     *,
     planner_channel: ChannelSecurity | None = None,
     tls: ServerTLS | None = None,
-    metrics: CollectorRegistry | None = None,
+    count: Count | None = None,
 ) -> StartedGateway:
     """Serves the HTTP API on host:port, talking to the planner at planner_addr (`planner_channel`: TLS;
     each caller's key is forwarded per call). `tls`: HTTPS with the services' certificate and key (a
-    client CA requires client certificates). `metrics`: the registry its answers are counted in."""
+    client CA requires client certificates). `count`: what its answers are counted with."""
     planner = PlannerClient(planner_addr, planner_channel)
     config = uvicorn.Config(
-        create_app(planner, metrics),
+        create_app(planner, count),
         log_config=None,  # deltaserve's structlog configuration stays
         access_log=False,
         lifespan="off",
