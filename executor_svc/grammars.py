@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
 
 ANY_OBJECT = '{"type": "object"}'
+IMPORT_ATTEMPTS, IMPORT_RETRY_S = 5, 1.0
 
 
 class Grammars:
@@ -147,14 +149,25 @@ class Grammars:
 
     def _build_compiler(self) -> None:
         assert self._compiler is not None
-        try:
-            import xgrammar
+        for attempt in range(IMPORT_ATTEMPTS):
+            try:
+                import xgrammar
 
-            tokenizer = _tokenizer(self._model)
-            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._controls.vocab_size)
-            self._compiler.set_result(xgrammar.GrammarCompiler(info))
-        except Exception as error:  # raised where a grammar first needs it
-            self._compiler.set_exception(error)
+                tokenizer = _tokenizer(self._model)
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=self._controls.vocab_size
+                )
+                self._compiler.set_result(xgrammar.GrammarCompiler(info))
+                return
+            except (
+                ImportError
+            ) as error:  # raced another thread's import of transformers: once it is done, again
+                if attempt == IMPORT_ATTEMPTS - 1:
+                    self._compiler.set_exception(error)
+                time.sleep(IMPORT_RETRY_S)
+            except Exception as error:  # raised where a grammar first needs it
+                self._compiler.set_exception(error)
+                return
 
     def _matcher(self, grammar: str):
         import xgrammar
