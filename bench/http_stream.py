@@ -3,7 +3,8 @@
 with --http-shared-loop on the planner's event loop) and through one `deltaserve http --planner` serves (arm
 http-apart), at each concurrency, arms taking turns within each round.
 
-    python bench/http_stream.py [--device cuda] [--concurrency 1,64,256] [--rounds 2] [--http-shared-loop]
+    python bench/http_stream.py [--device cuda] [--concurrency 1,64,256] [--rounds 2]
+                                [--http-shared-loop] [--http-workers 1]
                                 [--prompt-tokens 512] [--output-tokens 256] [--out docs/bench/http_stream.json]
 
 The stack is `deltaserve up --http-port` in a child process (and `deltaserve http` in another), as deployed (SmolLM2-135M-Instruct from the
@@ -134,6 +135,8 @@ class Stack:
             argv += ["--model", args.model]
         if args.http_shared_loop:
             argv.append("--no-http-process")
+        argv += ["--http-workers", str(args.http_workers)]
+        self.workers = args.http_workers
         self.processes = [self._start("up", *argv)]
 
     def _start(self, *argv: str) -> subprocess.Popen:
@@ -148,7 +151,11 @@ class Stack:
         """Until `up`'s HTTP API answers, then `deltaserve http` over its planner."""
         await self._healthy(self.http_port, timeout)
         planner = f"127.0.0.1:{self.port}"
-        self.processes.append(self._start("http", "--planner", planner, "--port", str(self.apart_port)))
+        self.processes.append(
+            self._start(
+                "http", "--planner", planner, "--port", str(self.apart_port), "--workers", str(self.workers)
+            )
+        )
         await self._healthy(self.apart_port, 60)
 
     async def _healthy(self, port: int, timeout: float) -> None:
@@ -248,6 +255,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
             "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens,
             "device": args.device,
+            "http_workers": args.http_workers,
+            "http_shared_loop": args.http_shared_loop,  # arm http on the planner's event loop
             "rounds": measured,
             "commit": args.commit or commit_hash(),
         }
@@ -276,6 +285,9 @@ def main() -> None:
         "--http-shared-loop",
         action="store_true",
         help="arm http: up's HTTP API on the planner's event loop (--no-http-process), not its own process",
+    )
+    parser.add_argument(
+        "--http-workers", type=int, default=1, help="processes serving each HTTP arm's port (up's, http's)"
     )
     parser.add_argument("--out", default="docs/bench/http_stream.json")
     parser.add_argument("--commit", default="", help="the commit measured (default: this tree's HEAD)")

@@ -296,11 +296,26 @@ def add_http_port_flag(flags: Flags) -> None:
         help="serve the HTTP API from a process of its own (--no-http-process: on the planner's event "
         "loop, where its per-token SSE work competes with the planner's steps)",
     )
+    flags.option(
+        "--http-workers",
+        type=int_at_least(1),
+        default=1,
+        metavar="N",
+        help="processes serving the HTTP API on its one port (the kernel spreads connections over them)",
+    )
 
 
 def add_http_flags(flags: Flags, *, planner_port: int, http_port: int) -> None:
     """`http`: where the gateway listens, the planner it talks to, and TLS on both sides."""
     add_serve_flags(flags, port_number=http_port)
+    flags.option(
+        "--workers",
+        type=int_at_least(1),
+        default=1,
+        metavar="N",
+        help="processes serving the API on its one port (1: this one; more: that many children, the "
+        "kernel spreading connections over them)",
+    )
     flags.option(
         "--planner",
         type=address,

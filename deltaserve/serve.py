@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from deltaserve.aio import until_stopped
+from deltaserve.http_launch import start_http_api
 from deltaserve.logs import get_logger
 from deltaserve.trust import Trust
 from executor_svc.config import ExecutorConfig
@@ -147,46 +148,6 @@ async def _start_cache(
     return dial_address(host, started.port), started.port
 
 
-async def _start_gateway(
-    servers: contextlib.AsyncExitStack,
-    planner_addr: str,
-    args: argparse.Namespace,
-    port: int,
-    link: ChannelSecurity,
-    metrics: CollectorRegistry | None,
-    *,
-    own_process: bool,
-) -> int:
-    """Starts the HTTP API (to be stopped with `servers`) over the planner at planner_addr, reached over
-    `link`, HTTPS with the process's own TLS, in this process or its own (gateway_process.py); its port."""
-    # FastAPI and uvicorn: only the commands serving HTTP import them.
-    if own_process:
-        from gateway_svc.gateway_process import GatewaySpec, start_gateway_process
-
-        spec = GatewaySpec(
-            planner_addr,
-            args.host,
-            port,
-            link,
-            args.trust.server.tls,
-            metrics is not None,
-            args.log_level,
-            args.log_json,
-        )
-        process = await start_gateway_process(spec, metrics)
-        servers.push_async_callback(process.stop)
-        return process.port
-    from gateway_svc.http_metrics import count_into
-    from gateway_svc.http_server import start_gateway
-
-    count = count_into(metrics) if metrics is not None else None
-    started = await start_gateway(
-        planner_addr, args.host, port, planner_channel=link, tls=args.trust.server.tls, count=count
-    )
-    servers.push_async_callback(started.stop)
-    return started.port
-
-
 def _metrics(
     servers: contextlib.AsyncExitStack, args: argparse.Namespace
 ) -> tuple[CollectorRegistry | None, dict]:
@@ -261,14 +222,14 @@ async def serve_up(
         servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
         http_fields = {}
         if args.http_port is not None:  # stopped before the planner; a drain answers its requests 503
-            http_port = await _start_gateway(
+            http_port = await start_http_api(
                 servers,
                 dial_address(args.host, planner.port),
                 args,
                 args.http_port,
                 args.trust.self_link,
                 registry,
-                own_process=args.http_process,
+                processes=args.http_workers if args.http_process else 0,
             )
             http_fields = {"http": f"{args.host}:{http_port}"}
         described = await _describe_executor(executor_addr, args.trust.self_link)
@@ -389,8 +350,14 @@ async def serve_http(args: argparse.Namespace, stop: asyncio.Event) -> int:
     it is, and requests get 503)."""
     async with contextlib.AsyncExitStack() as servers:
         registry, metrics_fields = _metrics(servers, args)
-        port = await _start_gateway(
-            servers, args.planner, args, args.port, args.trust.planner_link, registry, own_process=False
+        port = await start_http_api(
+            servers,
+            args.planner,
+            args,
+            args.port,
+            args.trust.planner_link,
+            registry,
+            processes=0 if args.workers == 1 else args.workers,
         )
         await _serve_until_stopped(stop, addr=f"{args.host}:{port}", planner=args.planner, **metrics_fields)
     log.info("stopped")

@@ -14,9 +14,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import structlog
-from prometheus_client import CollectorRegistry
 
-from gateway_svc.http_metrics import responses_counter
+from gateway_svc.http_metrics import Count
 from protos.rpc import ChannelSecurity
 from protos.tls import ServerTLS
 
@@ -36,6 +35,7 @@ class GatewaySpec:
     link: ChannelSecurity
     tls: ServerTLS | None
     counted: bool  # send each answer's (path, status) to the parent's metrics
+    reuse_port: bool  # one of several workers on the port
     log_level: str
     log_json: bool | None
 
@@ -59,7 +59,13 @@ async def _serve(spec: GatewaySpec, conn: Connection) -> None:
     count = (lambda path, status: conn.send((path, status))) if spec.counted else None
     try:
         started = await start_gateway(
-            spec.planner_addr, spec.host, spec.port, planner_channel=spec.link, tls=spec.tls, count=count
+            spec.planner_addr,
+            spec.host,
+            spec.port,
+            planner_channel=spec.link,
+            tls=spec.tls,
+            count=count,
+            reuse_port=spec.reuse_port,
         )
     except BaseException as error:
         conn.send(("failed", str(error)))
@@ -87,8 +93,9 @@ class GatewayProcess:
         self.conn.close()
 
 
-async def start_gateway_process(spec: GatewaySpec, metrics: CollectorRegistry | None) -> GatewayProcess:
-    """The child started and listening (its port known); OSError/RuntimeError saying why it did not start."""
+async def start_gateway_process(spec: GatewaySpec, count: Count | None) -> GatewayProcess:
+    """The child started and listening (its port known), its answers counted with `count` (with
+    spec.counted); OSError saying why it did not start."""
     ours, theirs = multiprocessing.Pipe()  # duplex: the child sees the parent go
     process = multiprocessing.get_context("spawn").Process(
         target=_child, args=(spec, theirs), name="deltaserve-http", daemon=True
@@ -101,14 +108,13 @@ async def start_gateway_process(spec: GatewaySpec, metrics: CollectorRegistry | 
         process.kill()
         process.join()
         raise OSError(f"the HTTP API's process did not start: {message[1]}")
-    counter = responses_counter(metrics) if metrics is not None else None
 
     def counted() -> None:  # on the parent's loop: one message per answer, never per token
         try:
             while ours.poll():
                 path, status = ours.recv()
-                if counter is not None:
-                    counter.labels(path, status).inc()
+                if count is not None:
+                    count(path, status)
         except EOFError:
             asyncio.get_running_loop().remove_reader(ours.fileno())
 

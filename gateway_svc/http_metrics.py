@@ -13,18 +13,14 @@ PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")  # 
 Count = Callable[[str, str], None]  # one answer's (path, status)
 
 
-def responses_counter(registry: CollectorRegistry) -> Counter:
-    return Counter(
+def count_into(registry: CollectorRegistry) -> Count:
+    """deltaserve_http_responses_total{path, status} in `registry` (made once per registry)."""
+    counter = Counter(
         "deltaserve_http_responses",
         "HTTP answers of the OpenAI-compatible API, by path and status",
         ["path", "status"],
         registry=registry,
     )
-
-
-def count_into(registry: CollectorRegistry) -> Count:
-    """deltaserve_http_responses_total{path, status} in `registry`."""
-    counter = responses_counter(registry)
     return lambda path, status: counter.labels(path, status).inc()
 
 

@@ -46,10 +46,13 @@ class StartedGateway:
         await self.planner.close()
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (0: a free one); OSError naming the port when it does not bind."""
+def _listen(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A listening socket on host:port (0: a free one); OSError naming the port when it does not bind.
+    reuse_port: several worker processes listen on the port, the kernel spreads connections over them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as error:
@@ -71,6 +74,7 @@ async def start_gateway(
     planner_channel: ChannelSecurity | None = None,
     tls: ServerTLS | None = None,
     count: Count | None = None,
+    reuse_port: bool = False,
 ) -> StartedGateway:
     """Serves the HTTP API on host:port, talking to the planner at planner_addr (`planner_channel`: TLS;
     each caller's key is forwarded per call). `tls`: HTTPS with the services' certificate and key (a
@@ -87,7 +91,7 @@ async def start_gateway(
         ssl_ca_certs=tls.client_ca if tls is not None else None,
         ssl_cert_reqs=ssl.CERT_REQUIRED if tls is not None and tls.client_ca else ssl.CERT_NONE,
     )
-    sock = _listen(host, port)
+    sock = _listen(host, port, reuse_port)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:

@@ -31,6 +31,8 @@ def test_up_serves_http_beside_grpc_and_http_runs_alone_with_the_same_keys(tmp_p
         str(port),
         "--http-port",
         str(http_port),
+        "--http-workers",
+        "2",  # two child processes on the one port, both counted in up's metrics
         "--api-keys",
         str(keys),
         "--metrics-port",
@@ -53,7 +55,14 @@ def test_up_serves_http_beside_grpc_and_http_runs_alone_with_the_same_keys(tmp_p
         listening = up.wait_listening(180)
         assert (listening["addr"], listening["http"]) == (f"127.0.0.1:{port}", f"127.0.0.1:{http_port}")
         alone = Serving(
-            tmp_path / "http.log", "http", "--planner", f"127.0.0.1:{port}", "--port", str(alone_port)
+            tmp_path / "http.log",
+            "http",
+            "--planner",
+            f"127.0.0.1:{port}",
+            "--port",
+            str(alone_port),
+            "--workers",
+            "2",
         )
         assert alone.wait_listening(60)["addr"] == f"127.0.0.1:{alone_port}"
         answers = []

@@ -1,0 +1,56 @@
+"""The HTTP API of a serving command (`up --http-port`, `http`): in the command's own process, or in processes
+of their own (gateway_svc/gateway_process.py)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+from prometheus_client import CollectorRegistry
+
+from protos.rpc import ChannelSecurity
+
+
+async def start_http_api(
+    servers: contextlib.AsyncExitStack,
+    planner_addr: str,
+    args: argparse.Namespace,
+    port: int,
+    link: ChannelSecurity,
+    metrics: CollectorRegistry | None,
+    *,
+    processes: int,
+) -> int:
+    """Starts the HTTP API (to be stopped with `servers`) over the planner at planner_addr, reached over
+    `link`, HTTPS with the process's own TLS, in this process (processes=0) or that many of its own
+    (gateway_process.py; several share the port); returns its port."""
+    # FastAPI and uvicorn: only the commands serving HTTP import them.
+    from gateway_svc.http_metrics import count_into
+
+    count = count_into(metrics) if metrics is not None else None
+    if processes:
+        from gateway_svc.gateway_process import GatewaySpec, start_gateway_process
+
+        for _ in range(processes):
+            spec = GatewaySpec(
+                planner_addr,
+                args.host,
+                port,
+                link,
+                args.trust.server.tls,
+                metrics is not None,
+                processes > 1,
+                args.log_level,
+                args.log_json,
+            )
+            process = await start_gateway_process(spec, count)
+            servers.push_async_callback(process.stop)
+            port = process.port  # the first's, when it picked a free one
+        return port
+    from gateway_svc.http_server import start_gateway
+
+    started = await start_gateway(
+        planner_addr, args.host, port, planner_channel=link, tls=args.trust.server.tls, count=count
+    )
+    servers.push_async_callback(started.stop)
+    return started.port
