@@ -61,7 +61,7 @@ class Deltaserve:
         cli = [sys.executable, "-m", "deltaserve"]
         self.executor = subprocess.Popen(
             [*cli, "executor", "--port", str(self.executor_port), "--device", "cpu", "--weights", weights]
-            + ["--pool-pages", "1024", "--buckets", "1,2,4,8"],
+            + ["--pool-pages", "256", "--buckets", "1,2,4,8"],  # 4 x 576 tokens fit; 190 MB of KV
             env=env,
             cwd=ROOT,
         )
@@ -103,6 +103,7 @@ class Transformers:
         from tests.hf_reference import hf_model
 
         self.model = hf_model()
+        self.run([1, 2, 3, 4], 1, 2)  # warm-up
 
     def run(self, prompt: list[int], concurrency: int, max_tokens: int) -> tuple[int, float]:
         ids = torch.tensor([prompt] * concurrency)
@@ -185,6 +186,10 @@ async def side_by_side(args) -> list[dict]:
                         tokens, seconds = outcome
                         load = os.getloadavg()[0]
                         figures.setdefault((arm, length, c), []).append((tokens / seconds, load))
+                        print(
+                            f"  {arm} prompt {length} c={c}: {tokens / seconds:.1f} tok/s, load {load:.2f}",
+                            flush=True,
+                        )
                         progress.advance()
     finally:
         serving.stop()
