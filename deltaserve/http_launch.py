@@ -1,5 +1,5 @@
 """The HTTP API of a serving command (`up --http-port`, `http`): in the command's own process, or in processes
-of their own (gateway_svc/gateway_process.py)."""
+of their own (deltaserve/http_process.py)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ async def start_http_api(
 ) -> int:
     """Starts the HTTP API (to be stopped with `servers`) over the planner at planner_addr, reached over
     `link`, HTTPS with the process's own TLS, in this process (processes=0) or that many of its own
-    (gateway_process.py; several share the port); returns its port."""
+    (http_process.py; several share the port); returns its port."""
     # FastAPI and uvicorn: only the commands serving HTTP import them.
     from gateway_svc.http_metrics import count_into
 
     count = count_into(metrics) if metrics is not None else None
     if processes:
-        from gateway_svc.gateway_process import GatewaySpec, start_gateway_process
+        from deltaserve.http_process import GatewaySpec, start_gateway_process
 
         for _ in range(processes):
             spec = GatewaySpec(

@@ -16,6 +16,7 @@ Kind = Literal["chat", "text"]
 EXTENSION = "deltaserve"  # the key of the extension object in a response or a chunk
 DONE = b"data: [DONE]\n\n"
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # one encoder, made once
+_encode_str: Any = json.encoder.encode_basestring  # a JSON string literal, as _encode writes one (C)
 
 
 @dataclass(slots=True)
@@ -187,6 +188,8 @@ class ChunkWriter:
         state.text_chars += len(response.text)
         if not (response.text or finish or first or ((self.token_ids or self.with_logprobs) and ids)):
             return None
+        if not (first or finish or self.with_logprobs):  # most events: their bytes written directly
+            return self._head + self._plain_choice(state.index, response.text, ids).encode() + self._tail
         self._started.add(state.index)
         choice: dict[str, Any] = {"index": state.index, "finish_reason": finish, "logprobs": None}
         if self.with_logprobs:
@@ -210,6 +213,17 @@ class ChunkWriter:
             payload["usage"] = None
         payload[EXTENSION] = extension(state, self.conversation)
         return self.event(payload)
+
+    def _plain_choice(self, index: int, text: str, ids: list[int]) -> str:
+        """The choice of a chunk neither first nor last nor with logprobs, as _encode would write its dict
+        (a third of the time of building and encoding it)."""
+        if self.kind == "chat":
+            body = f'"delta":{{"content":{_encode_str(text)}}}' if text else '"delta":{}'
+        else:
+            body = f'"text":{_encode_str(text)}'
+        if self.token_ids:
+            body += f',"token_ids":[{",".join(map(str, ids))}]'
+        return f'{{"index":{index},"finish_reason":null,"logprobs":null,{body}}}'
 
     def usage_chunk(self, states: list[ChoiceState]) -> bytes:
         """The last chunk when stream_options.include_usage: no choices, the usage of the whole answer."""

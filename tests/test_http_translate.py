@@ -129,3 +129,32 @@ async def test_an_error_after_the_stream_began_is_an_event_then_done():
     assert json.loads(events[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": "Hi"}
     assert json.loads(events[1][6:])["error"]["type"] == "service_unavailable_error"
     assert events[2] == b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("token_ids", [True, False])
+def test_a_plain_chunk_written_directly_is_what_encoding_its_dict_writes(kind, token_ids):
+    writer = ChunkWriter(kind, "cmpl-r", 1, "m", "", token_ids, True, False)
+    state = ChoiceState(0, 0)
+    writer.chunk(state, client_pb2.GenerateResponse(text="a"), [])  # the first chunk (role) is out
+    for text, ids in [(' h\u00e9"\\\n\u2028\U0001f600', [5, 6]), ("", [7]), ("x", [])]:
+        event = writer.chunk(state, client_pb2.GenerateResponse(text=text), ids)
+        if not text and not token_ids:
+            assert event is None
+            continue
+        assert event is not None
+        choice: dict = {"index": 0, "finish_reason": None, "logprobs": None}
+        if kind == "chat":
+            choice["delta"] = {"content": text} if text else {}
+        else:
+            choice["text"] = text
+        if token_ids:
+            choice["token_ids"] = ids
+        expected = {"id": "cmpl-r", "created": 1, "model": "m", "choices": [choice], "usage": None}
+        assert json.loads(event[6:]) == {**expected, "object": json.loads(event[6:])["object"]}
+        assert (
+            event
+            == writer._head
+            + json.dumps(choice, separators=(",", ":"), ensure_ascii=False).encode()
+            + writer._tail
+        )

@@ -6,9 +6,7 @@ answers are still counted in the parent's metrics registry: the child sends (pat
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import multiprocessing
-import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -41,20 +39,17 @@ class GatewaySpec:
 
 
 def _child(spec: GatewaySpec, conn: Connection) -> None:
+    from deltaserve import aio
     from deltaserve.logs import configure_logging
 
     configure_logging(spec.log_level, spec.log_json, route_transformers=False, service="up")
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(spec, conn))
+    aio.run(lambda stop: _serve(spec, conn, stop))  # uvloop, as every deltaserve process
 
 
-async def _serve(spec: GatewaySpec, conn: Connection) -> None:
+async def _serve(spec: GatewaySpec, conn: Connection, stop: asyncio.Event) -> None:
     from gateway_svc.http_server import start_gateway
 
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     loop.add_reader(conn.fileno(), stop.set)  # the parent never writes: readable means it is gone
     count = (lambda path, status: conn.send((path, status))) if spec.counted else None
     try:
