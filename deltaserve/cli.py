@@ -12,13 +12,16 @@ from deltaserve import aio, commands, serve
 from deltaserve.flag_groups import (
     add_cache_store_flags,
     add_client_flags,
+    add_executor_group_flag,
     add_global_flags,
     add_http_flags,
     add_http_port_flag,
+    add_layer_split_flag,
     add_model_flags,
     add_planner_flags,
     add_serve_flags,
     add_server_trust_flags,
+    add_stage_flags,
 )
 from deltaserve.flags import (
     ENV_PREFIX,
@@ -74,6 +77,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "cache, executor and planner in one process: the model on this machine, the API on --host:--port",
     )
     add_model_flags(up)
+    add_layer_split_flag(up)
     add_serve_flags(up, port_number=PLANNER_PORT)
     add_planner_flags(up)
     up.switch("--row-check", help="debug: compare every row a step reads with the planner's mirror")
@@ -113,6 +117,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         commands_action, "executor", "the executor alone: holds the model, runs the steps the planners send"
     )
     add_model_flags(executor)
+    add_stage_flags(executor)
     add_serve_flags(executor, port_number=EXECUTOR_PORT)
     add_server_trust_flags(executor, api_keys=False, links=True)
     executor.switch("--row-check", help="debug: compare every row a step reads with the planner's mirror")
@@ -130,8 +135,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "--executor",
         type=addresses,
         metavar="HOST:PORT",
-        help="an executor to attach to; repeat it or separate addresses with commas (required)",
+        help="an executor to attach to; repeat it or separate addresses with commas (this or "
+        "--executor-group is required)",
     )
+    add_executor_group_flag(planner)
     add_serve_flags(planner, port_number=PLANNER_PORT)
     planner.option(
         "--model",
@@ -210,8 +217,10 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
     args = parser.parse_args(argv)
     if env_errors := args.__dict__.pop("env_errors"):
         parser.error(f"{command_name(args)}: " + "; ".join(env_errors))
-    if args.command == "planner" and not args.executor:
-        parser.error(f"planner: --executor HOST:PORT is required (or {env_name('--executor')})")
+    if args.command == "planner" and not args.executor and not args.executor_group:
+        parser.error(
+            f"planner: --executor HOST:PORT or --executor-group is required (or {env_name('--executor')})"
+        )
     if args.command == "generate":
         resolve_prompt(parser, args, environ)
         if args.shared_prefix is not None and not args.conversation:
@@ -248,7 +257,8 @@ def _serving(args: argparse.Namespace):
     if args.command == "executor":
         return functools.partial(serve.serve_executor, args, serve.executor_config(args, cache=args.cache))
     if args.command == "planner":
-        config = serve.planner_config(args, executors=args.executor, cache=args.cache)
+        config = serve.planner_config(args, executors=args.executor or [], cache=args.cache)
+        config.executor_groups = args.executor_group
         return functools.partial(serve.serve_planner, args, config)
     if args.command == "http":
         return functools.partial(serve.serve_http, args)

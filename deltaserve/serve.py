@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from deltaserve.aio import until_stopped
 from deltaserve.http_launch import start_http_api
 from deltaserve.logs import get_logger
+from deltaserve.stages import stage_processes
 from deltaserve.trust import Trust
 from executor_svc.config import ExecutorConfig
 from planner_svc.config import PlannerConfig, SchedulingConfig
@@ -67,6 +68,11 @@ def executor_config(args: argparse.Namespace, *, cache: str | None) -> ExecutorC
         row_check=args.row_check,
         cache=cache,
         shard_layers=args.shard_layers,
+        layers=getattr(args, "layers", None),  # a stage of a layer split: `executor` only
+        stage_rank=getattr(args, "stage_rank", 0),
+        stages=getattr(args, "stages", 1),
+        stage_group=getattr(args, "stage_group", None),
+        stage_backend=getattr(args, "stage_backend", "auto"),
     )
 
 
@@ -180,7 +186,8 @@ async def serve_up(
     cache_cfg: CacheServiceConfig | None,
     stop: asyncio.Event,
 ) -> int:
-    """The cache (unless off or elsewhere), the executor on loopback, and the planner on --host:--port."""
+    """The cache (unless off or elsewhere), the executor on loopback (or, --layer-split, its stages as
+    processes), and the planner on --host:--port."""
     from executor_svc.server import start_executor_server
     from planner_svc.server import start_planner_server
 
@@ -194,22 +201,29 @@ async def serve_up(
             )
             executor_cfg.cache = planner_cfg.cache = cache_addr
             cache_fields = {"cache": cache_addr, "snapshots": cache_cfg.root_dir}
-        runner = await _load_runner(executor_cfg)
-        if stop.is_set():
-            return 0
-        executor = await start_executor_server(
-            runner,
-            host="127.0.0.1",
-            port=0,
-            cache=executor_cfg.cache,
-            shard_layers=executor_cfg.shard_layers,
-            security=args.trust.executor_server,
-            cache_channel=args.trust.cache_link,
-            metrics=registry,
-        )
-        servers.push_async_callback(executor.stop, SHUTDOWN_GRACE_S)
-        executor_addr = f"127.0.0.1:{executor.port}"
-        planner_cfg.executors = [executor_addr]
+        if getattr(args, "layer_split", None):  # the stages as processes, one executor group to the planner
+            stages = servers.enter_context(stage_processes(executor_cfg, args.layer_split, args.trust))
+            for addr in stages:
+                if not await wait_for_executor(addr, stop, args.trust.self_link):
+                    return 0
+            planner_cfg.executor_groups, executor_addr = [stages], stages[-1]
+        else:
+            runner = await _load_runner(executor_cfg)
+            if stop.is_set():
+                return 0
+            executor = await start_executor_server(
+                runner,
+                host="127.0.0.1",
+                port=0,
+                cache=executor_cfg.cache,
+                shard_layers=executor_cfg.shard_layers,
+                security=args.trust.executor_server,
+                cache_channel=args.trust.cache_link,
+                metrics=registry,
+            )
+            servers.push_async_callback(executor.stop, SHUTDOWN_GRACE_S)
+            executor_addr = f"127.0.0.1:{executor.port}"
+            planner_cfg.executors = [executor_addr]
         planner = await start_planner_server(
             planner_cfg,
             args.host,
@@ -299,7 +313,7 @@ async def wait_for_executor(addr: str, stop: asyncio.Event, security: ChannelSec
 async def serve_planner(args: argparse.Namespace, config: PlannerConfig, stop: asyncio.Event) -> int:
     from planner_svc.server import start_planner_server
 
-    for addr in config.executors:
+    for addr in [*config.executors, *(a for group in config.executor_groups for a in group)]:
         if not await wait_for_executor(addr, stop, args.trust.executor_link):
             log.info("stopped before the executors were up")
             return 0
@@ -315,12 +329,14 @@ async def serve_planner(args: argparse.Namespace, config: PlannerConfig, stop: a
             metrics=registry,
         )
         servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
-        described = await _describe_executor(config.executors[0], args.trust.executor_link)
+        first = config.executors[0] if config.executors else config.executor_groups[0][-1]
+        described = await _describe_executor(first, args.trust.executor_link)
         await _serve_until_stopped(
             stop,
             addr=f"{args.host}:{planner.port}",
             executors=config.executors,
             **metrics_fields,
+            executor_groups=config.executor_groups,
             device=described.device,
             model=described.model_name,
             cache=config.cache or "off",

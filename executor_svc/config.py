@@ -35,6 +35,13 @@ class ExecutorConfig:
     # Recurrent-state pool slots, slot 0 (the sink) included, for a model with recurrent layers (Qwen3.5);
     # None = 2 * max(buckets) + 1, a state for every row the slot store holds.
     state_slots: int | None = None
+    # A stage of a layer split: layers [A, B) of the model, rank R of N stages, which meet at the
+    # torch.distributed rendezvous HOST:PORT (rank 0 listens there). None = the whole model.
+    layers: tuple[int, int] | None = None
+    stage_rank: int = 0
+    stages: int = 1
+    stage_group: str | None = None
+    stage_backend: str = "auto"  # auto (nccl on CUDA, gloo on the CPU) | gloo | nccl
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -65,3 +72,11 @@ class ExecutorConfig:
             )
         if self.shard_layers < 1:
             raise ValueError(f"shard_layers must be positive, got {self.shard_layers}")
+        if self.stages < 1 or not 0 <= self.stage_rank < self.stages:
+            raise ValueError(f"stage rank {self.stage_rank} of {self.stages} stages: need 0 <= rank < stages")
+        if self.stages > 1 and (self.layers is None or not self.stage_group):
+            raise ValueError(
+                "a stage of a layer split needs its layers (A:B) and the stage group's HOST:PORT"
+            )
+        if self.stages == 1 and self.layers is not None and self.layers[0] != 0:
+            raise ValueError(f"a single stage holds the whole model; layers {self.layers} start past 0")

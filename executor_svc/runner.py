@@ -24,6 +24,7 @@ from executor_svc.plan import CheckedPlan, PlanLimits, check_plan
 from executor_svc.prefill.graphs import PrefillGraphs
 from executor_svc.sampler_controls import LOGPROB_COLUMNS
 from executor_svc.slot_store import SlotStore
+from executor_svc.stage import stage_of
 from executor_svc.state_pool import StatePool, make_state_pool
 from protos import executor_pb2
 from protos.layout import RowLayout
@@ -185,8 +186,8 @@ class StepRunner:
             block_span=self.layout.block_span,
             device=str(self.device),
             dtype=str(self.kv_pool.k.dtype).removeprefix("torch."),
-            layer_begin=0,
-            layer_end=config.num_layers,
+            layer_begin=self.model.stage.layers.begin,
+            layer_end=self.model.stage.layers.end,
             eos_token_id=config.eos_token_ids[0],
             eos_token_ids=list(config.eos_token_ids),
             state_slots=limits.state_slots,
@@ -342,7 +343,7 @@ def build_runner(config: ExecutorConfig) -> StepRunner:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     path = resolve_model_path(config.model)
-    model = load_model(path, device, dtype, config.weights)
+    model = load_model(path, device, dtype, config.weights, stage_of=stage_of(config, device))
     return runner_for_model(model, config, model_fingerprint(path))
 
 
@@ -362,7 +363,10 @@ def runner_for_model(model: ExecutorModel, config: ExecutorConfig, fingerprint: 
     graphs = prefill_graphs = None
     if cuda:
         attention = decode_attention(config.decode_path, model, kv_pool, store, config.buckets, max_seq_len)
-        graphs = DecodeGraphs(model, store, attention, config.buckets, state_pool=state_pool)
+        # A stage's transfers are not captured: a split's steps run eager.
+        graphs = DecodeGraphs(
+            model, store, attention, config.buckets, state_pool=state_pool, capture=not model.stage.split
+        )
         if state_pool is not None:
             log.info("prefill graphs off: a model with recurrent layers prefills eager")
         elif config.prefill_buckets and graphs.capture:

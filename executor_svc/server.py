@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 from collections.abc import AsyncIterator, Awaitable
 
 import grpc
@@ -15,12 +16,15 @@ from executor_svc.executor_metrics import register_executor_metrics
 from executor_svc.plan import PlanError
 from executor_svc.runner import LaunchedStep, StepRunner
 from executor_svc.snapshots import SnapshotRefused, Snapshots
+from executor_svc.stage import StageLost
 from executor_svc.step_loop import collect_when_ready, launch_step
 from protos import executor_pb2, executor_pb2_grpc
 from protos.rpc import ChannelSecurity, ServerSecurity, StartedServer, start_server
 
 log = structlog.get_logger("deltaserve.executor.server")
 
+EXIT_GROUP_LOST = 3  # the exit status of a stage whose group is lost
+EXIT_DELAY_S = 0.2  # time for the stream's status to reach the planner before the stage exits
 PLANS_IN_FLIGHT = 2  # the step running and the next one (DESIGN §3)
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 
@@ -52,6 +56,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         )
         self._stream_open = False
         self.snapshots = Snapshots(runner, self._copies, cache, shard_layers, cache_channel)
+        if runner.model.stage.split:
+            runner.model.stage.watch(_exit_group_lost)
 
     async def Describe(
         self, request: executor_pb2.DescribeRequest, context: grpc.aio.ServicerContext
@@ -97,6 +103,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 except PlanError as err:
                     log.warning("plan refused", error=str(err))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                except (
+                    StageLost
+                ) as err:  # the group is lost with the stage: this one exits, to restart with it
+                    asyncio.get_running_loop().call_later(EXIT_DELAY_S, _exit_group_lost, str(err))
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"stage group lost: {err}")
                 except Exception as err:  # a step that failed on the device: none behind it runs
                     log.exception("step failed")
                     await context.abort(grpc.StatusCode.INTERNAL, f"step failed: {type(err).__name__}: {err}")
@@ -119,6 +130,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self, request: executor_pb2.RestorePagesRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.RestorePagesReply:
         return await _answer("restore", request.conversation_id, self.snapshots.restore(request), context)
+
+
+def _exit_group_lost(why: str) -> None:
+    """A stage of a lost group exits (status EXIT_GROUP_LOST): a process group cannot take a restarted stage
+    back, so the whole group restarts."""
+    log.error("stage group lost; exiting", error=why)
+    os._exit(EXIT_GROUP_LOST)
 
 
 async def _answer(what: str, conversation_id: str, call: Awaitable, context: grpc.aio.ServicerContext):

@@ -12,6 +12,7 @@ waits for its copies. The cache I/O runs on the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import Executor
 
@@ -71,6 +72,7 @@ class Snapshots:
         self._page_shape = tuple(pool.k.shape[2:])  # (page_size, kv_heads, head_dim)
         self._shards = shard_ranges(self._layer_begin, self._layer_end, shard_layers)
         page_size, kv_heads, head_dim = self._page_shape
+        self._stage = runner.model.stage
         self._fingerprint = snapshot_fingerprint(
             runner.fingerprint, described.dtype, page_size, self._num_layers, kv_heads, head_dim
         )
@@ -93,7 +95,10 @@ class Snapshots:
         addr = self._require_cache()
         tokens, pages = check_park(request, self._page_shape[0], self._pool_pages)
         started = time.perf_counter()
-        blobs = await asyncio.get_running_loop().run_in_executor(self._copies, self._read_pages, pages)
+        gathered = await asyncio.get_running_loop().run_in_executor(self._copies, self._read_for_park, pages)
+        if gathered is None:  # a later stage of a split: its shards went to the first, which puts them
+            return executor_pb2.ParkPagesReply()
+        shards, blobs = gathered
         page_size, kv_heads, head_dim = self._page_shape
         manifest = {
             "tenant": request.tenant,
@@ -106,7 +111,7 @@ class Snapshots:
             "num_layers": self._num_layers,
             "page_size": page_size,
             "dtype": str(self._pool.k.dtype).removeprefix("torch."),
-            "shards": [{"layers": [begin, end]} for begin, end in self._shards],
+            "shards": [{"layers": [begin, end]} for begin, end in shards],
             "attributes": {
                 "kv_layout": SHARD_LAYOUT,
                 "pages": str(len(pages)),
@@ -211,6 +216,19 @@ class Snapshots:
                     f"{(end - begin) * page_bytes}",
                 )
         return ranges
+
+    def _read_for_park(self, pages: np.ndarray) -> tuple[list[tuple[int, int]], list[bytes]] | None:
+        """On the page-copy thread: the shards of the pages, this stage's; on a split every stage's at the
+        first stage (None at the others), so the first puts one snapshot, complete or none."""
+        if not self._stage.split:
+            return self._shards, self._read_pages(pages)
+        try:
+            blobs = self._read_pages(pages)
+        except Exception:
+            with contextlib.suppress(RuntimeError):  # the transfers of this park, kept in step
+                self._stage.gather_shards(self._shards, None)
+            raise
+        return self._stage.gather_shards(self._shards, blobs)
 
     def _read_pages(self, pages: np.ndarray) -> list[bytes]:
         """On the page-copy thread: one gather and one device-to-host copy per shard."""

@@ -51,6 +51,9 @@ class SchedulingConfig:
 class PlannerConfig:
     # Executor addresses (host:port). Empty with in-process links.
     executors: list[str] = field(default_factory=list)
+    # Stage groups of a layer split, each its stages' addresses in rank order: each group is one executor
+    # to the planner (data parallel beside the whole executors and the other groups).
+    executor_groups: list[list[str]] = field(default_factory=list)
     # Tokenizer source: same meaning as ExecutorConfig.model (None = the SmolLM2 GGUF).
     model: str | None = None
     max_waiting: int = 1024  # queued requests before Generate answers RESOURCE_EXHAUSTED
@@ -69,5 +72,8 @@ class PlannerConfig:
             raise ValueError(f"inflight_plans must be 1 or 2, got {self.inflight_plans}")
         if not self.executor_timeout > 0:
             raise ValueError(f"executor_timeout must be positive, got {self.executor_timeout}")
+        for group in self.executor_groups:
+            if len(group) < 2:
+                raise ValueError(f"a stage group needs two or more executors, got {group}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be positive, got {self.max_waiting}")

@@ -14,6 +14,7 @@ from planner_svc.config import PlannerConfig
 from planner_svc.conversations import Conversations, Mount
 from planner_svc.decode_guard import guarded
 from planner_svc.engine import Engine
+from planner_svc.group_link import GroupLink
 from planner_svc.intake import Intake, model_eos_ids
 from planner_svc.link import ExecutorLink, GrpcLink
 from planner_svc.metrics import PlannerMetrics
@@ -282,9 +283,10 @@ async def start_planner_server(
     the cache (TLS, and the service key). `metrics`: the registry its metrics are recorded in (planner_svc/metrics.py).
     """
     if links is None:
-        if not config.executors:
-            raise ValueError("the planner needs at least one executor address")
+        if not config.executors and not config.executor_groups:
+            raise ValueError("the planner needs at least one executor address or stage group")
         links = [GrpcLink(address, executor_channel) for address in config.executors]
+        links += [GroupLink.over(group, executor_channel) for group in config.executor_groups]
     descriptions = []
     for link in links:
         log.info("waiting for executor", executor=link.address)

@@ -15,6 +15,7 @@ from torch import nn
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.layers import Embedding, GatedMLP, Linear, RMSNorm, apply_rope
 from executor_svc.models.rope import default_inv_freq, hf_rope, rope_tables
+from executor_svc.stage import Stage
 
 if TYPE_CHECKING:
     from executor_svc.attention import Attention, StepInputs
@@ -157,18 +158,29 @@ class DenseModel(nn.Module):
     rope_cos: torch.Tensor  # buffers [max_seq_len, head_dim], registered in __init__
     rope_sin: torch.Tensor
 
-    def __init__(self, config: DenseConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: DenseConfig, device: torch.device | str, dtype: torch.dtype, stage: Stage | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, self.device, dtype)
-        self.layers = nn.ModuleList(DenseLayer(config, self.device, dtype) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_eps, self.device, dtype)
+        # A stage of a layer split holds its layers only (renumbered from 0), the first stage the embedding,
+        # the last the final norm and the head (the embedding again where the head is tied to it).
+        self.stage = Stage.whole(config.num_layers) if stage is None else stage
+        held = self.stage.layers
+        tied_head = held.last and config.tie_embeddings
+        self.embed_tokens = (
+            Embedding(config.vocab_size, config.hidden_size, self.device, dtype)
+            if held.first or tied_head
+            else None
+        )
+        self.layers = nn.ModuleList(DenseLayer(config, self.device, dtype) for _ in range(held.count))
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps, self.device, dtype) if held.last else None
         self.lm_head = (
-            None
-            if config.tie_embeddings
-            else Linear(config.hidden_size, config.vocab_size, self.device, dtype)
+            Linear(config.hidden_size, config.vocab_size, self.device, dtype)
+            if held.last and not config.tie_embeddings
+            else None
         )
         self.scale = config.head_dim**-0.5
         if config.rope_inv_freq is None:
@@ -189,7 +201,7 @@ class DenseModel(nn.Module):
     ) -> KVPool:
         cfg = self.config
         return KVPool(
-            cfg.num_layers,
+            self.stage.layers.count,  # this stage's layers only
             num_pages,
             page_size,
             cfg.num_kv_heads,
@@ -202,15 +214,27 @@ class DenseModel(nn.Module):
         """self.layers, each a DenseLayer (nn.ModuleList types its items as Module)."""
         return cast("Sequence[DenseLayer]", self.layers)
 
+    def enter(self, tokens: torch.Tensor) -> torch.Tensor:
+        """x[B, hidden]: the tokens' embeddings on the first stage, the previous stage's output on a later one."""
+        if self.stage.layers.first:
+            assert self.embed_tokens is not None, "the first stage holds the embedding"
+            return self.embed_tokens(tokens)
+        return self.stage.enter(tokens.shape[0], self.config.hidden_size, self.dtype, self.device)
+
     @property
-    def head_weight(self) -> torch.Tensor:
-        """[V, hidden]: the LM head's, or the embedding's where they are tied."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def head(self) -> tuple[RMSNorm, nn.Module]:
+        """The last stage's final norm and head module: the LM head, or the embedding where they are tied
+        (its `project`); either may hold packed weights."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        assert self.norm is not None and head is not None, "only the last stage holds the norm and head"
+        return self.norm, head
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x)
-        # Through the modules, not head_weight: a packed head has no float weight.
-        return (self.embed_tokens.project(h) if self.lm_head is None else self.lm_head(h)).float()
+        norm, head = self.head
+        h = norm(x)
+        # Through the modules, not a weight: a packed head has no float weight.
+        logits = head.project(h) if self.lm_head is None else head(h)  # type: ignore[operator]
+        return logits.float()
 
     def _project_qkv(
         self, layer: DenseLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -238,10 +262,11 @@ class DenseModel(nn.Module):
     @torch.inference_mode()
     def forward(
         self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """One position for each of B rows, writing its K/V to (inputs.write_page, inputs.write_offset) of
         attention.kv; `select` the rows that need logits (default all). Returns float32 logits[B or
-        len(select), V]. Fixed shapes; no host reads (but the CPU attention's trim to the longest row)."""
+        len(select), V] on the last stage; an earlier stage hands its hidden states on and returns None.
+        Fixed shapes; no host reads (but the CPU attention's trim to the longest row)."""
         if attention.fused:
             from executor_svc.models.dense_kernels import forward_kernels
 
@@ -250,13 +275,16 @@ class DenseModel(nn.Module):
 
     def _forward_torch(
         self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """The layers in torch ops (the CPU path and the reference)."""
         kv = attention.kv
         cos, sin = self.rope_cos[inputs.positions], self.rope_sin[inputs.positions]
-        x = self.embed_tokens(inputs.tokens)  # x: [B, hidden]
+        x = self.enter(inputs.tokens)  # x: [B, hidden]
         for index, layer in enumerate(self.decoder_layers()):
             q, k, v = self._project_qkv(layer, x, cos, sin)
             kv.write(index, inputs.write_page, inputs.write_offset, k, v)
             x = self._finish_layer(layer, x, attention.forward(index, q))
+        if not self.stage.layers.last:
+            self.stage.hand_on(x)
+            return None
         return self._logits(x if select is None else x.index_select(0, select))

@@ -4,7 +4,7 @@ write, norms with the residual. The torch forward in dense.py is its reference."
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +59,9 @@ def _fuse_layer(layer: DenseLayer) -> FusedLayer:
 
 def forward_kernels(
     model: DenseModel, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
-) -> torch.Tensor:
-    """DenseModel.forward in the Triton kernels: float32 logits[B or len(select), V]."""
+) -> torch.Tensor | None:
+    """DenseModel.forward in the Triton kernels: float32 logits[B or len(select), V] (None before the last
+    stage of a split)."""
     from executor_svc.kernels import gemv
     from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
 
@@ -68,7 +69,7 @@ def forward_kernels(
     heads, kv_heads, head_dim, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps
     q_end = heads * head_dim
     k_end = q_end + kv_heads * head_dim
-    x = model.embed_tokens(inputs.tokens)  # x: [B, hidden]
+    x = model.enter(inputs.tokens)  # x: [B, hidden]
     batch = x.shape[0]
     # A few rows: each projection one GEMV kernel that also norms its input (and gates gate_up's output);
     # more: cuBLAS GEMMs between the norm and SiLU kernels.
@@ -127,8 +128,12 @@ def forward_kernels(
             x, residual, layer.post_attention_layernorm.weight, fused.gate_up_weight, fused.gate_up_bias, True
         )
         x = project(act, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)
+    assert residual is not None, "no layer ran: a stage holds at least one layer"
+    if not model.stage.layers.last:  # the next stage starts from the sum, as a first stage from its embedding
+        model.stage.hand_on(x + residual)
+        return None
     if select is not None:
-        assert residual is not None, "no layer ran: the model has num_layers >= 1"
         x, residual = x.index_select(0, select), residual.index_select(0, select)
-    h, _ = rmsnorm_residual(x, residual, model.norm.weight, eps)
-    return F.linear(h, model.head_weight).float()
+    norm, head = model.head
+    h, _ = rmsnorm_residual(x, residual, norm.weight, eps)
+    return F.linear(h, cast("torch.Tensor", head.weight)).float()

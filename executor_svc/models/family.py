@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from executor_svc.attention import Attention, StepInputs
     from executor_svc.kv_pool import KVPool
+    from executor_svc.stage import Stage
 
 # One module per family, each with a FAMILY. A new family adds its module here.
 FAMILY_MODULES = ("executor_svc.models.llama", "executor_svc.models.qwen3", "executor_svc.models.qwen3_5")
@@ -55,6 +56,12 @@ class ExecutorModel(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
     @property
+    def stage(self) -> Stage:
+        """The layers it holds, [begin, end) of the model's (all of them unless a stage of a layer split):
+        a family builds those only, the embedding on the first stage, the final norm and head on the last."""
+        ...
+
+    @property
     def scale(self) -> float:
         """The attention's softmax scale."""
         ...
@@ -69,10 +76,12 @@ class ExecutorModel(Protocol):
 
     def forward(
         self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """One position for each of B rows, writing its K/V to (inputs.write_page, inputs.write_offset) of
         attention.kv; `select` the rows that need logits (default all). Returns float32 logits[B or
-        len(select), V]. Fixed shapes, no host reads: the decode graphs capture it."""
+        len(select), V] on the last stage; an earlier stage of a split enters from the previous stage's
+        hidden states (stage.enter), hands its own on (stage.hand_on) and returns None. Fixed shapes, no
+        host reads: the decode graphs capture it."""
         ...
 
 
@@ -91,8 +100,9 @@ class ModelFamily:
     # an open gguf.GGUFReader, its path and whether to keep quantized matrices packed -> (config, weights named as
     # the model's parameters: tensors, or PackedWeights when packing)
     read_gguf: Callable[[Any, str, bool], tuple[Any, dict[str, Any]]] | None
-    # config, device, dtype -> the model with uninitialised weights (the loader fills them)
-    build: Callable[[Any, torch.device, torch.dtype], Any]
+    # config, device, dtype, stage (None: the whole model) -> the model of the stage's layers with
+    # uninitialised weights (the loader fills them)
+    build: Callable[[Any, torch.device, torch.dtype, Stage | None], Any]
 
 
 def families() -> list[ModelFamily]:

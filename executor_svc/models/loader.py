@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from typing import Any
 
@@ -16,6 +17,8 @@ import torch
 from executor_svc.device import resolve_weights
 from executor_svc.models.family import ExecutorModel, ModelFamily, family_for_gguf, family_for_hf
 from executor_svc.models.packed import PackedWeight, fuse_projections, install_packed
+from executor_svc.stage import StageOf
+from protos.layer_split import LayerRange
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +26,16 @@ _MIB = 1 << 20
 
 
 def load_model(
-    path: str, device: torch.device | str, dtype: torch.dtype, weights_mode: str = "auto"
+    path: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    weights_mode: str = "auto",
+    stage_of: StageOf | None = None,
 ) -> ExecutorModel:
     """The model of the checkpoint's family with every weight loaded, on `device` in `dtype`; weights_mode
-    (auto, dequantize, packed) says whether a GGUF's quantized matrices stay packed (resolve_weights)."""
+    (auto, dequantize, packed) says whether a GGUF's quantized matrices stay packed (resolve_weights); with
+    `stage_of`, the stage of a layer split it says (given the model's layer count), with only that stage's
+    weights."""
     began = time.perf_counter()
     device = torch.device(device)
     mode = resolve_weights(weights_mode, device, dtype, path)
@@ -37,7 +46,10 @@ def load_model(
         family, config, weights = _read_gguf(path, pack=mode == "packed")
     else:
         raise ValueError(f"model path {path!r} is neither a .gguf file nor a Hugging Face model directory")
-    model = family.build(config, torch.device(device), dtype)
+    stage = None if stage_of is None else stage_of(config.num_layers)
+    model = family.build(config, torch.device(device), dtype, stage)
+    if stage is not None:
+        weights = stage_weights(weights, stage.layers, set(model.state_dict()))
     expected = set(model.state_dict())
     if set(weights) != expected:
         missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
@@ -71,6 +83,36 @@ def load_model(
         time.perf_counter() - began,
     )
     return model
+
+
+_LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def stage_weights(weights: dict[str, Any], layers: LayerRange, held: set[str]) -> dict[str, Any]:
+    """A stage's weights out of the whole model's: layers [begin, end) renumbered from 0, and of the rest
+    (embedding, final norm, head) those the stage's model holds."""
+    kept = {}
+    for name, weight in weights.items():
+        match = _LAYER_NAME.fullmatch(name)
+        if match is None:
+            if name in held:
+                kept[name] = weight
+        elif layers.begin <= int(match[1]) < layers.end:
+            kept[f"layers.{int(match[1]) - layers.begin}.{match[2]}"] = weight
+    return kept
+
+
+def layer_count(path: str) -> int:
+    """The model's decoder layers, from its config alone (no weights read): what a layer split divides."""
+    if os.path.isdir(path):
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        return int(hf.get("text_config", hf)["num_hidden_layers"])
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    return int(reader.fields[f"{arch}.block_count"].contents())
 
 
 def model_fingerprint(path: str) -> str:

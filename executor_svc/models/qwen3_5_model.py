@@ -16,6 +16,7 @@ from torch import nn
 from executor_svc.kernels import gated_delta_ref as ref
 from executor_svc.kernels.gated_delta_fla import sequence_rule_for
 from executor_svc.kv_pool import KVPool
+from executor_svc.stage import Stage
 from executor_svc.state_pool import StateInputs, StatePool
 
 if TYPE_CHECKING:
@@ -208,9 +209,16 @@ class Qwen35Model(nn.Module):
     rope_cos: torch.Tensor  # buffers [max_seq_len, rotary_dim], registered in __init__
     rope_sin: torch.Tensor
 
-    def __init__(self, config: Qwen35Config, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: Qwen35Config, device: torch.device | str, dtype: torch.dtype, stage: Stage | None = None
+    ) -> None:
         super().__init__()
+        if (
+            stage is not None and stage.split
+        ):  # its recurrent and full-attention pools by stage: not built yet
+            raise ValueError("a layer split of the Qwen3.5 hybrid is not supported yet: run it whole")
         self.config = config
+        self.stage = Stage.whole(config.num_layers)
         self.device = torch.device(device)
         self.dtype = dtype
         self.embed_tokens = _Embedding(config.hidden_size, config.vocab_size, self.device, dtype)

@@ -1,0 +1,116 @@
+"""`up --layer-split`: the model's stages as `deltaserve executor --layers ...` processes on this machine, one per
+local GPU in turn (gloo between stages that share a GPU, NCCL otherwise), or on the CPU (gloo)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from deltaserve.flags import env_name
+from deltaserve.logs import get_logger
+from deltaserve.trust import Trust
+from executor_svc.config import ExecutorConfig
+from protos.layer_split import split_layers
+
+log = get_logger("deltaserve.stages")
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """One stage process: its layers, device and the group's backend."""
+
+    rank: int
+    layers: tuple[int, int]
+    device: str
+    backend: str
+
+
+def plan_stages(num_layers: int, split: str, device: str, gpus: int) -> list[StagePlan]:
+    """The stages of `split` (N, or cut points) over this machine: on CUDA stage r on cuda:(r mod gpus), NCCL
+    when every stage has a GPU of its own, else gloo (NCCL refuses two ranks on one device); on the CPU
+    gloo."""
+    ranges = split_layers(num_layers, split)
+    if len(ranges) < 2:
+        raise ValueError(f"--layer-split {split!r} makes one stage: run without it")
+    cuda = device.startswith("cuda") or (device == "auto" and gpus > 0)
+    if not cuda:
+        return [StagePlan(rank, r, "cpu", "gloo") for rank, r in enumerate(ranges)]
+    if gpus < 1:
+        raise ValueError(f"--device {device} but no CUDA device is visible")
+    backend = "nccl" if len(ranges) <= gpus else "gloo"
+    return [StagePlan(rank, r, f"cuda:{rank % gpus}", backend) for rank, r in enumerate(ranges)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stage_argv(
+    config: ExecutorConfig, stage: StagePlan, stages: int, port: int, rendezvous: str
+) -> list[str]:
+    """`deltaserve executor` for one stage, with `up`'s model and serving settings."""
+    argv = [sys.executable, "-m", "deltaserve", "executor", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--device", stage.device, "--dtype", config.dtype, "--page-size", str(config.page_size)]
+    argv += ["--pool-pages", str(config.pool_pages), "--buckets", ",".join(map(str, config.buckets))]
+    argv += ["--prefill-buckets", ",".join(map(str, config.prefill_buckets)) or "none"]
+    argv += ["--decode-path", config.decode_path, "--shard-layers", str(config.shard_layers)]
+    argv += ["--layers", f"{stage.layers[0]}:{stage.layers[1]}", "--stage-rank", str(stage.rank)]
+    argv += ["--stages", str(stages), "--stage-group", rendezvous, "--stage-backend", stage.backend]
+    if config.model:
+        argv += ["--model", config.model]
+    if config.max_seq_len:
+        argv += ["--max-seq-len", str(config.max_seq_len)]
+    if config.row_check:
+        argv.append("--row-check")
+    if config.cache:
+        argv += ["--cache", config.cache]
+    return argv
+
+
+@contextlib.contextmanager
+def stage_processes(config: ExecutorConfig, split: str, trust: Trust):
+    """Starts the stages (their logs on this process's stderr) and yields their addresses in rank order; stops
+    them on exit."""
+    import torch
+
+    from executor_svc.models.loader import layer_count
+    from protos.model_files import resolve_model_path
+
+    if trust.executor_server.tls is not None:
+        raise ValueError(
+            "--layer-split with TLS: start the stages with `deltaserve executor --layers` instead"
+        )
+    gpus = torch.cuda.device_count() if config.device != "cpu" else 0
+    plans = plan_stages(layer_count(resolve_model_path(config.model)), split, config.device, gpus)
+    rendezvous = f"127.0.0.1:{_free_port()}"
+    ports = [_free_port() for _ in plans]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DELTASERVE_")}
+    if trust.cache_link.api_key:  # up's own service key for its cache, never on a command line
+        env[env_name("--cache-api-key")] = trust.cache_link.api_key
+    processes = []
+    try:
+        for stage, port in zip(plans, ports, strict=True):
+            log.info(
+                "starting stage",
+                rank=stage.rank,
+                layers=f"{stage.layers[0]}:{stage.layers[1]}",
+                device=stage.device,
+            )
+            processes.append(
+                subprocess.Popen(stage_argv(config, stage, len(plans), port, rendezvous), env=env)
+            )
+        yield [f"127.0.0.1:{port}" for port in ports]
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
