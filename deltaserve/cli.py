@@ -12,16 +12,13 @@ from deltaserve import aio, commands, serve
 from deltaserve.flag_groups import (
     add_cache_store_flags,
     add_client_flags,
-    add_executor_group_flag,
     add_global_flags,
     add_http_flags,
     add_http_port_flag,
-    add_layer_split_flag,
     add_model_flags,
     add_planner_flags,
     add_serve_flags,
     add_server_trust_flags,
-    add_stage_flags,
 )
 from deltaserve.flags import (
     ENV_PREFIX,
@@ -37,6 +34,7 @@ from deltaserve.flags import (
 from deltaserve.generate_flags import GENERATE_HELP, add_generate_command, resolve_prompt
 from deltaserve.logs import configure_logging, get_logger
 from deltaserve.serve import CACHE_PORT, EXECUTOR_PORT, HTTP_PORT, PLANNER_PORT
+from deltaserve.stage_flags import add_executor_group_flag, add_layer_split_flag, add_stage_flags
 from deltaserve.trust import trust_from_args
 
 log = get_logger("deltaserve.cli")
