@@ -1,5 +1,5 @@
 """Fused elementwise kernels of a decode layer: RMSNorm with the residual add, rope with the KV page write,
-SiLU(gate) * up. Each rounds where eager torch rounds, so the results match the torch model's."""
+SiLU(gate) * up, the gated delta net's gated RMSNorm. Each rounds where eager torch rounds, so the results match the torch model's."""
 
 from __future__ import annotations
 
@@ -240,4 +240,43 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(batch, intermediate, dtype=gate_up.dtype, device=gate_up.device)
     grid = (batch, triton.cdiv(intermediate, _MLP_BLOCK))
     _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), intermediate, BLOCK=_MLP_BLOCK)
+    return out
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(
+    x_ptr, gate_ptr, weight_ptr, out_ptr, gate_row_stride, heads, eps, SIZE: tl.constexpr, BLOCK: tl.constexpr
+):
+    row, head = tl.program_id(0), tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    live = cols < SIZE
+    dtype = out_ptr.dtype.element_ty
+    # As GatedRMSNorm on x rounded to the dtype: norm in float32, round, scale by the weight, round, times
+    # SiLU(gate) in float32, round.
+    x = tl.load(x_ptr + (row * heads + head) * SIZE + cols, mask=live, other=0.0).to(dtype).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, 0) / SIZE + eps)
+    weight = tl.load(weight_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    normed = ((x * inv_rms).to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    gate = tl.load(gate_ptr + row * gate_row_stride + head * SIZE + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + (row * heads + head) * SIZE + cols,
+        (normed * (gate * tl.sigmoid(gate))).to(dtype),
+        mask=live,
+    )
+
+
+def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x[N, H, D] (float32, contiguous) -> rmsnorm(x in gate's dtype, per head) * weight[D] * SiLU(gate), where
+    gate is [N, H * D] (rows may be strided): [N, H * D] in gate's dtype, the gated delta net's output norm."""
+    n, heads, size = x.shape
+    if gate.shape != (n, heads * size) or weight.shape != (size,):
+        raise ValueError(
+            f"gate must be [{n}, {heads * size}] and weight [{size}], got {tuple(gate.shape)}, {tuple(weight.shape)}"
+        )
+    if not x.is_contiguous() or gate.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("x and weight must be contiguous, gate contiguous along its last dim")
+    out = torch.empty(n, heads * size, dtype=gate.dtype, device=gate.device)  # out: [N, H * D]
+    _gated_rmsnorm_kernel[(n, heads)](
+        x, gate, weight, out, gate.stride(0), heads, eps, SIZE=size, BLOCK=triton.next_power_of_2(size)
+    )
     return out

@@ -33,7 +33,7 @@ def fused_layers(model: DenseModel) -> list[FusedLayer]:
     return model.fused_layers
 
 
-def _join(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def join_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The tensors concatenated along dim 0, each then a view into the result."""
     joined = torch.cat([t.detach() for t in tensors])
     start = 0
@@ -50,10 +50,10 @@ def _fuse_layer(layer: DenseLayer) -> FusedLayer:
     qkv_biases = [p.bias for p in qkv if p.bias is not None]
     gate_up_biases = [p.bias for p in gate_up if p.bias is not None]
     return FusedLayer(
-        _join([p.weight for p in qkv]),
-        _join(qkv_biases) if qkv_biases else None,
-        _join([p.weight for p in gate_up]),
-        _join(gate_up_biases) if gate_up_biases else None,
+        join_rows([p.weight for p in qkv]),
+        join_rows(qkv_biases) if qkv_biases else None,
+        join_rows([p.weight for p in gate_up]),
+        join_rows(gate_up_biases) if gate_up_biases else None,
     )
 
 

@@ -21,6 +21,7 @@ from executor_svc.state_pool import StateInputs, StatePool
 
 if TYPE_CHECKING:
     from executor_svc.attention import Attention, StepInputs
+    from executor_svc.models.qwen3_5_kernels import FusedWeights
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -187,6 +188,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x[B, heads, D] with rope on its first rotary_dim dims (cos, sin [B, 1, rotary_dim]), the rest as it is."""
+    rot = cos.shape[-1]
+    return torch.cat((x[..., :rot] * cos + _rotate_half(x[..., :rot]) * sin, x[..., rot:]), dim=-1)
+
+
 def _decode_rule_for(device: torch.device) -> Callable[..., torch.Tensor]:
     """The gated delta rule's decode step on the pool's states by slot: the Triton kernel on CUDA, the torch
     reference (a gather and a scatter) on the CPU."""
@@ -236,6 +243,7 @@ class Qwen35Model(nn.Module):
         self._sequence_rule = sequence_rule_for(self.device, dtype)
         # The layer's index in its pool: KV layers for full attention, state layers for gated delta nets.
         self.pool_index = [config.layer_indices(kind).index(i) for i, kind in enumerate(config.layer_types)]
+        self.fused: FusedWeights | None = None  # built by qwen3_5_kernels on the first fused forward
         # Default rope over the first rotary_dim dims, as transformers computes it (float32, then the dtype).
         dim = config.rotary_dim
         steps = torch.arange(0, dim, 2, dtype=torch.float, device=self.device)
@@ -294,6 +302,10 @@ class Qwen35Model(nn.Module):
         states = inputs.states
         if states is None:
             raise ValueError("a Qwen3.5 step needs its state slots (inputs.states)")
+        if attention.fused and states.seq_starts is None:  # a decode step on CUDA: the Triton kernels
+            from executor_svc.models.qwen3_5_kernels import forward_kernels
+
+            return forward_kernels(self, inputs, attention, select)
         cos = self.rope_cos[inputs.positions][:, None, :]  # cos, sin: [B, 1, rotary_dim]
         sin = self.rope_sin[inputs.positions][:, None, :]
         x = self.embed_tokens(inputs.tokens)  # x: [B, hidden]
@@ -320,14 +332,13 @@ class Qwen35Model(nn.Module):
         sin: torch.Tensor,
     ) -> torch.Tensor:
         cfg = self.config
-        d, rot = cfg.head_dim, cfg.rotary_dim
+        d = cfg.head_dim
         query_gate = attn.q_proj(h).view(-1, cfg.num_heads, 2 * d)
         q, gate = query_gate[..., :d], query_gate[..., d:].reshape(h.shape[0], -1)  # q: [B, H, D]
         q = attn.q_norm(q)
         k = attn.k_norm(attn.k_proj(h).view(-1, cfg.num_kv_heads, d))
         v = attn.v_proj(h).view(-1, cfg.num_kv_heads, d)
-        q = torch.cat((q[..., :rot] * cos + _rotate_half(q[..., :rot]) * sin, q[..., rot:]), dim=-1)
-        k = torch.cat((k[..., :rot] * cos + _rotate_half(k[..., :rot]) * sin, k[..., rot:]), dim=-1)
+        q, k = rope_partial(q, cos, sin), rope_partial(k, cos, sin)
         attention.kv.write(kv_layer, inputs.write_page, inputs.write_offset, k, v)
         out = attention.forward(kv_layer, q.contiguous()).flatten(1)
         return attn.o_proj(out * torch.sigmoid(gate))

@@ -1,0 +1,188 @@
+"""The Qwen3.5 hybrid's decode step in the Triton kernels (the CUDA path): each layer's projections joined into
+one matmul that also norms its input, the gated delta net's conv window and rule step on the state pool by slot,
+its gated norm in one kernel. The torch forward in qwen3_5_model.py is its reference; a decode step there
+launches some forty kernels a layer, here about eight (what bounds the step at small batches)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from executor_svc.models.dense_kernels import join_rows
+from executor_svc.models.qwen3_5_model import LINEAR, rope_partial
+
+if TYPE_CHECKING:
+    from executor_svc.attention import Attention, StepInputs
+    from executor_svc.models.qwen3_5_model import Qwen35Model, _Layer
+    from executor_svc.state_pool import StateInputs
+
+
+class FusedLayer(NamedTuple):
+    """One layer's projections joined, and its (1 + w) norm weights in float32 (what the fused norms scale by)."""
+
+    in_weight: (
+        torch.Tensor
+    )  # gated delta net: [C + H Dv + 2 H, hidden], qkv | z | b | a; attention: q+gate | k | v
+    gate_up_weight: torch.Tensor  # [2 I, hidden]
+    input_norm: torch.Tensor  # f32[hidden]
+    post_norm: torch.Tensor  # f32[hidden]
+    head_norms: tuple[torch.Tensor, torch.Tensor] | None  # attention: f32[D] each, q's and k's
+    gates: tuple[torch.Tensor, torch.Tensor] | None  # gated delta net: f32[H] each, -exp(A_log) and dt_bias
+
+
+class FusedWeights(NamedTuple):
+    layers: list[FusedLayer]
+    final_norm: torch.Tensor  # f32[hidden], 1 + w
+
+
+def _offset(norm_weight: torch.Tensor) -> torch.Tensor:
+    return 1.0 + norm_weight.detach().float()
+
+
+def fused_weights(model: Qwen35Model) -> FusedWeights:
+    """The model's layers fused, built once on first use (after loading). The joined projections are the
+    weights' memory (the separate weights become views into them); the float32 norm and gate vectors are copies
+    made from the loaded weights."""
+    if model.fused is None:
+        with torch.inference_mode(False):  # normal tensors, so the views stay loadable in place
+            layers = [_fuse_layer(layer) for layer in model.layers]  # type: ignore[arg-type]
+            model.fused = FusedWeights(layers, _offset(model.norm.weight))
+    return model.fused
+
+
+def _fuse_layer(layer: _Layer) -> FusedLayer:
+    mlp = layer.mlp
+    gate_up = join_rows([mlp.gate_proj.weight, mlp.up_proj.weight])
+    norms = _offset(layer.input_layernorm.weight), _offset(layer.post_attention_layernorm.weight)
+    if layer.kind == LINEAR:
+        net = layer.linear_attn
+        projections = (net.in_proj_qkv, net.in_proj_z, net.in_proj_b, net.in_proj_a)
+        gates = -net.A_log.detach().float().exp(), net.dt_bias.detach().float()
+        return FusedLayer(join_rows([p.weight for p in projections]), gate_up, *norms, None, gates)
+    attn = layer.self_attn
+    in_weight = join_rows([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    return FusedLayer(
+        in_weight, gate_up, *norms, (_offset(attn.q_norm.weight), _offset(attn.k_norm.weight)), None
+    )
+
+
+def forward_kernels(
+    model: Qwen35Model, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
+) -> torch.Tensor:
+    """Qwen35Model.forward of a decode step in the Triton kernels: float32 logits[B or len(select), V]."""
+    from executor_svc.kernels import gemv
+    from executor_svc.kernels.fused import rmsnorm_residual, silu_mul
+
+    cfg, states = model.config, inputs.states
+    assert states is not None and states.seq_starts is None, "the fused forward runs decode steps"
+    eps = cfg.rms_eps
+    x = model.embed_tokens(inputs.tokens)  # x: [B, hidden]
+    # A few rows: each projection one GEMV kernel that also norms its input (and gates gate_up's output);
+    # more: cuBLAS GEMMs between the norm and SiLU kernels.
+    few = x.shape[0] <= gemv.MAX_ROWS
+
+    def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return gemv.gemv(x, weight)[0] if few else F.linear(x, weight)
+
+    def norm_project(x, residual, norm_weight, weight, gated=False) -> tuple[torch.Tensor, torch.Tensor]:
+        if few:
+            return gemv.gemv(x, weight, norm=(residual, norm_weight, eps), gated=gated)
+        h, residual = rmsnorm_residual(x, residual, norm_weight, eps)
+        out = F.linear(h, weight)
+        return (silu_mul(out) if gated else out), residual
+
+    cos = model.rope_cos[inputs.positions][:, None, :]  # cos, sin: [B, 1, rotary_dim]
+    sin = model.rope_sin[inputs.positions][:, None, :]
+    weights = fused_weights(model)
+    residual = None  # the first norm's "sum" is the embedding itself
+    for layer, fused, pool_index in zip(model.layers, weights.layers, model.pool_index, strict=True):
+        mixed, residual = norm_project(x, residual, fused.input_norm, fused.in_weight)
+        if layer.kind == LINEAR:
+            core = _delta_net_core(model, layer, fused, mixed, states, pool_index)
+            x = project(core, layer.linear_attn.out_proj.weight)
+        else:
+            gated = _attention_core(model, fused, mixed, inputs, attention, pool_index, cos, sin)
+            x = project(gated, layer.self_attn.o_proj.weight)
+        act, residual = norm_project(x, residual, fused.post_norm, fused.gate_up_weight, gated=True)
+        x = project(act, layer.mlp.down_proj.weight)
+    assert residual is not None
+    if select is not None:
+        x, residual = x.index_select(0, select), residual.index_select(0, select)
+    h, _ = rmsnorm_residual(x, residual, weights.final_norm, eps)
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return F.linear(h, head).float()
+
+
+def _delta_net_core(
+    model: Qwen35Model,
+    layer: _Layer,
+    fused: FusedLayer,
+    mixed: torch.Tensor,
+    states: StateInputs,
+    state_layer: int,
+) -> torch.Tensor:
+    """mixed [B, C + H Dv + 2 H] (the joined projection) -> the normed, gated core [B, H Dv], the pool's conv
+    window and recurrent state moved on at each row's slot."""
+    from executor_svc.kernels.fused import gated_rmsnorm
+    from executor_svc.kernels.gated_delta_slots import conv_step_at_slots, delta_rule_step_at_slots
+
+    cfg, net = model.config, layer.linear_attn
+    hk, dk, hv, dv = cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_heads, cfg.linear_value_dim
+    channels, values = cfg.conv_channels, hv * dv
+    batch = mixed.shape[0]
+    z = mixed[:, channels : channels + values]
+    b = mixed[:, channels + values : channels + values + hv]
+    a = mixed[:, channels + values + hv :]
+    pool = states.pool
+    # conv: [B, C], q | k | v after the conv and SiLU
+    conv = conv_step_at_slots(
+        mixed[:, :channels], net.conv1d.weight[:, 0, :], pool.conv[state_layer], states.slots
+    )
+    q, k, v = conv.split([hk * dk, hk * dk, values], dim=-1)
+    assert fused.gates is not None
+    out = delta_rule_step_at_slots(
+        q.view(batch, hk, dk),
+        k.view(batch, hk, dk),
+        v.view(batch, hv, dv),
+        a,
+        b,
+        pool.recurrent[state_layer],
+        states.slots,
+        raw_gates=fused.gates,
+    )
+    return gated_rmsnorm(out, z, net.norm.weight, cfg.rms_eps)
+
+
+def _attention_core(
+    model: Qwen35Model,
+    fused: FusedLayer,
+    mixed: torch.Tensor,
+    inputs: StepInputs,
+    attention: Attention,
+    kv_layer: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """mixed [B, 2 H D + 2 KVH D] (query and its gate per head, k, v) -> the gated attention output [B, H D],
+    this step's K/V written to the pool."""
+    from executor_svc.kernels.fused import rmsnorm_residual
+
+    cfg = model.config
+    d, heads, kv_heads = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    batch = mixed.shape[0]
+    assert fused.head_norms is not None
+    q_norm, k_norm = fused.head_norms
+    query_gate = mixed[:, : 2 * heads * d].view(batch, heads, 2 * d)
+    k_end = 2 * heads * d + kv_heads * d
+    # q, k: [B, heads, D] each head RMS-normed (the reshape makes q, a strided view, contiguous)
+    q = rmsnorm_residual(query_gate[..., :d].reshape(-1, d), None, q_norm, cfg.rms_eps)[0].view(
+        batch, heads, d
+    )
+    k = rmsnorm_residual(mixed[:, 2 * heads * d : k_end].reshape(-1, d), None, k_norm, cfg.rms_eps)[0]
+    v = mixed[:, k_end:].view(batch, kv_heads, d)
+    q, k = rope_partial(q, cos, sin), rope_partial(k.view(batch, kv_heads, d), cos, sin)
+    attention.kv.write(kv_layer, inputs.write_page, inputs.write_offset, k, v)
+    out = attention.forward(kv_layer, q.contiguous()).flatten(1)
+    return out * torch.sigmoid(query_gate[..., d:].reshape(batch, -1))

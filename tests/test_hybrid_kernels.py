@@ -1,0 +1,128 @@
+"""The Qwen3.5 hybrid's decode step in the Triton kernels (qwen3_5_kernels, the CUDA path) equals its torch
+forward: the logits, the K/V written, the conv windows and recurrent states moved on at each row's slot, a
+padding row leaving the sink slot zero; and the conv kernel alone equals the reference step. Under Triton's
+interpreter on the CPU, or on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc.attention import StepInputs
+from executor_svc.attention.torch_ref import decode_attention
+from executor_svc.kernels import gated_delta_ref as ref
+from executor_svc.kernels import interpreting
+from executor_svc.models.qwen3_5_model import FULL, LINEAR, Qwen35Config, Qwen35Model
+from executor_svc.state_pool import StateInputs
+
+pytestmark = pytest.mark.skipif(
+    not (interpreting() or torch.cuda.is_available()), reason="Triton: its interpreter or a CUDA device"
+)
+DEVICE = "cpu" if interpreting() else "cuda"
+PAGE, PAGES = 4, 16
+
+
+class _Attention:
+    """Decode attention over block tables (torch_ref's), the model's other ops picked by `fused`."""
+
+    def __init__(self, kv, tables: torch.Tensor, lens: torch.Tensor, scale: float, fused: bool):
+        self.kv, self.tables, self.lens, self.scale, self.fused = kv, tables, lens, scale, fused
+
+    def forward(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        return decode_attention(q, self.kv.k[layer], self.kv.v[layer], self.tables, self.lens, self.scale)
+
+
+def _model() -> Qwen35Model:
+    config = Qwen35Config(
+        vocab_size=96,
+        hidden_size=32,
+        layer_types=(LINEAR, LINEAR, FULL),
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rotary_dim=4,
+        linear_key_heads=2,
+        linear_value_heads=4,  # two value heads a key head, as the larger checkpoints have
+        linear_key_dim=8,
+        linear_value_dim=12,  # not a power of two
+        conv_width=4,
+        intermediate_size=48,
+        rope_theta=10000.0,
+        rms_eps=1e-6,
+        max_seq_len=64,
+        tie_embeddings=False,
+        eos_token_ids=(1,),
+        bos_token_id=None,
+        name="tiny",
+    )
+    model = Qwen35Model(config, DEVICE, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("batch", [3, 6])  # the GEMV path (<= 4 rows) and the cuBLAS one
+def test_fused_decode_step_equals_the_torch_forward(batch: int):
+    model = _model()
+    cfg = model.config
+    g = torch.Generator().manual_seed(1)
+    kv = model.make_kv_pool(PAGES, PAGE)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    pool = model.make_state_pool(2 * batch + 1)
+    pool.conv.copy_(torch.randn(pool.conv.shape, generator=g))
+    pool.recurrent.copy_(torch.randn(pool.recurrent.shape, generator=g))
+    pool.conv[:, 0], pool.recurrent[:, 0] = 0, 0
+    slots = torch.arange(2, 2 * batch + 2, 2) - 1  # distinct odd slots; the last row padding (slot 0)
+    slots[-1] = 0
+    lens = torch.randint(1, 2 * PAGE, (batch,), generator=g)  # stored lengths, before this step
+    tables = torch.arange(batch * 2, dtype=torch.int32).view(batch, 2) + 1  # two pages a row, page 0 the sink
+    inputs = StepInputs(
+        tokens=torch.randint(0, cfg.vocab_size, (batch,), generator=g).to(DEVICE),
+        positions=lens.to(DEVICE),
+        kv_lens=lens.int().to(DEVICE),
+        write_page=tables[torch.arange(batch), lens // PAGE].to(DEVICE),
+        write_offset=(lens % PAGE).int().to(DEVICE),
+        states=StateInputs(pool, slots.to(DEVICE)),
+    )
+    runs = []
+    for fused in (False, True):
+        kv_run, pool_run = model.make_kv_pool(PAGES, PAGE), model.make_state_pool(pool.num_slots)
+        kv_run.k.copy_(kv.k), kv_run.v.copy_(kv.v)
+        pool_run.conv.copy_(pool.conv), pool_run.recurrent.copy_(pool.recurrent)
+        attention = _Attention(kv_run, tables.to(DEVICE), (lens + 1).int().to(DEVICE), cfg.head_dim**-0.5, fused)
+        logits = model(inputs._replace(states=StateInputs(pool_run, inputs.states.slots)), attention)
+        runs.append((logits.cpu(), kv_run, pool_run))
+    (expected, kv_ref, pool_ref), (logits, kv_fused, pool_fused) = runs
+    real = slots != 0
+    torch.testing.assert_close(logits[real], expected[real], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(kv_fused.k[:, 1:].cpu(), kv_ref.k[:, 1:].cpu(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv_fused.v[:, 1:].cpu(), kv_ref.v[:, 1:].cpu(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool_fused.conv.cpu(), pool_ref.conv.cpu(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool_fused.recurrent.cpu(), pool_ref.recurrent.cpu(), atol=1e-4, rtol=1e-4)
+    assert (pool_fused.conv[:, 0] == 0).all() and (pool_fused.recurrent[:, 0] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_step_at_slots_equals_the_reference(dtype: torch.dtype):
+    """Channels over two blocks, rows strided (a view into a wider projection); the padding row's window (the
+    sink's) stays zero and untouched slots keep theirs."""
+    from executor_svc.kernels.gated_delta_slots import conv_step_at_slots
+
+    channels, width = 1100, 4
+    g = torch.Generator().manual_seed(2)
+    slots = torch.tensor([2, 0, 4])
+    wide = torch.randn(3, channels + 7, generator=g).to(dtype)
+    weight = torch.randn(channels, width, generator=g).to(dtype)
+    windows = torch.randn(5, channels, width - 1, generator=g).to(dtype)
+    windows[0] = 0
+    expected_out, moved = ref.conv1d_step(wide[:, :channels], weight, windows[slots])
+    expected = windows.clone()
+    expected[slots[slots != 0]] = moved[slots != 0]
+    windows, slots_on = windows.to(DEVICE), slots.to(DEVICE)
+    out = conv_step_at_slots(wide.to(DEVICE)[:, :channels], weight.to(DEVICE), windows, slots_on).cpu()
+    real = slots != 0
+    torch.testing.assert_close(out[real], expected_out[real])
+    assert torch.equal(windows.cpu(), expected)
