@@ -133,6 +133,7 @@ class Intake:
         req = Request(request_id, prompt_ids, max_tokens, sampling, frozenset(stops))
         req.stop_strings, req.min_tokens = tuple(request.stop), request.min_tokens
         req.grammar = self._grammar(request)
+        req.n = max(request.n, 1)
         if request.conversation_id:
             self._marks(request, req, messages)
         return req, messages

@@ -74,6 +74,7 @@ class Request:
     choices: list[Request] = field(
         default_factory=list
     )  # n > 1: the other choices let in so far (choices.py)
+    n: int = 1  # choices of its prompt wanted (n > 1: this is the first; choices.py lets in the others)
 
     phase: Phase = Phase.WAITING
     pages: list[int] = field(default_factory=list)

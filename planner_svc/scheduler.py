@@ -68,6 +68,13 @@ class Scheduler:
         need, have = request.pages_needed(self.config.page_size), self.pages.total
         if need > have:
             raise CapacityError(f"the request needs {need} KV pages and the pool has {have}")
+        # Its n choices stream as one answer, side by side: more choices than state slots would wait on each
+        # other's ends, so they are refused as a request larger than the KV pool is. One always fits.
+        if self.states.enabled and request.n > self.states.total:
+            raise CapacityError(
+                f"the request's {request.n} choices need {request.n} recurrent-state slots at once and the "
+                f"pool has {self.states.total} (--state-slots {self.states.num_slots}, slot 0 the sink)"
+            )
 
     def add(self, request: Request) -> None:
         self.check(request)

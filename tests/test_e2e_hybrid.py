@@ -89,6 +89,30 @@ async def test_described_state_slots(text_stack):
     assert not text_stack.scheduler.prefix_cache  # off for a model with recurrent layers
 
 
+async def test_more_choices_than_state_slots_are_refused_at_once(text_stack, hybrid):
+    """n choices stream side by side: more than the pool's state slots is RESOURCE_EXHAUSTED, saying what it needs
+    and what there is, and changes nothing; as many as there are run."""
+    import grpc
+
+    prompt, expected = hybrid[2][0]
+    async with PlannerClient(text_stack.addr) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.generate_choices(
+                GenerateOptions(token_ids=prompt, max_tokens=NEW_TOKENS, n=STATE_SLOTS)
+            )
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.details() == (
+            f"the request's {STATE_SLOTS} choices need {STATE_SLOTS} recurrent-state slots at once and the pool "
+            f"has {STATE_SLOTS - 1} (--state-slots {STATE_SLOTS}, slot 0 the sink)"
+        )
+        assert text_stack.scheduler.idle
+        got = await client.generate_choices(
+            GenerateOptions(token_ids=prompt, max_tokens=NEW_TOKENS, n=STATE_SLOTS - 1)
+        )
+    assert [choice.token_ids for choice in got] == [expected] * (STATE_SLOTS - 1)  # greedy: all alike
+    await _all_free(text_stack)
+
+
 async def test_one_at_a_time_equals_transformers(text_stack, hybrid):
     async with PlannerClient(text_stack.addr) as client:
         for prompt, expected in hybrid[2]:
