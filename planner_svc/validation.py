@@ -136,6 +136,26 @@ def check_controls(request: client_pb2.GenerateRequest) -> None:
         raise InvalidRequest(f"top_logprobs is {request.top_logprobs} but logprobs is off: set logprobs too")
     if request.HasField("response_format"):
         check_response_format(request.response_format)
+        check_grammar_can_end(request)
+
+
+def check_grammar_can_end(request: client_pb2.GenerateRequest) -> None:
+    """A JSON grammar ends its output with end-of-sequence: once the value is complete, that is the only
+    token its mask allows (executor_svc/grammars.py). ignore_eos would not stop there (the grammar's matcher
+    ends, and the output runs on unconstrained), and min_tokens > 0 masks end-of-sequence and the stop ids
+    until then (a complete value would leave no token to sample): both are refused with a grammar."""
+    if request.response_format.WhichOneof("format") is None:
+        return
+    if request.ignore_eos:
+        raise InvalidRequest(
+            "response_format and ignore_eos conflict: structured output ends at end-of-sequence once its JSON "
+            "value is complete; leave ignore_eos off"
+        )
+    if request.min_tokens > 0:
+        raise InvalidRequest(
+            f"response_format and min_tokens conflict: min_tokens {request.min_tokens} masks "
+            "end-of-sequence, the only token a complete JSON value allows; leave min_tokens at 0"
+        )
 
 
 def check_response_format(response_format: client_pb2.ResponseFormat) -> None:

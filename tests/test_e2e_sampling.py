@@ -194,3 +194,16 @@ async def test_a_schema_feature_it_cannot_enforce_is_invalid_argument(smol_stack
             )
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "uses 'not' (at #/properties/a)" in caught.value.details()
+
+
+async def test_a_grammar_with_ignore_eos_or_min_tokens_is_invalid_argument(smol_stack):
+    """Either would keep a complete JSON value from ending (validation.check_grammar_can_end)."""
+    json_object = {"type": "json_object"}
+    async with PlannerClient(smol_stack.addr) as client:
+        for extra, fields in ((dict(ignore_eos=True), "ignore_eos"), (dict(min_tokens=2), "min_tokens")):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await client.generate_all(
+                    GenerateOptions(text="x", max_tokens=4, response_format=json_object, **extra)
+                )
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"response_format and {fields} conflict" in caught.value.details()

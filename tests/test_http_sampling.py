@@ -107,4 +107,13 @@ async def test_response_format_json_and_an_unsupported_schema_feature(http):
             response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
         )
     assert refused.value.status_code == 400 and "multipleOf" in refused.value.message
+    for extra, fields in (({"min_tokens": 3}, "min_tokens"), ({"ignore_eos": True}, "ignore_eos")):
+        with pytest.raises(openai.BadRequestError, match=f"response_format and {fields} conflict"):
+            await http.client.chat.completions.create(
+                model=http.model,
+                messages=QUESTION,
+                max_tokens=4,
+                response_format={"type": "json_object"},
+                extra_body=extra,
+            )
     await http.stack.wait_idle()

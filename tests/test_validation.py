@@ -94,6 +94,14 @@ def request(**fields) -> client_pb2.GenerateRequest:
             "response_format.json_schema.schema is not JSON",
         ),
         (dict(response_format=dict(json_schema=dict(schema="[1]"))), "must be a JSON object"),
+        (
+            dict(response_format=dict(json_object=True), ignore_eos=True),
+            "response_format and ignore_eos conflict",
+        ),
+        (
+            dict(response_format=dict(json_schema=dict(schema="{}")), min_tokens=1),
+            "response_format and min_tokens conflict: min_tokens 1 masks end-of-sequence",
+        ),
     ],
 )
 def test_each_bad_field_is_named_with_its_value(fields, message):
@@ -121,9 +129,11 @@ def test_good_requests_pass():
         n=16,
         logprobs=True,
         top_logprobs=20,
-        response_format=dict(json_schema=dict(name="s", schema='{"type": "object"}', strict=True)),
     )
     check_generate(request(**controls), LIMITS)
+    grammar = dict(json_schema=dict(name="s", schema='{"type": "object"}', strict=True))
+    check_generate(request(**(controls | dict(min_tokens=0, response_format=grammar))), LIMITS)
+    check_generate(request(ignore_eos=True, min_tokens=2, response_format=dict()), LIMITS)  # no grammar
 
 
 def test_length_against_the_context():
