@@ -1,7 +1,9 @@
 """The Qwen3.5 hybrid's decode step on the GPU, its torch-ops forward against its Triton-kernels forward
 (qwen3_5_kernels) in the same run, both captured as CUDA graphs: Qwen3.5-0.8B's shape with random bf16 weights,
 each row `--context` tokens deep, over the paged decode attention kernel the resident backend uses. Reports
-the replayed step's time per arm and batch, and the kernel launches each arm's graph holds.
+the replayed step's time per arm and batch, the kernel launches each arm's graph holds and where the GPU time
+goes; then one gated delta net layer's prefill (fla-core's chunked kernel) of several sequences in one packed
+call against one call a sequence.
 
     python bench/hybrid_step.py --out docs/bench/hybrid_step.json
 """
@@ -69,8 +71,10 @@ def random_model() -> Qwen35Model:
     return model
 
 
-def step_time(model: Qwen35Model, batch: int, context: int, fused: bool, replays: int) -> tuple[float, int]:
-    """Microseconds a replayed step takes, and the kernels its graph holds."""
+def step_time(
+    model: Qwen35Model, batch: int, context: int, fused: bool, replays: int
+) -> tuple[float, dict[str, list[float]]]:
+    """Microseconds a replayed step takes, and the eager step's kernels by name (their durations, µs)."""
     cfg = model.config
     span = context // PAGE + 1
     kv = model.make_kv_pool(batch * span + 1, PAGE)
@@ -108,8 +112,12 @@ def step_time(model: Qwen35Model, batch: int, context: int, fused: bool, replays
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             model(inputs, attention)
             torch.cuda.synchronize()
-    # what the captured graph holds: the eager step's kernel launches (memsets and copies included)
-    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    # what the captured graph holds: the eager step's kernel launches (memsets and copies included), and the
+    # GPU time by kernel name
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name[:60], []).append(event.time_range.elapsed_us())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         model(inputs, attention)
@@ -126,6 +134,53 @@ def step_time(model: Qwen35Model, batch: int, context: int, fused: bool, replays
     return start.elapsed_time(end) * 1000 / replays, kernels
 
 
+def prefill_time(model: Qwen35Model, sequences: int, tokens: int, packed: bool, rounds: int = 20) -> float:
+    """Milliseconds one gated delta net layer's prefill (conv and rule) of `sequences` fresh sequences of `tokens`
+    each takes: in one packed call, or one call a sequence (the path before the packed one)."""
+    import numpy as np
+
+    from executor_svc.kernels.gated_delta_fla import prefill_for
+
+    cfg = model.config
+    hk, dk, hv, dv = cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_heads, cfg.linear_value_dim
+    pool = model.make_state_pool(sequences + 1)
+    total = sequences * tokens
+    mixed = torch.randn(total, cfg.conv_channels, device="cuda", dtype=torch.bfloat16)
+    g = -torch.rand(total, hv, device="cuda")
+    beta = torch.rand(total, hv, device="cuda", dtype=torch.bfloat16)
+    weight = model.layers[0].linear_attn.conv1d.weight[:, 0, :]
+    prefill = prefill_for(torch.device("cuda"), torch.bfloat16)
+
+    def split(x: torch.Tensor):
+        q, k, v = x.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        return q.view(-1, hk, dk), k.view(-1, hk, dk), v.view(-1, hv, dv)
+
+    def batch_of(first: int, count: int) -> StateInputs:
+        slots = np.arange(first + 1, first + count + 1)
+        starts = np.arange(count + 1) * tokens
+        return StateInputs(pool, torch.from_numpy(slots).cuda(), starts, slots, np.ones(count, dtype=bool))
+
+    batches = [(slice(0, total), batch_of(0, sequences))]
+    if not packed:
+        batches = [(slice(i * tokens, (i + 1) * tokens), batch_of(i, 1)) for i in range(sequences)]
+
+    def run() -> None:
+        for part, states in batches:
+            prefill(mixed[part], weight, g[part], beta[part], pool.conv[0], pool.recurrent[0], states, split)
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(rounds):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    assert not getattr(prefill, "failed", False), "fla's kernel failed: the reference ran"
+    return start.elapsed_time(end) / rounds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -133,6 +188,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--context", type=int, default=640, help="tokens already stored in each row")
     parser.add_argument("--replays", type=int, default=200)
+    parser.add_argument(
+        "--prefill-sequences", type=int, nargs="*", default=[1, 4], help="sequences a prefill step"
+    )
+    parser.add_argument("--prefill-tokens", type=int, default=512, help="tokens of each prefilled sequence")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     parser.add_argument("--out", default="docs/bench/hybrid_step.json")
     args = parser.parse_args()
@@ -142,13 +201,32 @@ def main() -> None:
         row = {"batch": batch, "context": args.context}
         for arm, fused in (("torch_ops", False), ("kernels", True)):
             micros, kernels = step_time(model, batch, args.context, fused, args.replays)
-            row[f"{arm}_us"], row[f"{arm}_kernels"] = round(micros, 1), kernels
+            row[f"{arm}_us"] = round(micros, 1)
+            row[f"{arm}_kernels"] = sum(len(times) for times in kernels.values())
+            top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:10]
+            row[f"{arm}_top_kernels_us"] = {name: [len(t), round(sum(t), 1)] for name, t in top}
         row["speedup"] = round(row["torch_ops_us"] / row["kernels_us"], 2)
-        print(row, flush=True)
+        print({k: v for k, v in row.items() if "top" not in k}, flush=True)
+        print(" kernels arm, top by GPU time (count, µs):", row["kernels_top_kernels_us"], flush=True)
         results.append(row)
+    prefills = []
+    for sequences in args.prefill_sequences:
+        row = {"sequences": sequences, "tokens": args.prefill_tokens}
+        for arm, packed in (("by_sequence_ms", False), ("packed_ms", True)):
+            row[arm] = round(prefill_time(model, sequences, args.prefill_tokens, packed), 3)
+        row["speedup"] = round(row["by_sequence_ms"] / row["packed_ms"], 2)
+        print("one gated delta net layer's prefill:", row, flush=True)
+        prefills.append(row)
     write_json(
         args.out,
-        [{"commit": args.commit or commit_hash(), "device": torch.cuda.get_device_name(), "steps": results}],
+        [
+            {
+                "commit": args.commit or commit_hash(),
+                "device": torch.cuda.get_device_name(),
+                "steps": results,
+                "delta_net_prefill": prefills,
+            }
+        ],
     )
 
 

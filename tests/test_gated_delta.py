@@ -4,8 +4,6 @@ read whole; the state pool's copies and its sink."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
@@ -128,17 +126,18 @@ def test_step_at_slots_equals_the_reference(dtype):
     assert (states[0] == 0).all() and (states[[2, 4]] == expected_states[[2, 4]]).all()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core (the gpu extra)")
-def test_fla_prefill_falls_back_to_the_reference():
-    """fla's chunked kernel where it runs; where it fails (here: no GPU driver for its autotuner), the reference,
-    for this call and the next ones."""
-    from executor_svc.kernels import gated_delta_fla
+def test_packed_conv_equals_the_conv_by_sequence():
+    """gated_delta_fla's packed conv (CUDA prefill) equals conv1d_sequence run sequence by sequence: fresh and
+    continued windows, a sequence of one token, windows that reach back past a short sequence."""
+    from executor_svc.kernels.gated_delta_fla import conv1d_packed
 
-    q, k, v, g, beta, state = _inputs(5)
-    rule = gated_delta_fla._FallBack()
-    for _ in range(2):
-        out, final = rule(q[0], k[0], v[0], g[0], beta[0], state[0])
-        expected, expected_final = ref.delta_rule_sequence(q[0], k[0], v[0], g[0], beta[0], state[0])
-        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(final, expected_final, atol=1e-4, rtol=1e-4)
-    assert gated_delta_fla.sequence_rule_for(torch.device("cpu"), torch.bfloat16) is ref.delta_rule_sequence
+    g = torch.Generator().manual_seed(6)
+    starts = np.array([0, 5, 6, 8, 30])
+    x, weight = torch.randn(30, C, generator=g), torch.randn(C, K, generator=g)
+    windows = torch.randn(4, C, K - 1, generator=g)
+    windows[1] = 0  # a fresh sequence's
+    out, moved = conv1d_packed(x, weight, windows, starts)
+    for i in range(4):
+        expected, window = ref.conv1d_sequence(x[starts[i] : starts[i + 1]], weight, windows[i])
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected)
+        torch.testing.assert_close(moved[i], window)

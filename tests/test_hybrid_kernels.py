@@ -5,6 +5,9 @@ interpreter on the CPU, or on CUDA."""
 
 from __future__ import annotations
 
+import importlib.util
+
+import numpy as np
 import pytest
 import torch
 
@@ -92,7 +95,9 @@ def test_fused_decode_step_equals_the_torch_forward(batch: int):
         kv_run, pool_run = model.make_kv_pool(PAGES, PAGE), model.make_state_pool(pool.num_slots)
         kv_run.k.copy_(kv.k), kv_run.v.copy_(kv.v)
         pool_run.conv.copy_(pool.conv), pool_run.recurrent.copy_(pool.recurrent)
-        attention = _Attention(kv_run, tables.to(DEVICE), (lens + 1).int().to(DEVICE), cfg.head_dim**-0.5, fused)
+        attention = _Attention(
+            kv_run, tables.to(DEVICE), (lens + 1).int().to(DEVICE), cfg.head_dim**-0.5, fused
+        )
         logits = model(inputs._replace(states=StateInputs(pool_run, inputs.states.slots)), attention)
         runs.append((logits.cpu(), kv_run, pool_run))
     (expected, kv_ref, pool_ref), (logits, kv_fused, pool_fused) = runs
@@ -126,3 +131,40 @@ def test_conv_step_at_slots_equals_the_reference(dtype: torch.dtype):
     real = slots != 0
     torch.testing.assert_close(out[real], expected_out[real])
     assert torch.equal(windows.cpu(), expected)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and importlib.util.find_spec("fla")), reason="fla-core on a CUDA device"
+)
+def test_fla_prefill_equals_the_reference_by_sequence():
+    """The CUDA prefill (one packed conv and one varlen fla call for the batch's sequences) leaves the pools and
+    gives the output of the reference's sequence by sequence prefill, in bf16 within its rounding; fresh
+    sequences start from zeros whatever their slot held."""
+    from executor_svc.kernels import gated_delta_fla
+
+    hk, dk, h, dv, width = 2, 64, 4, 64, 4
+    channels = 2 * hk * dk + h * dv
+    starts = np.array([0, 70, 71, 200, 260])
+    tokens = int(starts[-1])
+    g = torch.Generator().manual_seed(7)
+    mixed = torch.randn(tokens, channels, generator=g).bfloat16().cuda()
+    weight = (torch.randn(channels, width, generator=g) * 0.5).bfloat16().cuda()
+    decay = (-torch.rand(tokens, h, generator=g) * 0.5).cuda()
+    beta = torch.rand(tokens, h, generator=g).bfloat16().cuda()
+    conv = torch.randn(6, channels, width - 1, generator=g).bfloat16().cuda()
+    recurrent = (torch.randn(6, h, dk, dv, generator=g) * 0.1).cuda()
+    host_slots, fresh = np.array([4, 1, 5, 2]), np.array([False, True, False, True])
+    states = StateInputs(None, torch.from_numpy(host_slots).cuda(), starts, host_slots, fresh)  # type: ignore[arg-type]
+
+    def split(x: torch.Tensor):
+        q, k, v = x.split([hk * dk, hk * dk, h * dv], dim=-1)
+        return q.view(-1, hk, dk), k.view(-1, hk, dk), v.view(-1, h, dv)
+
+    pools = [(conv.clone(), recurrent.clone()) for _ in range(2)]
+    prefill = gated_delta_fla.prefill_for(torch.device("cuda"), torch.bfloat16)
+    out = prefill(mixed, weight, decay, beta, *pools[0], states, split)
+    assert not prefill.failed, "fla's kernel failed and fell back"
+    expected = ref.prefill_at_slots(mixed, weight, decay, beta, *pools[1], states, split)
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(pools[0][0].float(), pools[1][0].float())
+    torch.testing.assert_close(pools[0][1], pools[1][1], atol=3e-2, rtol=3e-2)

@@ -9,8 +9,17 @@ last K - 1 inputs [C, K - 1] (oldest first), a recurrent state [H, Dk, Dv].
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from executor_svc.state_pool import StateInputs
+
+# mixed [T, C] (q | k | v after the conv) -> q, k [T, Hk, Dk], v [T, H, Dv]
+SplitHeads = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 CHUNK = 64  # tokens per block of the chunked rule
 
@@ -133,3 +142,31 @@ def delta_rule_sequence(
             + (kc * (gc[:, -1:] - gc).exp()[..., None]).transpose(-1, -2) @ v_new
         )
     return out.reshape(heads, -1, dv)[:, :t].transpose(0, 1), s
+
+
+def prefill_at_slots(
+    mixed: torch.Tensor,
+    weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv: torch.Tensor,
+    recurrent: torch.Tensor,
+    states: StateInputs,
+    split: SplitHeads,
+) -> torch.Tensor:
+    """A packed prefill batch through one gated delta net layer's conv and rule, sequence by sequence: mixed
+    [T, C] (before the conv), g, beta [T, H]; sequence i is tokens [seq_starts[i], seq_starts[i + 1]) from the
+    state at host_slots[i] of the layer's pools conv [slots, C, K - 1] and recurrent [slots, H, Dk, Dv] (zeros
+    where fresh[i]), which it leaves there. Returns out [T, H, Dv] float32."""
+    assert states.seq_starts is not None and states.host_slots is not None and states.fresh is not None
+    outs = []
+    bounds = states.seq_starts
+    for i, slot in enumerate(states.host_slots.tolist()):
+        part = slice(int(bounds[i]), int(bounds[i + 1]))
+        fresh = bool(states.fresh[i])
+        mixed_i, conv[slot] = conv1d_sequence(mixed[part], weight, None if fresh else conv[slot])
+        out_i, recurrent[slot] = delta_rule_sequence(
+            *split(mixed_i), g[part], beta[part], None if fresh else recurrent[slot]
+        )
+        outs.append(out_i)
+    return torch.cat(outs)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.models.dense_kernels import join_rows
-from executor_svc.models.qwen3_5_model import LINEAR, rope_partial
+from executor_svc.models.qwen3_5_model import LINEAR
 
 if TYPE_CHECKING:
     from executor_svc.attention import Attention, StepInputs
@@ -93,8 +93,6 @@ def forward_kernels(
         out = F.linear(h, weight)
         return (silu_mul(out) if gated else out), residual
 
-    cos = model.rope_cos[inputs.positions][:, None, :]  # cos, sin: [B, 1, rotary_dim]
-    sin = model.rope_sin[inputs.positions][:, None, :]
     weights = fused_weights(model)
     residual = None  # the first norm's "sum" is the embedding itself
     for layer, fused, pool_index in zip(model.layers, weights.layers, model.pool_index, strict=True):
@@ -103,7 +101,7 @@ def forward_kernels(
             core = _delta_net_core(model, layer, fused, mixed, states, pool_index)
             x = project(core, layer.linear_attn.out_proj.weight)
         else:
-            gated = _attention_core(model, fused, mixed, inputs, attention, pool_index, cos, sin)
+            gated = _attention_core(model, fused, mixed, inputs, attention, pool_index)
             x = project(gated, layer.self_attn.o_proj.weight)
         act, residual = norm_project(x, residual, fused.post_norm, fused.gate_up_weight, gated=True)
         x = project(act, layer.mlp.down_proj.weight)
@@ -162,27 +160,24 @@ def _attention_core(
     inputs: StepInputs,
     attention: Attention,
     kv_layer: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
 ) -> torch.Tensor:
     """mixed [B, 2 H D + 2 KVH D] (query and its gate per head, k, v) -> the gated attention output [B, H D],
     this step's K/V written to the pool."""
-    from executor_svc.kernels.fused import rmsnorm_residual
+    from executor_svc.kernels.gated_attention import norm_rope_kv_write, output_gate
 
-    cfg = model.config
-    d, heads, kv_heads = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    batch = mixed.shape[0]
+    cfg, kv = model.config, attention.kv
     assert fused.head_norms is not None
-    q_norm, k_norm = fused.head_norms
-    query_gate = mixed[:, : 2 * heads * d].view(batch, heads, 2 * d)
-    k_end = 2 * heads * d + kv_heads * d
-    # q, k: [B, heads, D] each head RMS-normed (the reshape makes q, a strided view, contiguous)
-    q = rmsnorm_residual(query_gate[..., :d].reshape(-1, d), None, q_norm, cfg.rms_eps)[0].view(
-        batch, heads, d
+    q = norm_rope_kv_write(
+        mixed,
+        *fused.head_norms,
+        cfg.rms_eps,
+        model.rope_cos,
+        model.rope_sin,
+        inputs.positions,
+        kv.k[kv_layer],
+        kv.v[kv_layer],
+        inputs.write_page,
+        inputs.write_offset,
+        cfg.num_heads,
     )
-    k = rmsnorm_residual(mixed[:, 2 * heads * d : k_end].reshape(-1, d), None, k_norm, cfg.rms_eps)[0]
-    v = mixed[:, k_end:].view(batch, kv_heads, d)
-    q, k = rope_partial(q, cos, sin), rope_partial(k.view(batch, kv_heads, d), cos, sin)
-    attention.kv.write(kv_layer, inputs.write_page, inputs.write_offset, k, v)
-    out = attention.forward(kv_layer, q.contiguous()).flatten(1)
-    return out * torch.sigmoid(query_gate[..., d:].reshape(batch, -1))
+    return output_gate(attention.forward(kv_layer, q), mixed)

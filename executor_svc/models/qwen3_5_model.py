@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.kernels import gated_delta_ref as ref
-from executor_svc.kernels.gated_delta_fla import sequence_rule_for
+from executor_svc.kernels.gated_delta_fla import prefill_for
 from executor_svc.kv_pool import KVPool
 from executor_svc.stage import Stage
 from executor_svc.state_pool import StateInputs, StatePool
@@ -238,9 +238,10 @@ class Qwen35Model(nn.Module):
         )
         self.scale = config.head_dim**-0.5
         # The decode step reads and updates the states in the pool by slot (Triton on CUDA); prefill in
-        # fla-core's chunked kernel for 16-bit models on CUDA; the torch reference otherwise.
+        # fla-core's chunked kernel, the batch's sequences in one call, for 16-bit models on CUDA; the torch
+        # reference otherwise.
         self._decode_rule = _decode_rule_for(self.device)
-        self._sequence_rule = sequence_rule_for(self.device, dtype)
+        self._prefill = prefill_for(self.device, dtype)
         # The layer's index in its pool: KV layers for full attention, state layers for gated delta nets.
         self.pool_index = [config.layer_indices(kind).index(i) for i, kind in enumerate(config.layer_types)]
         self.fused: FusedWeights | None = None  # built by qwen3_5_kernels on the first fused forward
@@ -302,7 +303,12 @@ class Qwen35Model(nn.Module):
         states = inputs.states
         if states is None:
             raise ValueError("a Qwen3.5 step needs its state slots (inputs.states)")
-        if attention.fused and states.seq_starts is None:  # a decode step on CUDA: the Triton kernels
+        # A decode step on CUDA: the Triton kernels (whose attention parts take power-of-two heads, as published)
+        if (
+            attention.fused
+            and states.seq_starts is None
+            and not self.config.head_dim & (self.config.head_dim - 1)
+        ):
             from executor_svc.models.qwen3_5_kernels import forward_kernels
 
             return forward_kernels(self, inputs, attention, select)
@@ -373,17 +379,6 @@ class Qwen35Model(nn.Module):
             conv.index_copy_(0, slots, window * real)
             out = self._decode_rule(*split(mixed), g, beta, recurrent, slots)
         else:
-            assert states.host_slots is not None and states.fresh is not None
-            outs = []
-            bounds = states.seq_starts
-            for i, slot in enumerate(states.host_slots.tolist()):
-                part = slice(int(bounds[i]), int(bounds[i + 1]))
-                fresh = bool(states.fresh[i])
-                mixed_i, conv[slot] = ref.conv1d_sequence(mixed[part], weight, None if fresh else conv[slot])
-                out_i, recurrent[slot] = self._sequence_rule(
-                    *split(mixed_i), g[part], beta[part], None if fresh else recurrent[slot]
-                )
-                outs.append(out_i)
-            out = torch.cat(outs)
+            out = self._prefill(mixed, weight, g, beta, conv, recurrent, states, split)
         core = net.norm(out.to(h.dtype), z)  # core: [T, H, Dv]
         return net.out_proj(core.flatten(1))
