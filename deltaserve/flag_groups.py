@@ -122,6 +122,13 @@ def add_model_flags(flags: Flags) -> None:
         help="longest sequence (default: the model's context length)",
     )
     flags.option(
+        "--grammar-cache",
+        type=int_at_least(1),
+        default=defaults.grammar_cache,
+        metavar="N",
+        help="compiled JSON grammars (structured output) the executor keeps, the least recently used dropped",
+    )
+    flags.option(
         "--shard-layers",
         type=int_at_least(1),
         default=DEFAULT_SHARD_LAYERS,

@@ -68,6 +68,7 @@ def executor_config(args: argparse.Namespace, *, cache: str | None) -> ExecutorC
         row_check=args.row_check,
         cache=cache,
         shard_layers=args.shard_layers,
+        grammar_cache=args.grammar_cache,
         layers=getattr(args, "layers", None),  # a stage of a layer split: `executor` only
         stage_rank=getattr(args, "stage_rank", 0),
         stages=getattr(args, "stages", 1),

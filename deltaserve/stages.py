@@ -60,6 +60,7 @@ def stage_argv(
     argv += ["--pool-pages", str(config.pool_pages), "--buckets", ",".join(map(str, config.buckets))]
     argv += ["--prefill-buckets", ",".join(map(str, config.prefill_buckets)) or "none"]
     argv += ["--decode-path", config.decode_path, "--shard-layers", str(config.shard_layers)]
+    argv += ["--grammar-cache", str(config.grammar_cache)]
     argv += ["--layers", f"{stage.layers[0]}:{stage.layers[1]}", "--stage-rank", str(stage.rank)]
     argv += ["--stages", str(stages), "--stage-group", rendezvous, "--stage-backend", stage.backend]
     if config.model:

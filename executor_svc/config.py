@@ -9,6 +9,9 @@ DEFAULT_SHARD_LAYERS = 8
 # CUDA prefill: a step's prompt tokens padded to the smallest of these and replayed as a graph; more run eager.
 DEFAULT_PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
 
+# Compiled JSON grammars (structured output) an executor keeps, least recently used dropped first.
+DEFAULT_GRAMMAR_CACHE = 64
+
 # CUDA decode: captured graphs that read each row off the slot store, or the rows planned on the host
 # every step for FlashInfer (the way engines do it today; the benchmarks' baseline).
 DECODE_PATHS = ("resident", "host-planned")
@@ -32,6 +35,7 @@ class ExecutorConfig:
     decode_path: str = "resident"  # one of DECODE_PATHS (used on CUDA only)
     cache: str | None = None  # the cache service's host:port; None = Park and Restore are refused
     shard_layers: int = DEFAULT_SHARD_LAYERS  # layers per snapshot shard; a restore reads only its own
+    grammar_cache: int = DEFAULT_GRAMMAR_CACHE  # compiled grammars kept (LRU)
     # Recurrent-state pool slots, slot 0 (the sink) included, for a model with recurrent layers (Qwen3.5);
     # None = 2 * max(buckets) + 1, a state for every row the slot store holds.
     state_slots: int | None = None
@@ -70,6 +74,8 @@ class ExecutorConfig:
             raise ValueError(
                 f"state_slots must be at least 2 (slot 0 is the sink slot), got {self.state_slots}"
             )
+        if self.grammar_cache < 1:
+            raise ValueError(f"grammar_cache must be positive, got {self.grammar_cache}")
         if self.shard_layers < 1:
             raise ValueError(f"shard_layers must be positive, got {self.shard_layers}")
         if self.stages < 1 or not 0 <= self.stage_rank < self.stages:

@@ -79,6 +79,11 @@ def check_controls(
         raise ControlError(f"control_grammar: {len(plan.control_grammar)} grammars for {m} control slots")
     grammars: list[str | None] = [None] * m
     for index, grammar in enumerate(plan.control_grammar):
-        kind = grammar.WhichOneof("kind")
-        grammars[index] = None if kind is None else grammar.json_schema if kind == "json_schema" else ""
+        grammars[index] = grammar_text(grammar)
     return ControlWrites(slots, f32, i32, tokens, bias, grammars)
+
+
+def grammar_text(grammar: executor_pb2.Grammar) -> str | None:
+    """A slot's grammar as the executor keeps it: "" any JSON object, a JSON Schema's text, or None."""
+    kind = grammar.WhichOneof("kind")
+    return None if kind is None else grammar.json_schema if kind == "json_schema" else ""

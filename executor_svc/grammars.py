@@ -7,23 +7,35 @@ steps launched before it (the only steps that lose the two-deep pipelining); ste
 never wait. xgrammar's view of the vocabulary takes seconds to build (the import, the tokenizer): a service's
 executor builds it on a thread of its own at start (`warm`), so no step waits for it; otherwise the first
 grammar does.
+
+A grammar is compiled once and kept in a bounded LRU map (`cache_size` compiled grammars; one takes from tens
+of KB to a few MB). The server compiles a plan's new grammars on the grammar thread before it launches the
+plan (`compile_ahead`), so the event loop keeps collecting and answering the steps already launched; the plan
+itself still launches only once they are compiled (its constrained rows sample in it), in order, as before.
+A schema that does not compile is a PlanError (INVALID_ARGUMENT), raised before anything changes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import structlog
 import torch
 
-from executor_svc.control_writes import ControlWrites
-from executor_svc.plan import CheckedPlan
+from executor_svc.bounded_lru import BoundedLru
+from executor_svc.config import DEFAULT_GRAMMAR_CACHE
+from executor_svc.control_writes import ControlWrites, grammar_text
+from executor_svc.plan import CheckedPlan, PlanError
 from executor_svc.sampler_controls import SamplerControls
 from executor_svc.slot_store import SlotStore
+from protos import executor_pb2
 from protos.model_files import resolve_model_path
 
 if TYPE_CHECKING:
@@ -33,17 +45,31 @@ if TYPE_CHECKING:
 ANY_OBJECT = '{"type": "object"}'
 IMPORT_ATTEMPTS, IMPORT_RETRY_S = 5, 1.0
 
+log = structlog.get_logger("deltaserve.executor.grammars")
+
 
 class Grammars:
-    def __init__(self, controls: SamplerControls, model: str | None, *, warm: bool = False) -> None:
+    def __init__(
+        self,
+        controls: SamplerControls,
+        model: str | None,
+        *,
+        warm: bool = False,
+        cache_size: int = DEFAULT_GRAMMAR_CACHE,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
         self._controls = controls
         self._model = model
+        # The model's end-of-sequence ids, what a complete grammar allows (the planner stops at them); empty:
+        # the tokenizer's, as xgrammar finds them.
+        self._eos_token_ids = list(eos_token_ids)
         # xgrammar's objects (imported with the compiler: the import takes seconds)
         self._compiler: Future[Any] | None = None
         if warm:
             self._compiler = Future()
             threading.Thread(target=self._build_compiler, name="grammar-compiler", daemon=True).start()
-        self._compiled: dict[str, Any] = {}  # grammar text -> CompiledGrammar
+        self._compiled: BoundedLru[str, Any] = BoundedLru(cache_size)  # grammar text -> CompiledGrammar
+        self._compiling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._matchers: dict[int, Any] = {}  # slot -> GrammarMatcher
         self._last = np.zeros(len(controls.on), dtype=np.int64)  # by slot: the last token read back
         self._unfed: list[tuple[LaunchedStep, np.ndarray]] = []  # launched steps and the slots they sampled
@@ -51,8 +77,10 @@ class Grammars:
     def before(self, plan: CheckedPlan, store: SlotStore) -> bool:
         """Before a plan is applied: whether its step involves a grammar (it writes one or samples a
         constrained slot); if so, every step launched before it is waited for and fed to the matchers."""
-        writes = plan.controls
-        involved = writes is not None and any(grammar is not None for grammar in writes.grammars)
+        grammars = [g for g in plan.controls.grammars if g is not None] if plan.controls is not None else []
+        for grammar in grammars:  # compiled ahead by the server, so found here; one that fails is refused now
+            self._compile(grammar)
+        involved = bool(grammars)
         if not involved and self._matchers:
             involved = any(slot in self._matchers for slot in step_slots(plan, store, plan.slots).tolist())
         if involved:
@@ -78,10 +106,24 @@ class Grammars:
                 matcher = self._matchers.get(slot)
                 if matcher is None:
                     continue
-                matcher.accept_token(token)
-                if matcher.is_terminated():  # its end-of-sequence: the request stops, the slot is free of it
+                if not matcher.accept_token(token):
+                    self._end_row(slot, token)
+                elif (
+                    matcher.is_terminated()
+                ):  # its end-of-sequence: the request stops, the slot is free of it
                     del self._matchers[slot]
                     self._controls.grammar_mask[slot] = -1
+
+    def _end_row(self, slot: int, token: int) -> None:
+        """A token the slot's grammar refused was sampled (a defect: its mask forbade it). The row's matcher
+        is dropped and its mask allows only end-of-sequence, so that request ends at its next token and no
+        other row nor the executor is touched."""
+        stops = self._matchers.pop(slot).stop_token_ids
+        log.error("a sampled token broke the row's grammar; the row ends", slot=slot, token=token)
+        words = np.zeros(self._controls.grammar_mask.shape[1], dtype=np.uint32)  # xgrammar's layout
+        for stop in stops:
+            words[stop // 32] |= np.uint32(1 << (stop % 32))
+        self._controls.grammar_mask[slot] = torch.from_numpy(words.view(np.int32)).to(self._controls.device)
 
     def write(
         self,
@@ -130,6 +172,17 @@ class Grammars:
         if self._matchers or self._unfed:
             self._unfed.append((step, step_slots(step.plan, store, None)))
 
+    async def compile_ahead(self, plan: executor_pb2.StepPlan) -> None:
+        """Compile the grammars `plan` writes that are not compiled yet on the grammar thread, the event loop
+        free meanwhile; PlanError for one that cannot be compiled (nothing changed)."""
+        missing = [text for text in plan_grammars(plan) if text not in self._compiled]
+        if missing:
+            await asyncio.get_running_loop().run_in_executor(self._compiling, self._compile_all, missing)
+
+    def _compile_all(self, grammars: list[str]) -> None:
+        for grammar in dict.fromkeys(grammars):
+            self._compile(grammar)
+
     def forget_launched(self) -> None:
         """The launched steps will never be collected (their stream ended): the planner rewrites every row,
         and with it every matcher, so their tokens must not reach the new ones."""
@@ -155,9 +208,12 @@ class Grammars:
 
                 tokenizer = _tokenizer(self._model)
                 info = xgrammar.TokenizerInfo.from_huggingface(
-                    tokenizer, vocab_size=self._controls.vocab_size
+                    tokenizer,
+                    vocab_size=self._controls.vocab_size,
+                    stop_token_ids=self._eos_token_ids or None,
                 )
-                self._compiler.set_result(xgrammar.GrammarCompiler(info))
+                # xgrammar's own cache is unbounded: the LRU map above keeps the compiled grammars instead
+                self._compiler.set_result(xgrammar.GrammarCompiler(info, cache_enabled=False))
                 return
             except (
                 ImportError
@@ -169,16 +225,29 @@ class Grammars:
                 self._compiler.set_exception(error)
                 return
 
-    def _matcher(self, grammar: str):
-        import xgrammar
-
+    def _compile(self, grammar: str) -> Any:
+        """The grammar compiled (from the LRU map, or now); PlanError where xgrammar refuses it."""
         compiled = self._compiled.get(grammar)
         if compiled is None:
             compiler = self._compiler_now()
-            # json_object: any object (xgrammar's builtin JSON grammar allows any value), its keys not limited
-            compiled = compiler.compile_json_schema(grammar or ANY_OBJECT, strict_mode=bool(grammar))
-            self._compiled[grammar] = compiled
-        return xgrammar.GrammarMatcher(compiled)
+            try:
+                # json_object: any object (xgrammar's builtin JSON grammar allows any value), keys not limited
+                compiled = compiler.compile_json_schema(grammar or ANY_OBJECT, strict_mode=bool(grammar))
+            except (RuntimeError, ValueError) as error:
+                why = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+                raise PlanError(f"control_grammar: the JSON schema cannot be compiled: {why}") from None
+            self._compiled.put(grammar, compiled)
+        return compiled
+
+    def _matcher(self, grammar: str):
+        import xgrammar
+
+        return xgrammar.GrammarMatcher(self._compile(grammar))
+
+
+def plan_grammars(plan: executor_pb2.StepPlan) -> list[str]:
+    """The grammars a plan writes, as Grammars keeps them."""
+    return [text for text in map(grammar_text, plan.control_grammar) if text is not None]
 
 
 def step_slots(plan: CheckedPlan, store: SlotStore, decode: np.ndarray | None) -> np.ndarray:

@@ -15,7 +15,10 @@ async def launch_step(runner: StepRunner, plan: executor_pb2.StepPlan, compute: 
     """Launch a plan from the event loop. On a GPU the launch only queues work, inline here: a hop to another
     thread costs more than the launch. On the CPU the step computes as it launches, so it runs on `compute`
     (one thread, steps in order) and the loop stays free meanwhile; so does a stage of a layer split, whose
-    transfers with the stages beside it block."""
+    transfers with the stages beside it block. Its new grammars are compiled first, on their own thread,
+    the loop collecting the steps before it meanwhile."""
+    if plan.control_grammar:
+        await runner.grammars.compile_ahead(plan)
     if runner.device.type == "cuda" and not runner.model.stage.split:
         return runner.launch(plan)
     return await asyncio.get_running_loop().run_in_executor(compute, runner.launch, plan)

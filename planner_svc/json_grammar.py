@@ -29,6 +29,9 @@ UNSUPPORTED = frozenset(
         "uniqueItems",
     }
 )
+# xgrammar's compile cache (repeated schemas compile once) is unbounded unless given a limit
+SCHEMA_CACHE_BYTES = 64 << 20
+
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")  # {name: schema}
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # [schema, ...]
 _SCHEMAS = ("items", "additionalProperties")  # schema (or a boolean)
@@ -77,7 +80,7 @@ class SchemaCompiler:
 
             if self._compiler is None:
                 info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size)
-                self._compiler = xgrammar.GrammarCompiler(info)
+                self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=SCHEMA_CACHE_BYTES)
             try:
                 self._compiler.compile_json_schema(schema_text, strict_mode=True)
             except (RuntimeError, ValueError) as error:

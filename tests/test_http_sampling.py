@@ -1,9 +1,13 @@
 """The sampling controls through the HTTP API (OpenAI's client, the real stack): stop strings split across
 tokens, n choices with seeds, logprobs as the planner's sampler reports them, the penalties forwarded, and
-response_format's JSON, and a schema feature it cannot enforce a 400 naming it."""
+response_format's JSON, and a schema feature it cannot enforce (or xgrammar cannot compile) a 400 naming it,
+failing that request alone."""
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import openai
 import pytest
 
@@ -117,3 +121,26 @@ async def test_response_format_json_and_an_unsupported_schema_feature(http):
                 extra_body=extra,
             )
     await http.stack.wait_idle()
+
+
+async def test_a_schema_xgrammar_cannot_compile_fails_that_request_alone(http):
+    """Refused at intake, by gRPC and HTTP, naming what xgrammar does not support, while another request runs
+    on: its tokens as alone, and the executor never counted lost."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    options = GenerateOptions(chat=QUESTION, max_tokens=8)
+    alone = await http.planner.generate_all(options)
+    losses = http.stack.engine.losses
+    beside = asyncio.create_task(http.planner.generate_all(options))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await http.planner.generate_all(
+            GenerateOptions(chat=QUESTION, max_tokens=4, response_format=response_format)
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Lookbehind is not supported" in caught.value.details()
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled: .*Lookbehind is not supported"):
+        await http.client.chat.completions.create(
+            model=http.model, messages=QUESTION, max_tokens=4, response_format=response_format
+        )
+    assert (await beside).token_ids == alone.token_ids
+    assert http.stack.engine.losses == losses and http.stack.engine.failure is None

@@ -1,0 +1,74 @@
+"""The executor's grammars (executor_svc/grammars.py) with xgrammar and SmolLM2's tokenizer: compiled off the
+event loop into a bounded LRU map, a schema that cannot compile refused as a PlanError naming why, and a
+sampled token the grammar refuses ending only its own row."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from executor_svc.grammars import Grammars
+from executor_svc.plan import PlanError
+from executor_svc.runner import LaunchedStep
+from executor_svc.sampler_controls import SamplerControls
+from protos import executor_pb2
+
+VOCAB = 49152  # SmolLM2's
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    controls = SamplerControls(3, VOCAB, torch.device("cpu"))
+    return Grammars(controls, None, cache_size=2, eos_token_ids=(EOS,))
+
+
+def writes(*schemas: dict) -> executor_pb2.StepPlan:
+    return executor_pb2.StepPlan(
+        control_grammar=[executor_pb2.Grammar(json_schema=json.dumps(schema)) for schema in schemas]
+    )
+
+
+def test_grammars_compile_off_the_loop_into_a_bounded_map(grammars):
+    async def compile_while_the_loop_turns() -> int:
+        turns = 0
+
+        async def ticker() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        before = turns
+        schemas = [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}} for i in range(3)]
+        await grammars.compile_ahead(writes(*schemas))
+        task.cancel()
+        return turns - before
+
+    assert asyncio.run(compile_while_the_loop_turns()) > 0  # the loop ran while they compiled
+    assert len(grammars._compiled) == 2  # the oldest of three dropped
+
+
+def test_a_schema_xgrammar_cannot_compile_is_a_plan_error(grammars):
+    bad = {"type": "string", "pattern": "(?<=a)b"}
+    with pytest.raises(PlanError, match="cannot be compiled: .*Lookbehind is not supported"):
+        asyncio.run(grammars.compile_ahead(writes(bad)))
+
+
+def test_a_refused_token_ends_only_its_row(grammars):
+    grammars._matchers[1] = grammars._matcher("")  # any JSON object: '{' first
+    forbidden = 5
+    step = LaunchedStep(0, None, [], torch.tensor([forbidden]), None, 0)  # type: ignore[arg-type]
+    grammars._unfed.append((step, np.array([1])))
+    grammars.feed(None)
+    assert 1 not in grammars._matchers
+    words = grammars._controls.grammar_mask[1].numpy().view(np.uint32)
+    allowed = [w * 32 + b for w in range(len(words)) for b in range(32) if words[w] >> b & 1]
+    assert allowed == [EOS]
+    assert (grammars._controls.grammar_mask[2] == -1).all()  # another slot untouched
