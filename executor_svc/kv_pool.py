@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import structlog
 import torch
+
+if TYPE_CHECKING:
+    from executor_svc.slot_store import SlotStore
+
+log = structlog.get_logger("deltaserve.executor.kv_pool")
 
 SINK_PAGE = 0
 
@@ -54,3 +62,14 @@ class KVPool:
         index = (pages, offsets)
         self.k[layer].index_put_(index, k)
         self.v[layer].index_put_(index, v)
+
+
+def log_tables(kv_pool: KVPool, store: SlotStore) -> None:
+    """The start-up log line of the device memory beside the weights: the KV pool, and the sampling controls'
+    per-slot token tables (allocated whole at start, since the captured CONTROLLED graphs read them)."""
+    controls = store.controls
+    log.info(
+        f"KV pool: {kv_pool.num_pages} pages of {kv_pool.page_size} tokens, {kv_pool.nbytes / 2**20:.1f} MiB; "
+        f"sampler controls: {len(controls.on)} slots x {controls.vocab_size} tokens, "
+        f"{controls.nbytes / 2**20:.1f} MiB"
+    )

@@ -16,7 +16,7 @@ from executor_svc.config import DEFAULT_BUCKETS, ExecutorConfig
 from executor_svc.decode_graphs import DecodeGraphs, Sampled
 from executor_svc.device import resolve_device, resolve_dtype
 from executor_svc.grammars import Grammars
-from executor_svc.kv_pool import KVPool
+from executor_svc.kv_pool import KVPool, log_tables
 from executor_svc.logprob_rows import asking_rows, gathered_table, packed
 from executor_svc.models.family import ExecutorModel
 from executor_svc.models.loader import load_model, model_fingerprint
@@ -359,6 +359,7 @@ def runner_for_model(model: ExecutorModel, config: ExecutorConfig, fingerprint: 
     kv_pool = model.make_kv_pool(config.pool_pages, config.page_size, device, dtype)
     layout = RowLayout.build(list(config.buckets), max_seq_len, config.page_size, config.pool_pages)
     store = SlotStore(layout, device, model.config.vocab_size)
+    log_tables(kv_pool, store)
     state_pool = make_state_pool(model, config.state_slots, layout.widest_bucket)
     graphs = prefill_graphs = None
     if cuda:

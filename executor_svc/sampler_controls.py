@@ -48,6 +48,11 @@ class SamplerControls:
         self._host_on = np.zeros(slots, dtype=bool)
         self._host_logprobs = np.zeros(slots, dtype=bool)  # by slot: returns logprobs
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the tables, mostly the [S, V] ones: 10 B a slot and token (+ the grammar bits)."""
+        return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
+
     # --- the host's view: which variant a step runs, which rows return logprobs ---------------------------
 
     def any_on(self, slots: np.ndarray) -> bool:

@@ -111,3 +111,23 @@ def test_logprob_table_is_log_softmax_of_the_logits_with_the_top_ids():
     top = expected.topk(20)
     torch.testing.assert_close(table[:, 1:21], top.values)
     assert torch.equal(table[:, 21:].long(), top.indices)
+
+
+def test_the_tables_bytes_are_logged_with_the_kv_pool():
+    from structlog.testing import capture_logs
+
+    from executor_svc.kv_pool import KVPool, log_tables
+    from executor_svc.slot_store import SlotStore
+    from protos.layout import RowLayout
+
+    layout = RowLayout.build([1, 2], 64, 16, 8)
+    store = SlotStore(layout, torch.device("cpu"), 1000)
+    slots = layout.slots
+    per_slot = 1 + 4 * 4 + 2 * 4 + 4 * -(-1000 // 32)  # on, four floats, two ints, the grammar bits
+    assert store.controls.nbytes == 10 * slots * 1000 + per_slot * slots + 8 * 1000  # + the token ids
+    with capture_logs() as logs:
+        log_tables(KVPool(2, 8, 16, 2, 8, torch.float32, "cpu"), store)
+    assert logs[0]["event"] == (
+        f"KV pool: 8 pages of 16 tokens, 0.0 MiB; sampler controls: {slots} slots x 1000 tokens, "
+        f"{store.controls.nbytes / 2**20:.1f} MiB"
+    )
