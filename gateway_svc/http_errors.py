@@ -15,11 +15,11 @@ HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.PERMISSION_DENIED: 403,  # a tenant's key naming another tenant (the body's `tenant`)
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.FAILED_PRECONDITION: 409,  # a turn already runs on the conversation
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,  # the waiting queue is full, a tenant's cache budget
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,  # the waiting queue is full, a request that can never fit
     grpc.StatusCode.UNIMPLEMENTED: 501,
     grpc.StatusCode.UNAVAILABLE: 503,  # draining, no executor, a cut request
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,

@@ -66,6 +66,9 @@ class GenerationBody(BaseModel):
     return_token_ids: bool = False  # vLLM's extension: each choice (and delta) carries its token ids
     # deltaserve: continue a conversation (the prompt carries the whole history), and pin its shared start
     conversation_id: Annotated[str, Field(max_length=256)] | None = None
+    # deltaserve: the tenant the request acts for, as GenerateRequest.tenant (only a service key may name another
+    # than its own: PERMISSION_DENIED, a 403)
+    tenant: Annotated[str, Field(max_length=256)] | None = None
     shared_prefix: SharedPrefixSpec | None = None
     stop: str | list[str] | None = None  # stop strings (the planner takes at most 4)
     frequency_penalty: float | None = None

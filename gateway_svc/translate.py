@@ -116,6 +116,7 @@ def _base_options(body: GenerationBody, conversation: str, max_tokens: int | Non
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         conversation_id=conversation,
+        tenant=body.tenant or "",
         shared_prefix=body.shared_prefix.as_mapping() if body.shared_prefix is not None else None,
     )
 

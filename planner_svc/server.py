@@ -10,7 +10,7 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry
 
-from planner_svc.config import PlannerConfig
+from planner_svc.config import DEFAULT_MAX_WAITING, PlannerConfig
 from planner_svc.conversations import Conversations, Mount
 from planner_svc.decode_guard import guarded
 from planner_svc.engine import Engine
@@ -72,8 +72,10 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         descriptions: list[executor_pb2.ExecutorDescription],
         tokenizer,
         turns: Turns,
+        max_waiting: int = DEFAULT_MAX_WAITING,
     ):
         self.engines = engines
+        self.max_waiting = max_waiting  # requests waiting for admission, all engines together
         self.turns = turns
         self.description = descriptions[0]
         self.tokenizer = tokenizer
@@ -119,6 +121,12 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         mount = Mount()
         clock = self.metrics.request() if self.metrics is not None else None  # from the request's arrival
         try:
+            waiting = sum(len(engine.scheduler.waiting) for engine in self.engines)
+            if waiting >= self.max_waiting:
+                raise CapacityError(
+                    f"the waiting queue is full: {waiting} requests wait for admission (--max-waiting "
+                    f"{self.max_waiting}); retry later"
+                )
             req, messages = await self.intake.prepare(request, request_id)
             if request.conversation_id:
                 engine, queue, mount = await self.turns.start(
@@ -300,7 +308,7 @@ async def start_planner_server(
     turns = Turns(engines, parking)
     for engine in engines:
         await engine.start()
-    servicer = PlannerServicer(engines, descriptions, tokenizer, turns)
+    servicer = PlannerServicer(engines, descriptions, tokenizer, turns, config.max_waiting)
     if metrics is not None:
         servicer.metrics = PlannerMetrics(metrics)
         servicer.metrics.follow(lambda: [engine.scheduler for engine in engines])

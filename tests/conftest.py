@@ -39,7 +39,7 @@ class Stack:
             await asyncio.sleep(0.01)
 
 
-async def start_stack(executor: ExecutorConfig, planner: PlannerConfig | None = None):
+async def start_stack(executor: ExecutorConfig, planner: PlannerConfig | None = None, security=None):
     from executor_svc.runner import build_runner
     from executor_svc.server import start_executor_server
     from planner_svc.server import start_planner_server
@@ -50,7 +50,7 @@ async def start_stack(executor: ExecutorConfig, planner: PlannerConfig | None = 
     )
     planner = planner or PlannerConfig()
     planner.executors = [f"127.0.0.1:{executor_server.port}"]
-    planner_server = await start_planner_server(planner, port=0)
+    planner_server = await start_planner_server(planner, port=0, security=security)
     stack = Stack(f"127.0.0.1:{planner_server.port}", planner_server.servicer, runner)
     return stack, (planner_server, executor_server)
 

@@ -1,0 +1,83 @@
+"""The HTTP statuses of the planner's refusals, end to end with OpenAI's client over a small keyed stack
+(SmolLM2 on the CPU, 7 KV pages of 16 tokens, one request may wait): 429 with Retry-After for a request that
+can never fit and for a full waiting queue (RESOURCE_EXHAUSTED), 403 for a tenant key acting for another
+tenant (PERMISSION_DENIED, as over gRPC), and the service key acting for any tenant."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+import pytest_asyncio
+
+from executor_svc.config import ExecutorConfig
+from planner_svc.client import GenerateOptions, PlannerClient
+from planner_svc.config import PlannerConfig
+from protos.auth import parse_keys
+from protos.rpc import ChannelSecurity, ServerSecurity
+from tests.conftest import start_stack, stop_stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+ALICE, SERVICE = "alice-status-key-0123456789", "service-status-key-0123456789"
+QUESTION = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def keyed():
+    from gateway_svc.http_server import start_gateway
+
+    stack, servers = await start_stack(
+        ExecutorConfig(device="cpu", pool_pages=8, buckets=(1, 2), max_seq_len=512),
+        PlannerConfig(max_waiting=1),
+        ServerSecurity(keys=parse_keys(f"{ALICE} alice\n{SERVICE} *\n")),
+    )
+    gateway = await start_gateway(stack.addr)
+    base = f"http://127.0.0.1:{gateway.port}/v1"
+    client = openai.AsyncOpenAI(api_key=ALICE, base_url=base, max_retries=0)
+    model = (await client.models.list()).data[0].id
+    yield stack, client, base, model
+    await gateway.stop()
+    await stop_stack(servers)
+
+
+async def test_a_request_that_can_never_fit_is_429(keyed):
+    stack, client, _, model = keyed
+    with pytest.raises(openai.RateLimitError) as caught:  # 300 tokens: 19+ pages, the pool has 7
+        await client.chat.completions.create(model=model, messages=QUESTION, max_tokens=300)
+    assert caught.value.status_code == 429 and caught.value.response.headers["retry-after"] == "1"
+    assert "KV pages and the pool has 7" in caught.value.message
+    assert caught.value.body["type"] == "rate_limit_error"
+
+
+async def test_a_full_waiting_queue_is_429(keyed):
+    stack, client, _, model = keyed
+    long = GenerateOptions(token_ids=[1] * 8, max_tokens=80, ignore_eos=True)  # 6 of the 7 pages
+    async with PlannerClient(stack.addr, ChannelSecurity(api_key=ALICE)) as planner:
+        running = asyncio.create_task(planner.generate_all(long))
+        while not stack.scheduler.running:
+            await asyncio.sleep(0.01)
+        waiting = asyncio.create_task(planner.generate_all(long))  # no pages: it waits
+        while not stack.scheduler.waiting:
+            await asyncio.sleep(0.01)
+        with pytest.raises(
+            openai.RateLimitError, match=r"waiting queue is full: 1 requests .*--max-waiting 1"
+        ):
+            await client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2)
+        for task in (running, waiting):
+            task.cancel()
+        await asyncio.gather(running, waiting, return_exceptions=True)
+    await stack.wait_idle()
+
+
+async def test_a_tenant_key_naming_another_tenant_is_403(keyed):
+    _, client, base, model = keyed
+    fields = dict(model=model, messages=QUESTION, max_tokens=1)
+    with pytest.raises(openai.PermissionDeniedError) as caught:
+        await client.chat.completions.create(**fields, extra_body={"tenant": "bob"})
+    assert caught.value.status_code == 403 and caught.value.body["type"] == "permission_error"
+    assert "names a tenant other than its API key's" in caught.value.message
+    assert (await client.chat.completions.create(**fields, extra_body={"tenant": "alice"})).choices
+    service = openai.AsyncOpenAI(api_key=SERVICE, base_url=base, max_retries=0)
+    assert (await service.chat.completions.create(**fields, extra_body={"tenant": "bob"})).choices
