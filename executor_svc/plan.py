@@ -133,6 +133,7 @@ class CheckedPlan:
     ]  # per prefill chunk: its recurrent-state slot (0 for a model without recurrent layers)
     mirror: np.ndarray | None  # int32[bucket, C]
     controls: ControlWrites | None = None  # sampling controls of some of sampler_slots
+    state_copies: np.ndarray | None = None  # int32[k, 2]: (source, destination) state slots, copied first
 
 
 def _ints(data: bytes, field: str) -> np.ndarray:
@@ -261,6 +262,26 @@ def _check_prefill(chunk: executor_pb2.PrefillChunk, index: int, limits: PlanLim
     return PrefillWork(ids, chunk.start, pages)
 
 
+def _check_state_copies(data: bytes, limits: PlanLimits) -> np.ndarray:
+    """(source, destination) pairs of state slots in [1, state_slots), each destination written once."""
+    flat = _ints(data, "state_copies")
+    if not limits.state_slots:
+        raise PlanError("state_copies: the model has no recurrent layers")
+    if len(flat) % 2:
+        raise PlanError(
+            f"state_copies: {len(flat)} int32 is not a whole number of (source, destination) pairs"
+        )
+    pairs = flat.reshape(-1, 2)
+    if ((pairs < 1) | (pairs >= limits.state_slots)).any():
+        bad = int(pairs[(pairs < 1) | (pairs >= limits.state_slots)][0])
+        raise PlanError(
+            f"state_copies: state slot {bad} is outside [1, {limits.state_slots}) (0 is the sink)"
+        )
+    if len(np.unique(pairs[:, 1])) != len(pairs) or np.isin(pairs[:, 0], pairs[:, 1]).any():
+        raise PlanError("state_copies: a destination slot is written twice, or is also a source")
+    return pairs
+
+
 _NO_INTS = np.zeros(0, dtype=np.int32)
 NO_ROW_WRITES = RowWrites(_NO_INTS, [])
 _NO_SAMPLER_F32 = np.zeros((0, SAMPLER_F32), dtype=np.float32)
@@ -318,6 +339,7 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
             f"prefill: {sampling} chunks sample, more than the widest bucket ({limits.layout.widest_bucket})"
         )
     state_slots = [chunk.state_slot for chunk in plan.prefill]
+    state_copies = _check_state_copies(plan.state_copies, limits) if plan.state_copies else None
     mirror = None
     if plan.mirror:
         columns = limits.layout.columns
@@ -339,4 +361,5 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
         state_slots,
         mirror,
         controls,
+        state_copies,
     )

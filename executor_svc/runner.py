@@ -212,6 +212,8 @@ class StepRunner:
         checked = check_plan(plan, self.limits, self.store.bucket)
         grammar = self.grammars.before(checked, self.store)
         self.store.apply(checked)
+        if checked.state_copies is not None and self.state_pool is not None:  # before any layer reads them
+            self.state_pool.copy(checked.state_copies)
         if grammar:
             self.grammars.after(checked, self.store)
         applied = time.perf_counter()

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from planner_svc.retention import Retention, RetentionConfig
+from planner_svc.state_slots import StateSlots
+
+if TYPE_CHECKING:
+    from planner_svc.requests import Request
 
 
 @dataclass(slots=True)
@@ -15,6 +20,7 @@ class Mount:
     pages: list[int] = field(default_factory=list)
     checkpoint: str = "none"
     diverged_at: int = -1  # first prompt position that differs from the stored tokens; -1 if none
+    state_slot: int = 0  # a model with recurrent layers: the checkpoint's state copy, at position `reused`
 
 
 @dataclass(slots=True, eq=False)
@@ -28,6 +34,9 @@ class Conversation:
     busy: bool = False  # a turn is running on it
     last_used: int = 0
     lost: str = ""  # why its KV was lost with an executor (said once, by its next turn's mount)
+    # A model with recurrent layers: each checkpoint's state copy (position -> state slot of `state_pool`).
+    states: dict[int, int] = field(default_factory=dict)
+    state_pool: StateSlots | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -38,7 +47,23 @@ class Conversation:
         pages = self.pages
         self.tokens, self.pages, self.parked = [], [], False
         self.retention = Retention(self.retention.config)
+        self.drop_states(list(self.states))
         return pages
+
+    def drop_states(self, positions: list[int]) -> None:
+        """The state copies of these checkpoints go back to the pool (no step reads them: no turn runs, or
+        its first step, which copied from its mount's, has committed)."""
+        for position in positions:
+            slot = self.states.pop(position, None)
+            if slot is not None and self.state_pool is not None:
+                self.state_pool.give_back(slot)
+
+    def hand_over_state(self, slot: int) -> None:
+        """The turn resuming from the checkpoint holding `slot` takes the slot itself (no slot was free for a
+        copy): the checkpoint is gone, the turn's end makes a new one."""
+        position = next(p for p, held in self.states.items() if held == slot)
+        del self.states[position]
+        self.retention.remove(position)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -52,14 +77,18 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Conversations:
     """The conversations of one executor group, keyed by (tenant, conversation id)."""
 
-    def __init__(self, page_size: int, retention: RetentionConfig, recurrent: bool = False):
+    def __init__(self, page_size: int, retention: RetentionConfig, states: StateSlots | None = None):
         self.page_size = page_size
         self.retention = retention
-        # A model with recurrent layers: pages alone cannot resume a turn (the state at the checkpoint is not
-        # kept), so every turn reads its history again.
-        self.recurrent = recurrent
+        # The state pool of a model with recurrent layers (the scheduler's): pages alone cannot resume a turn,
+        # so each checkpoint holds a copy of the recurrent state at its position in a slot of it.
+        self.states = states
         self._by_key: dict[tuple[str, str], Conversation] = {}
         self._clock = 0
+
+    @property
+    def recurrent(self) -> bool:
+        return self.states is not None and self.states.enabled
 
     def get(self, tenant: str, conversation_id: str) -> Conversation | None:
         return self._by_key.get((tenant, conversation_id))
@@ -68,6 +97,7 @@ class Conversations:
         conversation = self.get(tenant, conversation_id)
         if conversation is None:
             conversation = Conversation(tenant, conversation_id, Retention(self.retention))
+            conversation.state_pool = self.states if self.recurrent else None
             self._by_key[conversation.key] = conversation
         return conversation
 
@@ -94,32 +124,63 @@ class Conversations:
         common = common_prefix(conversation.tokens, prompt_ids)
         diverged = common if common < len(conversation.tokens) else -1
         if diverged >= 0:
-            conversation.retention.drop_after(common)
+            conversation.drop_states(conversation.retention.drop_after(common))
         position = conversation.retention.best_prefix(min(common, len(prompt_ids) - 1))
-        # Only whole pages are kept: the turn writes from a page boundary on, never into a kept page
-        # (a full page may be indexed for sharing, so its tokens must not change).
-        keep = (position or 0) // self.page_size if conversation.pages else 0
+        if self.recurrent:
+            # The state is at `position` exactly: the turn reads on from there, writing the rest of the tail
+            # page in place. Nothing else reads those positions: one branch, one turn at a time, no shared
+            # pages, and every checkpoint past `position` was dropped above (or covers these same tokens).
+            keep = -(-(position or 0) // self.page_size) if conversation.pages else 0
+            reused = position or 0
+        else:
+            # Only whole pages are kept: the turn writes from a page boundary on, never into a kept page
+            # (a full page may be indexed for sharing, so its tokens must not change).
+            keep = (position or 0) // self.page_size if conversation.pages else 0
+            reused = keep * self.page_size
         if not keep:
             mount = Mount(diverged_at=diverged)
-            if conversation.tokens and self.recurrent:
-                mount.checkpoint = "none (a model with recurrent layers keeps no state at checkpoints yet)"
-            elif conversation.tokens:
-                mount.checkpoint = (
-                    f"none (no retained checkpoint covers a page of the {common} common tokens)"
-                )
+            if conversation.tokens:
+                covers = "holds a state copy within" if self.recurrent else "covers a page of"
+                mount.checkpoint = f"none (no retained checkpoint {covers} the {common} common tokens)"
             elif conversation.lost:
                 mount.checkpoint = f"none ({conversation.lost})"
             conversation.lost = ""
+            if self.recurrent:  # copies past the prompt, with no pages under them
+                conversation.drop_states(list(conversation.states))
+                conversation.retention = Retention(self.retention)
             release, conversation.pages, conversation.tokens = conversation.pages, [], []
             return mount, release
         assert position is not None  # keep > 0
         conversation.retention.mount(position)
-        reused = keep * self.page_size
         label = f"{'snapshot' if restored else 'checkpoint'}@{position}"
-        mount = Mount(reused, conversation.pages[:keep], label, diverged)
+        mount = Mount(
+            reused, conversation.pages[:keep], label, diverged, conversation.states.get(position, 0)
+        )
         release = conversation.pages[keep:]
         conversation.pages, conversation.tokens = [], conversation.tokens[:reused]
         return mount, release
+
+    def end_turn(self, request: Request, pages: list[int], state_slot: int) -> list[int]:
+        """A turn's steps are done: its conversation keeps the pages of its tokens (returns the rest, to free)
+        and, for a model with recurrent layers, its state (`state_slot`) as a checkpoint at their end where
+        the state read only tokens it kept (else the slot goes back)."""
+        assert request.conversation is not None
+        state_tokens = request.state_tokens() if state_slot else None
+        if state_slot and state_tokens is None:
+            assert self.states is not None
+            self.states.give_back(state_slot)
+        tokens = state_tokens or request.kv_tokens()
+        turn_end = [request.prompt_len] if request.prefilled == request.prompt_len else []
+        marks = [p for p in (request.root, request.pinned) if p is not None and p <= len(tokens)]
+        return self.finish_turn(
+            request.conversation,
+            tokens,
+            pages,
+            turn_end + marks,
+            root=request.root,
+            pinned=request.pinned,
+            state_slot=state_slot if state_tokens else 0,
+        )
 
     def finish_turn(
         self,
@@ -130,17 +191,22 @@ class Conversations:
         *,
         root: int | None = None,
         pinned: int | None = None,
+        state_slot: int = 0,
     ) -> list[int]:
         """The turn ended: its tokens' KV is in `pages`; checkpoints are taken at the given positions.
 
-        Returns the pages beyond the tokens (to free): all of them for a model with recurrent layers, whose
-        pages alone cannot resume a turn (nothing to keep, park or restore)."""
-        keep = 0 if self.recurrent else -(-len(tokens) // self.page_size)
+        A model with recurrent layers: `state_slot` is the turn's state, at len(tokens) (0: none, it ended
+        before reading its prompt); the conversation takes it as that checkpoint's copy, or gives it back.
+        Its checkpoints are those with a copy only (`checkpoints` are not used). Returns the pages beyond the
+        tokens (to free)."""
+        keep = -(-len(tokens) // self.page_size)
         conversation.tokens, conversation.pages = tokens, pages[:keep]
         conversation.busy = False
-        if self.recurrent:
-            return pages
         retention = conversation.retention
+        conversation.drop_states(retention.drop_after(len(tokens)))  # past what the pages hold now
+        if self.recurrent:
+            self._keep_state(conversation, len(tokens), state_slot)
+            return pages[keep:]
         for position in sorted(set(checkpoints)):
             if not 0 < position <= len(tokens):
                 continue
@@ -149,6 +215,34 @@ class Conversations:
             elif position == pinned and retention.pinned != position:
                 retention.pin(position)
         return pages[keep:]
+
+    def _keep_state(self, conversation: Conversation, position: int, slot: int) -> None:
+        """A checkpoint at `position` holding the state in `slot` (a newer copy replaces one kept there); the
+        copies of those retention evicts go back. With one state slot in all, none is kept: a kept copy
+        would leave the turn resuming from it no slot to run in."""
+        assert self.states is not None
+        if not slot:
+            return
+        if position < 1 or self.states.total < 2:
+            self.states.give_back(slot)
+            return
+        conversation.drop_states([position])
+        conversation.states[position] = slot
+        conversation.drop_states(conversation.retention.add(position))
+
+    def drop_state_copy(self) -> list[int] | None:
+        """State-slot pressure: the least recently used idle conversation holding copies gives one back (its
+        retention's victim), or, with only its newest (or pin) left, forgets what it kept. Returns the pages to
+        free; None when no idle conversation holds a copy."""
+        idle = [c for c in self._by_key.values() if c.states and not c.busy]
+        conversation = min(idle, key=lambda c: c.last_used, default=None)
+        if conversation is None:
+            return None
+        victim = conversation.retention.evict_one()
+        if victim is None:
+            return conversation.forget()
+        conversation.drop_states([victim])
+        return []
 
     def coldest_idle(self) -> Conversation | None:
         """The least recently used conversation holding pages and not running a turn."""

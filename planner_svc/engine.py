@@ -19,7 +19,7 @@ from planner_svc.requests import Finish, Request
 from planner_svc.scheduler import PlannedStep, Scheduler
 from planner_svc.streaming import PendingTokens, StreamBudget, TokenEvent
 from protos import executor_pb2
-from protos.wire import unpack_i32
+from protos.wire import pack_i32, unpack_i32
 
 log = structlog.get_logger("deltaserve.planner.engine")
 
@@ -79,8 +79,8 @@ def to_proto(step: PlannedStep) -> executor_pb2.StepPlan:
             sample_slot=chunk.sample_slot,
             state_slot=chunk.state_slot,
         )
-    if step.mirror:
-        plan.mirror = step.mirror
+    plan.mirror = step.mirror  # empty: unset
+    plan.state_copies = pack_i32(step.state_copies)
     return plan
 
 

@@ -36,6 +36,7 @@ class PlannedStep:
     sampler: SamplerWrites | None = None
     prefill: list[PrefillChunk] = field(default_factory=list)
     mirror: bytes = b""  # row check: the rows read, as the planner holds them
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) state slots
 
 
 @dataclass(slots=True)

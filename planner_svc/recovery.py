@@ -18,7 +18,6 @@ from planner_svc.pages import PagePool
 from planner_svc.requests import Phase, Request
 from planner_svc.scheduler import PlannedStep, Scheduler
 from planner_svc.slots import SlotCache
-from planner_svc.state_slots import StateSlots
 
 
 @dataclass(slots=True)
@@ -67,14 +66,14 @@ def recover(
     if lost:
         waiting = [r for r in scheduler.waiting if r not in result.requeued]
         for request in waiting:  # mounted pages are garbage too
-            request.pages, request.reused, request.prefilled = [], 0, 0
+            request.pages, request.reused, request.prefilled, request.state_source = [], 0, 0, 0
         scheduler.waiting.clear()
         scheduler.waiting.extend([*result.requeued, *waiting])
     scheduler._free_committed()  # every page of the finished and the aborted returns (turns end)
     if lost:
         result.conversations_lost = _forget_resident(scheduler, reason)
         scheduler.pages = PagePool(scheduler.pages.num_pages)
-        scheduler.states = StateSlots(scheduler.states.num_slots)  # the recurrent states went with the pool
+        scheduler.states.reset()  # the recurrent states went with the pool (the conversations' copies above)
     scheduler.mark_stale()  # nothing left to mark after the above: every running row is stale already
     scheduler._dirty = True
     return result
@@ -98,11 +97,14 @@ def _read_again(scheduler: Scheduler, request: Request, keep_pages: bool) -> Non
         scheduler.decoding.remove(request)
     request.kv_len, request.stale, request.last_seq = 0, True, -1
     if keep_pages:
+        if request.state_slot and request.reused and not request.state_source:  # its state went on: read all
+            request.reused = 0
         request.prefilled = request.reused
         request.phase = Phase.PREFILL
         scheduler.prefilling.append(request)
     else:
         request.pages, request.reused, request.prefilled, request.state_slot = [], 0, 0, 0
+        request.state_source = 0
         request.phase = Phase.WAITING
 
 
@@ -112,7 +114,7 @@ def _forget_resident(scheduler: Scheduler, reason: str) -> int:
         return 0
     lost = 0
     for conversation in list(scheduler.conversations._by_key.values()):
-        if conversation.pages:
+        if conversation.pages or conversation.states:
             conversation.forget()
             conversation.lost = reason
             lost += 1

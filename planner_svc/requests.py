@@ -83,6 +83,9 @@ class Request:
     stale: bool = True  # its device row must be written whole before a decode reads it
     last_seq: int = -1  # the last step that read or wrote its pages or slot
     state_slot: int = 0  # its recurrent-state slot from admission to its last step's commit (0: none)
+    state_source: int = (
+        0  # its conversation checkpoint's state copy, copied into state_slot by its first chunk
+    )
     output_ids: list[int] = field(default_factory=list)
     finish: Finish | None = None
 
@@ -127,6 +130,14 @@ class Request:
         if self.phase is Phase.DONE and self.output_ids and self.prefilled == self.prompt_len:
             return self.prompt_ids + self.output_ids[:-1]
         return self.prompt_ids[: self.prefilled]
+
+    def state_tokens(self) -> list[int] | None:
+        """The tokens its recurrent state has read once its steps are done (kv_len of them: a run after its
+        stop included); None before its prompt was read, or where that includes a token it dropped."""
+        if self.phase is not Phase.DONE or self.prefilled < self.prompt_len:
+            return None
+        known = self.prompt_ids + self.output_ids
+        return known[: self.kv_len] if self.kv_len <= len(known) else None
 
     def prefix_hashes(self, tokens: int, page_size: int) -> list[bytes]:
         """The hashes of the full pages of the prompt's first `tokens` tokens, seeded by its tenant."""

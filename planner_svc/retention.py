@@ -102,6 +102,18 @@ class Retention:
             self._remove(gone)
         return dropped
 
+    def evict_one(self) -> int | None:
+        """Evict the policy's victim now (never the newest or the pin; pressure on what checkpoints hold)."""
+        victim = self._victim()
+        if victim is not None:
+            self._remove(victim)
+        return victim
+
+    def remove(self, position: int) -> None:
+        """Forget one checkpoint (what it held is gone), whatever the policy says."""
+        self._require(position)
+        self._remove(position)
+
     def _evict_over_cap(self) -> list[int]:
         evicted = []
         while len(self._positions) > self.config.cap and (victim := self._victim()) is not None:

@@ -33,6 +33,8 @@ class Scheduler:
         self.pages = PagePool(config.pool_pages)
         self.slots: SlotCache[Request] = SlotCache(layout.widest_bucket)
         self.states = StateSlots(config.state_slots)
+        if conversations is not None:  # their checkpoints' state copies take slots of the same pool
+            conversations.states = self.states
         # Shared prefix pages would skip tokens whose recurrent state no page holds: off for such models.
         self.prefix_cache = config.settings.prefix_cache and not self.states.enabled
         self.mirror = RowMirror(layout)
@@ -214,6 +216,8 @@ class Scheduler:
                 sample_slot=0,
                 state_slot=request.state_slot,
             )
+            if start == request.reused and request.state_source:  # a resumed turn: its checkpoint's state
+                step.state_copies.append((request.state_source, request.state_slot))
             request.prefilled = end
             if self.prefix_cache:
                 full = end // page_size
@@ -271,7 +275,9 @@ class Scheduler:
     # --- admission (the order: admission.py) ----------------------------------------------------
     def _can_admit(self, request: Request) -> bool:
         need = request.pages_needed(self.config.page_size) - len(request.pages)
-        state_ok = request.state_slot or not self.states.enabled or self.states.free_count
+        state_ok = (
+            request.state_slot or request.state_source or not self.states.enabled or self.states.free_count
+        )
         return self.pages.free_count >= need and bool(state_ok)
 
     def take_pages(self, n: int) -> list[int] | None:
@@ -294,17 +300,32 @@ class Scheduler:
     def _admit(self) -> None:
         """First come, first served; a bounded number may pass a head waiting for pages (admission.py)."""
         page_size = self.config.page_size
+        head = self.waiting[0] if self.waiting else None
+        if (
+            head
+            and not (self.states.free_count or head.state_slot or head.state_source)
+            and self.conversations
+        ):
+            self.pages.free(self.conversations.drop_state_copy() or [])  # state pressure: a checkpoint's copy
         for request in self.admission.take(self.waiting, self._can_admit):
             if self.prefix_cache and not request.pages:
                 self._match_prefix(request)
             if self.states.enabled and not request.state_slot:
-                request.state_slot = self.states.take()
+                self._take_state_slot(request)
             # Every page it can write, now: its decode steps then never cross onto a page the device
             # row lacks, so a steady step's plan stays the seq and the bucket at any batch size.
             request.pages += self.pages.allocate(request.pages_needed(page_size) - len(request.pages))
             request.prefilled = request.reused
             request.phase = Phase.PREFILL
             self.prefilling.append(request)
+
+    def _take_state_slot(self, request: Request) -> None:
+        if self.states.free_count or not request.state_source:
+            request.state_slot = self.states.take()
+        else:  # no free slot for its checkpoint's copy: the turn takes the checkpoint's own slot
+            assert request.conversation is not None
+            request.conversation.hand_over_state(request.state_source)
+            request.state_slot, request.state_source = request.state_source, 0
 
     def _match_prefix(self, request: Request) -> None:
         """Take the indexed full pages of the prompt's start, leaving at least one token to read."""
@@ -345,6 +366,7 @@ class Scheduler:
             self.prefilling.remove(request)
         elif request.phase is Phase.DECODE:
             self.decoding.remove(request)
+            request.kv_len = self._kv_len(request)  # where its state ends: a run after its stop included
         request.phase = Phase.DONE
         self.slots.release(request)
         self._pending_free.append(request)
@@ -363,15 +385,9 @@ class Scheduler:
     def _release_pages(self, request: Request) -> None:
         """Its steps are done: a conversation keeps the pages of its tokens, the rest return to the pool."""
         pages, request.pages = request.pages, []
-        if request.state_slot:
-            self.states.give_back(request.state_slot)
-            request.state_slot = 0
-        conversation = request.conversation
-        if conversation is not None and self.conversations is not None:
-            tokens = request.kv_tokens()
-            turn_end = [request.prompt_len] if request.prefilled == request.prompt_len else []
-            marks = [p for p in (request.root, request.pinned) if p is not None and p <= len(tokens)]
-            pages = self.conversations.finish_turn(
-                conversation, tokens, pages, turn_end + marks, root=request.root, pinned=request.pinned
-            )
+        state_slot, request.state_slot = request.state_slot, 0
+        if request.conversation is not None and self.conversations is not None:
+            pages = self.conversations.end_turn(request, pages, state_slot)
+        elif state_slot:
+            self.states.give_back(state_slot)
         self.pages.free(pages)

@@ -40,8 +40,8 @@ def build_engine(
 ) -> Engine:
     layout = RowLayout(slots=description.slots, block_span=description.block_span)
     conversations = Conversations(
-        description.page_size, config.retention, recurrent=description.state_slots > 0
-    )
+        description.page_size, config.retention
+    )  # the scheduler lends its state pool
     scheduler = Scheduler(
         SchedulerConfig(
             page_size=description.page_size,
@@ -58,7 +58,7 @@ def build_engine(
     if scheduler.states.enabled and config.scheduling.prefix_cache:
         log.info(
             f"{description.model_name}: prefix sharing off (a model with recurrent layers: a shared page holds "
-            "no recurrent state); conversations resume by reading their history again"
+            "no recurrent state); conversations resume from checkpoints holding a state copy"
         )
     return Engine(
         scheduler, link, inflight_plans=config.inflight_plans, executor_timeout=config.executor_timeout

@@ -46,6 +46,11 @@ class StateSlots:
         self._taken.remove(slot)
         self._free.append(slot)
 
+    def reset(self) -> None:
+        """Every slot free (the pool's states were lost with their executor)."""
+        self._free = list(range(self.num_slots - 1, SINK_SLOT, -1))
+        self._taken.clear()
+
     def check(self) -> None:
         """Free and taken partition slots 1..num_slots-1 (DESIGN §7 invariant 2, for state slots)."""
         free = set(self._free)

@@ -89,6 +89,7 @@ class Turns:
             mount.reused,
             conversation,
         )
+        req.state_source = mount.state_slot
         return mount
 
     async def _previous_turn_done(self, engine: Engine, conversation: Conversation) -> None:

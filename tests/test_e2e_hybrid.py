@@ -166,28 +166,46 @@ async def test_aborts_free_their_state_slots(text_stack, hybrid):
     await _all_free(text_stack)
 
 
-async def test_conversation_turn_reads_the_history_again(text_stack, hybrid):
-    """A second turn equals a fresh read of its whole history; its checkpoint says why none was mounted, the
-    conversation holds no pages between turns, and parking it moves nothing."""
-    from tests.hybrid_model import build_text_model, greedy
-
+async def test_conversation_resumes_from_checkpoints_with_state_copies(text_stack, hybrid):
+    """Each turn's end is a checkpoint holding its state copy (in the middle of a page here). Turn 2 resumes from
+    turn 1's (its pages and the copy of its state) and turn 3, its history edited before turn 2's checkpoint,
+    from turn 1's again: each gives the tokens of a fresh read of its whole history. Then three requests at once
+    need every state slot: the conversation's copies give theirs back under that pressure."""
+    model = build_text_model()
     prompt, first_answer = hybrid[2][1]
-    history = prompt + first_answer + [7, 8, 9]
+    second = prompt + first_answer + [7, 8, 9]
+    edited = prompt + first_answer + [7, 8, 10, 11]
+    stored = len(prompt) + NEW_TOKENS - 1  # turn 1's state: the prompt and all but its last token (24)
+    scheduler = text_stack.scheduler
     async with PlannerClient(text_stack.addr) as client:
-        first = await client.generate_all(
-            GenerateOptions(token_ids=prompt, max_tokens=NEW_TOKENS, conversation_id="chat")
-        )
-        assert first.token_ids == first_answer
+
+        async def turn(history: list[int]):
+            options = GenerateOptions(token_ids=history, max_tokens=NEW_TOKENS, conversation_id="chat")
+            return await client.generate_all(options)
+
+        first = await turn(prompt)
+        assert first.token_ids == first_answer and first.reused_tokens == 0
         await text_stack.wait_idle()
-        assert text_stack.scheduler.pages.free_count == text_stack.scheduler.pages.total
-        second = await client.generate_all(
-            GenerateOptions(token_ids=history, max_tokens=NEW_TOKENS, conversation_id="chat")
-        )
-        assert second.token_ids == greedy(build_text_model(), history, NEW_TOKENS)
-        assert second.reused_tokens == 0 and "recurrent" in second.checkpoint
+        (conversation,) = [c for c in scheduler.conversations.every() if c.conversation_id == "chat"]
+        assert list(conversation.states) == [stored] and scheduler.states.free_count == STATE_SLOTS - 2
+        got = await turn(second)
+        assert got.token_ids == greedy(model, second, NEW_TOKENS)
+        assert (got.reused_tokens, got.checkpoint, got.diverged_at) == (stored, f"checkpoint@{stored}", -1)
         await text_stack.wait_idle()
-        assert (await client.park("chat")).bytes == 0
+        assert sorted(conversation.states) == [stored, len(second) + NEW_TOKENS - 1]
+        got = await turn(edited)
+        assert got.token_ids == greedy(model, edited, NEW_TOKENS)
+        assert (got.reused_tokens, got.checkpoint, got.diverged_at) == (
+            stored,
+            f"checkpoint@{stored}",
+            len(prompt) + NEW_TOKENS + 2,
+        )
+        await text_stack.wait_idle()
+        assert sorted(conversation.states) == [stored, len(edited) + NEW_TOKENS - 1]
+    cases = hybrid[2][: STATE_SLOTS - 1]
+    assert await _all_at_once(text_stack, cases) == [expected for _, expected in cases]
     await _all_free(text_stack)
+    assert not conversation.states
 
 
 async def test_row_check_soak_under_kv_and_state_pressure(hybrid):

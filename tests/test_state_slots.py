@@ -1,5 +1,7 @@
 """The recurrent-state slot allocator, and the scheduler's use of it: a slot at admission, in the row's
-STATE_SLOT column and the prefill chunk, back after the last step's commit; admission waits for one."""
+STATE_SLOT column and the prefill chunk, back after the last step's commit; admission waits for one. A
+conversation's turn keeps its state as its end's checkpoint copy, the next turn's first step copies it, and
+the copies give their slots back under pressure."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import numpy as np
 import pytest
 
 from planner_svc.config import SchedulingConfig
+from planner_svc.conversations import Conversations
 from planner_svc.requests import Request
+from planner_svc.retention import RetentionConfig
 from planner_svc.scheduler import Scheduler, SchedulerConfig
 from planner_svc.state_slots import StateSlots
 from protos.layout import RowLayout
@@ -34,7 +38,7 @@ def test_none_for_a_model_without_recurrent_layers():
         StateSlots(1)
 
 
-def _scheduler(state_slots: int) -> Scheduler:
+def _scheduler(state_slots: int, conversations: Conversations | None = None) -> Scheduler:
     layout = RowLayout.build([2], max_seq_len=64, page_size=4, pool_pages=64)
     config = SchedulerConfig(
         page_size=4,
@@ -45,7 +49,7 @@ def _scheduler(state_slots: int) -> Scheduler:
         state_slots=state_slots,
         settings=SchedulingConfig(prefill_token_budget=64),
     )
-    return Scheduler(config, layout)
+    return Scheduler(config, layout, conversations)
 
 
 def test_scheduler_ships_and_returns_state_slots():
@@ -66,3 +70,47 @@ def test_scheduler_ships_and_returns_state_slots():
     assert first.state_slot == 0 and scheduler.states.free_count == 1
     step = scheduler.plan(2)
     assert step is not None and step.prefill[0].request is second and step.prefill[0].state_slot == 1
+
+
+def _run(scheduler: Scheduler, request: Request, seq: int) -> tuple[int, list[list[tuple[int, int]]]]:
+    """Steps until `request` is done and its pages are back: (the next seq, each step's state copies)."""
+    copies = []
+    while not scheduler.idle:
+        step = scheduler.plan(seq)
+        assert step is not None
+        copies.append(step.state_copies)
+        prefill = np.array([20 + seq if c.sample_slot else -1 for c in step.prefill], np.int32)
+        scheduler.commit(seq, np.full(len(step.rows), 20 + seq, np.int32), prefill)
+        seq += 1
+    return seq, copies
+
+
+def test_turns_keep_their_state_and_resume_from_a_copy_of_it():
+    conversations = Conversations(4, RetentionConfig(cap=2))
+    scheduler = _scheduler(state_slots=3, conversations=conversations)  # two slots for requests and copies
+    conversation = conversations.open("tenant", "chat")
+
+    def turn(prompt: list[int], seq: int) -> tuple[Request, int, list[list[tuple[int, int]]]]:
+        request = Request(f"turn{seq}", prompt, max_tokens=2)
+        mount, release = conversations.mount(conversation, prompt)
+        scheduler.return_pages(release)
+        request.pages, request.reused, request.prefilled = mount.pages, mount.reused, mount.reused
+        request.conversation, request.state_source = conversation, mount.state_slot
+        scheduler.add(request)
+        return (request, *_run(scheduler, request, seq))
+
+    first, seq, copies = turn([5, 6, 7], 0)
+    history = first.prompt_ids + first.output_ids  # its state read all but the last token
+    assert conversation.states == {4: 1} and conversation.tokens == history[:4] and not any(copies)
+    second, seq, copies = turn(history + [9], seq)
+    assert second.reused == 4 and copies[0] == [(1, 2)] and not any(copies[1:])  # the first step copies
+    assert conversation.states == {4: 1, 7: 2} and scheduler.states.free_count == 0
+    history = second.prompt_ids + second.output_ids
+    third, seq, copies = turn(history + [9], seq)  # no slot free for a copy: it takes its checkpoint's
+    assert third.reused == 7 and not any(copies)
+    assert conversation.states == {4: 1, 10: 2} and conversation.retention.positions == [4, 10]
+    other = Request("other", [1, 2, 3], max_tokens=2)
+    scheduler.add(other)  # no slot free: the conversation's older copy goes
+    seq, _ = _run(scheduler, other, seq)
+    assert conversation.states == {10: 2} and conversation.retention.positions == [10]
+    scheduler.states.check()
