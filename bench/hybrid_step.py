@@ -14,6 +14,7 @@ import argparse
 import math
 import os
 import sys
+import time
 
 import torch
 
@@ -178,7 +179,44 @@ def prefill_time(model: Qwen35Model, sequences: int, tokens: int, packed: bool, 
     end.record()
     torch.cuda.synchronize()
     assert not getattr(prefill, "failed", False), "fla's kernel failed: the reference ran"
+    if packed:
+        began = time.perf_counter()
+        run()
+        host_ms = (time.perf_counter() - began) * 1000  # the host's time to issue it (its syncs included)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        kernels: dict[str, float] = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[event.name[:50]] = kernels.get(event.name[:50], 0.0) + event.time_range.elapsed_us()
+        top = sorted(kernels.items(), key=lambda item: -item[1])[:8]
+        print(f"  packed prefill of {sequences}: host {host_ms:.2f} ms, GPU by kernel (µs):", top, flush=True)
     return start.elapsed_time(end) / rounds
+
+
+def rule_time(model: Qwen35Model, batch: int, block: int, rounds: int = 50) -> float:
+    """Microseconds one gated delta net layer's rule step (gated_delta_slots) takes for `batch` rows with
+    `block` value dims per program."""
+    from executor_svc.kernels.gated_delta_slots import delta_rule_step_at_slots
+
+    cfg = model.config
+    hk, dk, hv, dv = cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_heads, cfg.linear_value_dim
+    states = torch.zeros(batch + 1, hv, dk, dv, device="cuda")
+    slots = torch.arange(1, batch + 1, device="cuda")
+    q, k = (torch.randn(batch, hk, dk, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(batch, hv, dv, device="cuda", dtype=torch.bfloat16)
+    g, beta = -torch.rand(batch, hv, device="cuda"), torch.rand(batch, hv, device="cuda")
+    for _ in range(3):
+        delta_rule_step_at_slots(q, k, v, g, beta, states, slots, block=block)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(rounds):
+        delta_rule_step_at_slots(q, k, v, g, beta, states, slots, block=block)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / rounds
 
 
 def main() -> None:
@@ -209,6 +247,18 @@ def main() -> None:
         print({k: v for k, v in row.items() if "top" not in k}, flush=True)
         print(" kernels arm, top by GPU time (count, µs):", row["kernels_top_kernels_us"], flush=True)
         results.append(row)
+    from executor_svc.kernels.gated_delta_slots import value_block
+
+    rules = []
+    for batch in args.batches:
+        cfg = model.config
+        row = {
+            "batch": batch,
+            "chosen_block": value_block(batch, cfg.linear_value_heads, cfg.linear_value_dim),
+        }
+        row.update({f"block_{b}_us": round(rule_time(model, batch, b), 1) for b in (8, 16, 32, 64)})
+        print("one layer's rule step:", row, flush=True)
+        rules.append(row)
     prefills = []
     for sequences in args.prefill_sequences:
         row = {"sequences": sequences, "tokens": args.prefill_tokens}
@@ -224,6 +274,7 @@ def main() -> None:
                 "commit": args.commit or commit_hash(),
                 "device": torch.cuda.get_device_name(),
                 "steps": results,
+                "delta_net_rule_step": rules,
                 "delta_net_prefill": prefills,
             }
         ],

@@ -97,11 +97,12 @@ def test_state_pool_copies_and_sizes():
 @pytest.mark.skipif(
     not (interpreting() or torch.cuda.is_available()), reason="Triton: its interpreter or a CUDA device"
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_at_slots_equals_the_reference(dtype):
+@pytest.mark.parametrize("dtype, block", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 32)])
+def test_step_at_slots_equals_the_reference(dtype, block):
     """gated_delta_slots' Triton kernel, the GPU's decode step, updates the pool's states in place at each row's
     slot as the reference's gather, step and scatter do; a padding row (slot 0) leaves the sink zero. DV = 20
-    spans three value blocks, the last partial; DK = 12 is not a power of two. On CUDA where not interpreting."""
+    spans three value blocks of 8, the last partial (or one of 32); DK = 12 is not a power of two. On CUDA where
+    not interpreting."""
     from executor_svc.kernels import gated_delta_slots
 
     dk, dv = 12, 20
@@ -119,7 +120,7 @@ def test_step_at_slots_equals_the_reference(dtype):
     expected = ref.delta_rule_step_at_slots(q, k, v, decay, beta, expected_states, slots)
     device = "cpu" if interpreting() else "cuda"
     q, k, v, decay, beta, states, slots = (x.to(device) for x in (q, k, v, decay, beta, states, slots))
-    out = gated_delta_slots.delta_rule_step_at_slots(q, k, v, decay, beta, states, slots).cpu()
+    out = gated_delta_slots.delta_rule_step_at_slots(q, k, v, decay, beta, states, slots, block=block).cpu()
     states, real = states.cpu(), slots.cpu() != 0
     torch.testing.assert_close(out[real], expected[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states, expected_states, atol=1e-5, rtol=1e-5)

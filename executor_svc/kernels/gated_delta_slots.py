@@ -9,9 +9,19 @@ import torch
 import triton
 import triton.language as tl
 
-# Value dims per program, a [Dk, 8] float32 tile of the state, on one warp: fla-core's and vLLM's choice for their
-# fused recurrent kernel (many programs even at batch 1: Qwen3.5-0.8B's 16 heads x 128 / 8 = 256 a row).
-_VALUE_BLOCK = 8
+# Value dims per program: a [Dk, 8] float32 tile of the state on one warp (fla-core's and vLLM's choice for their
+# fused recurrent kernel) gives many programs at small batches (Qwen3.5-0.8B: 16 heads x 128 / 8 = 256 a row),
+# but its 32-byte rows waste memory bandwidth once the batch fills the GPU: wider tiles then.
+_PROGRAMS_WANTED = 2048
+
+
+def value_block(rows: int, heads: int, dv: int) -> int:
+    """The widest value block of 8, 16 or 32 that still gives _PROGRAMS_WANTED programs, else 8."""
+    widest = min(32, triton.next_power_of_2(dv))
+    for block in (32, 16):
+        if block <= widest and rows * heads * triton.cdiv(dv, block) >= _PROGRAMS_WANTED:
+            return block
+    return min(8, widest)
 
 
 @triton.jit
@@ -85,20 +95,22 @@ def delta_rule_step_at_slots(
     states: torch.Tensor,
     slots: torch.Tensor,
     raw_gates: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block: int | None = None,
 ) -> torch.Tensor:
     """One token of each of N sequences: q, k [N, Hk, Dk], v [N, H, Dv] (last dim contiguous), g, beta [N, H],
     states [slots, H, Dk, Dv] float32 contiguous, updated in place at slots[N] (distinct, slot 0 for padding
     rows, whose state is not written). Returns out [N, H, Dv] float32 (a padding row's is not meaningful).
 
     raw_gates=(decay_rate, dt_bias), float32 [H] each: g and beta are the raw projections a and b, and the
-    kernel makes the log decay -exp(A_log) * softplus(a + dt_bias) (decay_rate = -exp(A_log)) and sigmoid(b)."""
+    kernel makes the log decay -exp(A_log) * softplus(a + dt_bias) (decay_rate = -exp(A_log)) and sigmoid(b).
+    block: value dims per program (None: value_block's choice for the batch)."""
     n, heads, dv = v.shape
     dk = k.shape[-1]
     assert states.is_contiguous() and states.dtype == torch.float32 and states.shape[1:] == (heads, dk, dv)
     assert q.stride() == k.stride() and q.stride(-1) == 1 and v.stride(-1) == 1
     assert g.stride() == beta.stride() and g.stride(-1) == 1
     out = torch.empty(n, heads, dv, dtype=torch.float32, device=v.device)  # out: [N, H, Dv]
-    bv = min(_VALUE_BLOCK, triton.next_power_of_2(dv))
+    bv = value_block(n, heads, dv) if block is None else block
     decay_rate, dt_bias = (g, g) if raw_gates is None else raw_gates
     if raw_gates is not None and not all(t.shape == (heads,) and t.dtype == torch.float32 for t in raw_gates):
         raise ValueError(f"raw_gates must be float32 [{heads}] each")
@@ -126,7 +138,7 @@ def delta_rule_step_at_slots(
         BK=triton.next_power_of_2(dk),
         BV=bv,
         RAW_GATES=raw_gates is not None,
-        num_warps=1,
+        num_warps=max(1, bv // 8),
     )
     return out
 
