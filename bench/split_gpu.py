@@ -11,7 +11,7 @@ in this process. Cases, each one JSON record:
 - parity: greedy tokens of three chat prompts (one over 1,000 tokens), one at a time and all at once, equal
   transformers' on the CPU; row mismatches 0.
 - guard: a conversation parked by one group restores into a fresh group (no copy stream yet) while another
-  process holds all but 32 MiB of the card: the restore is refused (checkpoint says why), the turn reads its
+  process holds all but 16 MiB of the card: the restore is refused (checkpoint says why), the turn reads its
   prompt again and answers as transformers do; the snapshot stays in the cache.
 - speed: decode tok/s of 8 concurrent greedy requests of 128 tokens, the group against one whole executor
   (captured graphs) on the same card.
@@ -36,6 +36,7 @@ import torch
 import deltaserve.aio
 from bench.common import commit_hash, write_json
 from cache_svc.server import start_cache_server
+from executor_svc.restore_guard import RESTORE_FIRST_USE_BYTES
 from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig, SchedulingConfig
 from planner_svc.server import start_planner_server
@@ -43,7 +44,7 @@ from protos import client_pb2
 from protos.rpc import open_channel, wait_serving
 
 RANGES = [(0, 13), (13, 30)]
-HELD_HEADROOM = 32 << 20  # what the hog leaves free: under the guard's 64 MiB
+HELD_HEADROOM = RESTORE_FIRST_USE_BYTES - (8 << 20)  # what the hog leaves free: 8 MiB under the guard's need
 SPEED_REQUESTS, SPEED_TOKENS = 8, 128
 FLAGS = ["--device", "cuda:0", "--dtype", "float32", "--pool-pages", "2048", "--buckets", "1,2,4,8"]
 

@@ -1,12 +1,12 @@
 """Park and restore of a conversation's KV pages through the cache service (the I/O; snapshot_checks.py
-holds the pure checks, restore_guard.py the guard, copy_stream.py the card's copy stream).
+holds the pure checks, restore_guard.py the guard, shard_copies.py the copies between shards and the pool).
 
 A snapshot is one shard per group of `shard_layers` layers. A shard's bytes, in order: for each layer
 of the shard, the K of the pages, then their V; each `[pages, page_size, kv_heads, head_dim]` in the
 pool's dtype, C order, little-endian (SHARD_LAYOUT). The pool is read and written on a page-copy thread
-and the card's copy stream: steps running meanwhile touch none of those pages (the planner parks pages
-whose last step has committed and restores into free ones), and a step launched after a restore returned
-waits for its copies. The cache I/O runs on the event loop.
+and the card's copy stream, through its staging in chunks of a fixed size (copy_stream.py): steps running
+meanwhile touch none of those pages (the planner parks pages whose last step has committed and restores
+into free ones), and a step launched after a restore returned waits for its copies. The cache I/O runs on the event loop.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from concurrent.futures import Executor
 import grpc
 import numpy as np
 import structlog
-import torch
 
 from cache_svc.client import CacheClient
 from executor_svc.copy_stream import CopyStream, FreeMemory
 from executor_svc.restore_guard import refusal
 from executor_svc.runner import StepRunner
+from executor_svc.shard_copies import read_shards, write_shards
 from executor_svc.snapshot_checks import (
     SHARD_LAYOUT,
     SnapshotRefused,
@@ -40,10 +40,6 @@ from protos.rpc import ChannelSecurity
 from protos.wire import pack_i32
 
 log = structlog.get_logger("deltaserve.executor.snapshots")
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 class Snapshots:
@@ -79,6 +75,7 @@ class Snapshots:
         self._recurrent = runner.state_pool is not None
         # Made by the first park or restore on the card; `free_memory` replaces the card's memory query.
         self.copy_stream = CopyStream(runner.device, free_memory)
+        self.copy_stream.warm((pool.k, pool.v))
 
     def _require_cache(self) -> str:
         if self._cache is None:
@@ -155,8 +152,9 @@ class Snapshots:
         except grpc.aio.AioRpcError as err:
             raise cache_refusal(err, addr) from err
         ranges = self._check_snapshot(manifest, blobs, len(pages))
+        layers = self._layer_begin, self._layer_end
         await asyncio.get_running_loop().run_in_executor(
-            self._copies, self._write_pages, pages, ranges, blobs
+            self._copies, write_shards, self.copy_stream, self._pool, layers, ranges, blobs, pages
         )
         log.info(
             "restored",
@@ -231,34 +229,4 @@ class Snapshots:
         return self._stage.gather_shards(self._shards, blobs)
 
     def _read_pages(self, pages: np.ndarray) -> list[bytes]:
-        """On the page-copy thread: one gather and one device-to-host copy per shard."""
-        pool = self._pool
-        with torch.inference_mode(), self.copy_stream.copying():
-            index = torch.from_numpy(pages.astype(np.int64)).to(self._device)
-            blobs = []
-            for begin, end in self._shards:
-                first, last = begin - self._layer_begin, end - self._layer_begin
-                # kv: [layers, 2 (K, V), pages, page_size, kv_heads, head_dim], the shard's byte order
-                kv = torch.stack(
-                    (pool.k[first:last].index_select(1, index), pool.v[first:last].index_select(1, index)),
-                    dim=1,
-                )
-                blobs.append(_tensor_bytes(kv.cpu()))
-        return blobs
-
-    def _write_pages(self, pages: np.ndarray, ranges: list[tuple[int, int]], blobs: list[bytes]) -> None:
-        """On the page-copy thread: each shard built on the host, then one host-to-device copy."""
-        pool, pinned = self._pool, self._device.type == "cuda"
-        with torch.inference_mode(), self.copy_stream.copying():
-            index = torch.from_numpy(pages.astype(np.int64)).to(self._device)
-            for (begin, end), blob in zip(ranges, blobs, strict=True):
-                host = torch.empty(len(blob), dtype=torch.uint8, pin_memory=pinned)
-                host.numpy()[:] = np.frombuffer(blob, dtype=np.uint8)
-                # kv: [layers, 2 (K, V), pages, page_size, kv_heads, head_dim]
-                kv = host.view(pool.k.dtype).view(end - begin, 2, len(pages), *self._page_shape)
-                # A shard may reach past this executor's layers (a layer split): keep its own part.
-                low, high = max(begin, self._layer_begin), min(end, self._layer_end)
-                kv = kv[low - begin : high - begin].to(self._device, non_blocking=True)
-                first, last = low - self._layer_begin, high - self._layer_begin
-                pool.k[first:last].index_copy_(1, index, kv[:, 0])
-                pool.v[first:last].index_copy_(1, index, kv[:, 1])
+        return read_shards(self.copy_stream, self._pool, self._layer_begin, self._shards, pages)

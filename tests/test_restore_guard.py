@@ -3,6 +3,7 @@ refused restore over real gRPC is in test_snapshots.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,7 +41,7 @@ def test_cards_each_checked_and_named_in_the_refusal():
     short = CardSample("cuda:3", 10 << 20, False)
     assert refused_cards([full_ready, short, roomy], NEED) == [short]
     why = refusal([full_ready, short])
-    assert why is not None and "cuda:3 has 10 MiB free" in why and "64 MiB" in why
+    assert why is not None and "cuda:3 has 10 MiB free" in why and f"{NEED >> 20} MiB" in why
     assert "cuda:0" not in why
 
 
@@ -49,9 +50,10 @@ def test_the_copy_stream_is_ready_after_its_first_copy():
     assert stream.cards() == []  # no card: nothing to guard
     sampled = CopyStream(torch.device("cpu"), free_memory=lambda: 5)
     assert sampled.cards() == [CardSample("cpu", 5, False)]
-    with sampled.copying():
-        pass
+    pool = torch.zeros(2, 4, 16)  # [layers, pages, page]
+    sampled.scatter((pool,), np.ones((2, 1, 1, 64), dtype=np.uint8), np.array([3]))
     assert sampled.cards() == [CardSample("cpu", 5, True)]
+    assert pool[:, 3].view(torch.uint8).eq(1).all() and not pool[:, :3].any()
 
     def failing() -> int:
         raise RuntimeError("no memory query")
@@ -64,18 +66,21 @@ def test_on_a_card_the_first_copy_makes_the_stream_and_later_restores_allocate_n
     device = torch.device("cuda")
     stream = CopyStream(device)
     assert not stream.ready and stream.cards()[0].free_bytes is not None
-    pool = torch.zeros(64, 1 << 16, device=device)
-    host = torch.ones(8, 1 << 16, pin_memory=True)
-    index = torch.arange(8, device=device)
-    with stream.copying():
-        pool.index_copy_(0, index, host.to(device, non_blocking=True))
+    pool = torch.zeros(4, 1 << 12, 1 << 12, device=device)  # [layers, pages, page]: 256 MiB
+    stream.warm((pool,))
+    torch.cuda.synchronize()
+    free = torch.cuda.mem_get_info(device)[0]
+    pages = np.arange(1, 1 << 11)
+    snapshot = np.ones((4, 1, len(pages), 1 << 14), dtype=np.uint8)  # 128 MiB, 16 times the staging
+    stream.scatter((pool,), snapshot, pages)
     torch.cuda.synchronize()
     assert stream.ready
+    assert free - torch.cuda.mem_get_info(device)[0] <= RESTORE_FIRST_USE_BYTES
     allocated = torch.cuda.memory_allocated(device)
     free = torch.cuda.mem_get_info(device)[0]
-    for _ in range(6):
-        with stream.copying():
-            pool.index_copy_(0, index, host.to(device, non_blocking=True))
+    for _ in range(3):
+        stream.scatter((pool,), snapshot, pages[::-1].copy())
+        assert (stream.gather((pool,), pages) == 1).all()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated(device) == allocated
     assert torch.cuda.mem_get_info(device)[0] == free
