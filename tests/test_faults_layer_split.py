@@ -1,7 +1,9 @@
-"""A layer split under churn and faults, each stage its own process (gloo) on a tiny random Llama: a randomized
-soak with the row check on every stage (0 mismatches); a stage SIGKILLed mid-step loses its group, handled as
-a lost executor (the stream ends UNAVAILABLE, health NOT_SERVING, the surviving stage exits by itself), and
-once the group is restarted the planner serves again with the same greedy tokens."""
+"""A layer split under churn and faults, each stage its own process (gloo) on a tiny random Qwen3 (q/k norms,
+its own head_dim): a randomized soak with the row check on every stage (0 mismatches), then greedy tokens equal
+to transformers' all at once and one at a time; a stage SIGKILLed mid-step loses its group, handled as a lost
+executor (the stream ends UNAVAILABLE, health NOT_SERVING, the surviving stage exits by itself), and once the
+group is restarted the planner serves again with the same greedy tokens. And `up --layer-split` (a tiny
+Llama)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.soak import one_request
 from planner_svc.client import GenerateOptions, PlannerClient
+from tests import tiny_families
 from tests.split_stages import StageGroup, start_group_planner
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -22,27 +25,20 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 LAYERS = 4
 RANGES = [(0, 1), (1, LAYERS)]  # uneven
 VOCAB = 64
+PARITY_TOKENS = 12
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def tiny_checkpoint(path) -> str:
+def tiny_checkpoint(path, variant: str) -> str:
+    """A tiny random checkpoint of a tests/tiny_families variant: LAYERS layers over VOCAB ids."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-        bos_token_id=1,
+    config = tiny_families.hf_config(
+        variant, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS
     )
-    LlamaForCausalLM(config).eval().save_pretrained(path)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().save_pretrained(path)
     return str(path)
 
 
@@ -61,7 +57,7 @@ async def until(predicate, timeout: float, what: str) -> float:
 
 
 async def test_a_split_soaks_with_no_row_mismatch_and_a_lost_stage_loses_its_group(tmp_path):
-    model = tiny_checkpoint(tmp_path / "tiny")
+    model = tiny_checkpoint(tmp_path / "tiny", "qwen3")
     flags = (
         "--model",
         model,
@@ -89,6 +85,7 @@ async def test_a_split_soaks_with_no_row_mismatch_and_a_lost_stage_loses_its_gro
             assert stack_engine.steps > 50
             scheduler = stack.scheduler
             assert scheduler.pages.free_count == scheduler.pages.total
+            await equals_transformers(client, model)
             prompt = GenerateOptions(token_ids=[5, 9, 17, 3], max_tokens=12, ignore_eos=True)
             before = (await client.generate_all(prompt)).token_ids
 
@@ -121,6 +118,23 @@ async def test_a_split_soaks_with_no_row_mismatch_and_a_lost_stage_loses_its_gro
         group.stop()
 
 
+async def equals_transformers(client: PlannerClient, model: str) -> None:
+    """Greedy tokens of prompts over one to several pages equal transformers' fp32 ones, all at once and one at
+    a time."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model).eval()
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 9, 22)]
+    expected = [
+        tiny_families.hf_greedy(reference, p, PARITY_TOKENS, [reference.config.eos_token_id]) for p in prompts
+    ]
+    options = [GenerateOptions(token_ids=p, max_tokens=PARITY_TOKENS) for p in prompts]
+    all_at_once = await asyncio.gather(*(client.generate_all(o) for o in options))
+    assert [r.token_ids for r in all_at_once] == expected
+    assert [(await client.generate_all(o)).token_ids for o in options] == expected
+
+
 async def _serving(addr: str) -> bool:
     return await health(addr) == SERVING
 
@@ -147,7 +161,7 @@ async def test_up_layer_split_runs_the_stages_as_processes(tmp_path):
     from tests.hf_reference import hf_tokenizer
     from tests.test_cli import Serving, deltaserve_json, free_port
 
-    model = tiny_checkpoint(tmp_path / "tiny")
+    model = tiny_checkpoint(tmp_path / "tiny", "llama3")
     hf_tokenizer().save_pretrained(model)  # `up`'s planner reads its tokenizer from --model
     common = (
         "--model",
