@@ -1,4 +1,5 @@
-"""The torch reference paged attention equals dense causal SDPA on the same K/V laid out contiguously."""
+"""The torch reference paged attention, and the CPU kernel that reads the pages in place, equal dense causal
+SDPA on the same K/V laid out contiguously."""
 
 from __future__ import annotations
 
@@ -6,10 +7,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from executor_svc.attention import paged_cpu
 from executor_svc.attention.torch_ref import decode_attention, prefill_attention
 from executor_svc.kv_pool import KVPool
 
 HEADS, KV_HEADS = 6, 2
+# The gathering reference, and the in-place kernel where it builds (a machine without cc skips it).
+DECODES = [
+    pytest.param(decode_attention, id="gathered"),
+    pytest.param(
+        paged_cpu.decode_attention,
+        id="in-place",
+        marks=pytest.mark.skipif(paged_cpu.library() is None, reason="no C compiler for paged_cpu.c"),
+    ),
+]
 
 
 def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
@@ -26,9 +37,10 @@ def _scatter_into_pages(pool: KVPool, pages: torch.Tensor, k: torch.Tensor, v: t
     pool.write(0, pages[positions // pool.page_size], positions % pool.page_size, k, v)
 
 
+@pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_decode_matches_dense(page_size: int, head_dim: int):
+def test_decode_matches_dense(decode, page_size: int, head_dim: int):
     gen = torch.Generator().manual_seed(page_size * 1000 + head_dim)
     lengths = [1, 5, page_size, page_size + 1, 3 * page_size + 2, 37]
     width = max(-(-n // page_size) for n in lengths) + 2  # wider than needed: trailing cells stay 0
@@ -43,18 +55,18 @@ def test_decode_matches_dense(page_size: int, head_dim: int):
         v = torch.randn(length, KV_HEADS, head_dim, generator=gen)
         _scatter_into_pages(pool, row_pages, k, v)
         sequences.append((k, v))
-    q = torch.randn(len(lengths), HEADS, head_dim, generator=gen)
+    # q with strided rows, as a view into the fused QKV projection is
+    q = torch.randn(len(lengths), HEADS + 2 * KV_HEADS, head_dim, generator=gen)[:, :HEADS]
     scale = head_dim**-0.5
-    got = decode_attention(
-        q, pool.k[0], pool.v[0], block_tables, torch.tensor(lengths, dtype=torch.int32), scale
-    )
+    got = decode(q, pool.k[0], pool.v[0], block_tables, torch.tensor(lengths, dtype=torch.int32), scale)
     assert got.shape == q.shape
     for row, (k, v) in enumerate(sequences):
         expected = _dense(q[row : row + 1], k, v, torch.tensor([len(k) - 1]))
         torch.testing.assert_close(got[row : row + 1], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_sink_rows_of_length_one_are_finite_and_leave_real_rows_alone():
+@pytest.mark.parametrize("decode", DECODES)
+def test_sink_rows_of_length_one_are_finite_and_leave_real_rows_alone(decode):
     page_size, head_dim = 16, 64
     gen = torch.Generator().manual_seed(7)
     pool = KVPool(1, 4, page_size, KV_HEADS, head_dim, torch.float32, "cpu")
@@ -64,9 +76,9 @@ def test_sink_rows_of_length_one_are_finite_and_leave_real_rows_alone():
     q = torch.randn(3, HEADS, head_dim, generator=gen)
     block_tables = torch.tensor([[0, 0], [3, 1], [0, 0]], dtype=torch.int32)
     lengths = torch.tensor([1, 20, 1], dtype=torch.int32)
-    got = decode_attention(q, pool.k[0], pool.v[0], block_tables, lengths, head_dim**-0.5)
+    got = decode(q, pool.k[0], pool.v[0], block_tables, lengths, head_dim**-0.5)
     assert torch.isfinite(got).all()
-    alone = decode_attention(q[1:2], pool.k[0], pool.v[0], block_tables[1:2], lengths[1:2], head_dim**-0.5)
+    alone = decode(q[1:2], pool.k[0], pool.v[0], block_tables[1:2], lengths[1:2], head_dim**-0.5)
     torch.testing.assert_close(got[1:2], alone)
 
 

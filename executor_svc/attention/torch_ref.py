@@ -1,5 +1,6 @@
-"""Plain torch paged attention: gathers each row's pages through its block table (the CPU path and the
-reference the kernels are checked against)."""
+"""Plain torch paged attention: gathers each row's pages through its block table (the reference the kernels
+are checked against), and the CPU's decode step (which reads the pages in place through paged_cpu where it
+can)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from executor_svc.attention import StepInputs
+from executor_svc.attention import StepInputs, paged_cpu
 
 if TYPE_CHECKING:
     from executor_svc.kv_pool import KVPool
@@ -129,7 +130,8 @@ def prefill_attention_batch(
 
 class TorchDecode:
     """The decode step in torch ops (the CPU path): each row's block table gathered off the slot store by
-    slot, attention by `decode_attention`. Nothing planned on the host."""
+    slot. The attention reads the pages in place (paged_cpu.c) where the pool is float32 on the CPU and the
+    kernel builds, else by `decode_attention`'s gathered copy. Nothing planned on the host."""
 
     fused = False
     kind = "torch"
@@ -138,8 +140,10 @@ class TorchDecode:
         self.store = store  # None: the inputs are given with `over` (the reference tests)
         self.kv = kv
         self.scale = scale
-        # Set by `over` for the layers' attention of the same step:
-        self._gather: DecodeGather | None = None  # the step's pages and mask, shared by its layers
+        self.in_place = paged_cpu.serves(kv.k)
+        # Set by `over` for the layers' attention of the same step, one of:
+        self._gather: DecodeGather | None = None  # the step's pages and mask (the gathering path)
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # block tables, lengths (in place)
 
     def plan(self, plan: CheckedPlan) -> None:
         pass
@@ -161,13 +165,21 @@ class TorchDecode:
         block table of zeros (the sink page)."""
         page_size = self.kv.page_size
         # kv_lens + 1: the positions each row attends, its own included
-        self._gather = DecodeGather.build(block_tables, kv_lens + 1, page_size, self.kv.k.dtype)
+        if self.in_place:
+            attn_lens = (kv_lens + 1).to(torch.int32)
+            self._tables = (block_tables.to(torch.int32).contiguous(), attn_lens)
+        else:
+            self._gather = DecodeGather.build(block_tables, kv_lens + 1, page_size, self.kv.k.dtype)
         write_page = block_tables.gather(1, (kv_lens // page_size).long()[:, None])[:, 0]
         return StepInputs(tokens, positions, kv_lens, write_page, kv_lens % page_size)
 
     def forward(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        k_layer, v_layer = self.kv.k[layer], self.kv.v[layer]
+        if self._tables is not None:
+            tables, attn_lens = self._tables
+            return paged_cpu.decode_attention(q, k_layer, v_layer, tables, attn_lens, self.scale)
         assert self._gather is not None, "over() sets the step's inputs before its layers run"
-        return gathered_decode_attention(q, self.kv.k[layer], self.kv.v[layer], self._gather, self.scale)
+        return gathered_decode_attention(q, k_layer, v_layer, self._gather, self.scale)
 
     def stepped(self, bucket: int) -> None:
         pass

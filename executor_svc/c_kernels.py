@@ -1,0 +1,65 @@
+"""The CPU's small C kernels (packed weights, paged decode attention): each built once per machine with the
+system C compiler into the user's cache directory, loaded with ctypes.
+
+Plain C with OpenMP, no torch headers, so a build takes about a second. Its OpenMP is the one torch already
+loaded (the same libgomp.so.1), so a kernel and torch's ops share one thread pool instead of fighting over
+the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+log = logging.getLogger(__name__)
+
+
+class KernelUnavailable(RuntimeError):
+    """No C compiler, or the build failed: the kernel cannot run on this machine."""
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "deltaserve", "kernels")
+
+
+def _cpu_flags() -> bytes:
+    # -march=native builds for this CPU: a cache shared between machines must not hand out another's build.
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
+
+
+@functools.cache
+def build(source_path: str, flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The C file at source_path built with flags (and -shared -fPIC, linked with libm) and loaded; KernelUnavailable saying why
+    when it cannot be built."""
+    name = os.path.splitext(os.path.basename(source_path))[0]
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise KernelUnavailable(f"no C compiler (cc) on PATH to build the {name} kernel")
+    with open(source_path, "rb") as f:
+        source = f.read()
+    command = [compiler, *flags, "-shared", "-fPIC"]
+    key = hashlib.sha256(source + " ".join(command).encode() + _cpu_flags()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"{name}-{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(_cache_dir(), exist_ok=True)
+        # Built under a temporary name and renamed: executors starting together never load a half-written file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+        os.close(fd)
+        result = subprocess.run([*command, "-o", tmp, source_path, "-lm"], capture_output=True, text=True)
+        if result.returncode:
+            os.unlink(tmp)
+            raise KernelUnavailable(f"building the {name} kernel failed: {result.stderr.strip()[:500]}")
+        os.replace(tmp, path)
+        log.info("built the %s kernel into %s", name, path)
+    return ctypes.CDLL(path)
