@@ -18,6 +18,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -125,26 +126,41 @@ class LlamaCpp:
 
     def __init__(self, python: str, threads: int, max_seqs: int) -> None:
         worker = os.path.join(ROOT, "bench", "llamacpp_worker.py")
+        # llama.cpp logs much to stderr: kept in a file, its tail quoted when the worker dies
+        self.log = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
             [python, worker, default_model_path(), str(threads), str(max_seqs)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.log,
             text=True,
         )
+        self.version = self._answer()["version"]
+
+    def _answer(self) -> dict:
         assert self.process.stdout is not None
-        self.version = json.loads(self.process.stdout.readline())["version"]
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait(60)
+            self.log.seek(0)
+            tail = self.log.read()[-1500:]
+            raise RuntimeError(
+                f"the llama.cpp worker exited with code {code} (-11: a crash; an AMX build by GCC 12 crashes "
+                f"so, see docs/BENCHMARKS.md); its stderr ends:\n{tail}"
+            )
+        return json.loads(line)
 
     def run(self, prompt: list[int], concurrency: int, max_tokens: int) -> tuple[int, float]:
-        assert self.process.stdin is not None and self.process.stdout is not None
+        assert self.process.stdin is not None
         request = {"prompt": prompt, "concurrency": concurrency, "max_tokens": max_tokens}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        answer = json.loads(self.process.stdout.readline())
+        answer = self._answer()
         return answer["tokens"], answer["seconds"]
 
     def stop(self) -> None:
         self.process.terminate()
+        self.log.close()
 
 
 async def resident_memory(threads: int) -> dict[str, float]:
