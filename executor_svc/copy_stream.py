@@ -117,18 +117,20 @@ class CopyStream:
 
     @contextlib.contextmanager
     def _copying(self) -> Iterator[None]:
-        """The body's copies run on the copy stream, between the card's work queued before and after."""
+        """The body's copies run on the copy stream, between the card's work queued before and after (and in
+        inference mode, whichever mode the staging was made in)."""
         if not self.ready:
             self._make()
         if not self._cuda:
-            yield
+            with torch.inference_mode():
+                yield
             return
         assert self._stream is not None and self._events is not None
         before, after = self._events
         main = torch.cuda.current_stream(self.device)
         before.record(main)
         self._stream.wait_event(before)
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream), torch.inference_mode():
             yield
         after.record(self._stream)
         main.wait_event(after)

@@ -5,7 +5,6 @@ their V). Run on the page-copy thread."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from executor_svc.copy_stream import CopyStream
 from executor_svc.kv_pool import KVPool
@@ -17,11 +16,10 @@ def read_shards(
     """The pages' bytes of each shard [begin, end) of the pool's layers (the first of which is `layer_begin`)."""
     index = pages.astype(np.int64)
     blobs = []
-    with torch.inference_mode():
-        for begin, end in shards:
-            first, last = begin - layer_begin, end - layer_begin
-            # u8[layers, 2 (K, V), pages, page bytes]: the shard's byte order
-            blobs.append(stream.gather((pool.k[first:last], pool.v[first:last]), index).tobytes())
+    for begin, end in shards:
+        first, last = begin - layer_begin, end - layer_begin
+        # u8[layers, 2 (K, V), pages, page bytes]: the shard's byte order
+        blobs.append(stream.gather((pool.k[first:last], pool.v[first:last]), index).tobytes())
     return blobs
 
 
@@ -37,10 +35,9 @@ def write_shards(
     a shard may reach past them (a layer split), and only its part in them is written."""
     index = pages.astype(np.int64)
     layer_begin, layer_end = layers
-    with torch.inference_mode():
-        for (begin, end), blob in zip(shards, blobs, strict=True):
-            # u8[layers, 2 (K, V), pages, page bytes]
-            kv = np.frombuffer(blob, dtype=np.uint8).reshape(end - begin, 2, len(pages), -1)
-            low, high = max(begin, layer_begin), min(end, layer_end)
-            first, last = low - layer_begin, high - layer_begin
-            stream.scatter((pool.k[first:last], pool.v[first:last]), kv[low - begin : high - begin], index)
+    for (begin, end), blob in zip(shards, blobs, strict=True):
+        # u8[layers, 2 (K, V), pages, page bytes]
+        kv = np.frombuffer(blob, dtype=np.uint8).reshape(end - begin, 2, len(pages), -1)
+        low, high = max(begin, layer_begin), min(end, layer_end)
+        first, last = low - layer_begin, high - layer_begin
+        stream.scatter((pool.k[first:last], pool.v[first:last]), kv[low - begin : high - begin], index)
