@@ -130,14 +130,15 @@ def test_step_at_slots_equals_the_reference(dtype, block):
 def test_packed_conv_equals_the_conv_by_sequence():
     """gated_delta_fla's packed conv (CUDA prefill) equals conv1d_sequence run sequence by sequence: fresh and
     continued windows, a sequence of one token, windows that reach back past a short sequence."""
-    from executor_svc.kernels.gated_delta_fla import conv1d_packed
+    from executor_svc.kernels.gated_delta_fla import PackedIndex, conv1d_packed
 
     g = torch.Generator().manual_seed(6)
     starts = np.array([0, 5, 6, 8, 30])
     x, weight = torch.randn(30, C, generator=g), torch.randn(C, K, generator=g)
     windows = torch.randn(4, C, K - 1, generator=g)
     windows[1] = 0  # a fresh sequence's
-    out, moved = conv1d_packed(x, weight, windows, starts)
+    index = PackedIndex.build(starts, np.zeros(4, dtype=bool), K - 1, x.device)
+    out, moved = conv1d_packed(x, weight, windows, index)
     for i in range(4):
         expected, window = ref.conv1d_sequence(x[starts[i] : starts[i + 1]], weight, windows[i])
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected)

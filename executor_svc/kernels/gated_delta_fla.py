@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import structlog
@@ -27,36 +27,65 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+class PackedIndex(NamedTuple):
+    """Where a packed prefill batch's sequences lie, on the device: what every gated delta net layer of one step
+    shares (made once a step, not once a layer: each costs host-to-device copies)."""
+
+    seq_starts: np.ndarray  # int64[N + 1], host
+    width: int  # the conv window, K - 1
+    token_at: (
+        torch.Tensor
+    )  # i64[T]: each token's row in the laid-out batch (sequences end to end, each after its window)
+    window_at: torch.Tensor  # i64[N W]: the rows of each sequence's starting window
+    new_window_at: torch.Tensor  # i64[N W]: the rows of its window after its last token
+    kept: torch.Tensor  # bool[N]: the sequences that continue a state (not fresh)
+    cu_seqlens: torch.Tensor  # i64[N + 1], on the device, for fla
+    cu_seqlens_cpu: torch.Tensor  # i64[N + 1], fla's host copy (no device read back)
+
+    @staticmethod
+    def build(seq_starts: np.ndarray, fresh: np.ndarray, width: int, device: torch.device) -> PackedIndex:
+        n = len(seq_starts) - 1
+        owner = np.repeat(np.arange(n), np.diff(seq_starts))
+        segment_start = seq_starts[:-1] + width * np.arange(n)
+        ends = seq_starts[1:] + width * np.arange(1, n + 1)
+        steps = np.arange(width)[None, :]
+        host = [
+            np.arange(seq_starts[-1]) + width * (owner + 1),
+            (segment_start[:, None] + steps).reshape(-1),
+            (ends[:, None] - width + steps).reshape(-1),
+        ]
+        on_device = [torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device) for x in host]
+        cu_cpu = torch.from_numpy(np.asarray(seq_starts, dtype=np.int64))
+        kept = torch.from_numpy(~fresh).to(device)
+        return PackedIndex(seq_starts, width, *on_device, kept, cu_cpu.to(device), cu_cpu)
+
+
+_last_index: list[PackedIndex] = []  # the step's, reused by its next layers
+
+
+def packed_index(states: StateInputs, width: int, device: torch.device) -> PackedIndex:
+    assert states.seq_starts is not None and states.fresh is not None
+    if _last_index and _last_index[0].seq_starts is states.seq_starts and _last_index[0].width == width:
+        return _last_index[0]
+    _last_index[:] = [PackedIndex.build(states.seq_starts, states.fresh, width, device)]
+    return _last_index[0]
+
+
 def conv1d_packed(
-    x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, seq_starts: np.ndarray
+    x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, index: PackedIndex
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """conv1d_sequence of every sequence of a packed batch at once: x [T, C] (sequence i is tokens
     [seq_starts[i], seq_starts[i + 1])), weight [C, K], windows [N, C, K - 1] the windows they start after
     (zeros for a fresh one). Returns (out [T, C], the new windows [N, C, K - 1])."""
     tokens, channels = x.shape
-    n, width = len(seq_starts) - 1, weight.shape[1] - 1
-    lengths = np.diff(seq_starts)
-    # The sequences laid end to end, each after its window: sequence i's W window entries then its tokens.
-    owner = np.repeat(np.arange(n), lengths)
-    token_at = np.arange(tokens) + width * (owner + 1)
-    segment_start = seq_starts[:-1] + width * np.arange(n)
-    window_at = (segment_start[:, None] + np.arange(width)[None, :]).reshape(-1)
-    ends = seq_starts[1:] + width * np.arange(1, n + 1)
-    new_window_at = (ends[:, None] - width + np.arange(width)[None, :]).reshape(-1)
-
-    def to_device(index: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64)).to(x.device)
-
-    token_at_d = to_device(token_at)
+    n, width = len(index.seq_starts) - 1, index.width
     laid = x.new_empty(tokens + n * width, channels)  # laid: [T + N W, C]
-    laid[token_at_d] = x
-    laid[to_device(window_at)] = windows.transpose(1, 2).reshape(n * width, channels).to(x.dtype)
+    laid[index.token_at] = x
+    laid[index.window_at] = windows.transpose(1, 2).reshape(n * width, channels).to(x.dtype)
     # full[:, p - W]: the conv at laid position p over laid[p - W .. p] (only a token's position is read)
-    full = F.conv1d(laid.t()[None].float(), weight.float()[:, None, :], groups=channels)[
-        0
-    ]  # full: [C, T + N W - W]
-    out = F.silu(full[:, token_at_d - width]).t().to(x.dtype)
-    new_windows = laid[to_device(new_window_at)].view(n, width, channels).transpose(1, 2)
+    full = F.conv1d(laid.t()[None].float(), weight.float()[:, None, :], groups=channels)[0]
+    out = F.silu(full[:, index.token_at - width]).t().to(x.dtype)
+    new_windows = laid[index.new_window_at].view(n, width, channels).transpose(1, 2)
     return out, new_windows
 
 
@@ -65,15 +94,12 @@ def _prefill_fla(mixed, weight, g, beta, conv, recurrent, states: StateInputs, s
     chunked kernel; nothing is written to the pools until both have run."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    assert states.seq_starts is not None and states.fresh is not None
+    index = packed_index(states, weight.shape[1] - 1, conv.device)
     slots = states.slots
-    kept = torch.from_numpy(~states.fresh).to(
-        conv.device
-    )  # kept: bool[N], the sequences that continue a state
-    windows = conv.index_select(0, slots) * kept[:, None, None]
-    out_mixed, new_windows = conv1d_packed(mixed, weight, windows, states.seq_starts)
+    windows = conv.index_select(0, slots) * index.kept[:, None, None]
+    out_mixed, new_windows = conv1d_packed(mixed, weight, windows, index)
     q, k, v = split(out_mixed)
-    initial = recurrent.index_select(0, slots) * kept[:, None, None, None]
+    initial = recurrent.index_select(0, slots) * index.kept[:, None, None, None]
     out, final = chunk_gated_delta_rule(
         q[None],
         k[None],
@@ -84,7 +110,8 @@ def _prefill_fla(mixed, weight, g, beta, conv, recurrent, states: StateInputs, s
         initial_state=initial,
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
-        cu_seqlens=torch.from_numpy(states.seq_starts.astype(np.int64)).to(conv.device),
+        cu_seqlens=index.cu_seqlens,
+        cu_seqlens_cpu=index.cu_seqlens_cpu,
     )
     conv.index_copy_(0, slots, new_windows.to(conv.dtype))
     recurrent.index_copy_(0, slots, final.float())
