@@ -12,11 +12,13 @@ import pytest_asyncio
 import torch
 
 from cache_svc.server import start_cache_server
+from executor_svc.copy_stream import CopyStream
 from executor_svc.restore_guard import RESTORE_FIRST_USE_BYTES
 from executor_svc.runner import StepRunner
 from executor_svc.server import start_executor_server
 from executor_svc.slot_store import SlotStore
 from executor_svc.snapshot_checks import shard_ranges
+from executor_svc.staging_plan import INDEX_BYTES
 from protos import cache_pb2, executor_pb2, executor_pb2_grpc
 from protos.wire import pack_i32, unpack_i32
 from tests.test_runner import BUCKETS, LAYOUT, PAGE, POOL_PAGES, TINY, prefill_chunk, tiny_model
@@ -161,6 +163,10 @@ async def test_restore_into_other_pages_is_byte_for_byte_across_a_cache_restart(
     assert list(reply.checkpoints) == CHECKPOINTS
 
     await cache.restart()
+    # Through a staging of one page of one layer at a time (6 chunks here), as a large snapshot goes through
+    # the 8 MiB one.
+    one_page = 2 * (INDEX_BYTES + 2 * pool.k[0, 0].numel() * pool.k.element_size())
+    served.server.servicer.snapshots.copy_stream = CopyStream(pool.k.device, staging_bytes=one_page)
     destination = [30, 1, 2]
     reply = await served.restore(destination)
     assert_same_bytes(served.pages(destination), kv)
