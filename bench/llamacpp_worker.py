@@ -1,7 +1,17 @@
 """llama.cpp's arm of bench/serve_cpu.py --side-by-side, run by the python of a separate venv that holds
-llama-cpp-python (never a dependency of deltaserve, never in CI):
+llama-cpp-python (never a dependency of deltaserve, never in CI). Measured with 0.3.36, built from the PyPI sdist
+(about 10 min on 2 cores) without AMX:
 
-    python3 -m venv /work/llamacpp-venv && /work/llamacpp-venv/bin/pip install llama-cpp-python
+    python3 -m venv /work/llamacpp-venv-noamx
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+      -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF" \
+      nice -n 19 /work/llamacpp-venv-noamx/bin/pip install llama-cpp-python==0.3.36
+
+The default build (GGML_NATIVE=ON) compiles ggml's AMX matmul on an AMX CPU, and GCC 12 miscompiles it: its
+`_tile_loadconfig` tells the compiler the asm reads 8 bytes, so the stores of the tile shapes are dropped and
+`ldtilecfg` loads garbage (a general protection fault, SIGSEGV, on the first llama_decode). GCC 13 or AMX off
+avoids it.
 
 Reads one JSON object a line on stdin, {"prompt": [token ids], "concurrency": c, "max_tokens": n}, and answers
 one line {"tokens": ..., "seconds": ...}: the c copies of the prompt decoded greedily together as c sequences
