@@ -2,7 +2,7 @@
 them) against Hugging Face transformers `generate` and llama.cpp on the same GGUF, greedy, ignore-eos, the
 same token ids, in interleaved rounds; and the executor's resident memory with packed vs de-quantized weights.
 
-    python bench/serve_cpu.py --side-by-side [--llamacpp-python /work/llamacpp-venv/bin/python] [--rounds 2]
+    python bench/serve_cpu.py --side-by-side [--llamacpp-python /work/llamacpp-venv-noamx/bin/python] [--rounds 2]
 
 Each figure is output tokens / wall seconds of c copies of one prompt run together (prefill included), with
 the load average beside it (the machine may be shared). llama.cpp runs in its own venv's python
