@@ -25,13 +25,22 @@ def shard_ranges(layer_begin: int, layer_end: int, shard_layers: int) -> list[tu
 
 
 def snapshot_fingerprint(
-    model_fingerprint: str, dtype: str, page_size: int, num_layers: int, kv_heads: int, head_dim: int
+    model_fingerprint: str,
+    dtype: str,
+    page_size: int,
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    layer_pattern: str = "",
 ) -> str:
-    """What a snapshot can be restored into: the weights, and the pool's dtype, page size and shape.
+    """What a snapshot can be restored into: the weights, and the pool's dtype, page size and shape; for a
+    hybrid model, its layer pattern and the shape of a recurrent state (`layer_pattern`; "" for the others).
 
     Not Describe's model_fingerprint (weights only): the cache refuses a snapshot whose fingerprint
     differs, and KV bytes of another dtype or page size are no more usable than another model's."""
     text = f"deltaserve.kv\0{model_fingerprint}\0{dtype}\0{page_size}\0{num_layers}\0{kv_heads}\0{head_dim}"
+    if layer_pattern:
+        text += f"\0{layer_pattern}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -88,6 +97,24 @@ def check_park(
             f"checkpoint positions must be strictly increasing in [1, {len(tokens)}], got {positions}"
         )
     return tokens, pages
+
+
+def check_state_slots(data: bytes, num_slots: int, expected: int | None) -> np.ndarray:
+    """The int32 packed state slots of a park or restore: none for a model without recurrent layers; else
+    distinct slots in [1, num_slots), `expected` of them where given (one per parked checkpoint)."""
+    if len(data) % 4:
+        raise invalid(f"state_slots must be int32 packed; {len(data)} bytes is not a multiple of 4")
+    slots = unpack_i32(data)
+    if not num_slots and len(slots):
+        raise invalid("state_slots given for a model without recurrent layers")
+    if num_slots and expected is not None and len(slots) != expected:
+        raise invalid(f"{expected} checkpoints need one state slot each; {len(slots)} state slots given")
+    outside = slots[(slots < 1) | (slots >= max(num_slots, 1))]
+    if len(outside):
+        raise invalid(f"state slot {int(outside[0])} is outside [1, {num_slots}) (0 is the sink slot)")
+    if len(np.unique(slots)) != len(slots):
+        raise invalid("a state slot is listed twice")
+    return slots
 
 
 def cache_refusal(err: grpc.aio.AioRpcError, addr: str) -> SnapshotRefused:

@@ -3,7 +3,9 @@ holds the pure checks, restore_guard.py the guard, shard_copies.py the copies be
 
 A snapshot is one shard per group of `shard_layers` layers. A shard's bytes, in order: for each layer
 of the shard, the K of the pages, then their V; each `[pages, page_size, kv_heads, head_dim]` in the
-pool's dtype, C order, little-endian (SHARD_LAYOUT). The pool is read and written on a page-copy thread
+pool's dtype, C order, little-endian (SHARD_LAYOUT). A hybrid model's shard holds those of its
+full-attention layers only, then the recurrent states of its other layers at each parked checkpoint
+(snapshot_states.py, HYBRID_LAYOUT). The pool is read and written on a page-copy thread
 and the card's copy stream, through its staging in chunks of a fixed size (copy_stream.py): steps running
 meanwhile touch none of those pages (the planner parks pages whose last step has committed and restores
 into free ones), and a step launched after a restore returned waits for its copies. The cache I/O runs on the event loop.
@@ -31,10 +33,12 @@ from executor_svc.snapshot_checks import (
     cache_refusal,
     check_pages,
     check_park,
+    check_state_slots,
     invalid,
     shard_ranges,
     snapshot_fingerprint,
 )
+from executor_svc.snapshot_states import HYBRID_LAYOUT, StateShards, layer_kinds
 from protos import cache_pb2, executor_pb2
 from protos.rpc import ChannelSecurity
 from protos.wire import pack_i32
@@ -69,30 +73,39 @@ class Snapshots:
         self._shards = shard_ranges(self._layer_begin, self._layer_end, shard_layers)
         page_size, kv_heads, head_dim = self._page_shape
         self._stage = runner.model.stage
-        self._fingerprint = snapshot_fingerprint(
-            runner.fingerprint, described.dtype, page_size, self._num_layers, kv_heads, head_dim
+        self._kinds = layer_kinds(runner.model, self._layer_begin)
+        state_pool = runner.state_pool
+        self._states = StateShards(state_pool, self._kinds) if state_pool is not None else None
+        self._state_slots = 0 if state_pool is None else state_pool.num_slots
+        self._layout = SHARD_LAYOUT if self._states is None else HYBRID_LAYOUT
+        pattern = (
+            ""
+            if self._states is None
+            else f"{self._kinds.pattern(self._num_layers)}, {self._states.describe()}"
         )
-        self._recurrent = runner.state_pool is not None
+        self._fingerprint = snapshot_fingerprint(
+            runner.fingerprint, described.dtype, page_size, self._num_layers, kv_heads, head_dim, pattern
+        )
         # Made by the first park or restore on the card; `free_memory` replaces the card's memory query.
         self.copy_stream = CopyStream(runner.device, free_memory)
         self.copy_stream.warm((pool.k, pool.v))
+        if self._states is not None:
+            self._states.warm(self.copy_stream)
 
     def _require_cache(self) -> str:
         if self._cache is None:
             raise SnapshotRefused(grpc.StatusCode.FAILED_PRECONDITION, "no cache service configured")
-        if self._recurrent:
-            raise SnapshotRefused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "snapshots of a model with recurrent layers are not supported yet (its recurrent states would "
-                "not travel with the pages)",
-            )
         return self._cache
 
     async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:
         addr = self._require_cache()
         tokens, pages = check_park(request, self._page_shape[0], self._pool_pages)
+        # A hybrid's checkpoints each carry their state: one slot each, in position order.
+        states = check_state_slots(request.state_slots, self._state_slots, len(request.checkpoints))
         started = time.perf_counter()
-        gathered = await asyncio.get_running_loop().run_in_executor(self._copies, self._read_for_park, pages)
+        gathered = await asyncio.get_running_loop().run_in_executor(
+            self._copies, self._read_for_park, pages, states
+        )
         if gathered is None:  # a later stage of a split: its shards went to the first, which puts them
             return executor_pb2.ParkPagesReply()
         shards, blobs = gathered
@@ -110,8 +123,9 @@ class Snapshots:
             "dtype": str(self._pool.k.dtype).removeprefix("torch."),
             "shards": [{"layers": [begin, end]} for begin, end in shards],
             "attributes": {
-                "kv_layout": SHARD_LAYOUT,
+                "kv_layout": self._layout,
                 "pages": str(len(pages)),
+                "states": str(len(states)),
                 "kv_heads": str(kv_heads),
                 "head_dim": str(head_dim),
             },
@@ -139,6 +153,7 @@ class Snapshots:
         if not request.conversation_id:
             raise invalid("conversation_id is empty")
         pages = check_pages(request.pages, self._pool_pages)
+        states = check_state_slots(request.state_slots, self._state_slots, None)
         self._check_guard()
         started = time.perf_counter()
         try:
@@ -151,16 +166,20 @@ class Snapshots:
                 )
         except grpc.aio.AioRpcError as err:
             raise cache_refusal(err, addr) from err
-        ranges = self._check_snapshot(manifest, blobs, len(pages))
-        layers = self._layer_begin, self._layer_end
+        ranges, parked_states = self._check_snapshot(manifest, blobs, len(pages))
+        states = states[max(len(states) - parked_states, 0) :]  # the newest parked states, as many as slots
         await asyncio.get_running_loop().run_in_executor(
-            self._copies, write_shards, self.copy_stream, self._pool, layers, ranges, blobs, pages
+            self._copies, self._write, pages, ranges, blobs, parked_states, states
         )
+        checkpoints = manifest["checkpoints"]
+        if self._states is not None:  # those whose state came back; the older ones have none
+            checkpoints = checkpoints[len(checkpoints) - len(states) :] if len(states) else []
         log.info(
             "restored",
             conversation_id=request.conversation_id,
             tokens=len(manifest["token_ids"]),
             pages=len(pages),
+            states=len(states),
             bytes=sum(map(len, blobs)),
             seconds=round(time.perf_counter() - started, 4),
         )
@@ -168,7 +187,7 @@ class Snapshots:
             token_ids=pack_i32(manifest["token_ids"]),
             checkpoints=[
                 cache_pb2.Checkpoint(position=c["position"], pinned=c["pinned"], root=c["root"])
-                for c in manifest["checkpoints"]
+                for c in checkpoints
             ],
         )
 
@@ -179,13 +198,16 @@ class Snapshots:
         if why is not None:
             raise SnapshotRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
 
-    def _check_snapshot(self, manifest: dict, blobs: list[bytes], num_pages: int) -> list[tuple[int, int]]:
-        """The layer ranges of the shards, once the snapshot is known to fit this pool and these pages."""
+    def _check_snapshot(
+        self, manifest: dict, blobs: list[bytes], num_pages: int
+    ) -> tuple[list[tuple[int, int]], int]:
+        """The layer ranges of the shards and the states parked, once the snapshot is known to fit this pool
+        and these pages."""
         attributes = manifest["attributes"]
-        if attributes.get("kv_layout") != SHARD_LAYOUT:
+        if attributes.get("kv_layout") != self._layout:
             raise SnapshotRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"snapshot layout {attributes.get('kv_layout')!r}; this executor reads {SHARD_LAYOUT!r}",
+                f"snapshot layout {attributes.get('kv_layout')!r}; this executor reads {self._layout!r}",
             )
         page_size, kv_heads, head_dim = self._page_shape
         dtype = str(self._pool.k.dtype).removeprefix("torch.")
@@ -204,29 +226,64 @@ class Snapshots:
         parked = int(attributes.get("pages", "0"))
         if parked != num_pages:
             raise invalid(f"the snapshot holds {parked} pages; {num_pages} destination pages given")
+        states = int(attributes.get("states", "0"))
         ranges = [tuple(shard["layers"]) for shard in manifest["shards"]]
-        page_bytes = 2 * num_pages * self._pool.k[0, 0].numel() * self._pool.k.element_size()  # K and V
         for (begin, end), blob in zip(ranges, blobs, strict=True):
-            if len(blob) != (end - begin) * page_bytes:
+            size = self._kv_bytes(begin, end, num_pages)
+            size += self._states.nbytes(begin, end, states) if self._states is not None else 0
+            if len(blob) != size:
                 raise SnapshotRefused(
                     grpc.StatusCode.DATA_LOSS,
-                    f"shard of layers [{begin}, {end}) is {len(blob)} bytes; {num_pages} pages make "
-                    f"{(end - begin) * page_bytes}",
+                    f"shard of layers [{begin}, {end}) is {len(blob)} bytes; {num_pages} pages and {states} "
+                    f"states make {size}",
                 )
-        return ranges
+        return ranges, states
 
-    def _read_for_park(self, pages: np.ndarray) -> tuple[list[tuple[int, int]], list[bytes]] | None:
-        """On the page-copy thread: the shards of the pages, this stage's; on a split every stage's at the
-        first stage (None at the others), so the first puts one snapshot, complete or none."""
+    def _kv_bytes(self, begin: int, end: int, num_pages: int) -> int:
+        """The K and V bytes of a shard of layers [begin, end)."""
+        page_bytes = 2 * num_pages * self._pool.k[0, 0].numel() * self._pool.k.element_size()
+        return self._kinds.kv_count(begin, end) * page_bytes
+
+    def _read_for_park(
+        self, pages: np.ndarray, states: np.ndarray
+    ) -> tuple[list[tuple[int, int]], list[bytes]] | None:
+        """On the page-copy thread: the shards of the pages (and states), this stage's; on a split every stage's
+        at the first stage (None at the others), so the first puts one snapshot, complete or none."""
         if not self._stage.split:
-            return self._shards, self._read_pages(pages)
+            return self._shards, self._read_pages(pages, states)
         try:
-            blobs = self._read_pages(pages)
+            blobs = self._read_pages(pages, states)
         except Exception:
             with contextlib.suppress(RuntimeError):  # the transfers of this park, kept in step
                 self._stage.gather_shards(self._shards, None)
             raise
         return self._stage.gather_shards(self._shards, blobs)
 
-    def _read_pages(self, pages: np.ndarray) -> list[bytes]:
-        return read_shards(self.copy_stream, self._pool, self._layer_begin, self._shards, pages)
+    def _read_pages(self, pages: np.ndarray, states: np.ndarray) -> list[bytes]:
+        stream = self.copy_stream
+        blobs = read_shards(stream, self._pool, self._layer_begin, self._shards, pages, self._kinds)
+        if self._states is None:
+            return blobs
+        return [blob + self._states.read(stream, *shard, states) for blob, shard in zip(blobs, self._shards)]
+
+    def _write(
+        self,
+        pages: np.ndarray,
+        ranges: list[tuple[int, int]],
+        blobs: list[bytes],
+        parked_states: int,
+        states: np.ndarray,
+    ) -> None:
+        """On the page-copy thread: the shards' pages, and the newest len(states) of their `parked_states`
+        states into the slots `states` (a hybrid model's: never split, so every shard is its own)."""
+        stream, layers = self.copy_stream, (self._layer_begin, self._layer_end)
+        if self._states is None:
+            write_shards(stream, self._pool, layers, ranges, blobs, pages)
+            return
+        kv_parts = [
+            blob[: self._kv_bytes(begin, end, len(pages))] for (begin, end), blob in zip(ranges, blobs)
+        ]
+        write_shards(stream, self._pool, layers, ranges, kv_parts, pages, self._kinds)
+        for (begin, end), blob, kv in zip(ranges, blobs, kv_parts, strict=True):
+            data = np.frombuffer(blob, dtype=np.uint8)[len(kv) :]
+            self._states.write(stream, begin, end, data, parked_states, states)

@@ -77,6 +77,9 @@ class Parking:
             tenant=conversation.tenant,
             token_ids=pack_i32(conversation.tokens),
             pages=pack_i32(conversation.pages),
+            state_slots=pack_i32(
+                [conversation.states[p] for p in retention.positions if p in conversation.states]
+            ),
             checkpoints=[
                 cache_pb2.Checkpoint(position=p, pinned=p == retention.pinned, root=p == retention.root)
                 for p in retention.positions
@@ -88,6 +91,7 @@ class Parking:
             raise ParkError(error.code(), f"parking failed: {error.details()}") from error
         except LinkError as error:
             raise ParkError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from error
+        conversation.drop_states(list(conversation.states))  # parked with the pages
         engine.scheduler.return_pages(conversation.pages)
         conversation.pages, conversation.parked = [], True
         engine.wake()
@@ -113,15 +117,22 @@ class Parking:
         pages = engine.scheduler.take_pages(-(-tokens // page_size))
         if pages is None:
             return self._fall_back(conversation, "the pool has no room for the snapshot now")
+        states = self._take_state_slots(engine, conversation)
+        if states is None:
+            engine.scheduler.return_pages(pages)
+            return self._fall_back(conversation, "no state slot is free for the snapshot's states now")
         try:
             reply = await engine.link.restore(
                 executor_pb2.RestorePagesRequest(
                     conversation_id=conversation.conversation_id,
                     tenant=conversation.tenant,
                     pages=pack_i32(pages),
+                    state_slots=pack_i32(states),
                 )
             )
         except (grpc.aio.AioRpcError, LinkError) as error:
+            for slot in states:
+                engine.scheduler.states.give_back(slot)
             engine.scheduler.return_pages(pages)  # partly written at worst: nobody reads them
             if isinstance(error, grpc.aio.AioRpcError):
                 data_loss = error.code() == grpc.StatusCode.DATA_LOSS
@@ -136,11 +147,34 @@ class Parking:
             return self._fall_back(conversation, f"snapshot refused: {reason}", data_loss=data_loss)
         conversation.tokens = unpack_i32(reply.token_ids).tolist()
         conversation.retention = Retention(conversation.retention.config)
-        for checkpoint in sorted(reply.checkpoints, key=lambda c: c.position):
-            conversation.retention.add(checkpoint.position, root=checkpoint.root, pinned=checkpoint.pinned)
+        checkpoints = sorted(reply.checkpoints, key=lambda c: c.position)
+        if states:  # the newest checkpoints' states came back into the last slots; the others go back
+            unused = len(states) - len(checkpoints)
+            for slot in states[:unused]:
+                engine.scheduler.states.give_back(slot)
+            conversation.states = {
+                c.position: slot for c, slot in zip(checkpoints, states[unused:], strict=True)
+            }
+        for checkpoint in checkpoints:
+            evicted = conversation.retention.add(
+                checkpoint.position, root=checkpoint.root, pinned=checkpoint.pinned
+            )
+            conversation.drop_states(evicted)
         conversation.pages, conversation.parked = pages, False
         log.info("conversation restored", conversation=conversation.conversation_id, tokens=tokens)
         return RESTORED
+
+    @staticmethod
+    def _take_state_slots(engine: Engine, conversation: Conversation) -> list[int] | None:
+        """A model with recurrent layers: free state slots for the snapshot's newest states, one per checkpoint
+        parked (one after a planner restart: then only the newest is known to exist), as many as are free;
+        None when none is. [] for a model without recurrent layers."""
+        states = engine.scheduler.states
+        if not states.enabled:
+            return []
+        parked = len(conversation.retention.positions) if conversation.parked else 1
+        want = min(max(parked, 1), states.free_count)
+        return [states.take() for _ in range(want)] if want else None
 
     def _fall_back(
         self, conversation: Conversation, reason: str, *, data_loss: bool = False

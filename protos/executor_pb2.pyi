@@ -128,18 +128,20 @@ class StepOutput(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., tokens: _Optional[bytes] = ..., prefill_tokens: _Optional[bytes] = ..., row_mismatches: _Optional[int] = ..., device_wait_us: _Optional[int] = ..., logprobs: _Optional[bytes] = ..., logprob_ids: _Optional[bytes] = ...) -> None: ...
 
 class ParkPagesRequest(_message.Message):
-    __slots__ = ("conversation_id", "tenant", "token_ids", "checkpoints", "pages")
+    __slots__ = ("conversation_id", "tenant", "token_ids", "checkpoints", "pages", "state_slots")
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     conversation_id: str
     tenant: str
     token_ids: bytes
     checkpoints: _containers.RepeatedCompositeFieldContainer[_cache_pb2.Checkpoint]
     pages: bytes
-    def __init__(self, conversation_id: _Optional[str] = ..., tenant: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[_cache_pb2.Checkpoint, _Mapping]]] = ..., pages: _Optional[bytes] = ...) -> None: ...
+    state_slots: bytes
+    def __init__(self, conversation_id: _Optional[str] = ..., tenant: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., checkpoints: _Optional[_Iterable[_Union[_cache_pb2.Checkpoint, _Mapping]]] = ..., pages: _Optional[bytes] = ..., state_slots: _Optional[bytes] = ...) -> None: ...
 
 class ParkPagesReply(_message.Message):
     __slots__ = ("bytes",)
@@ -148,14 +150,16 @@ class ParkPagesReply(_message.Message):
     def __init__(self, bytes: _Optional[int] = ...) -> None: ...
 
 class RestorePagesRequest(_message.Message):
-    __slots__ = ("conversation_id", "tenant", "pages")
+    __slots__ = ("conversation_id", "tenant", "pages", "state_slots")
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     conversation_id: str
     tenant: str
     pages: bytes
-    def __init__(self, conversation_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pages: _Optional[bytes] = ...) -> None: ...
+    state_slots: bytes
+    def __init__(self, conversation_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pages: _Optional[bytes] = ..., state_slots: _Optional[bytes] = ...) -> None: ...
 
 class RestorePagesReply(_message.Message):
     __slots__ = ("token_ids", "checkpoints")

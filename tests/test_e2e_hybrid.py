@@ -179,9 +179,19 @@ async def test_conversation_resumes_from_checkpoints_with_state_copies(text_stac
     scheduler = text_stack.scheduler
     async with PlannerClient(text_stack.addr) as client:
 
-        async def turn(history: list[int]):
-            options = GenerateOptions(token_ids=history, max_tokens=NEW_TOKENS, conversation_id="chat")
+        async def turn(history: list[int], conversation: str = "chat"):
+            options = GenerateOptions(
+                token_ids=history, max_tokens=NEW_TOKENS, conversation_id=conversation, logprobs=True
+            )
             return await client.generate_all(options)
+
+        async def assert_fresh_read(got, history: list[int]) -> None:
+            """The tokens, and their logprobs (which a state not copied would move), of a read of it all."""
+            fresh = await turn(history, conversation="")
+            assert got.token_ids == fresh.token_ids == greedy(model, history, NEW_TOKENS)
+            assert [t.chosen.logprob for t in got.logprobs] == pytest.approx(
+                [t.chosen.logprob for t in fresh.logprobs], abs=2e-5
+            )
 
         first = await turn(prompt)
         assert first.token_ids == first_answer and first.reused_tokens == 0
@@ -189,12 +199,12 @@ async def test_conversation_resumes_from_checkpoints_with_state_copies(text_stac
         (conversation,) = [c for c in scheduler.conversations.every() if c.conversation_id == "chat"]
         assert list(conversation.states) == [stored] and scheduler.states.free_count == STATE_SLOTS - 2
         got = await turn(second)
-        assert got.token_ids == greedy(model, second, NEW_TOKENS)
+        await assert_fresh_read(got, second)
         assert (got.reused_tokens, got.checkpoint, got.diverged_at) == (stored, f"checkpoint@{stored}", -1)
         await text_stack.wait_idle()
         assert sorted(conversation.states) == [stored, len(second) + NEW_TOKENS - 1]
         got = await turn(edited)
-        assert got.token_ids == greedy(model, edited, NEW_TOKENS)
+        await assert_fresh_read(got, edited)
         assert (got.reused_tokens, got.checkpoint, got.diverged_at) == (
             stored,
             f"checkpoint@{stored}",
@@ -236,21 +246,3 @@ async def test_row_check_soak_under_kv_and_state_pressure(hybrid):
                     assert tokens == alone.token_ids
     finally:
         await stop_stack(servers)
-
-
-async def test_snapshots_of_a_recurrent_model_are_refused(text_stack):
-    """Pages without their recurrent states cannot resume a conversation: park and restore say so."""
-    import grpc
-
-    from executor_svc.snapshot_checks import SnapshotRefused
-    from executor_svc.snapshots import Snapshots
-    from protos import executor_pb2
-
-    snapshots = Snapshots(text_stack.runner, copies=None, cache="127.0.0.1:1", shard_layers=8)  # type: ignore[arg-type]
-    for call in (
-        snapshots.park(executor_pb2.ParkPagesRequest(conversation_id="c")),
-        snapshots.restore(executor_pb2.RestorePagesRequest(conversation_id="c")),
-    ):
-        with pytest.raises(SnapshotRefused, match="recurrent layers") as refused:
-            await call
-        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION

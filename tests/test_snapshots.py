@@ -17,7 +17,8 @@ from executor_svc.restore_guard import RESTORE_FIRST_USE_BYTES
 from executor_svc.runner import StepRunner
 from executor_svc.server import start_executor_server
 from executor_svc.slot_store import SlotStore
-from executor_svc.snapshot_checks import shard_ranges
+from executor_svc.snapshot_checks import SnapshotRefused, check_state_slots, shard_ranges
+from executor_svc.snapshot_states import LayerKinds
 from executor_svc.staging_plan import INDEX_BYTES
 from protos import cache_pb2, executor_pb2, executor_pb2_grpc
 from protos.wire import pack_i32, unpack_i32
@@ -260,6 +261,31 @@ def test_shard_ranges_cut_at_multiples_of_the_shard_size():
     assert shard_ranges(10, 20, 8) == [(10, 16), (16, 20)]  # a layer split's part
     with pytest.raises(ValueError):
         shard_ranges(4, 4, 8)
+
+
+def test_a_hybrid_shard_maps_its_layers_to_each_pool():
+    kinds = LayerKinds(frozenset({0, 1, 2, 4, 5, 6}))  # R R R A R R R A
+    assert kinds.pattern(8) == "RRRARRRA"
+    assert (kinds.kv_range(0, 2), kinds.state_range(0, 2)) == ((0, 0), (0, 2))  # recurrent layers only
+    assert (kinds.kv_range(2, 4), kinds.state_range(2, 4)) == ((0, 1), (2, 3))
+    assert (kinds.kv_range(4, 8), kinds.state_range(4, 8)) == ((1, 2), (3, 6))
+    dense = LayerKinds(frozenset(), first=10)  # a layer split's second half: every layer KV
+    assert (dense.kv_range(12, 16), dense.state_range(12, 16), dense.kv_count(8, 12)) == ((2, 6), (0, 0), 4)
+
+
+def test_state_slots_of_a_park_or_restore_are_checked():
+    assert check_state_slots(pack_i32([3, 1]), 5, 2).tolist() == [3, 1]
+    assert check_state_slots(b"", 0, 2).tolist() == []  # a model without recurrent layers sends none
+    for data, slots, expected, message in (
+        (pack_i32([1]), 0, None, "state_slots given for a model without recurrent layers"),
+        (pack_i32([1]), 5, 2, "2 checkpoints need one state slot each; 1 state slots given"),
+        (pack_i32([0]), 5, None, "state slot 0 is outside [1, 5) (0 is the sink slot)"),
+        (pack_i32([2, 2]), 5, None, "a state slot is listed twice"),
+        (b"abc", 5, None, "3 bytes is not a multiple of 4"),
+    ):
+        with pytest.raises(SnapshotRefused) as refused:
+            check_state_slots(data, slots, expected)
+        assert message in str(refused.value) and refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 @on_session_loop

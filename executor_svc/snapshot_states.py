@@ -1,0 +1,107 @@
+"""The recurrent states in a hybrid model's snapshot: which layers of a shard are KV layers and which are
+recurrent ones, and the state bytes of a shard's recurrent layers (snapshots.py puts them after the shard's KV).
+
+A shard of layers [begin, end) holds, after the K and V of its full-attention layers (snapshots.py's layout,
+those layers only), the states of its recurrent layers for each parked checkpoint in position order: the conv
+windows `[state_layers, states, channels, conv_width - 1]` in the pool's dtype, then the recurrent states
+`[state_layers, states, heads, key_dim, value_dim]` in float32; C order, little-endian (HYBRID_LAYOUT)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from executor_svc.copy_stream import CopyStream
+from executor_svc.models.qwen3_5_model import LINEAR
+from executor_svc.state_pool import StatePool
+
+HYBRID_LAYOUT = "kv-then-states-layer-major/1"
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKinds:
+    """Which of the model's layers are recurrent; the others hold KV. Pool indices count each kind from
+    `first` (the executor's first layer)."""
+
+    recurrent: frozenset[int]
+    first: int = 0
+
+    def kv_count(self, begin: int, end: int) -> int:
+        """KV layers among the model's layers [begin, end)."""
+        return sum(1 for layer in range(begin, end) if layer not in self.recurrent)
+
+    def kv_range(self, begin: int, end: int) -> tuple[int, int]:
+        """Layers [begin, end) of the model (this executor's) as a range of the KV pool's layers."""
+        low = self.kv_count(self.first, begin)
+        return low, low + self.kv_count(begin, end)
+
+    def state_range(self, begin: int, end: int) -> tuple[int, int]:
+        """Layers [begin, end) of the model (this executor's) as a range of the state pool's layers."""
+        low = (begin - self.first) - self.kv_count(self.first, begin)
+        return low, low + (end - begin) - self.kv_count(begin, end)
+
+    def pattern(self, num_layers: int) -> str:
+        """The layer pattern, 'R' recurrent and 'A' attention: what a snapshot's fingerprint covers."""
+        return "".join("R" if layer in self.recurrent else "A" for layer in range(num_layers))
+
+
+class StateShards:
+    """The states of some slots of a state pool to and from a shard's bytes, through the card's copy stream and
+    its staging (as shard_copies.py moves pages). Run on the page-copy thread."""
+
+    def __init__(self, pool: StatePool, kinds: LayerKinds) -> None:
+        self.pool = pool
+        self.kinds = kinds
+        self._conv_bytes = pool.conv[0, 0].numel() * pool.conv.element_size()  # one layer, one slot
+        self._recurrent_bytes = pool.recurrent[0, 0].numel() * pool.recurrent.element_size()
+
+    def describe(self) -> str:
+        """The shape of one state, for the fingerprint: the conv window and the recurrent state."""
+        conv, recurrent = self.pool.conv, self.pool.recurrent
+        return f"conv {list(conv.shape[2:])} {conv.dtype}, recurrent {list(recurrent.shape[2:])}"
+
+    def warm(self, stream: CopyStream) -> None:
+        """The copy kernels for both state tensors, loaded at start-up (CopyStream.warm)."""
+        stream.warm((self.pool.conv,))
+        stream.warm((self.pool.recurrent,))
+
+    def nbytes(self, begin: int, end: int, states: int) -> int:
+        low, high = self.kinds.state_range(begin, end)
+        return (high - low) * states * (self._conv_bytes + self._recurrent_bytes)
+
+    def read(self, stream: CopyStream, begin: int, end: int, slots: np.ndarray) -> bytes:
+        """The states at `slots` of the recurrent layers in [begin, end), in the shard's byte order."""
+        low, high = self.kinds.state_range(begin, end)
+        if low == high or not len(slots):
+            return b""
+        index = slots.astype(np.int64)
+        parts = (
+            stream.gather((tensor[low:high],), index) for tensor in (self.pool.conv, self.pool.recurrent)
+        )
+        return b"".join(part.tobytes() for part in parts)
+
+    def write(
+        self, stream: CopyStream, begin: int, end: int, blob: np.ndarray, states: int, slots: np.ndarray
+    ) -> None:
+        """The newest len(slots) of the `states` states in `blob` (u8, as `read` made it for layers [begin, end))
+        into `slots`, in position order."""
+        low, high = self.kinds.state_range(begin, end)
+        layers, keep = high - low, len(slots)
+        if not layers or not keep:
+            return
+        index = slots.astype(np.int64)
+        split = layers * states * self._conv_bytes
+        for tensor, data, entry_bytes in (
+            (self.pool.conv, blob[:split], self._conv_bytes),
+            (self.pool.recurrent, blob[split:], self._recurrent_bytes),
+        ):
+            # u8[layers, 1 (the tensor), states, entry bytes]: the newest `keep` of each layer's
+            src = data.reshape(layers, 1, states, entry_bytes)[:, :, states - keep :]
+            stream.scatter((tensor[low:high],), src, index)
+
+
+def layer_kinds(model: object, first: int) -> LayerKinds:
+    """A model's layer kinds, from its `config.layer_types` where it has them (the hybrid); else all KV."""
+    types = getattr(getattr(model, "config", None), "layer_types", ())
+    return LayerKinds(frozenset(i for i, kind in enumerate(types) if kind == LINEAR), first)

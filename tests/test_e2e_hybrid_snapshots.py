@@ -1,0 +1,110 @@
+"""Snapshots of a Qwen3.5 hybrid conversation through the cache service, over real gRPC: park carries each
+checkpoint's recurrent state with the pages (shards of two layers: one of gated delta nets only, one of both
+kinds), a resume brings them back byte for byte, and after a restart of every service the conversation resumes
+from its snapshot with the tokens of a fresh read of its whole history."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_svc.server import start_cache_server
+from executor_svc.config import ExecutorConfig
+from planner_svc.client import GenerateOptions, PlannerClient
+from planner_svc.config import PlannerConfig, SchedulingConfig
+from tests.conftest import start_stack, stop_stack
+from tests.hybrid_model import build_text_model, greedy, save_layouts
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+NEW_TOKENS = 6
+STATE_SLOTS = 5
+
+
+async def _start(model_dir: str, cache_dir: str):
+    cache = await start_cache_server(cache_dir, budget_bytes=1 << 30)
+    address = f"127.0.0.1:{cache.port}"
+    stack, servers = await start_stack(
+        ExecutorConfig(
+            model=model_dir,
+            device="cpu",
+            dtype="float32",
+            pool_pages=64,
+            page_size=16,
+            buckets=(1, 2),
+            state_slots=STATE_SLOTS,
+            cache=address,
+            shard_layers=2,
+        ),
+        PlannerConfig(model=model_dir, cache=address, scheduling=SchedulingConfig(row_check=True)),
+    )
+    return stack, [*servers, cache]
+
+
+def _states(stack, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    pool = stack.runner.state_pool
+    return pool.conv[:, slots].clone(), pool.recurrent[:, slots].clone()
+
+
+def _conversation(stack):
+    (conversation,) = [c for c in stack.scheduler.conversations.every() if c.conversation_id == "chat"]
+    return conversation
+
+
+async def test_park_restart_resume_equals_a_fresh_read(tmp_path):
+    from tests.hf_reference import hf_tokenizer
+
+    model = build_text_model()
+    model_dir, _ = save_layouts(model, str(tmp_path / "model"), hf_tokenizer())
+    prompt = [(7 * i) % 500 + 3 for i in range(21)]
+    stack, servers = await _start(model_dir, str(tmp_path / "cache"))
+    try:
+        async with PlannerClient(stack.addr) as client:
+            first = await client.generate_all(
+                GenerateOptions(token_ids=prompt, max_tokens=NEW_TOKENS, conversation_id="chat")
+            )
+            second_prompt = prompt + first.token_ids + [5, 6]
+            await client.generate_all(
+                GenerateOptions(token_ids=second_prompt, max_tokens=NEW_TOKENS, conversation_id="chat")
+            )
+            await stack.wait_idle()
+            conversation = _conversation(stack)
+            positions = sorted(conversation.states)
+            assert len(positions) == 2 and positions == conversation.retention.positions
+            states = _states(stack, [conversation.states[p] for p in positions])
+            pages = conversation.pages
+            kv = stack.runner.kv_pool.k[:, pages].clone(), stack.runner.kv_pool.v[:, pages].clone()
+            assert (await client.park("chat")).bytes > 0
+            assert not conversation.states and stack.scheduler.states.free_count == STATE_SLOTS - 1
+            resumed = await client.resume("chat")  # the planner knows both checkpoints: both states return
+            assert list(resumed.checkpoints) == positions
+            pages = conversation.pages
+            assert torch.equal(stack.runner.kv_pool.k[:, pages], kv[0])
+            assert torch.equal(stack.runner.kv_pool.v[:, pages], kv[1])
+            back = _states(stack, [conversation.states[p] for p in positions])
+            assert torch.equal(back[0], states[0]) and torch.equal(back[1], states[1])  # byte for byte
+            assert (await client.park("chat")).bytes > 0
+            history = list(conversation.tokens) + [9, 10, 11]
+    finally:
+        await stop_stack(servers)
+    stack, servers = await _start(model_dir, str(tmp_path / "cache"))  # every service restarted
+    try:
+        async with PlannerClient(stack.addr) as client:
+            got, fresh = [
+                await client.generate_all(
+                    GenerateOptions(
+                        token_ids=history, max_tokens=NEW_TOKENS, conversation_id=name, logprobs=True
+                    )
+                )
+                for name in ("chat", "")  # resumed from the snapshot; a read of it all
+            ]
+            assert got.token_ids == fresh.token_ids == greedy(model, history, NEW_TOKENS)
+            assert [t.chosen.logprob for t in got.logprobs] == pytest.approx(  # a state lost would move them
+                [t.chosen.logprob for t in fresh.logprobs], abs=2e-5
+            )
+            assert (got.checkpoint, got.reused_tokens) == (f"snapshot@{positions[-1]}", positions[-1])
+            await stack.wait_idle()
+            assert stack.engine.row_mismatches == 0
+            assert sorted(_conversation(stack).states) == [positions[-1], len(history) + NEW_TOKENS - 1]
+    finally:
+        await stop_stack(servers)
