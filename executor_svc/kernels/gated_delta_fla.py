@@ -54,10 +54,14 @@ class PackedIndex(NamedTuple):
             (segment_start[:, None] + steps).reshape(-1),
             (ends[:, None] - width + steps).reshape(-1),
         ]
-        on_device = [torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device) for x in host]
+        token_at, window_at, new_window_at = (
+            torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device) for x in host
+        )
         cu_cpu = torch.from_numpy(np.asarray(seq_starts, dtype=np.int64))
         kept = torch.from_numpy(~fresh).to(device)
-        return PackedIndex(seq_starts, width, *on_device, kept, cu_cpu.to(device), cu_cpu)
+        return PackedIndex(
+            seq_starts, width, token_at, window_at, new_window_at, kept, cu_cpu.to(device), cu_cpu
+        )
 
 
 _last_index: list[PackedIndex] = []  # the step's, reused by its next layers

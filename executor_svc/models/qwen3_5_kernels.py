@@ -47,7 +47,7 @@ def fused_weights(model: Qwen35Model) -> FusedWeights:
     made from the loaded weights."""
     if model.fused is None:
         with torch.inference_mode(False):  # normal tensors, so the views stay loadable in place
-            layers = [_fuse_layer(layer) for layer in model.layers]  # type: ignore[arg-type]
+            layers = [_fuse_layer(layer) for layer in model._decoder_layers()]
             model.fused = FusedWeights(layers, _offset(model.norm.weight))
     return model.fused
 
@@ -95,7 +95,9 @@ def forward_kernels(
 
     weights = fused_weights(model)
     residual = None  # the first norm's "sum" is the embedding itself
-    for layer, fused, pool_index in zip(model.layers, weights.layers, model.pool_index, strict=True):
+    for layer, fused, pool_index in zip(
+        model._decoder_layers(), weights.layers, model.pool_index, strict=True
+    ):
         mixed, residual = norm_project(x, residual, fused.input_norm, fused.in_weight)
         if layer.kind == LINEAR:
             core = _delta_net_core(model, layer, fused, mixed, states, pool_index)
