@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -19,14 +21,35 @@ from executor_svc.snapshots import SnapshotRefused, Snapshots
 from executor_svc.stage import StageLost
 from executor_svc.step_loop import collect_when_ready, launch_step
 from protos import executor_pb2, executor_pb2_grpc
-from protos.rpc import ChannelSecurity, ServerSecurity, StartedServer, start_server
+from protos.rpc import (
+    PLANNER_ID_METADATA,
+    ChannelSecurity,
+    ServerSecurity,
+    StartedServer,
+    start_server,
+)
 
 log = structlog.get_logger("deltaserve.executor.server")
 
 EXIT_GROUP_LOST = 3  # the exit status of a stage whose group is lost
 EXIT_DELAY_S = 0.2  # time for the stream's status to reach the planner before the stage exits
 PLANS_IN_FLIGHT = 2  # the step running and the next one (DESIGN §3)
+REPLACE_WAIT_S = 5.0  # how long a replaced stream may take to end before its call is cancelled
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+
+
+class StreamReplaced(Exception):
+    """Put in a Steps stream's queue of launched steps: a newer stream of its planner replaces it."""
+
+
+@dataclass(slots=True)
+class _OpenStream:
+    planner: str  # the id of the planner that opened it ("": none given)
+    task: asyncio.Task  # the call's, cancelled if it does not end once replaced
+    # Its launched steps in order, or the exception that ends it (a failure to launch: nothing behind it
+    # launches; StreamReplaced), or None at the end of its plans.
+    launched: asyncio.Queue[LaunchedStep | Exception | None]
+    closed: asyncio.Event  # set once its cleanup ran
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
@@ -54,7 +77,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._copies = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="page-copies", initializer=runner.bind_thread
         )
-        self._stream_open = False
+        self._stream: _OpenStream | None = None  # the Steps stream being served
         self.snapshots = Snapshots(runner, self._copies, cache, shard_layers, cache_channel)
         if runner.model.stage.split:
             runner.model.stage.watch(_exit_group_lost)
@@ -67,16 +90,48 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def Steps(
         self, request_iterator: AsyncIterator[executor_pb2.StepPlan], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[executor_pb2.StepOutput]:
-        if self._stream_open:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Steps stream is already open")
-        self._stream_open = True
+        planner = dict(context.invocation_metadata() or ()).get(PLANNER_ID_METADATA, "")
+        while (open_stream := self._stream) is not None:
+            if not planner or planner != open_stream.planner:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "another Steps stream is already open, from another planner",
+                )
+            # Its planner gave up on it (a hang, say) and its cancel never arrived: the newer stream wins. The
+            # old one ends with ABORTED once its current step is collected (cancelled, if that takes long).
+            log.warning("a newer Steps stream of the same planner replaces the open one", peer=context.peer())
+            open_stream.launched.put_nowait(StreamReplaced())
+            try:
+                await asyncio.wait_for(open_stream.closed.wait(), REPLACE_WAIT_S)
+            except TimeoutError:
+                open_stream.task.cancel()
+                await open_stream.closed.wait()
+        task = asyncio.current_task()
+        assert task is not None  # grpc.aio serves each call in a task of its own
+        stream = self._stream = _OpenStream(planner, task, asyncio.Queue(), asyncio.Event())
+        peer = context.peer()  # read while the call lives: the finally may run after the server stopped
+        try:
+            steps = self._serve_steps(request_iterator, stream.launched, context, peer)
+            async with contextlib.aclosing(steps) as outputs:
+                async for output in outputs:
+                    yield output
+        finally:
+            self._stream = None
+            stream.closed.set()
+            log.info("steps stream closed", peer=peer)
+
+    async def _serve_steps(
+        self,
+        request_iterator: AsyncIterator[executor_pb2.StepPlan],
+        launched: asyncio.Queue[LaunchedStep | Exception | None],
+        context: grpc.aio.ServicerContext,
+        peer: str,
+    ) -> AsyncGenerator[executor_pb2.StepOutput, None]:
         self._runner.bind_thread()  # this thread launches the steps
         # A stream starts from zero tables, as after a restart: the planner that opens it again (after a
         # loss or a refused plan) writes every row whole. Behind any step still running from the last one.
         await asyncio.get_running_loop().run_in_executor(self._compute, self._runner.store.rows.zero_)
         in_flight = asyncio.Semaphore(PLANS_IN_FLIGHT)
-        # Launched steps in order; a failure to launch ends the queue (nothing behind it launches).
-        launched: asyncio.Queue[LaunchedStep | Exception | None] = asyncio.Queue()
 
         async def launch_plans() -> None:
             # Launches plan N+1 while step N runs; a plan is read once fewer than two await their output.
@@ -92,7 +147,6 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 launched.put_nowait(None)
 
         reader = asyncio.create_task(launch_plans())
-        peer = context.peer()  # read while the call lives: the finally may run after the server stopped
         log.info("steps stream opened", peer=peer)
         try:
             while (step := await launched.get()) is not None:
@@ -103,6 +157,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 except PlanError as err:
                     log.warning("plan refused", error=str(err))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                except StreamReplaced:
+                    await context.abort(
+                        grpc.StatusCode.ABORTED, "a newer Steps stream of the same planner replaced this one"
+                    )
                 except (
                     StageLost
                 ) as err:  # the group is lost with the stage: this one exits, to restart with it
@@ -118,8 +176,6 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             # Steps launched and not collected finish on the device; their outputs are dropped.
             reader.cancel()
             self._runner.forget_launched()
-            self._stream_open = False
-            log.info("steps stream closed", peer=peer)
 
     async def Park(
         self, request: executor_pb2.ParkPagesRequest, context: grpc.aio.ServicerContext

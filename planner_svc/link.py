@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Protocol
 
 import grpc
 
 from protos import executor_pb2, executor_pb2_grpc
-from protos.rpc import ChannelSecurity, open_channel
+from protos.rpc import PLANNER_ID_METADATA, ChannelSecurity, open_channel
+
+PLANNER_ID = uuid.uuid4().hex  # this planner process's, sent with each Steps stream it opens
 
 
 class LinkError(Exception):
@@ -60,10 +63,11 @@ class GrpcLink:
         return await self._stub.Describe(executor_pb2.DescribeRequest(), wait_for_ready=True)
 
     async def open(self) -> None:
-        """Open the step stream; a stream still open (after a loss or a refusal) is cancelled first."""
+        """Open the step stream; a stream still open (after a loss or a refusal) is cancelled first, and should
+        that cancel not reach the executor, the new stream (carrying this planner's id) replaces it there."""
         if self._call is not None:
             self._call.cancel()
-        self._call = self._stub.Steps()
+        self._call = self._stub.Steps(metadata=((PLANNER_ID_METADATA, PLANNER_ID),))
 
     def _stream(self) -> grpc.aio.StreamStreamCall:
         if self._call is None:

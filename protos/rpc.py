@@ -34,6 +34,9 @@ CHANNEL_OPTIONS = [
 SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 # Statuses that mean "not up yet": keep polling.
+# Metadata of a Steps stream: the opening planner's id (one per planner process), so that a newer stream of the
+# same planner replaces one the planner gave up on, and another planner's is refused.
+PLANNER_ID_METADATA = "deltaserve-planner-id"
 _NOT_YET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 Servicer = TypeVar("Servicer")

@@ -9,7 +9,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from executor_svc.server import SERVICE_NAME, start_executor_server
+from planner_svc.link import GrpcLink, LinkLost
 from protos import executor_pb2, executor_pb2_grpc
+from protos.rpc import PLANNER_ID_METADATA
 from protos.wire import pack_i32
 from tests.test_runner import scripted_plans, tiny_model, tiny_runner, without_timing
 
@@ -26,20 +28,20 @@ async def served(model):
     runner = tiny_runner(model)
     server = await start_executor_server(runner, port=0)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    yield runner, channel
+    yield runner, channel, f"127.0.0.1:{server.port}"
     await channel.close()
     await server.stop(None)
 
 
 async def test_describe(served):
-    runner, channel = served
+    runner, channel, _ = served
     described = await executor_pb2_grpc.ExecutorStub(channel).Describe(executor_pb2.DescribeRequest())
     assert described == runner.describe()
     assert described.model_name == "tiny-llama"
 
 
 async def test_pipelined_plans_get_their_outputs_in_order(served, model):
-    _, channel = served
+    _, channel, _ = served
     plans = scripted_plans([2, 0, 1, 0])
     direct = tiny_runner(model)
     expected = [direct.run(plan) for plan in plans]
@@ -59,7 +61,7 @@ async def test_pipelined_plans_get_their_outputs_in_order(served, model):
 
 
 async def test_a_bad_plan_ends_the_stream_with_invalid_argument(served):
-    runner, channel = served
+    runner, channel, _ = served
     stub = executor_pb2_grpc.ExecutorStub(channel)
     plans = scripted_plans([1, 2])
     call = stub.Steps()
@@ -83,7 +85,7 @@ async def test_a_bad_plan_ends_the_stream_with_invalid_argument(served):
 
 
 async def test_a_second_stream_is_refused_while_one_is_open(served):
-    _, channel = served
+    _, channel, _ = served
     stub = executor_pb2_grpc.ExecutorStub(channel)
     first = stub.Steps()
     await first.write(scripted_plans([1])[0])
@@ -97,7 +99,7 @@ async def test_a_second_stream_is_refused_while_one_is_open(served):
 
 
 async def test_health_says_serving_and_reflection_lists_the_services(served):
-    _, channel = served
+    _, channel, _ = served
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", SERVICE_NAME):
         reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
@@ -108,3 +110,36 @@ async def test_health_says_serving_and_reflection_lists_the_services(served):
     listed = {s.name for s in (await call.read()).list_services_response.service}
     await call.done_writing()
     assert {SERVICE_NAME, "grpc.health.v1.Health"} <= listed
+
+
+async def test_a_newer_stream_of_the_same_planner_replaces_a_stale_one(served, model):
+    """The planner gave up on a stream whose cancel never reached the executor (after a hang, say): its newer
+    stream (GrpcLink sends the planner's id) takes over from zero tables, the stale one ends ABORTED; a
+    stream of another planner, or of none named, is still refused."""
+    _, channel, address = served
+    plans = scripted_plans([1, 2])
+    direct = tiny_runner(model)
+    expected = without_timing([direct.run(plan) for plan in plans[:3]])
+    stale, newer = GrpcLink(address), GrpcLink(address)  # two links of one planner process
+    try:
+        await stale.open()
+        await stale.send(plans[0])
+        await stale.recv()
+        await newer.open()
+        for plan in plans[1:3]:  # the first decode step writes its rows whole
+            await newer.send(plan)
+        assert without_timing([await newer.recv() for _ in range(2)]) == expected[1:]
+        with pytest.raises(LinkLost, match="ABORTED: a newer Steps stream of the same planner replaced"):
+            await stale.recv()
+        stub = executor_pb2_grpc.ExecutorStub(channel)
+        for metadata in (((PLANNER_ID_METADATA, "another-planner"),), ()):
+            other = stub.Steps(metadata=metadata)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await other.read()
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "another Steps stream is already open, from another planner" in refused.value.details()
+        await newer.send(plans[3])
+        assert without_timing([await newer.recv()]) == without_timing([direct.run(plans[3])])
+    finally:
+        await stale.close()
+        await newer.close()
