@@ -4,6 +4,7 @@ not enforce are refused by name, and the schema must compile (xgrammar, with the
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any
 
@@ -60,6 +61,16 @@ def unsupported_keyword(schema: Any, where: str = "#") -> str | None:
     return None
 
 
+# xgrammar's messages start with a time and its C++ source: "[07:09:02] /project/cpp/x.cc:94: Unsupported ..."
+_SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+def compile_error(error: Exception) -> str:
+    """xgrammar's refusal in words: its message's last line, less the time and source position."""
+    lines = str(error).strip().splitlines()
+    return _SOURCE_PREFIX.sub("", lines[-1]) if lines else type(error).__name__
+
+
 class SchemaCompiler:
     """Compiles schemas with the model's tokenizer to prove they can constrain it (built with the first)."""
 
@@ -84,5 +95,5 @@ class SchemaCompiler:
             try:
                 self._compiler.compile_json_schema(schema_text, strict_mode=True)
             except (RuntimeError, ValueError) as error:
-                return f"cannot be compiled: {str(error).splitlines()[-1]}"
+                return f"cannot be compiled: {compile_error(error)}"
         return None
