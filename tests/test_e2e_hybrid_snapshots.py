@@ -10,12 +10,19 @@ import torch
 
 from cache_svc.server import start_cache_server
 from executor_svc.config import ExecutorConfig
+from executor_svc.kernels import interpreting
 from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig, SchedulingConfig
 from tests.conftest import start_stack, stop_stack
 from tests.hybrid_model import build_text_model, greedy, save_layouts
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="session"),
+    pytest.mark.skipif(
+        not (interpreting() or torch.cuda.is_available()), reason="Triton: its interpreter or a CUDA device"
+    ),
+]
+DEVICE = "cpu" if interpreting() else "cuda"  # on a GPU (TRITON_INTERPRET=0): the copies on the card
 
 NEW_TOKENS = 6
 STATE_SLOTS = 5
@@ -27,7 +34,7 @@ async def _start(model_dir: str, cache_dir: str):
     stack, servers = await start_stack(
         ExecutorConfig(
             model=model_dir,
-            device="cpu",
+            device=DEVICE,
             dtype="float32",
             pool_pages=64,
             page_size=16,
