@@ -172,6 +172,7 @@ class Conversations:
         tokens = state_tokens or request.kv_tokens()
         turn_end = [request.prompt_len] if request.prefilled == request.prompt_len else []
         marks = [p for p in (request.root, request.pinned) if p is not None and p <= len(tokens)]
+        marked, request.marked_states = request.marked_states, {}
         return self.finish_turn(
             request.conversation,
             tokens,
@@ -180,6 +181,7 @@ class Conversations:
             root=request.root,
             pinned=request.pinned,
             state_slot=state_slot if state_tokens else 0,
+            marked_states=marked,
         )
 
     def finish_turn(
@@ -192,19 +194,25 @@ class Conversations:
         root: int | None = None,
         pinned: int | None = None,
         state_slot: int = 0,
+        marked_states: dict[int, int] | None = None,
     ) -> list[int]:
         """The turn ended: its tokens' KV is in `pages`; checkpoints are taken at the given positions.
 
         A model with recurrent layers: `state_slot` is the turn's state, at len(tokens) (0: none, it ended
-        before reading its prompt); the conversation takes it as that checkpoint's copy, or gives it back.
-        Its checkpoints are those with a copy only (`checkpoints` are not used). Returns the pages beyond the
-        tokens (to free)."""
+        before reading its prompt), and `marked_states` its copies at the root and pin marks (position ->
+        slot); the conversation takes them as those checkpoints' copies, or gives them back. Its checkpoints
+        are those with a copy only (`checkpoints` are not used). Returns the pages beyond the tokens (to
+        free)."""
         keep = -(-len(tokens) // self.page_size)
         conversation.tokens, conversation.pages = tokens, pages[:keep]
         conversation.busy = False
         retention = conversation.retention
         conversation.drop_states(retention.drop_after(len(tokens)))  # past what the pages hold now
         if self.recurrent:
+            for position, slot in sorted((marked_states or {}).items()):
+                self._keep_state(
+                    conversation, position, slot, root=position == root, pinned=position == pinned
+                )
             self._keep_state(conversation, len(tokens), state_slot)
             return pages[keep:]
         for position in sorted(set(checkpoints)):
@@ -216,19 +224,27 @@ class Conversations:
                 retention.pin(position)
         return pages[keep:]
 
-    def _keep_state(self, conversation: Conversation, position: int, slot: int) -> None:
+    def _keep_state(
+        self,
+        conversation: Conversation,
+        position: int,
+        slot: int,
+        *,
+        root: bool = False,
+        pinned: bool = False,
+    ) -> None:
         """A checkpoint at `position` holding the state in `slot` (a newer copy replaces one kept there); the
         copies of those retention evicts go back. With one state slot in all, none is kept: a kept copy
         would leave the turn resuming from it no slot to run in."""
         assert self.states is not None
         if not slot:
             return
-        if position < 1 or self.states.total < 2:
+        if not 0 < position <= len(conversation.tokens) or self.states.total < 2:
             self.states.give_back(slot)
             return
         conversation.drop_states([position])
         conversation.states[position] = slot
-        conversation.drop_states(conversation.retention.add(position))
+        conversation.drop_states(conversation.retention.add(position, root=root, pinned=pinned))
 
     def drop_state_copy(self) -> list[int] | None:
         """State-slot pressure: the least recently used idle conversation holding copies gives one back (its

@@ -51,6 +51,7 @@ def recover(
     scheduler.slots = SlotCache(scheduler.layout.widest_bucket)
     scheduler._assigned_seq = last_seq
     scheduler.mirror.reset()
+    scheduler.marks.forget()  # the chunks their copies follow may not have run
     for request in result.refused:
         scheduler.abort(request)
     for request in [*scheduler.prefilling, *scheduler.decoding]:
@@ -104,7 +105,7 @@ def _read_again(scheduler: Scheduler, request: Request, keep_pages: bool) -> Non
         scheduler.prefilling.append(request)
     else:
         request.pages, request.reused, request.prefilled, request.state_slot = [], 0, 0, 0
-        request.state_source = 0
+        request.state_source, request.marked_states = 0, {}
         request.phase = Phase.WAITING
 
 

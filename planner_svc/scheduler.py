@@ -16,6 +16,7 @@ from planner_svc.requests import Finish, Phase, Request
 from planner_svc.rows import RowMirror
 from planner_svc.sampler_state import SamplerWrites
 from planner_svc.slots import SlotCache
+from planner_svc.state_marks import MarkCopies
 from planner_svc.state_slots import StateSlots
 from protos.layout import RowLayout
 from protos.wire import I32
@@ -35,6 +36,7 @@ class Scheduler:
         self.states = StateSlots(config.state_slots)
         if conversations is not None:  # their checkpoints' state copies take slots of the same pool
             conversations.states = self.states
+        self.marks = MarkCopies(self.states)
         # Shared prefix pages would skip tokens whose recurrent state no page holds: off for such models.
         self.prefix_cache = config.settings.prefix_cache and not self.states.enabled
         self.mirror = RowMirror(layout)
@@ -129,6 +131,7 @@ class Scheduler:
         self._sync_reads()
         self._dirty = False
         self._admit()
+        self.marks.step_begins()
         step = PlannedStep(seq)
         finals = self._plan_prefill(step)
         room = self.layout.widest_bucket - len(finals)
@@ -140,6 +143,7 @@ class Scheduler:
         if not (step.prefill or ready):
             self._steady, self._steady_left = None, 0
             return None
+        self.marks.copy_into(step)
         writes = SamplerWrites()
         if finals or ready:
             self._assign(seq, finals + ready)
@@ -206,7 +210,8 @@ class Scheduler:
             if budget == 0 or len(finals) == self.layout.widest_bucket:
                 break
             start = request.prefilled
-            end = start + min(request.prompt_len - start, budget)
+            end = self.marks.chunk_end(request, start, start + min(request.prompt_len - start, budget))
+            self.marks.chunk_planned(request, end)
             budget -= end - start
             chunk = PrefillChunk(
                 request,

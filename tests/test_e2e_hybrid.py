@@ -169,8 +169,9 @@ async def test_aborts_free_their_state_slots(text_stack, hybrid):
 async def test_conversation_resumes_from_checkpoints_with_state_copies(text_stack, hybrid):
     """Each turn's end is a checkpoint holding its state copy (in the middle of a page here). Turn 2 resumes from
     turn 1's (its pages and the copy of its state) and turn 3, its history edited before turn 2's checkpoint,
-    from turn 1's again: each gives the tokens of a fresh read of its whole history. Then three requests at once
-    need every state slot: the conversation's copies give theirs back under that pressure."""
+    from turn 1's again: each gives the tokens (and logprobs) of a fresh read of its whole history. Three
+    requests at once then need every state slot: the conversation's copies give theirs back under that
+    pressure. A pinned prefix inside a prompt holds a copy too, and a history edited after it resumes from it."""
     model = build_text_model()
     prompt, first_answer = hybrid[2][1]
     second = prompt + first_answer + [7, 8, 9]
@@ -216,6 +217,23 @@ async def test_conversation_resumes_from_checkpoints_with_state_copies(text_stac
     assert await _all_at_once(text_stack, cases) == [expected for _, expected in cases]
     await _all_free(text_stack)
     assert not conversation.states
+    async with PlannerClient(text_stack.addr) as client:
+        # A pinned prefix inside the prompt keeps a copy of the state there: a history edited after it, before
+        # the turn's end, resumes from the pin.
+        pinned = GenerateOptions(
+            token_ids=prompt, max_tokens=NEW_TOKENS, conversation_id="pin", shared_prefix={"tokens": 10}
+        )
+        assert (await client.generate_all(pinned)).token_ids == first_answer
+        await text_stack.wait_idle()
+        (pinned_chat,) = [c for c in scheduler.conversations.every() if c.conversation_id == "pin"]
+        assert sorted(pinned_chat.states) == [10, stored] and pinned_chat.retention.pinned == 10
+        edited = prompt[:12] + [4, 4, 4]
+        got = await turn(edited, conversation="pin")
+        await assert_fresh_read(got, edited)
+        assert (got.reused_tokens, got.checkpoint, got.diverged_at) == (10, "checkpoint@10", 12)
+    await text_stack.wait_idle()
+    scheduler.return_pages(pinned_chat.forget())  # its copies back, for the tests after this one
+    await _all_free(text_stack)
 
 
 async def test_row_check_soak_under_kv_and_state_pressure(hybrid):

@@ -114,3 +114,24 @@ def test_turns_keep_their_state_and_resume_from_a_copy_of_it():
     seq, _ = _run(scheduler, other, seq)
     assert conversation.states == {10: 2} and conversation.retention.positions == [10]
     scheduler.states.check()
+
+
+def test_a_root_mark_inside_the_prompt_keeps_a_copy_of_the_state_there():
+    conversations = Conversations(4, RetentionConfig())
+    scheduler = _scheduler(state_slots=4, conversations=conversations)
+    conversation = conversations.open("tenant", "chat")
+    request = Request("turn", [5, 6, 7, 8, 9, 10, 11], max_tokens=2)
+    request.conversation, request.root = conversation, 3
+    conversations.mount(conversation, request.prompt_ids)
+    scheduler.add(request)
+    step = scheduler.plan(0)
+    assert step is not None and [(c.start, len(c.token_ids) // 4) for c in step.prefill] == [
+        (0, 3)
+    ]  # cut at 3
+    scheduler.commit(0, np.zeros(0, np.int32), np.array([-1], np.int32))
+    step = scheduler.plan(1)  # the copy at the mark first, then the rest of the prompt
+    assert step is not None and step.state_copies == [(1, 2)] and step.prefill[0].start == 3
+    scheduler.commit(1, np.zeros(0, np.int32), np.array([30], np.int32))
+    _run(scheduler, request, 2)
+    assert conversation.states == {3: 2, 8: 1} and conversation.retention.root == 3
+    scheduler.states.check()

@@ -1,0 +1,56 @@
+"""Copies of a hybrid turn's recurrent state at the root and pin marks inside its prompt (DESIGN §4): its
+prefill chunks end at them, and the step after a chunk that ends at one copies the turn's state into a free
+state slot, before anything else of that step; the conversation keeps it as that mark's checkpoint. No free
+slot then: no copy, and no checkpoint at that mark."""
+
+from __future__ import annotations
+
+from planner_svc.planned import PlannedStep
+from planner_svc.requests import Request
+from planner_svc.state_slots import StateSlots
+
+
+def _marks(request: Request) -> tuple[int, ...]:
+    if request.conversation is None:
+        return ()
+    return tuple(
+        m for m in (request.root, request.pinned) if m is not None and m not in request.marked_states
+    )
+
+
+class MarkCopies:
+    """The marks whose chunk is planned and whose copy is not: each copy rides in the first step planned after
+    the chunk's, which precedes any later step of the turn (so its state is still the mark's)."""
+
+    def __init__(self, states: StateSlots) -> None:
+        self.states = states
+        self._due: list[tuple[Request, int]] = []  # chunks in steps planned before the one being planned
+        self._new: list[tuple[Request, int]] = []  # chunks in the step being planned
+
+    def chunk_end(self, request: Request, start: int, end: int) -> int:
+        """A prefill chunk's end: `end`, or the first mark in (start, end) (a model with recurrent layers)."""
+        if not self.states.enabled:
+            return end
+        return min((m for m in _marks(request) if start < m < end), default=end)
+
+    def step_begins(self) -> None:
+        self._due += self._new
+        self._new = []
+
+    def chunk_planned(self, request: Request, end: int) -> None:
+        if self.states.enabled and end in _marks(request):
+            self._new.append((request, end))
+
+    def copy_into(self, step: PlannedStep) -> None:
+        """The due copies, into `step` (planned after their chunks'): a free state slot each, while any is."""
+        for request, mark in self._due:
+            if request.state_slot and self.states.free_count:
+                slot = self.states.take()
+                step.state_copies.append((request.state_slot, slot))
+                request.marked_states[mark] = slot
+                request.last_seq = max(request.last_seq, step.seq)  # its release waits for the copy's commit
+        self._due = []
+
+    def forget(self) -> None:
+        """Steps were lost or refused: the chunks the copies follow may not have run."""
+        self._due, self._new = [], []
