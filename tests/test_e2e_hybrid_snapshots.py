@@ -23,6 +23,9 @@ pytestmark = [
     ),
 ]
 DEVICE = "cpu" if interpreting() else "cuda"  # on a GPU (TRITON_INTERPRET=0): the copies on the card
+# A lost or stale state moves the logprobs by ~6e-4 on the CPU; a card's kernels differ by more between a read
+# of it all and a resumed one, so there the tokens and the bytes are the checks.
+LOGPROBS_ABS = 2e-5 if DEVICE == "cpu" else 1e-3
 
 NEW_TOKENS = 6
 STATE_SLOTS = 5
@@ -107,7 +110,7 @@ async def test_park_restart_resume_equals_a_fresh_read(tmp_path):
             ]
             assert got.token_ids == fresh.token_ids == greedy(model, history, NEW_TOKENS)
             assert [t.chosen.logprob for t in got.logprobs] == pytest.approx(  # a state lost would move them
-                [t.chosen.logprob for t in fresh.logprobs], abs=2e-5
+                [t.chosen.logprob for t in fresh.logprobs], abs=LOGPROBS_ABS
             )
             assert (got.checkpoint, got.reused_tokens) == (f"snapshot@{positions[-1]}", positions[-1])
             await stack.wait_idle()
