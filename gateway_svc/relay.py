@@ -134,3 +134,44 @@ async def responses(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def arrived_together(stream: AsyncGenerator[T, None], first: T) -> AsyncGenerator[list[T], None]:
+    """`first`, then the rest of `stream`, grouped: each list holds what had arrived by the time the previous one
+    was taken. Under load a stream's responses queue up here, and the caller sends each group in one write
+    instead of one write each. Closing it closes `stream` (cancelling its calls); an error in `stream` is
+    raised after the responses that came before it."""
+    # each entry: a response, or (at the end) the error the stream ended with or None
+    arrived: asyncio.Queue[tuple[bool, T | BaseException | None]] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for item in stream:
+                arrived.put_nowait((False, item))
+        except Exception as error:
+            arrived.put_nowait((True, error))
+        else:
+            arrived.put_nowait((True, None))
+
+    task = asyncio.create_task(pump())
+    try:
+        group: list[T] = [first]
+        while True:
+            ended, item = await arrived.get() if not group else (False, None)
+            while not ended:
+                if item is not None:
+                    group.append(item)  # type: ignore[arg-type]
+                if arrived.empty():
+                    break
+                ended, item = arrived.get_nowait()
+            if group:
+                yield group
+                group = []
+            if ended:
+                if isinstance(item, BaseException):
+                    raise item
+                return
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await stream.aclose()

@@ -3,6 +3,7 @@ of a stream that fails after it began."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -12,6 +13,7 @@ from gateway_svc.app import _events
 from gateway_svc.http_errors import HTTP_STATUS, ApiError
 from gateway_svc.openai_replies import ChoiceState, ChunkWriter
 from gateway_svc.openai_schema import ChatCompletionBody, CompletionBody
+from gateway_svc.relay import arrived_together
 from gateway_svc.translate import BadField, UnsupportedField, chat_choices, completion_choices
 from protos import client_pb2
 from protos.wire import pack_i32
@@ -158,3 +160,45 @@ def test_a_plain_chunk_written_directly_is_what_encoding_its_dict_writes(kind, t
             + json.dumps(choice, separators=(",", ":"), ensure_ascii=False).encode()
             + writer._tail
         )
+
+
+async def test_responses_that_arrived_together_go_out_as_one_group():
+    """arrived_together: what had arrived while the previous group was taken comes as one list; an error comes
+    after what preceded it; closing the groups early closes the stream."""
+    released = asyncio.Event()
+    closed = []
+
+    async def stream():
+        try:
+            yield 2
+            yield 3
+            await released.wait()
+            yield 4
+            raise ApiError(503, "gone")
+        finally:
+            closed.append(True)
+
+    groups = arrived_together(stream(), 1)
+    assert await anext(groups) == [1]
+    await asyncio.sleep(0)  # the pump takes 2 and 3 meanwhile
+    await asyncio.sleep(0)
+    assert await anext(groups) == [2, 3]
+    released.set()
+    assert await anext(groups) == [4]
+    with pytest.raises(ApiError):
+        await anext(groups)
+    assert closed == [True]
+
+    async def endless():
+        try:
+            while True:
+                yield 0
+                await asyncio.sleep(0)
+        finally:
+            closed.append(False)
+
+    running = endless()
+    groups = arrived_together(running, await anext(running))  # as the gateway: the first taken before
+    await anext(groups)
+    await groups.aclose()
+    assert closed == [True, False]
