@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 from collections import deque
 
+from executor_svc.control_writes import grammar_text
 from executor_svc.step_loop import collect_when_ready, launch_step
 from planner_svc.link import LinkError
 from protos import executor_pb2
@@ -47,6 +48,11 @@ class InProcessLink:
 
     async def restore(self, request: executor_pb2.RestorePagesRequest) -> executor_pb2.RestorePagesReply:
         raise LinkError("the in-process link has no cache service: restoring needs a gRPC executor")
+
+    async def prepare_grammar(self, grammar: executor_pb2.Grammar) -> None:
+        text = grammar_text(grammar)
+        if text is not None:
+            await self._runner.grammars.compile_ahead([text])
 
     async def close(self) -> None:
         for launch in self._launched:

@@ -9,9 +9,10 @@ executor builds it on a thread of its own at start (`warm`), so no step waits fo
 grammar does.
 
 A grammar is compiled once and kept in a bounded LRU map (`cache_size` compiled grammars; one takes from tens
-of KB to a few MB). The server compiles a plan's new grammars on the grammar thread before it launches the
-plan (`compile_ahead`), so the event loop keeps collecting and answering the steps already launched; the plan
-itself still launches only once they are compiled (its constrained rows sample in it), in order, as before.
+of KB to a few MB), on the grammar thread (`compile_ahead`), the event loop free meanwhile: the planner asks
+for it (PrepareGrammar) before it submits the request, so no step waits for it; should a plan bring one not
+compiled (evicted meanwhile, or a planner that did not ask), it is compiled before that plan launches, the
+steps already launched collected and answered meanwhile.
 A schema that does not compile is a PlanError (INVALID_ARGUMENT), raised before anything changes.
 """
 
@@ -70,6 +71,7 @@ class Grammars:
             threading.Thread(target=self._build_compiler, name="grammar-compiler", daemon=True).start()
         self._compiled: BoundedLru[str, Any] = BoundedLru(cache_size)  # grammar text -> CompiledGrammar
         self._compiling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self.late_compiles = 0  # steps that waited for a grammar's compile (PrepareGrammar had not done it)
         self._matchers: dict[int, Any] = {}  # slot -> GrammarMatcher
         self._last = np.zeros(len(controls.on), dtype=np.int64)  # by slot: the last token read back
         self._unfed: list[tuple[LaunchedStep, np.ndarray]] = []  # launched steps and the slots they sampled
@@ -172,12 +174,20 @@ class Grammars:
         if self._matchers or self._unfed:
             self._unfed.append((step, step_slots(step.plan, store, None)))
 
-    async def compile_ahead(self, plan: executor_pb2.StepPlan) -> None:
-        """Compile the grammars `plan` writes that are not compiled yet on the grammar thread, the event loop
-        free meanwhile; PlanError for one that cannot be compiled (nothing changed)."""
-        missing = [text for text in plan_grammars(plan) if text not in self._compiled]
+    async def compile_ahead(self, grammars: list[str]) -> int:
+        """Compile those of `grammars` not compiled yet on the grammar thread, the event loop free meanwhile,
+        and say how many; PlanError for one that cannot be compiled (nothing changed)."""
+        missing = [text for text in grammars if text not in self._compiled]
         if missing:
             await asyncio.get_running_loop().run_in_executor(self._compiling, self._compile_all, missing)
+        return len(missing)
+
+    async def before_launch(self, plan: executor_pb2.StepPlan) -> None:
+        """The plan's grammars compiled before it launches. Those PrepareGrammar did not compile (evicted
+        since, or never asked for) are compiled now: that step waits, counted in `late_compiles`."""
+        if await self.compile_ahead(plan_grammars(plan)):
+            self.late_compiles += 1
+            log.info("a step waited for its grammar's compile", seq=plan.seq)
 
     def _compile_all(self, grammars: list[str]) -> None:
         for grammar in dict.fromkeys(grammars):

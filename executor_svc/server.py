@@ -14,6 +14,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from executor_svc.config import DEFAULT_SHARD_LAYERS
+from executor_svc.control_writes import grammar_text
 from executor_svc.executor_metrics import register_executor_metrics
 from executor_svc.plan import PlanError
 from executor_svc.runner import LaunchedStep, StepRunner
@@ -176,6 +177,18 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             # Steps launched and not collected finish on the device; their outputs are dropped.
             reader.cancel()
             self._runner.forget_launched()
+
+    async def PrepareGrammar(
+        self, request: executor_pb2.Grammar, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.GrammarPrepared:
+        grammar = grammar_text(request)
+        try:
+            if grammar is None:
+                raise PlanError("PrepareGrammar: the grammar is empty (neither json_object nor json_schema)")
+            await self._runner.grammars.compile_ahead([grammar])
+        except PlanError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return executor_pb2.GrammarPrepared()
 
     async def Park(
         self, request: executor_pb2.ParkPagesRequest, context: grpc.aio.ServicerContext

@@ -18,7 +18,7 @@ async def launch_step(runner: StepRunner, plan: executor_pb2.StepPlan, compute: 
     transfers with the stages beside it block. Its new grammars are compiled first, on their own thread,
     the loop collecting the steps before it meanwhile."""
     if plan.control_grammar:
-        await runner.grammars.compile_ahead(plan)
+        await runner.grammars.before_launch(plan)
     if runner.device.type == "cuda" and not runner.model.stage.split:
         return runner.launch(plan)
     return await asyncio.get_running_loop().run_in_executor(compute, runner.launch, plan)

@@ -135,5 +135,8 @@ class GroupLink:
         refuses the group's restore: the planner frees the pages)."""
         return (await _all([s.restore(request) for s in self.stages]))[0]
 
+    async def prepare_grammar(self, grammar: executor_pb2.Grammar) -> None:
+        await _all([s.prepare_grammar(grammar) for s in self.stages])
+
     async def close(self) -> None:
         await _all([s.close() for s in self.stages])

@@ -47,6 +47,8 @@ class ExecutorLink(Protocol):
 
     async def restore(self, request: executor_pb2.RestorePagesRequest) -> executor_pb2.RestorePagesReply: ...
 
+    async def prepare_grammar(self, grammar: executor_pb2.Grammar) -> None: ...
+
     async def close(self) -> None: ...
 
 
@@ -109,6 +111,15 @@ class GrpcLink:
 
     async def restore(self, request: executor_pb2.RestorePagesRequest) -> executor_pb2.RestorePagesReply:
         return await self._stub.Restore(request)
+
+    async def prepare_grammar(self, grammar: executor_pb2.Grammar) -> None:
+        """Once the executor has compiled `grammar`; ValueError where it cannot. Other errors pass: the plan
+        that writes the grammar compiles it then (an executor lost meanwhile shows on the step stream)."""
+        try:
+            await self._stub.PrepareGrammar(grammar)
+        except grpc.aio.AioRpcError as error:
+            if error.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(error.details() or "the grammar cannot be compiled") from None
 
     async def close(self) -> None:
         if self._call is not None:

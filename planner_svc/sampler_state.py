@@ -67,13 +67,7 @@ class SamplerWrites:
         )
         self.control_tokens += [*bias_ids, *prompt, *counted, *stops]
         self.control_bias += [bias for _, bias in s.logit_bias]
-        self.control_grammars.append(
-            executor_pb2.Grammar()
-            if grammar is None
-            else executor_pb2.Grammar(json_schema=grammar)
-            if grammar
-            else executor_pb2.Grammar(json_object=True)
-        )
+        self.control_grammars.append(grammar_message(grammar))
 
     def __bool__(self) -> bool:
         return bool(self.slots)
@@ -96,6 +90,13 @@ class SamplerWrites:
             if any(g.WhichOneof("kind") for g in self.control_grammars):
                 fields["control_grammar"] = self.control_grammars
         return fields
+
+
+def grammar_message(grammar: str | None) -> executor_pb2.Grammar:
+    """A request's grammar ("" any JSON object, else a JSON Schema's text, None none) as executor.proto's."""
+    if grammar is None:
+        return executor_pb2.Grammar()
+    return executor_pb2.Grammar(json_schema=grammar) if grammar else executor_pb2.Grammar(json_object=True)
 
 
 def _as_i32(value: int) -> int:

@@ -135,6 +135,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             else:
                 await self._owner(req, request, context)
                 engine = self.turns.least_loaded()
+                await self.turns.prepare(engine, req)
                 queue = engine.submit(req)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

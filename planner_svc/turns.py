@@ -12,6 +12,7 @@ from planner_svc.conversations import Conversation, Mount
 from planner_svc.engine import Engine
 from planner_svc.parking import ParkError, Parking, Restore
 from planner_svc.requests import Request
+from planner_svc.sampler_state import grammar_message
 from planner_svc.streaming import TokenEvent
 from protos import executor_pb2
 
@@ -35,6 +36,19 @@ class Turns:
         return self._locks.setdefault(conversation.key, asyncio.Lock())
 
     # ---- routing ----
+
+    @staticmethod
+    async def prepare(engine: Engine, request: Request) -> None:
+        """Structured output: the engine's executor compiles the request's grammar before any step writes it,
+        so that no step waits for the compile (ValueError where it cannot be compiled). One that does not
+        answer within the step watchdog's time leaves it to the plan."""
+        if request.grammar is None:
+            return
+        try:
+            grammar = grammar_message(request.grammar)
+            await asyncio.wait_for(engine.link.prepare_grammar(grammar), engine.executor_timeout)
+        except TimeoutError:
+            log.warning("the executor did not compile a grammar in time", executor=engine.link.address)
 
     def least_loaded(self) -> Engine:
         """The serving engine with the fewest requests (a lost one only when none serves: it refuses)."""
@@ -67,6 +81,7 @@ class Turns:
         Raises ParkError (a turn already running, or the previous one not ending), ValueError and
         CapacityError for a request the scheduler refuses, ConnectionError for a lost executor."""
         engine, conversation = self.route(tenant, conversation_id)
+        await self.prepare(engine, req)
         async with self.lock(conversation):
             mount = await self._mount(engine, conversation, req)
             queue = engine.submit(req)

@@ -109,6 +109,10 @@ class Grammar(_message.Message):
     json_schema: str
     def __init__(self, json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ...) -> None: ...
 
+class GrammarPrepared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class StepOutput(_message.Message):
     __slots__ = ("seq", "tokens", "prefill_tokens", "row_mismatches", "device_wait_us", "logprobs", "logprob_ids")
     SEQ_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class ExecutorStub:
                 request_serializer=protos_dot_executor__pb2.RestorePagesRequest.SerializeToString,
                 response_deserializer=protos_dot_executor__pb2.RestorePagesReply.FromString,
                 _registered_method=True)
+        self.PrepareGrammar = channel.unary_unary(
+                '/deltaserve.v1.Executor/PrepareGrammar',
+                request_serializer=protos_dot_executor__pb2.Grammar.SerializeToString,
+                response_deserializer=protos_dot_executor__pb2.GrammarPrepared.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -86,6 +91,14 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareGrammar(self, request, context):
+        """Compile a structured-output grammar ahead of the plan that writes it (answered once it is compiled), so
+        that no step waits for its compile; INVALID_ARGUMENT for one that cannot be compiled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +121,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=protos_dot_executor__pb2.RestorePagesRequest.FromString,
                     response_serializer=protos_dot_executor__pb2.RestorePagesReply.SerializeToString,
+            ),
+            'PrepareGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareGrammar,
+                    request_deserializer=protos_dot_executor__pb2.Grammar.FromString,
+                    response_serializer=protos_dot_executor__pb2.GrammarPrepared.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +236,33 @@ class Executor:
             '/deltaserve.v1.Executor/Restore',
             protos_dot_executor__pb2.RestorePagesRequest.SerializeToString,
             protos_dot_executor__pb2.RestorePagesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Executor/PrepareGrammar',
+            protos_dot_executor__pb2.Grammar.SerializeToString,
+            protos_dot_executor__pb2.GrammarPrepared.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from planner_svc.client import GenerateOptions, PlannerClient
+from protos import executor_pb2, executor_pb2_grpc
 from tests.hf_reference import hf_model, hf_tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -207,3 +208,23 @@ async def test_a_grammar_with_ignore_eos_or_min_tokens_is_invalid_argument(smol_
                 )
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert f"response_format and {fields} conflict" in caught.value.details()
+
+
+async def test_a_new_schema_is_compiled_before_any_step_and_the_executor_refuses_a_bad_one(smol_stack):
+    """The planner has the executor compile a request's grammar (PrepareGrammar) before submitting it: no
+    step waits for a compile. One xgrammar cannot compile is INVALID_ARGUMENT from the executor too."""
+    grammars = smol_stack.runner.grammars
+    late = grammars.late_compiles
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    async with PlannerClient(smol_stack.addr) as client:
+        got = await client.generate_all(
+            GenerateOptions(text="A number as JSON:", max_tokens=3, response_format=response_format)
+        )
+    assert got.text.lstrip().startswith("{") and grammars.late_compiles == late
+    bad = executor_pb2.Grammar(json_schema='{"type": "string", "pattern": "(?<=x)y"}')
+    async with grpc.aio.insecure_channel(smol_stack.engine.link.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await executor_pb2_grpc.ExecutorStub(channel).PrepareGrammar(bad)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cannot be compiled: " in caught.value.details() and "Lookbehind" in caught.value.details()

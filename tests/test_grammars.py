@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc.grammars import Grammars
+from executor_svc.grammars import Grammars, plan_grammars
 from executor_svc.plan import PlanError
 from executor_svc.runner import LaunchedStep
 from executor_svc.sampler_controls import SamplerControls
@@ -47,7 +47,7 @@ def test_grammars_compile_off_the_loop_into_a_bounded_map(grammars):
         await asyncio.sleep(0)
         before = turns
         schemas = [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}} for i in range(3)]
-        await grammars.compile_ahead(writes(*schemas))
+        await grammars.compile_ahead(plan_grammars(writes(*schemas)))
         task.cancel()
         return turns - before
 
@@ -58,7 +58,7 @@ def test_grammars_compile_off_the_loop_into_a_bounded_map(grammars):
 def test_a_schema_xgrammar_cannot_compile_is_a_plan_error(grammars):
     bad = {"type": "string", "pattern": "(?<=a)b"}
     with pytest.raises(PlanError, match="cannot be compiled: .*Lookbehind is not supported"):
-        asyncio.run(grammars.compile_ahead(writes(bad)))
+        asyncio.run(grammars.compile_ahead(plan_grammars(writes(bad))))
 
 
 def test_a_refused_token_ends_only_its_row(grammars):
