@@ -100,9 +100,12 @@ class Deltaserve:
 
 
 class Transformers:
-    def __init__(self) -> None:
+    """transformers `generate` in this process, on `threads` of torch's threads."""
+
+    def __init__(self, threads: int) -> None:
         from tests.hf_reference import hf_model
 
+        torch.set_num_threads(threads)
         self.model = hf_model()
         self.run([1, 2, 3, 4], 1, 2)  # warm-up
 
@@ -185,7 +188,7 @@ async def side_by_side(args) -> list[dict]:
     prompts = {length: prompt_ids(length) for length, _ in cases}
     serving = Deltaserve(args.weights, args.threads)
     await serving.ready()
-    arms: dict = {"deltaserve": serving.run, "transformers": Transformers().run}
+    arms: dict = {"deltaserve": serving.run, "transformers": Transformers(args.threads).run}
     llama = None
     if args.llamacpp_python:
         llama = LlamaCpp(args.llamacpp_python, args.threads, max(args.concurrency))
