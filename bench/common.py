@@ -52,7 +52,7 @@ def qwen3_5_0_8b_config():
     gated full attention), attention 8 query / 2 KV heads of 256 with partial rotary 0.25 and rope theta 1e7,
     gated delta nets of 16 key and 16 value heads of 128 with a conv of 4, RMS eps 1e-6, tied embeddings, EOS
     248044), which the benchmarks fill with random weights."""
-    from executor_svc.models.qwen3_5_model import FULL, LINEAR, Qwen35Config
+    from executor_svc.models.qwen3_5_config import FULL, LINEAR, Qwen35Config
 
     return Qwen35Config(
         vocab_size=248320,

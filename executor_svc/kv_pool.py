@@ -20,6 +20,9 @@ class KVPool:
 
     Padding rows write their K/V into the sink page; no row ever attends over it past length 1,
     so what lies there does not matter (it only has to stay finite, hence zeros at birth).
+
+    No layers is a stage of a hybrid's layer split holding gated delta nets only: its pages are numbers the
+    planner hands out to every stage alike, with no bytes here.
     """
 
     def __init__(
@@ -32,9 +35,9 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        if num_layers < 1 or num_kv_heads < 1 or head_dim < 1:
+        if num_layers < 0 or num_kv_heads < 1 or head_dim < 1:
             raise ValueError(
-                f"num_layers, num_kv_heads and head_dim must be positive, "
+                f"num_layers must not be negative, num_kv_heads and head_dim must be positive, "
                 f"got {num_layers}, {num_kv_heads}, {head_dim}"
             )
         if num_pages < 2:

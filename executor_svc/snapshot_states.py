@@ -8,12 +8,13 @@ windows `[state_layers, states, channels, conv_width - 1]` in the pool's dtype, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from executor_svc.copy_stream import CopyStream
-from executor_svc.models.qwen3_5_model import LINEAR
+from executor_svc.models.qwen3_5_config import LINEAR
 from executor_svc.state_pool import StatePool
 
 HYBRID_LAYOUT = "kv-then-states-layer-major/1"
@@ -31,6 +32,10 @@ class LayerKinds:
         """KV layers among the model's layers [begin, end)."""
         return sum(1 for layer in range(begin, end) if layer not in self.recurrent)
 
+    def state_count(self, begin: int, end: int) -> int:
+        """Recurrent layers among the model's layers [begin, end)."""
+        return (end - begin) - self.kv_count(begin, end)
+
     def kv_range(self, begin: int, end: int) -> tuple[int, int]:
         """Layers [begin, end) of the model (this executor's) as a range of the KV pool's layers."""
         low = self.kv_count(self.first, begin)
@@ -38,8 +43,8 @@ class LayerKinds:
 
     def state_range(self, begin: int, end: int) -> tuple[int, int]:
         """Layers [begin, end) of the model (this executor's) as a range of the state pool's layers."""
-        low = (begin - self.first) - self.kv_count(self.first, begin)
-        return low, low + (end - begin) - self.kv_count(begin, end)
+        low = self.state_count(self.first, begin)
+        return low, low + self.state_count(begin, end)
 
     def pattern(self, num_layers: int) -> str:
         """The layer pattern, 'R' recurrent and 'A' attention: what a snapshot's fingerprint covers."""
@@ -53,8 +58,9 @@ class StateShards:
     def __init__(self, pool: StatePool, kinds: LayerKinds) -> None:
         self.pool = pool
         self.kinds = kinds
-        self._conv_bytes = pool.conv[0, 0].numel() * pool.conv.element_size()  # one layer, one slot
-        self._recurrent_bytes = pool.recurrent[0, 0].numel() * pool.recurrent.element_size()
+        # one layer, one slot (from the shapes: a stage of full-attention layers only has a pool of no layers)
+        self._conv_bytes = math.prod(pool.conv.shape[2:]) * pool.conv.element_size()
+        self._recurrent_bytes = math.prod(pool.recurrent.shape[2:]) * pool.recurrent.element_size()
 
     def describe(self) -> str:
         """The shape of one state, for the fingerprint: the conv window and the recurrent state."""
@@ -62,13 +68,15 @@ class StateShards:
         return f"conv {list(conv.shape[2:])} {conv.dtype}, recurrent {list(recurrent.shape[2:])}"
 
     def warm(self, stream: CopyStream) -> None:
-        """The copy kernels for both state tensors, loaded at start-up (CopyStream.warm)."""
+        """The copy kernels for both state tensors, loaded at start-up (CopyStream.warm); none for a pool of no
+        layers (a stage of full-attention layers only)."""
+        if not self.pool.num_layers:
+            return
         stream.warm((self.pool.conv,))
         stream.warm((self.pool.recurrent,))
 
     def nbytes(self, begin: int, end: int, states: int) -> int:
-        low, high = self.kinds.state_range(begin, end)
-        return (high - low) * states * (self._conv_bytes + self._recurrent_bytes)
+        return self.kinds.state_count(begin, end) * states * (self._conv_bytes + self._recurrent_bytes)
 
     def read(self, stream: CopyStream, begin: int, end: int, slots: np.ndarray) -> bytes:
         """The states at `slots` of the recurrent layers in [begin, end), in the shard's byte order."""
@@ -82,22 +90,33 @@ class StateShards:
         return b"".join(part.tobytes() for part in parts)
 
     def write(
-        self, stream: CopyStream, begin: int, end: int, blob: np.ndarray, states: int, slots: np.ndarray
+        self,
+        stream: CopyStream,
+        layers: tuple[int, int],
+        begin: int,
+        end: int,
+        blob: np.ndarray,
+        states: int,
+        slots: np.ndarray,
     ) -> None:
         """The newest len(slots) of the `states` states in `blob` (u8, as `read` made it for layers [begin, end))
-        into `slots`, in position order."""
-        low, high = self.kinds.state_range(begin, end)
-        layers, keep = high - low, len(slots)
-        if not layers or not keep:
+        into `slots`, in position order, for the shard's layers in `layers` (this pool's: a shard parked under
+        another split may reach past them, and only its part in them is written)."""
+        low_layer, high_layer = max(begin, layers[0]), min(end, layers[1])
+        low, high = self.kinds.state_range(low_layer, high_layer)
+        held, keep = high - low, len(slots)
+        if held <= 0 or not keep:
             return
         index = slots.astype(np.int64)
-        split = layers * states * self._conv_bytes
+        shard_layers = self.kinds.state_count(begin, end)
+        skip = self.kinds.state_count(begin, low_layer)  # the shard's recurrent layers before this pool's
+        split = shard_layers * states * self._conv_bytes
         for tensor, data, entry_bytes in (
             (self.pool.conv, blob[:split], self._conv_bytes),
             (self.pool.recurrent, blob[split:], self._recurrent_bytes),
         ):
-            # u8[layers, 1 (the tensor), states, entry bytes]: the newest `keep` of each layer's
-            src = data.reshape(layers, 1, states, entry_bytes)[:, :, states - keep :]
+            # u8[shard layers, 1 (the tensor), states, entry bytes]: of this pool's layers, the newest `keep`
+            src = data.reshape(shard_layers, 1, states, entry_bytes)[skip : skip + held, :, states - keep :]
             stream.scatter((tensor[low:high],), src, index)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from concurrent.futures import Executor
 
@@ -88,7 +89,8 @@ class Snapshots:
         )
         # Made by the first park or restore on the card; `free_memory` replaces the card's memory query.
         self.copy_stream = CopyStream(runner.device, free_memory)
-        self.copy_stream.warm((pool.k, pool.v))
+        if pool.k.shape[0]:  # none in a hybrid's stage of gated delta nets only
+            self.copy_stream.warm((pool.k, pool.v))
         if self._states is not None:
             self._states.warm(self.copy_stream)
 
@@ -241,7 +243,7 @@ class Snapshots:
 
     def _kv_bytes(self, begin: int, end: int, num_pages: int) -> int:
         """The K and V bytes of a shard of layers [begin, end)."""
-        page_bytes = 2 * num_pages * self._pool.k[0, 0].numel() * self._pool.k.element_size()
+        page_bytes = 2 * num_pages * math.prod(self._page_shape) * self._pool.k.element_size()
         return self._kinds.kv_count(begin, end) * page_bytes
 
     def _read_for_park(
@@ -275,7 +277,7 @@ class Snapshots:
         states: np.ndarray,
     ) -> None:
         """On the page-copy thread: the shards' pages, and the newest len(states) of their `parked_states`
-        states into the slots `states` (a hybrid model's: never split, so every shard is its own)."""
+        states into the slots `states` (a hybrid model's), each shard's part in this stage's layers."""
         stream, layers = self.copy_stream, (self._layer_begin, self._layer_end)
         if self._states is None:
             write_shards(stream, self._pool, layers, ranges, blobs, pages)
@@ -286,4 +288,4 @@ class Snapshots:
         write_shards(stream, self._pool, layers, ranges, kv_parts, pages, self._kinds)
         for (begin, end), blob, kv in zip(ranges, blobs, kv_parts, strict=True):
             data = np.frombuffer(blob, dtype=np.uint8)[len(kv) :]
-            self._states.write(stream, begin, end, data, parked_states, states)
+            self._states.write(stream, layers, begin, end, data, parked_states, states)

@@ -20,6 +20,8 @@ class StatePool:
     heads, key_dim, value_dim] in float32 (the state accumulates over the whole sequence).
 
     Padding rows read the sink slot and write zeros back into it, so it stays zero: nothing else writes it.
+    No layers is a stage of a layer split holding full-attention layers only: its slots are numbers the
+    planner hands out to every stage alike, with no state here.
     """
 
     def __init__(
@@ -34,8 +36,8 @@ class StatePool:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        if num_layers < 1:
-            raise ValueError(f"a state pool needs at least one recurrent layer, got {num_layers}")
+        if num_layers < 0:
+            raise ValueError(f"a state pool's layers must not be negative, got {num_layers}")
         if num_slots < 2:
             raise ValueError(f"state slots must be at least 2 (slot 0 is the sink slot), got {num_slots}")
         if conv_width < 2:

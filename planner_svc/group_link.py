@@ -18,7 +18,7 @@ from protos.rpc import ChannelSecurity
 
 T = TypeVar("T")
 
-# Fields every stage must describe alike: the rows, the pages' shape, the model.
+# Fields every stage must describe alike: the rows, the pages' shape, the model, the recurrent-state slots.
 SHARED_FIELDS = (
     "model_fingerprint",
     "vocab_size",
@@ -30,6 +30,7 @@ SHARED_FIELDS = (
     "row_columns",
     "block_span",
     "dtype",
+    "state_slots",
 )
 
 

@@ -1,6 +1,7 @@
 """Park and restore through the copy stream's fixed-size staging: the chunk plan alone, the staging's size
 whatever the snapshot, and the chunked copies bit for bit against the pool for snapshots many times the
-staging, parked under one layer split and restored under others (the real shard copies on the CPU)."""
+staging, parked under one layer split and restored under others (the real shard copies on the CPU), a hybrid's
+recurrent states with its pages."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from executor_svc.kv_pool import KVPool
 from executor_svc.restore_guard import STAGING_BYTES
 from executor_svc.shard_copies import read_shards, write_shards
 from executor_svc.snapshot_checks import shard_ranges
+from executor_svc.snapshot_states import LayerKinds, StateShards
 from executor_svc.staging_plan import INDEX_BYTES, plan_chunks
+from executor_svc.state_pool import StatePool
 
 CPU = torch.device("cpu")
 LAYERS, PAGES, SHARD_LAYERS = 6, 40, 4
@@ -120,3 +123,73 @@ def test_the_staging_is_made_once_and_its_size_is_the_same_whatever_the_snapshot
     assert [(half.data_ptr(), half.numel()) for half in stream._card] == halves
     reversed_pages = large.k[:, 1:].flip(1).view(torch.int16)
     assert reversed_pages.equal(random_pool(seed=2).k[:, 1:].view(torch.int16))
+
+
+def test_a_hybrids_states_and_pages_restore_bit_equal_across_splits():
+    """A hybrid's shards (K/V of its full-attention layers, then the states of its gated delta nets) parked by
+    the stages of one split and restored by those of another, stages with no layers of a kind included."""
+    kinds = LayerKinds(frozenset({0, 1, 3, 4}))  # R R A R R A
+    parked_slots, restored_slots = np.array([4, 2]), np.array([1, 3])
+    whole_kv = random_pool(layers=2)
+    whole_states = StatePool(4, 5, 6, 4, 2, 4, 4, dtype=torch.bfloat16, device=CPU)
+    generator = torch.Generator().manual_seed(3)
+    whole_states.conv.view(torch.int16).copy_(
+        torch.randint(-9999, 9999, whole_states.conv.shape, generator=generator)
+    )
+    whole_states.recurrent.normal_(generator=generator)
+
+    def stage(begin: int, end: int, source: bool) -> tuple[KVPool, StateShards, LayerKinds]:
+        """A stage's pools: holding the whole's layers (`source`), or zeros."""
+        mine = LayerKinds(kinds.recurrent, begin)
+        kv = KVPool(mine.kv_count(begin, end), PAGES, *PAGE_SHAPE, dtype=torch.bfloat16, device=CPU)
+        low, high = kinds.state_range(begin, end)
+        states = StatePool(high - low, 5, 6, 4, 2, 4, 4, dtype=torch.bfloat16, device=CPU)
+        if source:
+            first, last = kinds.kv_range(begin, end)
+            kv.k.copy_(whole_kv.k[first:last]), kv.v.copy_(whole_kv.v[first:last])
+            states.conv.copy_(whole_states.conv[low:high])
+            states.recurrent.copy_(whole_states.recurrent[low:high])
+        return kv, StateShards(states, mine), mine
+
+    splits = ([(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 5), (5, 6)])  # stages without KV, without states
+    stream = CopyStream(CPU, staging_bytes=3000)
+    for parked_under in splits:
+        shards, blobs = [], []
+        for begin, end in parked_under:
+            kv, states, mine = stage(begin, end, source=True)
+            ranges = shard_ranges(begin, end, SHARD_LAYERS)
+            pages = read_shards(stream, kv, begin, ranges, PARKED, mine)
+            shards += ranges
+            blobs += [p + states.read(stream, *r, parked_slots) for p, r in zip(pages, ranges, strict=True)]
+        for restored_under in splits:
+            for begin, end in restored_under:
+                kv, states, mine = stage(begin, end, source=False)
+                got = [(s, b) for s, b in zip(shards, blobs, strict=True) if s[0] < end and s[1] > begin]
+                page_bytes = [mine.kv_count(*s) * 2 * len(PARKED) * 128 for s, _ in got]
+                write_shards(
+                    stream,
+                    kv,
+                    (begin, end),
+                    [s for s, _ in got],
+                    [b[:n] for (_, b), n in zip(got, page_bytes)],
+                    RESTORED,
+                    mine,
+                )
+                for (s, b), n in zip(got, page_bytes, strict=True):
+                    blob = np.frombuffer(b, dtype=np.uint8)[n:]
+                    states.write(stream, (begin, end), *s, blob, len(parked_slots), restored_slots)
+                first, last = kinds.kv_range(begin, end)
+                assert (
+                    kv.k[:, RESTORED]
+                    .view(torch.int16)
+                    .equal(whole_kv.k[first:last, PARKED].view(torch.int16))
+                )
+                assert (
+                    kv.v[:, RESTORED]
+                    .view(torch.int16)
+                    .equal(whole_kv.v[first:last, PARKED].view(torch.int16))
+                )
+                low, high = kinds.state_range(begin, end)
+                pool = states.pool
+                assert pool.conv[:, restored_slots].equal(whole_states.conv[low:high, parked_slots])
+                assert pool.recurrent[:, restored_slots].equal(whole_states.recurrent[low:high, parked_slots])

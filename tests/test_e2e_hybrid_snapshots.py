@@ -1,9 +1,13 @@
 """Snapshots of a Qwen3.5 hybrid conversation through the cache service, over real gRPC: park carries each
 checkpoint's recurrent state with the pages (shards of two layers: one of gated delta nets only, one of both
 kinds), a resume brings them back byte for byte, and after a restart of every service the conversation resumes
-from its snapshot with the tokens of a fresh read of its whole history."""
+from its snapshot with the tokens of a fresh read of its whole history: under a layer split of two stages (each
+its own process, gloo), which also gives transformers' greedy tokens one at a time and all at once, and then,
+parked by those stages, whole again."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig, SchedulingConfig
 from tests.conftest import start_stack, stop_stack
 from tests.hybrid_model import build_text_model, greedy, save_layouts
+from tests.split_stages import StageGroup, start_group_planner
 
 pytestmark = [
     pytest.mark.asyncio(loop_scope="session"),
@@ -29,6 +34,9 @@ LOGPROBS_ABS = 2e-5 if DEVICE == "cpu" else 1e-3
 
 NEW_TOKENS = 6
 STATE_SLOTS = 5
+# A stage of one gated delta net (no KV layer) and one of the rest (two of them and the full-attention layer):
+# each reads part of the first shard of two layers parked whole.
+SPLIT = [(0, 1), (1, 4)]
 
 
 async def _start(model_dir: str, cache_dir: str):
@@ -49,6 +57,32 @@ async def _start(model_dir: str, cache_dir: str):
         PlannerConfig(model=model_dir, cache=address, scheduling=SchedulingConfig(row_check=True)),
     )
     return stack, [*servers, cache]
+
+
+async def _start_split(model_dir: str, cache_dir: str, log_dir):
+    cache = await start_cache_server(cache_dir, budget_bytes=1 << 30)
+    address = f"127.0.0.1:{cache.port}"
+    flags = ("--model", model_dir, "--device", DEVICE, "--dtype", "float32", "--pool-pages", "64")
+    flags += (
+        "--page-size",
+        "16",
+        "--buckets",
+        "1,2,4",
+        "--state-slots",
+        str(STATE_SLOTS),
+        "--shard-layers",
+        "2",
+    )
+    flags += ("--stage-backend", "gloo")  # on a card, two stages of one process each: NCCL refuses them
+    group = StageGroup(log_dir, SPLIT, address, flags=flags)
+    try:
+        group.wait_listening()
+        stack, planner = await start_group_planner(group.addresses, address, model=model_dir)
+    except BaseException:
+        group.stop()
+        await cache.stop(None)
+        raise
+    return stack, group, [planner, cache]
 
 
 def _states(stack, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,24 +131,49 @@ async def test_park_restart_resume_equals_a_fresh_read(tmp_path):
             history = list(conversation.tokens) + [9, 10, 11]
     finally:
         await stop_stack(servers)
-    stack, servers = await _start(model_dir, str(tmp_path / "cache"))  # every service restarted
+    # Every service restarted, the model split in two stages: greedy tokens equal transformers', then the
+    # conversation resumes from the snapshot parked whole, each stage reading its layers' part.
+    stack, group, servers = await _start_split(model_dir, str(tmp_path / "cache"), tmp_path)
     try:
         async with PlannerClient(stack.addr) as client:
-            got, fresh = [
-                await client.generate_all(
-                    GenerateOptions(
-                        token_ids=history, max_tokens=NEW_TOKENS, conversation_id=name, logprobs=True
-                    )
-                )
-                for name in ("chat", "")  # resumed from the snapshot; a read of it all
-            ]
-            assert got.token_ids == fresh.token_ids == greedy(model, history, NEW_TOKENS)
-            assert [t.chosen.logprob for t in got.logprobs] == pytest.approx(  # a state lost would move them
-                [t.chosen.logprob for t in fresh.logprobs], abs=LOGPROBS_ABS
-            )
-            assert (got.checkpoint, got.reused_tokens) == (f"snapshot@{positions[-1]}", positions[-1])
+            prompts = [[(11 * i + n) % 500 + 3 for i in range(n)] for n in (5, 21, 40)]  # up to three pages
+            expected = [greedy(model, p, NEW_TOKENS) for p in prompts]
+            options = [GenerateOptions(token_ids=p, max_tokens=NEW_TOKENS) for p in prompts]
+            assert [(await client.generate_all(o)).token_ids for o in options] == expected
+            all_at_once = await asyncio.gather(*(client.generate_all(o) for o in options))
+            assert [r.token_ids for r in all_at_once] == expected
+            await _resumes_as_a_fresh_read(client, model, history, positions[-1])
             await stack.wait_idle()
             assert stack.engine.row_mismatches == 0
-            assert sorted(_conversation(stack).states) == [positions[-1], len(history) + NEW_TOKENS - 1]
+            newest = len(history) + NEW_TOKENS - 1
+            assert sorted(_conversation(stack).states) == [positions[-1], newest]
+            assert (await client.park("chat")).bytes > 0  # each stage's layers, put whole by the first
+            history = list(_conversation(stack).tokens) + [12, 13]
+    finally:
+        group.stop()
+        await stop_stack(servers)
+    # Whole again: the snapshot parked by the two stages restores.
+    stack, servers = await _start(model_dir, str(tmp_path / "cache"))
+    try:
+        async with PlannerClient(stack.addr) as client:
+            await _resumes_as_a_fresh_read(client, model, history, newest)
+            await stack.wait_idle()
+            assert stack.engine.row_mismatches == 0
     finally:
         await stop_stack(servers)
+
+
+async def _resumes_as_a_fresh_read(client: PlannerClient, model, history: list[int], parked_at: int) -> None:
+    """The conversation resumed from its snapshot at `parked_at` gives the tokens of a read of its whole history
+    and transformers', and the same logprobs (a state lost would move them)."""
+    got, fresh = [
+        await client.generate_all(
+            GenerateOptions(token_ids=history, max_tokens=NEW_TOKENS, conversation_id=name, logprobs=True)
+        )
+        for name in ("chat", "")  # resumed from the snapshot; a read of it all
+    ]
+    assert got.token_ids == fresh.token_ids == greedy(model, history, NEW_TOKENS)
+    assert [t.chosen.logprob for t in got.logprobs] == pytest.approx(
+        [t.chosen.logprob for t in fresh.logprobs], abs=LOGPROBS_ABS
+    )
+    assert (got.checkpoint, got.reused_tokens) == (f"snapshot@{parked_at}", parked_at)

@@ -1,7 +1,7 @@
 """The Qwen3.5 hybrid's decode step in the Triton kernels (qwen3_5_kernels, the CUDA path) equals its torch
 forward: the logits, the K/V written, the conv windows and recurrent states moved on at each row's slot, a
-padding row leaving the sink slot zero; and the conv kernel alone equals the reference step. Under Triton's
-interpreter on the CPU, or on CUDA."""
+padding row leaving the sink slot zero; two stages of a layer split equal the whole model, in either; and the
+conv kernel alone equals the reference step. Under Triton's interpreter on the CPU, or on CUDA."""
 
 from __future__ import annotations
 
@@ -15,8 +15,12 @@ from executor_svc.attention import StepInputs
 from executor_svc.attention.torch_ref import decode_attention
 from executor_svc.kernels import gated_delta_ref as ref
 from executor_svc.kernels import interpreting
-from executor_svc.models.qwen3_5_model import FULL, LINEAR, Qwen35Config, Qwen35Model
+from executor_svc.models.loader import stage_weights
+from executor_svc.models.qwen3_5_config import FULL, LINEAR, Qwen35Config
+from executor_svc.models.qwen3_5_model import Qwen35Model
+from executor_svc.stage import Stage
 from executor_svc.state_pool import StateInputs
+from protos.layer_split import LayerRange
 
 pytestmark = pytest.mark.skipif(
     not (interpreting() or torch.cuda.is_available()), reason="Triton: its interpreter or a CUDA device"
@@ -66,9 +70,11 @@ def _model() -> Qwen35Model:
     return model
 
 
-@pytest.mark.parametrize("batch", [3, 6])  # the GEMV path (<= 4 rows) and the cuBLAS one
-def test_fused_decode_step_equals_the_torch_forward(batch: int):
-    model = _model()
+def _decode_step(
+    model: Qwen35Model, batch: int
+) -> tuple[StepInputs, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's inputs over a random KV pool and state pool (`inputs.states.pool`), the last row padding;
+    its block tables and stored lengths."""
     cfg = model.config
     g = torch.Generator().manual_seed(1)
     kv = model.make_kv_pool(PAGES, PAGE)
@@ -90,24 +96,81 @@ def test_fused_decode_step_equals_the_torch_forward(batch: int):
         write_offset=(lens % PAGE).int().to(DEVICE),
         states=StateInputs(pool, slots.to(DEVICE)),
     )
-    runs = []
-    for fused in (False, True):
-        kv_run, pool_run = model.make_kv_pool(PAGES, PAGE), model.make_state_pool(pool.num_slots)
-        kv_run.k.copy_(kv.k), kv_run.v.copy_(kv.v)
-        pool_run.conv.copy_(pool.conv), pool_run.recurrent.copy_(pool.recurrent)
-        attention = _Attention(
-            kv_run, tables.to(DEVICE), (lens + 1).int().to(DEVICE), cfg.head_dim**-0.5, fused
-        )
-        logits = model(inputs._replace(states=StateInputs(pool_run, inputs.states.slots)), attention)
-        runs.append((logits.cpu(), kv_run, pool_run))
-    (expected, kv_ref, pool_ref), (logits, kv_fused, pool_fused) = runs
-    real = slots != 0
-    torch.testing.assert_close(logits[real], expected[real], atol=2e-4, rtol=2e-4)
+    return inputs, kv, tables, lens
+
+
+def _run(model: Qwen35Model, inputs: StepInputs, kv, tables, lens, fused: bool, layers=(0, 3)):
+    """The step on copies of the pools' layers [layers) (a stage's): its output (logits, or None before the
+    last stage), and the pools it wrote."""
+    assert inputs.states is not None
+    kinds = model.config.layer_types
+    kv_layers = slice(kinds[: layers[0]].count(FULL), kinds[: layers[1]].count(FULL))
+    state_layers = slice(kinds[: layers[0]].count(LINEAR), kinds[: layers[1]].count(LINEAR))
+    pool = inputs.states.pool
+    kv_run, pool_run = model.make_kv_pool(PAGES, PAGE), model.make_state_pool(pool.num_slots)
+    kv_run.k.copy_(kv.k[kv_layers]), kv_run.v.copy_(kv.v[kv_layers])
+    pool_run.conv.copy_(pool.conv[state_layers]), pool_run.recurrent.copy_(pool.recurrent[state_layers])
+    attention = _Attention(kv_run, tables.to(DEVICE), (lens + 1).int().to(DEVICE), model.scale, fused)
+    out = model(inputs._replace(states=StateInputs(pool_run, inputs.states.slots)), attention)
+    return out, kv_run, pool_run
+
+
+@pytest.mark.parametrize("batch", [3, 6])  # the GEMV path (<= 4 rows) and the cuBLAS one
+def test_fused_decode_step_equals_the_torch_forward(batch: int):
+    model = _model()
+    inputs, kv, tables, lens = _decode_step(model, batch)
+    (expected, kv_ref, pool_ref), (logits, kv_fused, pool_fused) = (
+        _run(model, inputs, kv, tables, lens, fused) for fused in (False, True)
+    )
+    real = inputs.states.slots.cpu() != 0
+    torch.testing.assert_close(logits.cpu()[real], expected.cpu()[real], atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(kv_fused.k[:, 1:].cpu(), kv_ref.k[:, 1:].cpu(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kv_fused.v[:, 1:].cpu(), kv_ref.v[:, 1:].cpu(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool_fused.conv.cpu(), pool_ref.conv.cpu(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool_fused.recurrent.cpu(), pool_ref.recurrent.cpu(), atol=1e-4, rtol=1e-4)
     assert (pool_fused.conv[:, 0] == 0).all() and (pool_fused.recurrent[:, 0] == 0).all()
+
+
+class _HandOver(Stage):
+    """A stage whose hidden states go to the next through a list in this process (between processes they go
+    over torch.distributed: tests/test_e2e_hybrid_snapshots.py)."""
+
+    def __init__(self, layers: LayerRange, handed: list[torch.Tensor]) -> None:
+        super().__init__(layers, rank=int(not layers.first), stages=2)
+        self.handed = handed
+
+    def enter(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        (x,) = self.handed
+        assert x.shape == (rows, hidden) and x.dtype == dtype
+        return self.handed.pop()
+
+    def hand_on(self, x: torch.Tensor) -> None:
+        self.handed.append(x.clone())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_two_stages_equal_the_whole_model(fused: bool):
+    """The layers split in two stages (the gated delta nets, then the full-attention layer: a stage with no KV
+    layer, one with no state layer) give the whole model's logits and write its pools' layers, in torch ops and
+    in the Triton kernels."""
+    whole = _model()
+    inputs, kv, tables, lens = _decode_step(whole, batch=3)
+    expected, kv_whole, pool_whole = _run(whole, inputs, kv, tables, lens, fused=False)
+    handed: list[torch.Tensor] = []
+    outputs = []
+    for begin, end in ((0, 2), (2, 3)):
+        layers = LayerRange(begin, end, 3)
+        stage = Qwen35Model(whole.config, DEVICE, torch.float32, _HandOver(layers, handed))
+        held = set(stage.state_dict())
+        stage.load_state_dict(stage_weights(whole.state_dict(), layers, held))
+        outputs.append(_run(stage, inputs, kv, tables, lens, fused, layers=(begin, end)))
+    (first, kv_first, pool_first), (logits, kv_last, pool_last) = outputs
+    assert first is None and not handed and kv_first.k.shape[0] == 0 and pool_last.conv.shape[0] == 0
+    real = inputs.states.slots.cpu() != 0
+    torch.testing.assert_close(logits.cpu()[real], expected.cpu()[real], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(kv_last.k[:, 1:], kv_whole.k[:, 1:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool_first.recurrent, pool_whole.recurrent, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pool_first.conv, pool_whole.conv, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

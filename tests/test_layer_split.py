@@ -68,6 +68,8 @@ def test_the_group_describes_itself_as_one_executor():
     assert list(group.eos_token_ids) == [2] and group.device == "cpu,cpu"
     with pytest.raises(ValueError, match="stage 1 has page_size 32, stage 0 16"):
         describe_group([describe(0, 13), describe(13, 30, page_size=32)])
+    with pytest.raises(ValueError, match="stage 1 has state_slots 9, stage 0 17"):
+        describe_group([describe(0, 13, state_slots=17), describe(13, 30, state_slots=9)])
     with pytest.raises(ValueError, match="expected it to start at 13"):
         describe_group([describe(0, 13), describe(14, 30)])
 

@@ -11,7 +11,8 @@ from typing import Any
 import structlog
 
 from executor_svc.models.family import ModelFamily
-from executor_svc.models.qwen3_5_model import Qwen35Config, Qwen35Model
+from executor_svc.models.qwen3_5_config import Qwen35Config
+from executor_svc.models.qwen3_5_model import Qwen35Model
 
 log = structlog.get_logger("deltaserve.executor.models")
 

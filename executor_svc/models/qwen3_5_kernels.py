@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.models.dense_kernels import join_rows
-from executor_svc.models.qwen3_5_model import LINEAR
+from executor_svc.models.qwen3_5_config import LINEAR
 
 if TYPE_CHECKING:
     from executor_svc.attention import Attention, StepInputs
@@ -34,7 +34,7 @@ class FusedLayer(NamedTuple):
 
 class FusedWeights(NamedTuple):
     layers: list[FusedLayer]
-    final_norm: torch.Tensor  # f32[hidden], 1 + w
+    final_norm: torch.Tensor | None  # f32[hidden], 1 + w; None before a split's last stage
 
 
 def _offset(norm_weight: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,8 @@ def fused_weights(model: Qwen35Model) -> FusedWeights:
     if model.fused is None:
         with torch.inference_mode(False):  # normal tensors, so the views stay loadable in place
             layers = [_fuse_layer(layer) for layer in model._decoder_layers()]
-            model.fused = FusedWeights(layers, _offset(model.norm.weight))
+            final_norm = None if model.norm is None else _offset(model.norm.weight)
+            model.fused = FusedWeights(layers, final_norm)
     return model.fused
 
 
@@ -70,15 +71,16 @@ def _fuse_layer(layer: _Layer) -> FusedLayer:
 
 def forward_kernels(
     model: Qwen35Model, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
-) -> torch.Tensor:
-    """Qwen35Model.forward of a decode step in the Triton kernels: float32 logits[B or len(select), V]."""
+) -> torch.Tensor | None:
+    """Qwen35Model.forward of a decode step in the Triton kernels: float32 logits[B or len(select), V] (None
+    before the last stage of a split)."""
     from executor_svc.kernels import gemv
     from executor_svc.kernels.fused import rmsnorm_residual, silu_mul
 
     cfg, states = model.config, inputs.states
     assert states is not None and states.seq_starts is None, "the fused forward runs decode steps"
     eps = cfg.rms_eps
-    x = model.embed_tokens(inputs.tokens)  # x: [B, hidden]
+    x = model.enter(inputs.tokens)  # x: [B, hidden]
     # A few rows: each projection one GEMV kernel that also norms its input (and gates gate_up's output);
     # more: cuBLAS GEMMs between the norm and SiLU kernels.
     few = x.shape[0] <= gemv.MAX_ROWS
@@ -107,12 +109,15 @@ def forward_kernels(
             x = project(gated, layer.self_attn.o_proj.weight)
         act, residual = norm_project(x, residual, fused.post_norm, fused.gate_up_weight, gated=True)
         x = project(act, layer.mlp.down_proj.weight)
-    assert residual is not None
+    assert residual is not None, "no layer ran: a stage holds at least one layer"
+    if not model.stage.layers.last:  # the next stage starts from the sum, as a first stage from its embedding
+        model.stage.hand_on(x + residual)
+        return None
     if select is not None:
         x, residual = x.index_select(0, select), residual.index_select(0, select)
+    assert weights.final_norm is not None, "the last stage holds the final norm"
     h, _ = rmsnorm_residual(x, residual, weights.final_norm, eps)
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return F.linear(h, head).float()
+    return F.linear(h, model.head[1]).float()
 
 
 def _delta_net_core(

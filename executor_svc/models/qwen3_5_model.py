@@ -6,7 +6,6 @@ pool; (1 + w) RMSNorms; the layer pattern from `layer_types`. transformers' mode
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,66 +15,13 @@ from torch import nn
 from executor_svc.kernels import gated_delta_ref as ref
 from executor_svc.kernels.gated_delta_fla import prefill_for
 from executor_svc.kv_pool import KVPool
+from executor_svc.models.qwen3_5_config import FULL, LINEAR, Qwen35Config
 from executor_svc.stage import Stage
 from executor_svc.state_pool import StateInputs, StatePool
 
 if TYPE_CHECKING:
     from executor_svc.attention import Attention, StepInputs
     from executor_svc.models.qwen3_5_kernels import FusedWeights
-
-LINEAR, FULL = "linear_attention", "full_attention"
-
-
-@dataclass(slots=True)
-class Qwen35Config:
-    vocab_size: int
-    hidden_size: int
-    layer_types: tuple[str, ...]
-    num_heads: int  # full attention
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int  # the leading dims of each head that rope turns
-    linear_key_heads: int
-    linear_value_heads: int
-    linear_key_dim: int
-    linear_value_dim: int
-    conv_width: int
-    intermediate_size: int
-    rope_theta: float
-    rms_eps: float
-    max_seq_len: int
-    tie_embeddings: bool
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    name: str
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.layer_types) - {LINEAR, FULL})
-        if unknown:
-            raise ValueError(f"layer_types {unknown} are not supported (only {LINEAR!r} and {FULL!r})")
-        if FULL not in self.layer_types:
-            raise ValueError("layer_types has no full_attention layer; the KV pool needs at least one")
-        if self.num_heads % self.num_kv_heads or self.linear_value_heads % self.linear_key_heads:
-            raise ValueError("query heads must be a multiple of KV heads, value heads of key heads")
-        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and within head_dim {self.head_dim}")
-        if not self.eos_token_ids or not all(0 <= e < self.vocab_size for e in self.eos_token_ids):
-            raise ValueError(
-                f"eos_token_ids {self.eos_token_ids} are empty or outside the vocabulary ({self.vocab_size})"
-            )
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_types)
-
-    @property
-    def conv_channels(self) -> int:
-        return (
-            2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
-        )
-
-    def layer_indices(self, kind: str) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == kind]
 
 
 def _weight(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -207,10 +153,11 @@ def _decode_rule_for(device: torch.device) -> Callable[..., torch.Tensor]:
 class Qwen35Model(nn.Module):
     """Parameter names follow transformers' Qwen3_5ForCausalLM with the leading `model.` dropped.
 
-    The KV pool holds the full-attention layers only (KV layer i is the i-th of them); the state pool the
-    gated delta net layers (state layer j is the j-th of them). One entry point, `forward(inputs, attention)`,
-    as Llama's: the rows are a decode step's (one token a sequence, `inputs.states.seq_starts` None) or a
-    packed prefill batch's tokens; `inputs.states` says which state slot each sequence reads and writes.
+    The KV pool holds the stage's full-attention layers only (KV layer i is the i-th of them); the state pool
+    its gated delta net layers (state layer j is the j-th of them); a whole model is the stage of every layer.
+    One entry point, `forward(inputs, attention)`, as Llama's: the rows are a decode step's (one token a
+    sequence, `inputs.states.seq_starts` None) or a packed prefill batch's tokens; `inputs.states` says which
+    state slot each sequence reads and writes.
     """
 
     rope_cos: torch.Tensor  # buffers [max_seq_len, rotary_dim], registered in __init__
@@ -220,21 +167,27 @@ class Qwen35Model(nn.Module):
         self, config: Qwen35Config, device: torch.device | str, dtype: torch.dtype, stage: Stage | None = None
     ) -> None:
         super().__init__()
-        if (
-            stage is not None and stage.split
-        ):  # its recurrent and full-attention pools by stage: not built yet
-            raise ValueError("a layer split of the Qwen3.5 hybrid is not supported yet: run it whole")
         self.config = config
-        self.stage = Stage.whole(config.num_layers)
         self.device = torch.device(device)
         self.dtype = dtype
-        self.embed_tokens = _Embedding(config.hidden_size, config.vocab_size, self.device, dtype)
-        self.layers = nn.ModuleList(_Layer(config, kind, self.device, dtype) for kind in config.layer_types)
-        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_eps, self.device, dtype)
+        # A stage of a layer split holds its layers only (renumbered from 0), the first stage the embedding,
+        # the last the final norm and the head (the embedding again where the head is tied to it).
+        self.stage = Stage.whole(config.num_layers) if stage is None else stage
+        held = self.stage.layers
+        self.layer_types = config.layer_types[held.begin : held.end]  # this stage's
+        self.embed_tokens = (
+            _Embedding(config.hidden_size, config.vocab_size, self.device, dtype)
+            if held.first or (held.last and config.tie_embeddings)
+            else None
+        )
+        self.layers = nn.ModuleList(_Layer(config, kind, self.device, dtype) for kind in self.layer_types)
+        self.norm = (
+            OffsetRMSNorm(config.hidden_size, config.rms_eps, self.device, dtype) if held.last else None
+        )
         self.lm_head = (
-            None
-            if config.tie_embeddings
-            else _Linear(config.hidden_size, config.vocab_size, self.device, dtype)
+            _Linear(config.hidden_size, config.vocab_size, self.device, dtype)
+            if held.last and not config.tie_embeddings
+            else None
         )
         self.scale = config.head_dim**-0.5
         # The decode step reads and updates the states in the pool by slot (Triton on CUDA); prefill in
@@ -242,8 +195,8 @@ class Qwen35Model(nn.Module):
         # reference otherwise.
         self._decode_rule = _decode_rule_for(self.device)
         self._prefill = prefill_for(self.device, dtype)
-        # The layer's index in its pool: KV layers for full attention, state layers for gated delta nets.
-        self.pool_index = [config.layer_indices(kind).index(i) for i, kind in enumerate(config.layer_types)]
+        # The layer's index in this stage's pool: KV layers for full attention, state layers for gated delta nets.
+        self.pool_index = [self.layer_types[:i].count(kind) for i, kind in enumerate(self.layer_types)]
         self.fused: FusedWeights | None = None  # built by qwen3_5_kernels on the first fused forward
         # Default rope over the first rotary_dim dims, as transformers computes it (float32, then the dtype).
         dim = config.rotary_dim
@@ -257,7 +210,8 @@ class Qwen35Model(nn.Module):
 
     @property
     def recurrent_layers(self) -> int:
-        return len(self.config.layer_indices(LINEAR))
+        """This stage's gated delta net layers (none in a stage of full-attention layers only)."""
+        return self.layer_types.count(LINEAR)
 
     def make_kv_pool(
         self,
@@ -267,8 +221,9 @@ class Qwen35Model(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> KVPool:
         cfg = self.config
+        # This stage's full-attention layers: none in a stage of gated delta nets only.
         return KVPool(
-            len(cfg.layer_indices(FULL)),
+            self.layer_types.count(FULL),
             num_pages,
             page_size,
             cfg.num_kv_heads,
@@ -294,12 +249,27 @@ class Qwen35Model(nn.Module):
     def _decoder_layers(self) -> Sequence[_Layer]:
         return self.layers  # type: ignore[return-value]
 
+    def enter(self, tokens: torch.Tensor) -> torch.Tensor:
+        """x[B, hidden]: the tokens' embeddings on the first stage, the previous stage's output on a later one."""
+        if self.stage.layers.first:
+            assert self.embed_tokens is not None, "the first stage holds the embedding"
+            return self.embed_tokens(tokens)
+        return self.stage.enter(tokens.shape[0], self.config.hidden_size, self.dtype, self.device)
+
+    @property
+    def head(self) -> tuple[OffsetRMSNorm, torch.Tensor]:
+        """The last stage's final norm and head weight [V, hidden] (the embedding's where they are tied)."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        assert self.norm is not None and head is not None, "only the last stage holds the norm and head"
+        return self.norm, head.weight
+
     @torch.inference_mode()
     def forward(
         self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Float32 logits[B or len(select), V] of the rows; writes each full-attention layer's K/V at
-        (inputs.write_page, inputs.write_offset) and each recurrent layer's state at its slots."""
+    ) -> torch.Tensor | None:
+        """Float32 logits[B or len(select), V] of the rows on the last stage (an earlier stage hands its hidden
+        states on and returns None); writes each full-attention layer's K/V at (inputs.write_page,
+        inputs.write_offset) and each recurrent layer's state at its slots."""
         states = inputs.states
         if states is None:
             raise ValueError("a Qwen3.5 step needs its state slots (inputs.states)")
@@ -314,7 +284,7 @@ class Qwen35Model(nn.Module):
             return forward_kernels(self, inputs, attention, select)
         cos = self.rope_cos[inputs.positions][:, None, :]  # cos, sin: [B, 1, rotary_dim]
         sin = self.rope_sin[inputs.positions][:, None, :]
-        x = self.embed_tokens(inputs.tokens)  # x: [B, hidden]
+        x = self.enter(inputs.tokens)  # x: [B, hidden]
         for layer, pool_index in zip(self._decoder_layers(), self.pool_index, strict=True):
             h = layer.input_layernorm(x)
             if layer.kind == LINEAR:
@@ -322,10 +292,13 @@ class Qwen35Model(nn.Module):
             else:
                 x = x + self._attention(layer.self_attn, h, inputs, attention, pool_index, cos, sin)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if not self.stage.layers.last:
+            self.stage.hand_on(x)
+            return None
         if select is not None:
             x = x.index_select(0, select)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(x), head).float()
+        norm, head = self.head
+        return F.linear(norm(x), head).float()
 
     def _attention(
         self,
