@@ -4,6 +4,7 @@ weights named as DenseModel's parameters."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,17 +43,7 @@ def read_dense_gguf(
     """The config and the weights of a dense decoder's GGUF. permute_qk: llama.cpp interleaved the rope halves
     of q and k's rows (its Llama converter does, for its "normal" rope; Qwen's NEOX rope needs no permute).
     pack: quantized matrices of a type gguf_packing maps stay packed (PackedWeight), the rest de-quantized."""
-    import gguf
-
-    def meta(key: str, default: Any = _REQUIRED) -> Any:
-        # Read only the fields asked for: the tokenizer's arrays are large and not needed here.
-        field = reader.fields.get(key)
-        if field is not None:
-            return field.contents()
-        if default is _REQUIRED:
-            raise ValueError(f"{path}: GGUF metadata {key!r} is missing")
-        return default
-
+    meta = metadata(reader, path)
     arch = meta("general.architecture")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
@@ -84,7 +75,7 @@ def read_dense_gguf(
         rms_eps=float(meta(f"{arch}.attention.layer_norm_rms_epsilon")),
         max_seq_len=int(meta(f"{arch}.context_length")),
         tie_embeddings="output.weight" not in tensors,
-        eos_token_ids=_end_ids(meta),
+        eos_token_ids=end_ids(meta),
         bos_token_id=meta("tokenizer.ggml.bos_token_id", None),
         name=str(meta("general.name", os.path.basename(path))),
         rope_type=rope_type,
@@ -113,8 +104,7 @@ def read_dense_gguf(
                     packed = packed.take_rows(torch.from_numpy(_undo_rope_permute(np.arange(rows), heads)))
                 weights[_hf_name(path, arch, name)] = packed
                 continue
-            # np.asarray drops the memmap subclass, whose per-slice bookkeeping doubles the dequantize time.
-            array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)  # [out, in] or [out]
+            array = dequantized(tensor)  # [out, in] or [out]
             if heads is not None:
                 array = _undo_rope_permute(array, heads)
             # F32 tensors come back as read-only views of the file: copy those only.
@@ -122,7 +112,38 @@ def read_dense_gguf(
     return config, weights
 
 
-def _end_ids(meta: Any) -> tuple[int, ...]:
+def metadata(reader: Any, path: str) -> Callable[..., Any]:
+    """meta(key[, default]): a GGUF metadata value; a key without a default that the file lacks is a ValueError
+    naming it."""
+
+    def meta(key: str, default: Any = _REQUIRED) -> Any:
+        # Read only the fields asked for: the tokenizer's arrays are large and not needed here.
+        field = reader.fields.get(key)
+        if field is not None:
+            return field.contents()
+        if default is _REQUIRED:
+            raise ValueError(f"{path}: GGUF metadata {key!r} is missing")
+        return default
+
+    return meta
+
+
+def dequantized(tensor: Any) -> np.ndarray:
+    """A GGUF tensor as float32 numpy in torch's axis order ([out, in] for a matrix), de-quantized by the gguf
+    package (every type it knows; a ValueError names one it does not)."""
+    import gguf
+
+    try:
+        # np.asarray drops the memmap subclass, whose per-slice bookkeeping doubles the dequantize time.
+        array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(
+            f"tensor {tensor.name!r} is {tensor.tensor_type.name}, which cannot be read: {e}"
+        ) from e
+    return np.asarray(array, dtype=np.float32)
+
+
+def end_ids(meta: Any) -> tuple[int, ...]:
     """The ids that end generation, as llama.cpp counts them: its EOS, and its end-of-turn and end-of-message
     ids where the file names them (Llama 3's <|eot_id|>, <|eom_id|>)."""
     ids = [int(meta("tokenizer.ggml.eos_token_id"))]

@@ -112,7 +112,9 @@ def layer_count(path: str) -> int:
 
     reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
-    return int(reader.fields[f"{arch}.block_count"].contents())
+    # llama.cpp counts a multi-token-prediction block (Qwen3.5's) among the blocks; the decoder has the rest
+    mtp = reader.fields.get(f"{arch}.nextn_predict_layers")
+    return int(reader.fields[f"{arch}.block_count"].contents()) - (0 if mtp is None else int(mtp.contents()))
 
 
 def model_fingerprint(path: str) -> str:

@@ -1,7 +1,8 @@
 """The Qwen3.5 hybrid family: its checkpoints in the text layout (`qwen3_5_text`, Qwen3_5ForCausalLM, weights
 under `model.*`) or the multimodal one (`qwen3_5`, Qwen3_5ForConditionalGeneration, the text model's weights
 under `model.language_model.*`; the vision tower and the multi-token-prediction head are skipped: this serves
-text). Safetensors, one file or sharded; no GGUF architecture is read for it."""
+text). Safetensors, one file or sharded; or a GGUF of llama.cpp's `qwen35` architecture (gguf_qwen3_5 undoes
+its converter's transforms; the MTP block it may hold is skipped too)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import structlog
 
 from executor_svc.models.family import ModelFamily
+from executor_svc.models.gguf_qwen3_5 import ARCHITECTURE, read_qwen35_gguf
 from executor_svc.models.qwen3_5_config import Qwen35Config
 from executor_svc.models.qwen3_5_model import Qwen35Model
 
@@ -86,9 +88,9 @@ FAMILY = ModelFamily(
     name="qwen3_5",
     model_types=(TEXT_TYPE, MULTIMODAL_TYPE),
     architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-    gguf_architectures=(),
+    gguf_architectures=(ARCHITECTURE,),
     read_hf_config=read_hf_config,
     hf_weight_name=hf_weight_name,
-    read_gguf=None,
+    read_gguf=read_qwen35_gguf,
     build=Qwen35Model,
 )
