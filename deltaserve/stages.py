@@ -67,6 +67,8 @@ def stage_argv(
         argv += ["--model", config.model]
     if config.max_seq_len:
         argv += ["--max-seq-len", str(config.max_seq_len)]
+    if config.state_slots is not None:  # a hybrid's: every stage holds as many (the planner's slot numbers)
+        argv += ["--state-slots", str(config.state_slots)]
     if config.row_check:
         argv.append("--row-check")
     if config.cache:
