@@ -28,8 +28,8 @@ pytestmark = [
     ),
 ]
 DEVICE = "cpu" if interpreting() else "cuda"  # on a GPU (TRITON_INTERPRET=0): the copies on the card
-# A lost or stale state moves the logprobs by ~6e-4 on the CPU; a card's kernels differ by more between a read
-# of it all and a resumed one, so there the tokens and the bytes are the checks.
+# A lost or stale state moves the logprobs by ~6e-4 on the CPU; a card's kernels may differ by more between a
+# read of it all and a resumed one (not measured yet), so there the tokens and the bytes are the checks.
 LOGPROBS_ABS = 2e-5 if DEVICE == "cpu" else 1e-3
 
 NEW_TOKENS = 6
