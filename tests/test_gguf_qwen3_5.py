@@ -75,11 +75,17 @@ def _smollm2_tokenizer() -> list[tuple]:
     return fields
 
 
-def write_gguf(model, path: Path, drop: str | None = None, vocabulary: int | None = None) -> None:
+def write_gguf(
+    model,
+    path: Path,
+    drop: str | None = None,
+    vocabulary: int | None = None,
+    recurrent_layers: list[bool] | None = None,
+) -> None:
     """The model as llama.cpp's qwen35 GGUF, in F32, with one MTP block (layer 4: random, as the reader skips it)
     and SmolLM2's tokenizer fields; `drop` leaves that metadata key out; `vocabulary` keeps only that many of
     its tokens and none of its merges: a file quicker to write and read, where nothing is tokenized (transformers
-    sizes its config by the tokens)."""
+    sizes its config by the tokens); `recurrent_layers`, llama.cpp's per-block flags, written beside the interval."""
     import gguf
 
     config, arch = model.config, gguf.MODEL_ARCH.QWEN35
@@ -112,6 +118,8 @@ def write_gguf(model, path: Path, drop: str | None = None, vocabulary: int | Non
         "rope.dimension_sections": (writer.add_rope_dimension_sections, [rotary // 2, 0, 0, 0]),
     }
     writer.add_name("tiny-qwen35")
+    if recurrent_layers is not None:
+        writer.add_array(f"{writer.arch}.attention.recurrent_layers", recurrent_layers)
     for key, (add, value) in metadata.items():
         if key != drop:
             add(value)
@@ -183,6 +191,19 @@ def test_gguf_missing_metadata_is_refused(qwen35_gguf, tmp_path):
     write_gguf(qwen35_gguf[1], path, drop="ssm.inner_size", vocabulary=TEXT_CONFIG["vocab_size"])
     with pytest.raises(ValueError, match="GGUF metadata 'qwen35.ssm.inner_size' is missing"):
         load_model(str(path), "cpu", torch.float32)
+
+
+def test_recurrent_layers_flags_set_the_layer_pattern(qwen35_gguf, tmp_path):
+    """Where the file flags each block (the MTP block's flag last), the flags win over the interval."""
+    import gguf
+
+    from executor_svc.models.gguf_qwen3_5 import read_qwen35_config
+
+    path = tmp_path / "flags.gguf"
+    flags = [True, False, True, False, False]
+    write_gguf(qwen35_gguf[1], path, vocabulary=TEXT_CONFIG["vocab_size"], recurrent_layers=flags)
+    config, blocks = read_qwen35_config(gguf.GGUFReader(path), str(path))
+    assert (config.layer_types, blocks) == (("linear_attention", "full_attention") * 2, 5)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

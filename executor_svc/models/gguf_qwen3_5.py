@@ -19,6 +19,7 @@ every section by the same position for text, which is the one-position partial r
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -68,9 +69,8 @@ def read_qwen35_config(reader: Any, path: str) -> tuple[Qwen35Config, int]:
     meta = metadata(reader, path)
     arch = meta("general.architecture")
 
-    def count(key: str, default: Any = None) -> int:
-        value = meta(f"{arch}.{key}") if default is None else meta(f"{arch}.{key}", default)
-        return int(value)
+    def count(key: str, *default: int) -> int:
+        return int(meta(f"{arch}.{key}", *default))
 
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
@@ -81,7 +81,6 @@ def read_qwen35_config(reader: Any, path: str) -> tuple[Qwen35Config, int]:
     blocks = count("block_count")
     mtp = count("nextn_predict_layers", 0)
     layers = blocks - mtp
-    interval = count("full_attention_interval", 4)
     heads = count("attention.head_count")
     head_dim = count("attention.key_length")
     if count("attention.value_length", head_dim) != head_dim:
@@ -94,8 +93,7 @@ def read_qwen35_config(reader: Any, path: str) -> tuple[Qwen35Config, int]:
     config = Qwen35Config(
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ggml lists the fastest axis first
         hidden_size=count("embedding_length"),
-        # llama.cpp's rule for a file without per-layer types: every interval-th layer is full attention
-        layer_types=tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)),
+        layer_types=_layer_types(meta(f"{arch}.attention.recurrent_layers", None), count, layers),
         num_heads=heads,
         num_kv_heads=count("attention.head_count_kv", heads),
         head_dim=head_dim,
@@ -115,6 +113,16 @@ def read_qwen35_config(reader: Any, path: str) -> tuple[Qwen35Config, int]:
         name=str(meta("general.name", os.path.basename(path))),
     )
     return config, blocks
+
+
+def _layer_types(recurrent: Any, count: Callable[..., int], layers: int) -> tuple[str, ...]:
+    """llama.cpp's rule: `attention.recurrent_layers` (one flag per block, or one for all) where the file has it,
+    else every `full_attention_interval`-th layer (default 4) is full attention, the rest gated delta nets."""
+    if recurrent is None:
+        interval = count("full_attention_interval", 4)
+        return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers))
+    flags = recurrent if isinstance(recurrent, list) else [recurrent] * layers
+    return tuple(LINEAR if flag else FULL for flag in flags[:layers])
 
 
 def read_qwen35_gguf(reader: Any, path: str, pack: bool) -> tuple[Qwen35Config, dict[str, torch.Tensor]]:
