@@ -136,18 +136,17 @@ def read_qwen35_gguf(reader: Any, path: str, pack: bool) -> tuple[Qwen35Config, 
     with Progress(f"de-quantizing {config.name}", total=len(reader.tensors), unit="tensors") as progress:
         for tensor in reader.tensors:
             progress.advance()
-            name = tensor.name
-            parts = name.split(".")
-            if parts[0] == "blk" and config.num_layers <= int(parts[1]) < blocks:
+            block = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else ""
+            if block.isdecimal() and config.num_layers <= int(block) < blocks:
                 continue  # the multi-token-prediction block: this serves one token a step
-            ours, kind = _our_name(path, name, config)
+            ours, kind = _our_name(path, tensor.name)
             weights[ours] = torch.from_numpy(
                 np.require(untile(kind, dequantized(tensor)), np.float32, ["C", "W"])
             )
     return config, weights
 
 
-def _our_name(path: str, name: str, config: Qwen35Config) -> tuple[str, str]:
+def _our_name(path: str, name: str) -> tuple[str, str]:
     """A GGUF tensor name -> (Qwen35Model's parameter name, the GGUF leaf kind, e.g. 'ssm_a')."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name], name.removesuffix(".weight")
