@@ -2,16 +2,18 @@
 checkpoint's recurrent state with the pages (shards of two layers: one of gated delta nets only, one of both
 kinds), a resume brings them back byte for byte, and after a restart of every service the conversation resumes
 from its snapshot with the tokens of a fresh read of its whole history: under a layer split of two stages (each
-its own process, gloo), which also gives transformers' greedy tokens one at a time and all at once, and then,
-parked by those stages, whole again."""
+its own process, gloo), which also gives transformers' greedy tokens one at a time and all at once and soaks
+with the row check at 0 mismatches, and then, parked by those stages, whole again."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 import torch
 
+from bench.soak import one_request
 from cache_svc.server import start_cache_server
 from executor_svc.config import ExecutorConfig
 from executor_svc.kernels import interpreting
@@ -142,6 +144,14 @@ async def test_park_restart_resume_equals_a_fresh_read(tmp_path):
             assert [(await client.generate_all(o)).token_ids for o in options] == expected
             all_at_once = await asyncio.gather(*(client.generate_all(o) for o in options))
             assert [r.token_ids for r in all_at_once] == expected
+            # A soak under KV and state-slot pressure (20 requests, 4 state slots), some abandoned: every stage's
+            # row check at 0, every page and state slot free after.
+            rng = random.Random(20)
+            await asyncio.gather(*(one_request(client, rng, i, 500, longest=40) for i in range(20)))
+            await stack.wait_idle()
+            scheduler = stack.scheduler
+            assert stack.engine.row_mismatches == 0 and scheduler.pages.free_count == scheduler.pages.total
+            assert scheduler.states.free_count == STATE_SLOTS - 1
             await _resumes_as_a_fresh_read(client, model, history, positions[-1])
             await stack.wait_idle()
             assert stack.engine.row_mismatches == 0
