@@ -3,7 +3,7 @@ checkpoint's recurrent state with the pages (shards of two layers: one of gated 
 kinds), a resume brings them back byte for byte, and after a restart of every service the conversation resumes
 from its snapshot with the tokens of a fresh read of its whole history: under a layer split of two stages (each
 its own process, gloo), which also gives transformers' greedy tokens one at a time and all at once and soaks
-with the row check at 0 mismatches, and then, parked by those stages, whole again."""
+with the row check at 0 mismatches, and then, parked by those stages, under three."""
 
 from __future__ import annotations
 
@@ -37,8 +37,10 @@ LOGPROBS_ABS = 2e-5 if DEVICE == "cpu" else 1e-3
 NEW_TOKENS = 6
 STATE_SLOTS = 5
 # A stage of one gated delta net (no KV layer) and one of the rest (two of them and the full-attention layer):
-# each reads part of the first shard of two layers parked whole.
-SPLIT = [(0, 1), (1, 4)]
+# each reads part of the first shard of two layers parked whole. Then three stages, the last of the
+# full-attention layer only (no state layer), the middle and the last each reading part of a shard parked by two.
+TWO = [(0, 1), (1, 4)]
+THREE = [(0, 2), (2, 3), (3, 4)]
 
 
 async def _start(model_dir: str, cache_dir: str):
@@ -61,7 +63,7 @@ async def _start(model_dir: str, cache_dir: str):
     return stack, [*servers, cache]
 
 
-async def _start_split(model_dir: str, cache_dir: str, log_dir):
+async def _start_split(model_dir: str, cache_dir: str, log_dir, split: list[tuple[int, int]]):
     cache = await start_cache_server(cache_dir, budget_bytes=1 << 30)
     address = f"127.0.0.1:{cache.port}"
     flags = ("--model", model_dir, "--device", DEVICE, "--dtype", "float32", "--pool-pages", "64")
@@ -76,7 +78,7 @@ async def _start_split(model_dir: str, cache_dir: str, log_dir):
         "2",
     )
     flags += ("--stage-backend", "gloo")  # on a card, two stages of one process each: NCCL refuses them
-    group = StageGroup(log_dir, SPLIT, address, flags=flags)
+    group = StageGroup(log_dir, split, address, flags=flags)
     try:
         group.wait_listening()
         stack, planner = await start_group_planner(group.addresses, address, model=model_dir)
@@ -135,7 +137,7 @@ async def test_park_restart_resume_equals_a_fresh_read(tmp_path):
         await stop_stack(servers)
     # Every service restarted, the model split in two stages: greedy tokens equal transformers', then the
     # conversation resumes from the snapshot parked whole, each stage reading its layers' part.
-    stack, group, servers = await _start_split(model_dir, str(tmp_path / "cache"), tmp_path)
+    stack, group, servers = await _start_split(model_dir, str(tmp_path / "cache"), tmp_path, TWO)
     try:
         async with PlannerClient(stack.addr) as client:
             prompts = [[(11 * i + n) % 500 + 3 for i in range(n)] for n in (5, 21, 40)]  # up to three pages
@@ -162,14 +164,15 @@ async def test_park_restart_resume_equals_a_fresh_read(tmp_path):
     finally:
         group.stop()
         await stop_stack(servers)
-    # Whole again: the snapshot parked by the two stages restores.
-    stack, servers = await _start(model_dir, str(tmp_path / "cache"))
+    # Three stages: the snapshot parked by the two restores.
+    stack, group, servers = await _start_split(model_dir, str(tmp_path / "cache"), tmp_path, THREE)
     try:
         async with PlannerClient(stack.addr) as client:
             await _resumes_as_a_fresh_read(client, model, history, newest)
             await stack.wait_idle()
             assert stack.engine.row_mismatches == 0
     finally:
+        group.stop()
         await stop_stack(servers)
 
 
