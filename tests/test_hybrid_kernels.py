@@ -39,7 +39,7 @@ class _Attention:
         return decode_attention(q, self.kv.k[layer], self.kv.v[layer], self.tables, self.lens, self.scale)
 
 
-def _model() -> Qwen35Model:
+def _model(tied: bool = False) -> Qwen35Model:
     config = Qwen35Config(
         vocab_size=96,
         hidden_size=32,
@@ -57,7 +57,7 @@ def _model() -> Qwen35Model:
         rope_theta=10000.0,
         rms_eps=1e-6,
         max_seq_len=64,
-        tie_embeddings=False,
+        tie_embeddings=tied,
         eos_token_ids=(1,),
         bos_token_id=None,
         name="tiny",
@@ -148,12 +148,12 @@ class _HandOver(Stage):
         self.handed.append(x.clone())
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_two_stages_equal_the_whole_model(fused: bool):
+@pytest.mark.parametrize(("fused", "tied"), [(False, False), (True, False), (True, True)])
+def test_two_stages_equal_the_whole_model(fused: bool, tied: bool):
     """The layers split in two stages (the gated delta nets, then the full-attention layer: a stage with no KV
     layer, one with no state layer) give the whole model's logits and write its pools' layers, in torch ops and
     in the Triton kernels."""
-    whole = _model()
+    whole = _model(tied)  # tied: the last stage holds the embedding again, as its head
     inputs, kv, tables, lens = _decode_step(whole, batch=3)
     expected, kv_whole, pool_whole = _run(whole, inputs, kv, tables, lens, fused=False)
     handed: list[torch.Tensor] = []
