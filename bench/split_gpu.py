@@ -149,6 +149,7 @@ def checkpoint_reference(directory: str):
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
+    pad = eos[0] if isinstance(eos, list) else eos
 
     def chat_ids(messages: list[dict]) -> list[int]:
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
@@ -160,7 +161,7 @@ def checkpoint_reference(directory: str):
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 eos_token_id=eos,
-                pad_token_id=eos,
+                pad_token_id=pad,
             )
         return out[0, len(ids) :].tolist()
 
