@@ -130,16 +130,16 @@ async def speed(addr: str) -> float:
     return sum(len(r.token_ids) for r in results) / (time.perf_counter() - began)
 
 
-def hog() -> subprocess.Popen:
-    """Another process holding all of the card's free memory but HELD_HEADROOM."""
+def hog() -> tuple[subprocess.Popen, int]:
+    """Another process holding all of the card's free memory but HELD_HEADROOM, and the free bytes it left (read
+    there: this process must not make a CUDA context while the card is held, it would not fit)."""
     code = (
         "import sys, time, torch\n"
         f"free, _ = torch.cuda.mem_get_info(0); x = torch.empty(free - {HELD_HEADROOM}, dtype=torch.uint8, "
         "device='cuda:0')\nprint(torch.cuda.mem_get_info(0)[0], flush=True)\ntime.sleep(3600)\n"
     )
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    process.stdout.readline()  # held
-    return process
+    return process, int(process.stdout.readline())  # held
 
 
 def checkpoint_reference(directory: str):
@@ -191,6 +191,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
         planner, addr = await planner_for(cache, groups=[stages])
         engine = planner.servicer.engines[0]
         records.append(await parity(addr, engine, answers))
+        print(records[-1], flush=True)  # as it comes: a run cut short still shows what it found
         split_tps = await speed(addr)
         first = await turn(addr, chat, "guarded", 12)
         async with PlannerClient(addr) as client:
@@ -213,8 +214,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
         await serving(stages)
         planner, addr = await planner_for(cache, groups=[stages])
         await turn(addr, chat2, max_tokens=12)  # warm: the allocator's blocks for this prompt's size
-        held = hog()
-        free_mib = torch.cuda.mem_get_info(0)[0] >> 20
+        held, free = hog()
+        free_mib = free >> 20
         second = await turn(addr, chat2, "guarded", 12)
         expected = hf_greedy(chat_ids(chat2), 12)
         records.append(
