@@ -22,6 +22,10 @@ from planner_svc.config import PlannerConfig, SchedulingConfig
 from tests.conftest import start_stack, stop_stack
 from tests.hybrid_model import TEXT_CONFIG, build_text_model, greedy
 
+# Three value heads a key head, of another size than the keys': a reorder done the wrong way round, or key and
+# value dims swapped, loads other weights (with two a key head the converter's reorder is its own inverse).
+CHANGES = {"linear_num_value_heads": 6, "linear_value_head_dim": 8}
+CONFIG = {**TEXT_CONFIG, **CHANGES}
 NEW_TOKENS = 8
 PROMPT_LENGTHS = (5, 40, 300)
 
@@ -29,8 +33,8 @@ PROMPT_LENGTHS = (5, 40, 300)
 def _tiled(tensor: torch.Tensor, head_dim: int, dim: int = 0) -> torch.Tensor:
     """convert_hf_to_gguf's _LinearAttentionVReorderBase._reorder_v_heads: value heads grouped by key head ->
     tiled, along `dim`."""
-    key_heads = TEXT_CONFIG["linear_num_key_heads"]
-    per_key = TEXT_CONFIG["linear_num_value_heads"] // key_heads
+    key_heads = CONFIG["linear_num_key_heads"]
+    per_key = CONFIG["linear_num_value_heads"] // key_heads
     moved = tensor.movedim(dim, 0)
     tiled = moved.reshape(key_heads, per_key, head_dim, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
     return tiled.movedim(0, dim)
@@ -39,8 +43,8 @@ def _tiled(tensor: torch.Tensor, head_dim: int, dim: int = 0) -> torch.Tensor:
 def _converted(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
     """One Hugging Face tensor as the converter writes it: _LinearAttentionVReorderBase.modify_tensors, then
     Qwen3NextModel.modify_tensors, then the name from gguf's tensor-name map (TextModel.map_tensor_name)."""
-    value_dim = TEXT_CONFIG["linear_value_head_dim"]
-    qk_rows = 2 * TEXT_CONFIG["linear_num_key_heads"] * TEXT_CONFIG["linear_key_head_dim"]
+    value_dim = CONFIG["linear_value_head_dim"]
+    qk_rows = 2 * CONFIG["linear_num_key_heads"] * CONFIG["linear_key_head_dim"]
     if ".in_proj_qkv." in name or ".conv1d." in name:
         tensor = torch.cat([tensor[:qk_rows], _tiled(tensor[qk_rows:], value_dim)])
     elif ".in_proj_z." in name:
@@ -146,14 +150,14 @@ def write_gguf(
 def qwen35_gguf(tmp_path_factory):
     """(the directory of tiny-qwen35.gguf, with SmolLM2's whole tokenizer, and small.gguf, with its first tokens
     only; the transformers model; [(prompt, transformers' greedy tokens)])."""
-    model = build_text_model()
+    model = build_text_model(**CHANGES)
     directory = tmp_path_factory.mktemp("qwen35_gguf")
     write_gguf(model, directory / "tiny-qwen35.gguf")
-    write_gguf(model, directory / "small.gguf", vocabulary=TEXT_CONFIG["vocab_size"])
+    write_gguf(model, directory / "small.gguf", vocabulary=CONFIG["vocab_size"])
     rng = random.Random(1)
     cases = []
     for length in PROMPT_LENGTHS:
-        prompt = [rng.randrange(3, TEXT_CONFIG["vocab_size"]) for _ in range(length)]
+        prompt = [rng.randrange(3, CONFIG["vocab_size"]) for _ in range(length)]
         cases.append((prompt, greedy(model, prompt, NEW_TOKENS)))
     return directory, model, cases
 
@@ -188,7 +192,7 @@ def test_transformers_reads_the_written_gguf_back(qwen35_gguf):
 
 def test_gguf_missing_metadata_is_refused(qwen35_gguf, tmp_path):
     path = tmp_path / "no-inner-size.gguf"
-    write_gguf(qwen35_gguf[1], path, drop="ssm.inner_size", vocabulary=TEXT_CONFIG["vocab_size"])
+    write_gguf(qwen35_gguf[1], path, drop="ssm.inner_size", vocabulary=CONFIG["vocab_size"])
     with pytest.raises(ValueError, match="GGUF metadata 'qwen35.ssm.inner_size' is missing"):
         load_model(str(path), "cpu", torch.float32)
 
@@ -201,9 +205,13 @@ def test_recurrent_layers_flags_set_the_layer_pattern(qwen35_gguf, tmp_path):
 
     path = tmp_path / "flags.gguf"
     flags = [True, False, True, False, False]
-    write_gguf(qwen35_gguf[1], path, vocabulary=TEXT_CONFIG["vocab_size"], recurrent_layers=flags)
+    write_gguf(qwen35_gguf[1], path, vocabulary=CONFIG["vocab_size"], recurrent_layers=flags)
     config, blocks = read_qwen35_config(gguf.GGUFReader(path), str(path))
     assert (config.layer_types, blocks) == (("linear_attention", "full_attention") * 2, 5)
+    short = tmp_path / "short-flags.gguf"  # fewer flags than blocks: refused, as llama.cpp does
+    write_gguf(qwen35_gguf[1], short, vocabulary=CONFIG["vocab_size"], recurrent_layers=flags[:3])
+    with pytest.raises(ValueError, match="recurrent_layers has 3 flags; it needs one per block"):
+        read_qwen35_config(gguf.GGUFReader(short), str(short))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

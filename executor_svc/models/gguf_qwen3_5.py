@@ -81,11 +81,16 @@ def read_qwen35_config(reader: Any, path: str) -> tuple[Qwen35Config, int]:
     blocks = count("block_count")
     mtp = count("nextn_predict_layers", 0)
     layers = blocks - mtp
+    if mtp and "blk.0.attn_norm.weight" not in tensors:  # llama.cpp's test for the converter's mtp-*.gguf
+        raise ValueError(f"{path}: an MTP-only (draft) GGUF, not the model: it holds no decoder layers")
     heads = count("attention.head_count")
     head_dim = count("attention.key_length")
     if count("attention.value_length", head_dim) != head_dim:
         raise ValueError(f"{path}: attention key and value lengths differ; Qwen3.5 has one head_dim")
     value_heads, value_size = count("ssm.time_step_rank"), count("ssm.inner_size")
+    for key in ("ssm.time_step_rank", "ssm.group_count", "attention.head_count"):
+        if count(key) <= 0:
+            raise ValueError(f"{path}: {arch}.{key} is {count(key)}; it must be positive")
     if value_size % value_heads:
         raise ValueError(
             f"{path}: ssm.inner_size {value_size} is not a multiple of ssm.time_step_rank {value_heads}"
@@ -122,6 +127,11 @@ def _layer_types(recurrent: Any, count: Callable[..., int], layers: int) -> tupl
         interval = count("full_attention_interval", 4)
         return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers))
     flags = recurrent if isinstance(recurrent, list) else [recurrent] * layers
+    if len(flags) not in (layers, count("block_count")):
+        raise ValueError(
+            f"attention.recurrent_layers has {len(flags)} flags; it needs one per block ({count('block_count')}, "
+            f"the decoder's {layers} first)"
+        )
     return tuple(LINEAR if flag else FULL for flag in flags[:layers])
 
 
