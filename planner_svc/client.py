@@ -312,7 +312,8 @@ class PlannerClient:
 
     async def resume(self, conversation_id: str, tenant: str = "") -> Resumed:
         """Restores a parked conversation's pages into the pool (the next generate on it does this too);
-        NOT_FOUND when there is nothing to restore, DATA_LOSS for a snapshot that failed its checksum."""
+        NOT_FOUND when there is nothing to restore, FAILED_PRECONDITION while a turn runs on it, DATA_LOSS for a
+        snapshot that failed its checksum."""
         reply = await self._stub.Resume(
             client_pb2.ResumeRequest(conversation_id=conversation_id, tenant=tenant)
         )

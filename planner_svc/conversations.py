@@ -32,6 +32,7 @@ class Conversation:
     pages: list[int] = field(default_factory=list)  # empty while parked or never read
     parked: bool = False  # its pages live in the cache service
     busy: bool = False  # a turn is running on it
+    parking: bool = False  # its executor is copying its pages and states to the cache: they stay its own
     last_used: int = 0
     lost: str = ""  # why its KV was lost with an executor (said once, by its next turn's mount)
     # A model with recurrent layers: each checkpoint's state copy (position -> state slot of `state_pool`).
@@ -49,6 +50,11 @@ class Conversation:
         self.retention = Retention(self.retention.config)
         self.drop_states(list(self.states))
         return pages
+
+    @property
+    def idle(self) -> bool:
+        """Neither running a turn nor being parked: what it holds may be taken back under pressure."""
+        return not self.busy and not self.parking
 
     def drop_states(self, positions: list[int]) -> None:
         """The state copies of these checkpoints go back to the pool (no step reads them: no turn runs, or
@@ -250,7 +256,7 @@ class Conversations:
         """State-slot pressure: the least recently used idle conversation holding copies gives one back (its
         retention's victim), or, with only its newest (or pin) left, forgets what it kept. Returns the pages to
         free; None when no idle conversation holds a copy."""
-        idle = [c for c in self._by_key.values() if c.states and not c.busy]
+        idle = [c for c in self._by_key.values() if c.states and c.idle]
         conversation = min(idle, key=lambda c: c.last_used, default=None)
         if conversation is None:
             return None
@@ -261,6 +267,6 @@ class Conversations:
         return []
 
     def coldest_idle(self) -> Conversation | None:
-        """The least recently used conversation holding pages and not running a turn."""
-        idle = [c for c in self._by_key.values() if c.pages and not c.busy]
+        """The least recently used conversation holding pages, neither running a turn nor being parked."""
+        idle = [c for c in self._by_key.values() if c.pages and c.idle]
         return min(idle, key=lambda c: c.last_used, default=None)

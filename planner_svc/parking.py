@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -57,6 +60,20 @@ NOTHING = RestoreOutcome(Restore.NOTHING)
 RESTORED = RestoreOutcome(Restore.RESTORED)
 
 
+def _once_answered(rpc: asyncio.Future[Any], then: Callable[[], None]) -> None:
+    """`then()` now if the executor answered `rpc`, else when it does (its outcome read: nobody awaits it)."""
+
+    def done(_: object) -> None:
+        if not rpc.cancelled():
+            rpc.exception()
+        then()
+
+    if rpc.done():
+        done(rpc)
+    else:
+        rpc.add_done_callback(done)
+
+
 class Parking:
     def __init__(self, cache_address: str | None, security: ChannelSecurity | None = None):
         self.cache_address = cache_address
@@ -85,12 +102,18 @@ class Parking:
                 for p in retention.positions
             ],
         )
+        # The executor reads its pages and state slots until it answers, also when the caller is cancelled:
+        # pressure takes none of them back meanwhile.
+        conversation.parking = True
+        rpc = asyncio.ensure_future(engine.link.park(request))
         try:
-            reply = await engine.link.park(request)
+            reply = await asyncio.shield(rpc)
         except grpc.aio.AioRpcError as error:
             raise ParkError(error.code(), f"parking failed: {error.details()}") from error
         except LinkError as error:
             raise ParkError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from error
+        finally:
+            _once_answered(rpc, lambda: setattr(conversation, "parking", False))
         conversation.drop_states(list(conversation.states))  # parked with the pages
         engine.scheduler.return_pages(conversation.pages)
         conversation.pages, conversation.parked = [], True
@@ -107,7 +130,13 @@ class Parking:
         """Bring a parked conversation's pages back; the caller holds its turn lock.
 
         NOTHING when there was nothing to restore, RESTORED, or FELL_BACK saying why the conversation
-        reads its prompt again (never silently)."""
+        reads its prompt again (never silently). ParkError (FAILED_PRECONDITION) while a turn runs on it: that
+        turn owns its states and pages."""
+        if conversation.busy:
+            raise ParkError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"conversation {conversation.conversation_id!r} is running a turn",
+            )
         tokens = (
             len(conversation.tokens) if conversation.parked else await self._snapshot_tokens(conversation)
         )
@@ -121,8 +150,10 @@ class Parking:
         if states is None:
             engine.scheduler.return_pages(pages)
             return self._fall_back(conversation, "no state slot is free for the snapshot's states now")
-        try:
-            reply = await engine.link.restore(
+        # Shielded: a caller cancelled (its client gone) gives the pages and slots back only once the executor
+        # answered, its copy into them done, so that no request reuses them while the copy writes.
+        rpc = asyncio.ensure_future(
+            engine.link.restore(
                 executor_pb2.RestorePagesRequest(
                     conversation_id=conversation.conversation_id,
                     tenant=conversation.tenant,
@@ -130,10 +161,11 @@ class Parking:
                     state_slots=pack_i32(states),
                 )
             )
+        )
+        try:
+            reply = await asyncio.shield(rpc)
         except (grpc.aio.AioRpcError, LinkError) as error:
-            for slot in states:
-                engine.scheduler.states.give_back(slot)
-            engine.scheduler.return_pages(pages)  # partly written at worst: nobody reads them
+            self._give_back(engine, pages, states)  # partly written at worst: nobody reads them
             if isinstance(error, grpc.aio.AioRpcError):
                 data_loss = error.code() == grpc.StatusCode.DATA_LOSS
                 reason = f"{error.code().name}: {error.details()}"
@@ -145,6 +177,9 @@ class Parking:
             else:
                 data_loss, reason = False, str(error)
             return self._fall_back(conversation, f"snapshot refused: {reason}", data_loss=data_loss)
+        except BaseException:  # cancelled, or an unexpected error: the conversation stays as it was
+            _once_answered(rpc, lambda: self._give_back(engine, pages, states))
+            raise
         conversation.tokens = unpack_i32(reply.token_ids).tolist()
         conversation.retention = Retention(conversation.retention.config)
         checkpoints = sorted(reply.checkpoints, key=lambda c: c.position)
@@ -163,6 +198,14 @@ class Parking:
         conversation.pages, conversation.parked = pages, False
         log.info("conversation restored", conversation=conversation.conversation_id, tokens=tokens)
         return RESTORED
+
+    @staticmethod
+    def _give_back(engine: Engine, pages: list[int], states: list[int]) -> None:
+        """A restore's pages and state slots, unused: back to the pools."""
+        for slot in states:
+            engine.scheduler.states.give_back(slot)
+        engine.scheduler.return_pages(pages)
+        engine.wake()
 
     @staticmethod
     def _take_state_slots(engine: Engine, conversation: Conversation) -> list[int] | None:

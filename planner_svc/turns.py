@@ -139,10 +139,12 @@ class Turns:
             return await self.parking.park(engine, conversation), conversation
 
     async def resume(self, tenant: str, conversation_id: str) -> Conversation:
-        """Restore a parked conversation's pages (ParkError: NOT_FOUND with nothing to restore, DATA_LOSS for
-        a snapshot that failed its checks, UNAVAILABLE for any other refusal)."""
+        """Restore a parked conversation's pages (ParkError: NOT_FOUND with nothing to restore,
+        FAILED_PRECONDITION while a turn runs on it, DATA_LOSS for a snapshot that failed its checks,
+        UNAVAILABLE for any other refusal)."""
         engine, conversation = self.route(tenant, conversation_id)
         async with self.lock(conversation):
+            await self._previous_turn_done(engine, conversation)
             outcome = await self.parking.restore(engine, conversation) if not conversation.pages else None
         if outcome is None or outcome.restored:
             return conversation
