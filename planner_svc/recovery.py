@@ -44,15 +44,18 @@ def recover(
     refused_step = scheduler._steps.get(refused_seq) if refused_seq is not None else None
     if refused_step is not None:
         result.refused = [r for r in _carried(scheduler, refused_step) if r.finish is None]
-    # No step in flight: whatever was planned after the last commit is forgotten, its reads included.
+    # No step in flight: whatever was planned after the last commit is forgotten, its reads and copies included.
+    scheduler.marks.forget(scheduler.committed)
     scheduler._steps.clear()
     scheduler._steady, scheduler._steady_left = None, 0
     scheduler.committed = max(scheduler.committed, last_seq)
     scheduler.slots = SlotCache(scheduler.layout.widest_bucket)
     scheduler._assigned_seq = last_seq
     scheduler.mirror.reset()
-    scheduler.marks.forget()  # the chunks their copies follow may not have run
     for request in result.refused:
+        if request.state_slot:  # its state may have read steps that never ran: no checkpoint of it
+            scheduler.states.give_back(request.state_slot)
+            request.state_slot = 0
         scheduler.abort(request)
     for request in [*scheduler.prefilling, *scheduler.decoding]:
         if request.output_ids and lost:

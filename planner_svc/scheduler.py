@@ -131,7 +131,7 @@ class Scheduler:
         self._sync_reads()
         self._dirty = False
         self._admit()
-        self.marks.step_begins()
+        self.marks.step_begins(self.committed)
         step = PlannedStep(seq)
         finals = self._plan_prefill(step)
         room = self.layout.widest_bucket - len(finals)

@@ -26,6 +26,9 @@ class MarkCopies:
         self.states = states
         self._due: list[tuple[Request, int]] = []  # chunks in steps planned before the one being planned
         self._new: list[tuple[Request, int]] = []  # chunks in the step being planned
+        self._uncommitted: list[
+            tuple[Request, int, int]
+        ] = []  # (request, mark, step) of copies not committed
 
     def chunk_end(self, request: Request, start: int, end: int) -> int:
         """A prefill chunk's end: `end`, or the first mark in (start, end) (a model with recurrent layers)."""
@@ -33,9 +36,11 @@ class MarkCopies:
             return end
         return min((m for m in _marks(request) if start < m < end), default=end)
 
-    def step_begins(self) -> None:
+    def step_begins(self, committed: int) -> None:
+        """A step is planned; every step up to `committed` has run."""
         self._due += self._new
         self._new = []
+        self._uncommitted = [copy for copy in self._uncommitted if copy[2] > committed]
 
     def chunk_planned(self, request: Request, end: int) -> None:
         if self.states.enabled and end in _marks(request):
@@ -48,9 +53,15 @@ class MarkCopies:
                 slot = self.states.take()
                 step.state_copies.append((request.state_slot, slot))
                 request.marked_states[mark] = slot
+                self._uncommitted.append((request, mark, step.seq))
                 request.last_seq = max(request.last_seq, step.seq)  # its release waits for the copy's commit
         self._due = []
 
-    def forget(self) -> None:
-        """Steps were lost or refused: the chunks the copies follow may not have run."""
-        self._due, self._new = [], []
+    def forget(self, committed: int) -> None:
+        """The steps after `committed` were lost or refused: the chunks the copies follow may not have run,
+        and the copies planned in them did not (their slots go back; no turn ends before its copies commit, so
+        the request still holds each)."""
+        for request, mark, seq in self._uncommitted:
+            if seq > committed and mark in request.marked_states:
+                self.states.give_back(request.marked_states.pop(mark))
+        self._due, self._new, self._uncommitted = [], [], []

@@ -10,6 +10,7 @@ import pytest
 
 from planner_svc.config import SchedulingConfig
 from planner_svc.conversations import Conversations
+from planner_svc.recovery import recover
 from planner_svc.requests import Request
 from planner_svc.retention import RetentionConfig
 from planner_svc.scheduler import Scheduler, SchedulerConfig
@@ -134,4 +135,23 @@ def test_a_root_mark_inside_the_prompt_keeps_a_copy_of_the_state_there():
     scheduler.commit(1, np.zeros(0, np.int32), np.array([30], np.int32))
     _run(scheduler, request, 2)
     assert conversation.states == {3: 2, 8: 1} and conversation.retention.root == 3
+    scheduler.states.check()
+
+
+def test_a_refused_step_leaves_no_checkpoint_of_steps_that_never_ran():
+    conversations = Conversations(4, RetentionConfig())
+    scheduler = _scheduler(state_slots=4, conversations=conversations)
+    conversation = conversations.open("tenant", "chat")
+    request = Request("turn", [5, 6, 7, 8, 9, 10, 11], max_tokens=2)
+    request.conversation, request.root = conversation, 3
+    conversations.mount(conversation, request.prompt_ids)
+    scheduler.add(request)
+    assert scheduler.plan(0) is not None  # the chunk up to the mark
+    scheduler.commit(0, np.zeros(0, np.int32), np.array([-1], np.int32))
+    step = scheduler.plan(1)  # the copy at the mark and the rest of the prompt: refused, so never run
+    assert step is not None and step.state_copies == [(1, 2)] and request.marked_states == {3: 2}
+    result = recover(scheduler, last_seq=1, refused_seq=1, reason="refused")
+    assert result.refused == [request] and request.finish is not None
+    assert not conversation.states and not conversation.busy  # neither the copy nor the turn's state
+    assert scheduler.states.free_count == scheduler.states.total
     scheduler.states.check()
