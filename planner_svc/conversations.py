@@ -175,7 +175,7 @@ class Conversations:
         if state_slot and state_tokens is None:
             assert self.states is not None
             self.states.give_back(state_slot)
-        tokens = state_tokens or request.kv_tokens()
+        tokens = state_tokens if state_tokens is not None else request.kv_tokens()
         turn_end = [request.prompt_len] if request.prefilled == request.prompt_len else []
         marks = [p for p in (request.root, request.pinned) if p is not None and p <= len(tokens)]
         marked, request.marked_states = request.marked_states, {}
@@ -186,7 +186,7 @@ class Conversations:
             turn_end + marks,
             root=request.root,
             pinned=request.pinned,
-            state_slot=state_slot if state_tokens else 0,
+            state_slot=state_slot if state_tokens is not None else 0,
             marked_states=marked,
         )
 

@@ -231,9 +231,10 @@ async def test_conversation_resumes_from_checkpoints_with_state_copies(text_stac
         got = await turn(edited, conversation="pin")
         await assert_fresh_read(got, edited)
         assert (got.reused_tokens, got.checkpoint, got.diverged_at) == (10, "checkpoint@10", 12)
-    await text_stack.wait_idle()
-    scheduler.return_pages(pinned_chat.forget())  # its copies back, for the tests after this one
+    # State pressure takes the pin's copy too (retention never evicts it: the conversation forgets what it kept).
+    assert await _all_at_once(text_stack, cases) == [expected for _, expected in cases]
     await _all_free(text_stack)
+    assert not pinned_chat.states and not pinned_chat.pages
 
 
 async def test_row_check_soak_under_kv_and_state_pressure(hybrid):

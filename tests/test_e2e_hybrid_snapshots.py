@@ -99,6 +99,15 @@ def _conversation(stack):
     return conversation
 
 
+async def _all_free_but_chat(stack) -> None:
+    """Idle, every page and state slot is free but those the conversation holds (none once parked)."""
+    await stack.wait_idle()
+    scheduler, conversation = stack.scheduler, _conversation(stack)
+    assert scheduler.pages.free_count == scheduler.pages.total - len(conversation.pages)
+    assert scheduler.states.free_count == STATE_SLOTS - 1 - len(conversation.states)
+    scheduler.states.check()
+
+
 async def test_park_restart_resume_equals_a_fresh_read(tmp_path):
     from tests.hf_reference import hf_tokenizer
 
@@ -132,6 +141,7 @@ async def test_park_restart_resume_equals_a_fresh_read(tmp_path):
             back = _states(stack, [conversation.states[p] for p in positions])
             assert torch.equal(back[0], states[0]) and torch.equal(back[1], states[1])  # byte for byte
             assert (await client.park("chat")).bytes > 0
+            await _all_free_but_chat(stack)
             history = list(conversation.tokens) + [9, 10, 11]
     finally:
         await stop_stack(servers)
@@ -160,6 +170,7 @@ async def test_park_restart_resume_equals_a_fresh_read(tmp_path):
             newest = len(history) + NEW_TOKENS - 1
             assert sorted(_conversation(stack).states) == [positions[-1], newest]
             assert (await client.park("chat")).bytes > 0  # each stage's layers, put whole by the first
+            await _all_free_but_chat(stack)
             history = list(_conversation(stack).tokens) + [12, 13]
     finally:
         group.stop()
@@ -169,7 +180,7 @@ async def test_park_restart_resume_equals_a_fresh_read(tmp_path):
     try:
         async with PlannerClient(stack.addr) as client:
             await _resumes_as_a_fresh_read(client, model, history, newest)
-            await stack.wait_idle()
+            await _all_free_but_chat(stack)
             assert stack.engine.row_mismatches == 0
     finally:
         group.stop()
