@@ -133,6 +133,20 @@ class Stage:
         """A later stage's input: the previous stage's hidden states x[rows, hidden]."""
         return self._receive((rows, hidden), dtype, device, self.rank - 1)
 
+    def first_input(
+        self,
+        embedding: Callable[[torch.Tensor], torch.Tensor] | None,
+        tokens: torch.Tensor,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """x[B, hidden]: the tokens' embeddings on the first stage, the previous stage's output on a later one."""
+        if self.layers.first:
+            assert embedding is not None, "the first stage holds the embedding"
+            return embedding(tokens)
+        return self.enter(tokens.shape[0], hidden, dtype, device)
+
     def hand_on(self, x: torch.Tensor) -> None:
         """An earlier stage's output x[rows, hidden], to the next stage."""
         self._send(x, self.rank + 1)

@@ -216,10 +216,9 @@ class DenseModel(nn.Module):
 
     def enter(self, tokens: torch.Tensor) -> torch.Tensor:
         """x[B, hidden]: the tokens' embeddings on the first stage, the previous stage's output on a later one."""
-        if self.stage.layers.first:
-            assert self.embed_tokens is not None, "the first stage holds the embedding"
-            return self.embed_tokens(tokens)
-        return self.stage.enter(tokens.shape[0], self.config.hidden_size, self.dtype, self.device)
+        return self.stage.first_input(
+            self.embed_tokens, tokens, self.config.hidden_size, self.dtype, self.device
+        )
 
     @property
     def head(self) -> tuple[RMSNorm, nn.Module]:

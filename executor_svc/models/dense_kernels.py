@@ -57,13 +57,57 @@ def _fuse_layer(layer: DenseLayer) -> FusedLayer:
     )
 
 
+class Projections:
+    """A fused decode step's projections, by its row count: a few rows, each projection one GEMV kernel that
+    also norms its input (and gates gate_up's output); more, cuBLAS GEMMs between the norm and SiLU kernels."""
+
+    def __init__(self, rows: int, eps: float) -> None:
+        from executor_svc.kernels import gemv
+
+        self.few = rows <= gemv.MAX_ROWS
+        self.eps = eps
+
+    def project(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        from executor_svc.kernels import gemv
+
+        if not self.few:
+            return F.linear(x, weight, bias)
+        out = gemv.gemv(x, weight)[0]
+        return out if bias is None else out + bias
+
+    def norm_project(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        gated: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """rmsnorm(x + residual) * norm_weight projected (SiLU(gate) * up when gated), and the new residual."""
+        from executor_svc.kernels import gemv
+        from executor_svc.kernels.fused import rmsnorm_residual, silu_mul
+
+        if self.few:
+            if bias is None:
+                return gemv.gemv(x, weight, norm=(residual, norm_weight, self.eps), gated=gated)
+            # the bias goes in before the gate: the GEMV's own gating cannot take it
+            out, residual = gemv.gemv(x, weight, norm=(residual, norm_weight, self.eps))
+            out = out + bias
+        else:
+            h, residual = rmsnorm_residual(x, residual, norm_weight, self.eps)
+            out = F.linear(h, weight, bias)
+        return (silu_mul(out) if gated else out), residual
+
+
 def forward_kernels(
     model: DenseModel, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
 ) -> torch.Tensor | None:
     """DenseModel.forward in the Triton kernels: float32 logits[B or len(select), V] (None before the last
     stage of a split)."""
-    from executor_svc.kernels import gemv
-    from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
+    from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write
 
     cfg, kv = model.config, attention.kv
     heads, kv_heads, head_dim, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps
@@ -71,28 +115,8 @@ def forward_kernels(
     k_end = q_end + kv_heads * head_dim
     x = model.enter(inputs.tokens)  # x: [B, hidden]
     batch = x.shape[0]
-    # A few rows: each projection one GEMV kernel that also norms its input (and gates gate_up's output);
-    # more: cuBLAS GEMMs between the norm and SiLU kernels.
-    few = batch <= gemv.MAX_ROWS
-
-    def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not few:
-            return F.linear(x, weight, bias)
-        out = gemv.gemv(x, weight)[0]
-        return out if bias is None else out + bias
-
-    def norm_project(
-        x, residual, norm_weight, weight, bias, gated=False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if few and bias is None:
-            return gemv.gemv(x, weight, norm=(residual, norm_weight, eps), gated=gated)
-        if few:  # the bias goes in before the gate: the GEMV's own gating cannot take it
-            out, residual = gemv.gemv(x, weight, norm=(residual, norm_weight, eps))
-            out = out + bias
-        else:
-            h, residual = rmsnorm_residual(x, residual, norm_weight, eps)
-            out = F.linear(h, weight, bias)
-        return (silu_mul(out) if gated else out), residual
+    projections = Projections(batch, eps)
+    project, norm_project = projections.project, projections.norm_project
 
     def head_norm(x: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
         """x[B, heads, D] -> each head RMS-normed (Qwen3's q/k norm), contiguous."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from executor_svc.models.dense_kernels import join_rows
+from executor_svc.models.dense_kernels import Projections, join_rows
 from executor_svc.models.qwen3_5_config import LINEAR
 
 if TYPE_CHECKING:
@@ -74,26 +74,14 @@ def forward_kernels(
 ) -> torch.Tensor | None:
     """Qwen35Model.forward of a decode step in the Triton kernels: float32 logits[B or len(select), V] (None
     before the last stage of a split)."""
-    from executor_svc.kernels import gemv
-    from executor_svc.kernels.fused import rmsnorm_residual, silu_mul
+    from executor_svc.kernels.fused import rmsnorm_residual
 
     cfg, states = model.config, inputs.states
     assert states is not None and states.seq_starts is None, "the fused forward runs decode steps"
     eps = cfg.rms_eps
     x = model.enter(inputs.tokens)  # x: [B, hidden]
-    # A few rows: each projection one GEMV kernel that also norms its input (and gates gate_up's output);
-    # more: cuBLAS GEMMs between the norm and SiLU kernels.
-    few = x.shape[0] <= gemv.MAX_ROWS
-
-    def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return gemv.gemv(x, weight)[0] if few else F.linear(x, weight)
-
-    def norm_project(x, residual, norm_weight, weight, gated=False) -> tuple[torch.Tensor, torch.Tensor]:
-        if few:
-            return gemv.gemv(x, weight, norm=(residual, norm_weight, eps), gated=gated)
-        h, residual = rmsnorm_residual(x, residual, norm_weight, eps)
-        out = F.linear(h, weight)
-        return (silu_mul(out) if gated else out), residual
+    projections = Projections(x.shape[0], eps)
+    project, norm_project = projections.project, projections.norm_project
 
     weights = fused_weights(model)
     residual = None  # the first norm's "sum" is the embedding itself
