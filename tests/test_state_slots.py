@@ -117,7 +117,8 @@ def test_turns_keep_their_state_and_resume_from_a_copy_of_it():
     scheduler.states.check()
 
 
-def test_a_root_mark_inside_the_prompt_keeps_a_copy_of_the_state_there():
+def _turn_with_a_root_mark():
+    """A scheduler of 4 state slots and a conversation's turn of 7 prompt tokens marked as a root at 3, added."""
     conversations = Conversations(4, RetentionConfig())
     scheduler = _scheduler(state_slots=4, conversations=conversations)
     conversation = conversations.open("tenant", "chat")
@@ -125,6 +126,11 @@ def test_a_root_mark_inside_the_prompt_keeps_a_copy_of_the_state_there():
     request.conversation, request.root = conversation, 3
     conversations.mount(conversation, request.prompt_ids)
     scheduler.add(request)
+    return scheduler, conversation, request
+
+
+def test_a_root_mark_inside_the_prompt_keeps_a_copy_of_the_state_there():
+    scheduler, conversation, request = _turn_with_a_root_mark()
     step = scheduler.plan(0)
     assert step is not None and [(c.start, len(c.token_ids) // 4) for c in step.prefill] == [
         (0, 3)
@@ -139,13 +145,7 @@ def test_a_root_mark_inside_the_prompt_keeps_a_copy_of_the_state_there():
 
 
 def test_a_refused_step_leaves_no_checkpoint_of_steps_that_never_ran():
-    conversations = Conversations(4, RetentionConfig())
-    scheduler = _scheduler(state_slots=4, conversations=conversations)
-    conversation = conversations.open("tenant", "chat")
-    request = Request("turn", [5, 6, 7, 8, 9, 10, 11], max_tokens=2)
-    request.conversation, request.root = conversation, 3
-    conversations.mount(conversation, request.prompt_ids)
-    scheduler.add(request)
+    scheduler, conversation, request = _turn_with_a_root_mark()
     assert scheduler.plan(0) is not None  # the chunk up to the mark
     scheduler.commit(0, np.zeros(0, np.int32), np.array([-1], np.int32))
     step = scheduler.plan(1)  # the copy at the mark and the rest of the prompt: refused, so never run
