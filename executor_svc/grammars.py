@@ -19,9 +19,7 @@ A schema that does not compile is a PlanError (INVALID_ARGUMENT), raised before 
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -37,14 +35,13 @@ from executor_svc.plan import CheckedPlan, PlanError
 from executor_svc.sampler_controls import SamplerControls
 from executor_svc.slot_store import SlotStore
 from protos import executor_pb2
-from protos.model_files import resolve_model_path
+from protos.model_files import load_tokenizer
 
 if TYPE_CHECKING:
     from executor_svc.runner import LaunchedStep
 
 
 ANY_OBJECT = '{"type": "object"}'
-IMPORT_ATTEMPTS, IMPORT_RETRY_S = 5, 1.0
 
 log = structlog.get_logger("deltaserve.executor.grammars")
 
@@ -199,41 +196,26 @@ class Grammars:
         self._unfed.clear()
 
     def _compiler_now(self) -> Any:
-        """The compiler, built here if no thread built it or the thread's build failed (an import that raced
-        with another thread's import of transformers fails with ImportError: built again, it works)."""
-        if self._compiler is not None:
-            try:
-                return self._compiler.result()
-            except ImportError:
-                pass
-        self._compiler = Future()
-        self._build_compiler()
+        """The compiler, built here if no thread started building it."""
+        if self._compiler is None:
+            self._compiler = Future()
+            self._build_compiler()
         return self._compiler.result()
 
     def _build_compiler(self) -> None:
         assert self._compiler is not None
-        for attempt in range(IMPORT_ATTEMPTS):
-            try:
-                import xgrammar
+        try:
+            import xgrammar
 
-                tokenizer = _tokenizer(self._model)
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    tokenizer,
-                    vocab_size=self._controls.vocab_size,
-                    stop_token_ids=self._eos_token_ids or None,
-                )
-                # xgrammar's own cache is unbounded: the LRU map above keeps the compiled grammars instead
-                self._compiler.set_result(xgrammar.GrammarCompiler(info, cache_enabled=False))
-                return
-            except (
-                ImportError
-            ) as error:  # raced another thread's import of transformers: once it is done, again
-                if attempt == IMPORT_ATTEMPTS - 1:
-                    self._compiler.set_exception(error)
-                time.sleep(IMPORT_RETRY_S)
-            except Exception as error:  # raised where a grammar first needs it
-                self._compiler.set_exception(error)
-                return
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                load_tokenizer(self._model),
+                vocab_size=self._controls.vocab_size,
+                stop_token_ids=self._eos_token_ids or None,
+            )
+            # xgrammar's own cache is unbounded: the LRU map above keeps the compiled grammars instead
+            self._compiler.set_result(xgrammar.GrammarCompiler(info, cache_enabled=False))
+        except Exception as error:  # raised where a grammar first needs it
+            self._compiler.set_exception(error)
 
     def _compile(self, grammar: str) -> Any:
         """The grammar compiled (from the LRU map, or now); PlanError where xgrammar refuses it."""
@@ -267,12 +249,3 @@ def step_slots(plan: CheckedPlan, store: SlotStore, decode: np.ndarray | None) -
     if decode is None:
         decode = store.host_slots(plan.bucket)
     return np.concatenate([prefill, np.asarray(decode, dtype=np.int64)])
-
-
-def _tokenizer(model: str | None):
-    from transformers import AutoTokenizer
-
-    path = resolve_model_path(model)
-    if os.path.isdir(path):
-        return AutoTokenizer.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

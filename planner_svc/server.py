@@ -22,11 +22,11 @@ from planner_svc.parking import ParkError, Parking
 from planner_svc.requests import Finish, Request
 from planner_svc.responses import ResponseStreams
 from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
-from planner_svc.tokenizer import load_tokenizer
 from planner_svc.turns import Turns
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.auth import request_tenant
 from protos.layout import RowLayout
+from protos.model_files import load_tokenizer
 from protos.rpc import ChannelSecurity, ServerSecurity, StartedServer, log_access, start_server
 
 log = structlog.get_logger("deltaserve.planner")

@@ -2,20 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-from protos.model_files import resolve_model_path
-
-
-def load_tokenizer(model: str | None):
-    """The tokenizer of a GGUF file (its vocabulary and chat template) or of a Hugging Face directory."""
-    from transformers import AutoTokenizer  # slow import: only when a planner starts
-
-    path = resolve_model_path(model)
-    if os.path.isdir(path):
-        return AutoTokenizer.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-
 
 def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)

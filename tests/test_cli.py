@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -53,10 +54,24 @@ def usage_error(capsys, argv: list[str], **environ: str) -> str:
     return capsys.readouterr().err
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port for a process started later. Below Linux's ephemeral range (32768-60999): a port the kernel hands
+    out for port 0 can be taken, before the process binds it, as the local end of another process's
+    connection (gloo's, grpc's), which made `up` and the split stages fail to listen now and then."""
+    while True:
+        port = random.randrange(20000, 32768)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
 
 
 @pytest.fixture

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from planner_svc.config import PlannerConfig
-from planner_svc.tokenizer import IncrementalDetokenizer, load_tokenizer
+from planner_svc.tokenizer import IncrementalDetokenizer
+from protos.model_files import load_tokenizer
 
 
 @pytest.fixture(scope="module")
