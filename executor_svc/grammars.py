@@ -35,7 +35,7 @@ from executor_svc.plan import CheckedPlan, PlanError
 from executor_svc.sampler_controls import SamplerControls
 from executor_svc.slot_store import SlotStore
 from protos import executor_pb2
-from protos.model_files import load_tokenizer
+from protos.model_files import TRANSFORMERS_IMPORTS, load_tokenizer
 
 if TYPE_CHECKING:
     from executor_svc.runner import LaunchedStep
@@ -205,8 +205,8 @@ class Grammars:
     def _build_compiler(self) -> None:
         assert self._compiler is not None
         try:
-            import xgrammar
-
+            with TRANSFORMERS_IMPORTS:
+                import xgrammar
             info = xgrammar.TokenizerInfo.from_huggingface(
                 load_tokenizer(self._model),
                 vocab_size=self._controls.vocab_size,

@@ -8,6 +8,8 @@ import re
 import threading
 from typing import Any
 
+from protos.model_files import TRANSFORMERS_IMPORTS
+
 # Keywords xgrammar's JSON Schema converter does not enforce: a schema using one would be followed only in
 # part, so it is refused rather than half-honoured.
 UNSUPPORTED = frozenset(
@@ -87,8 +89,8 @@ class SchemaCompiler:
         if found is not None:
             return f"uses {found.split(': ')[1]!r} (at {found.split(': ')[0]}), which structured output does not enforce"
         with self._lock:
-            import xgrammar
-
+            with TRANSFORMERS_IMPORTS:  # xgrammar imports transformers: not beside another thread's import
+                import xgrammar
             if self._compiler is None:
                 info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size)
                 self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=SCHEMA_CACHE_BYTES)

@@ -38,16 +38,17 @@ def resolve_model_path(model: str | None) -> str:
     return path
 
 
-# `up` loads the planner's tokenizer and the executor's (for its grammars) on two threads of one process;
-# transformers' lazy imports racing on two threads can hand one a module not initialized yet (ImportError).
-_TOKENIZER_LOADS = threading.Lock()
+# Held while importing what imports transformers (xgrammar does) and loading a tokenizer: `up` loads the
+# planner's tokenizer and the executor's grammar compiler on two threads of one process, and transformers' lazy
+# imports racing on two threads can hand one a module not initialized yet (ImportError).
+TRANSFORMERS_IMPORTS = threading.Lock()
 
 
 def load_tokenizer(model: str | None):
     """The tokenizer of a GGUF file (its vocabulary and chat template) or of a Hugging Face directory; one
     load at a time in a process."""
     path = resolve_model_path(model)
-    with _TOKENIZER_LOADS:
+    with TRANSFORMERS_IMPORTS:
         from transformers import AutoTokenizer  # slow import: only when a service needs a tokenizer
 
         if os.path.isdir(path):
