@@ -21,6 +21,10 @@ from protos.tls import ServerTLS
 log = structlog.get_logger("deltaserve.gateway")
 
 STOP_GRACE_S = 5  # streams still open then are cut (each cut aborts its request)
+# An idle connection is kept this long (uvicorn's default, 5 s, equals httpx's and the OpenAI SDK's pool
+# expiry: a pooled connection the client reuses as the server closes it fails the request with a read
+# error; seen at c = 256 on the H200). Longer than clients' pools and load balancers' idle timeouts (60 s).
+KEEP_ALIVE_S = 75
 
 
 class _Server(uvicorn.Server):
@@ -86,6 +90,7 @@ async def start_gateway(
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=STOP_GRACE_S,
+        timeout_keep_alive=KEEP_ALIVE_S,
         ssl_certfile=tls.cert if tls is not None else None,
         ssl_keyfile=tls.key if tls is not None else None,
         ssl_ca_certs=tls.client_ca if tls is not None else None,

@@ -75,6 +75,24 @@ async def test_models_health_and_the_openapi_schema(http):
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"} <= set(schema["paths"])
 
 
+async def test_an_idle_pooled_connection_outlives_the_clients_pool_expiry(http):
+    """The server keeps an idle connection past httpx's 5 s pool expiry, so a client never reuses one the
+    server is closing; the same connection answers again after 6 s idle."""
+    reader, writer = await asyncio.open_connection(*http.base.removeprefix("http://").split(":"))
+    request = b"GET /health HTTP/1.1\r\nHost: deltaserve\r\n\r\n"
+    try:
+        for idle_s in (0, 6):
+            await asyncio.sleep(idle_s)
+            writer.write(request)
+            status = await asyncio.wait_for(reader.readline(), 10)
+            assert status.startswith(b"HTTP/1.1 200"), status
+            headers = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+            length = int(headers.split("content-length: ")[1].split("\r\n")[0])
+            await reader.readexactly(length)
+    finally:
+        writer.close()
+
+
 async def _error(http, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
     async with httpx.AsyncClient(base_url=http.base) as client:
         reply = await client.post(path, json=body, headers=headers)
