@@ -23,6 +23,9 @@ class SamplerControls:
     def __init__(self, slots: int, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.fused = (
+            device.type == "cuda"
+        )  # apply in one Triton kernel (tests set it on the CPU's interpreter)
         self.on = torch.zeros(slots, dtype=torch.bool, device=device)
         self.min_p = torch.zeros(slots, dtype=torch.float32, device=device)
         self.repetition = torch.ones(slots, dtype=torch.float32, device=device)
@@ -110,8 +113,18 @@ class SamplerControls:
         self.generated.index_put_((slots,), on.to(torch.int32), accumulate=True)
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The rows' logits f32[B, V] after logit bias, the penalties (vLLM's and OpenAI's rules) and the stop
-        ids' mask below min_tokens; rows without controls as they were."""
+        """The rows' logits f32[B, V] after logit bias, the penalties (vLLM's and OpenAI's rules), the stop
+        ids' mask below min_tokens and the grammar's mask; rows without controls as they were."""
+        if not self.fused:
+            return self._apply_torch(logits, slots)
+        from executor_svc.kernels.controls import adjust_logits
+
+        tables = (self.bias, self.seen, self.counts, self.stop, self.grammar_mask)
+        scalars = (self.repetition, self.frequency, self.presence, self.generated, self.min_tokens)
+        return adjust_logits(logits, slots, self.on, tables, scalars)
+
+    def _apply_torch(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """apply's reference, and its form on the CPU."""
         adjusted = logits + self.bias[slots]
         repetition = self.repetition[slots][:, None]
         penalized = torch.where(adjusted > 0, adjusted / repetition, adjusted * repetition)

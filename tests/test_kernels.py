@@ -25,6 +25,7 @@ from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
 from executor_svc.kernels.slot_ops import SamplerState, advance, gather_inputs, scatter_sampler
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.layers import RMSNorm, rotate_half
+from executor_svc.sampler_controls import SamplerControls
 from executor_svc.slot_store import SlotStore
 from protos.layout import RowLayout
 
@@ -286,3 +287,31 @@ def test_paged_decode_attention_refuses_short_or_mistyped_counters():
             paged_decode_attention(
                 q, k_layer, v_layer, store.rows, slots, BLOCK_TABLE, 4, 0.125, 2, counters.to(DEVICE)
             )
+
+
+def test_controls_adjust_kernel_equals_the_torch_rules():
+    """Bias, penalties, stop ids below min_tokens and the grammar mask in one kernel: equal to the torch form
+    for rows on and off, over a vocabulary that is not a multiple of the block or of 32."""
+    slots_n, vocab = 5, 1500
+    generator = torch.Generator().manual_seed(0)
+    controls = SamplerControls(slots_n, vocab, DEVICE)
+    controls.on.copy_(torch.tensor([False, True, True, False, True]))
+    controls.bias.copy_(torch.randn(slots_n, vocab, generator=generator))
+    controls.seen.copy_(torch.rand(slots_n, vocab, generator=generator) < 0.3)
+    controls.counts.copy_(torch.randint(0, 3, (slots_n, vocab), generator=generator, dtype=torch.int32))
+    controls.stop.copy_(torch.rand(slots_n, vocab, generator=generator) < 0.01)
+    words = torch.randint(-(2**31), 2**31 - 1, controls.grammar_mask.shape, generator=generator)
+    controls.grammar_mask.copy_(words.to(torch.int32))
+    controls.grammar_mask[2] = -1  # a slot without a grammar: every token allowed
+    controls.repetition.copy_(torch.tensor([1.0, 1.3, 0.8, 1.0, 1.1]))
+    controls.frequency.copy_(torch.tensor([0.0, 0.4, -0.2, 0.0, 0.1]))
+    controls.presence.copy_(torch.tensor([0.0, 0.7, 0.3, 0.0, -0.5]))
+    controls.generated.copy_(torch.tensor([0, 2, 9, 0, 1], dtype=torch.int32))
+    controls.min_tokens.copy_(torch.tensor([0, 4, 4, 0, 0], dtype=torch.int32))
+    logits = (torch.randn(6, vocab, generator=generator) * 4).to(DEVICE)
+    slots = torch.tensor([1, 2, 0, 4, 2, 3], device=DEVICE)
+    want = controls._apply_torch(logits, slots)
+    controls.fused = True
+    got = controls.apply(logits, slots)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(got[2], logits[2]) and torch.isinf(got[0]).any()  # off untouched; stop/grammar masked
