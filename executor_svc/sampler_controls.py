@@ -107,6 +107,11 @@ class SamplerControls:
     def count_inputs(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """A decode step's inputs are its rows' latest outputs (the loop-back tokens): count them for the rows
         with controls (padding rows read the sink slot, which has none)."""
+        if self.fused:
+            from executor_svc.kernels.controls import count_inputs
+
+            count_inputs(slots, tokens, self.on, self.counts, self.seen, self.generated)
+            return
         on = self.on[slots]
         self.counts.index_put_((slots, tokens), on.to(torch.int32), accumulate=True)
         self.seen.index_put_((slots, tokens), self.seen[slots, tokens] | on)
@@ -144,13 +149,16 @@ def logprob_table(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """f32[B, LOGPROB_COLUMNS]: each row's chosen token's log_softmax of the model's `logits`, then the
     TOP_LOGPROBS most likely tokens' (padded with -inf past the vocabulary), then their ids as float32
     (exact below 2**24)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
-    k = min(TOP_LOGPROBS, logprobs.shape[-1])
-    top = logprobs.topk(k, dim=-1)
-    pad = TOP_LOGPROBS - k
-    values = torch.nn.functional.pad(top.values, (0, pad), value=float("-inf"))
-    ids = torch.nn.functional.pad(top.indices.to(torch.float32), (0, pad))
-    return torch.cat([logprobs.gather(1, tokens[:, None]), values, ids], dim=1)
+    # log_softmax(x) = x - logsumexp(x), taken only where read: the top ones are the top logits' (same order)
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # lse: [B, 1]
+    k = min(TOP_LOGPROBS, logits.shape[-1])
+    top = logits.topk(k, dim=-1)
+    values, ids = top.values - lse, top.indices.to(torch.float32)
+    if k < TOP_LOGPROBS:
+        values = torch.nn.functional.pad(values, (0, TOP_LOGPROBS - k), value=float("-inf"))
+        ids = torch.nn.functional.pad(ids, (0, TOP_LOGPROBS - k))
+    return torch.cat([logits.gather(1, tokens[:, None]) - lse, values, ids], dim=1)
 
 
 def sample_controlled(

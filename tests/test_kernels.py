@@ -315,3 +315,19 @@ def test_controls_adjust_kernel_equals_the_torch_rules():
     got = controls.apply(logits, slots)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert torch.equal(got[2], logits[2]) and torch.isinf(got[0]).any()  # off untouched; stop/grammar masked
+
+
+def test_count_inputs_kernel_equals_the_torch_counts():
+    """The step's input tokens counted for the rows whose slot has controls, the sink's padding rows not."""
+    counted = []
+    for fused in (False, True):
+        controls = SamplerControls(5, 100, DEVICE)
+        controls.fused = fused
+        controls.on.copy_(torch.tensor([False, True, True, False, True]))
+        slots = torch.tensor([1, 2, 0, 4, 0, 3], device=DEVICE)
+        for tokens in ([7, 99, 5, 0, 5, 3], [7, 1, 5, 0, 5, 3]):
+            controls.count_inputs(slots, torch.tensor(tokens, device=DEVICE))
+        counted.append((controls.counts.clone(), controls.seen.clone(), controls.generated.clone()))
+    for want, got in zip(*counted, strict=True):
+        assert torch.equal(got, want)
+    assert int(counted[1][0][1, 7]) == 2 and int(counted[1][0][0].sum()) == 0
