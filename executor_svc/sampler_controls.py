@@ -149,16 +149,13 @@ def logprob_table(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """f32[B, LOGPROB_COLUMNS]: each row's chosen token's log_softmax of the model's `logits`, then the
     TOP_LOGPROBS most likely tokens' (padded with -inf past the vocabulary), then their ids as float32
     (exact below 2**24)."""
-    # log_softmax(x) = x - logsumexp(x), taken only where read: the top ones are the top logits' (same order)
-    logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # lse: [B, 1]
-    k = min(TOP_LOGPROBS, logits.shape[-1])
-    top = logits.topk(k, dim=-1)
-    values, ids = top.values - lse, top.indices.to(torch.float32)
-    if k < TOP_LOGPROBS:
-        values = torch.nn.functional.pad(values, (0, TOP_LOGPROBS - k), value=float("-inf"))
-        ids = torch.nn.functional.pad(ids, (0, TOP_LOGPROBS - k))
-    return torch.cat([logits.gather(1, tokens[:, None]) - lse, values, ids], dim=1)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    k = min(TOP_LOGPROBS, logprobs.shape[-1])
+    top = logprobs.topk(k, dim=-1)
+    pad = TOP_LOGPROBS - k
+    values = torch.nn.functional.pad(top.values, (0, pad), value=float("-inf"))
+    ids = torch.nn.functional.pad(top.indices.to(torch.float32), (0, pad))
+    return torch.cat([logprobs.gather(1, tokens[:, None]), values, ids], dim=1)
 
 
 def sample_controlled(
@@ -173,4 +170,8 @@ def sample_controlled(
     adjusted = controls.apply(logits.float(), slots)
     temperature, top_p, top_k, seed = params
     tokens = sample(adjusted, temperature, top_p, top_k, seed, counter, min_p=controls.min_p[slots])
+    if controls.fused:
+        from executor_svc.kernels.controls import fused_logprob_table
+
+        return tokens, fused_logprob_table(logits, tokens, TOP_LOGPROBS)
     return tokens, logprob_table(logits, tokens)

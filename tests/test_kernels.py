@@ -21,11 +21,12 @@ if not triton_available():
 
 from executor_svc.attention.torch_ref import decode_attention
 from executor_svc.kernels.attention import decode_splits, paged_decode_attention
+from executor_svc.kernels.controls import fused_logprob_table
 from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write, silu_mul
 from executor_svc.kernels.slot_ops import SamplerState, advance, gather_inputs, scatter_sampler
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.layers import RMSNorm, rotate_half
-from executor_svc.sampler_controls import SamplerControls
+from executor_svc.sampler_controls import SamplerControls, logprob_table
 from executor_svc.slot_store import SlotStore
 from protos.layout import RowLayout
 
@@ -331,3 +332,16 @@ def test_count_inputs_kernel_equals_the_torch_counts():
     for want, got in zip(*counted, strict=True):
         assert torch.equal(got, want)
     assert int(counted[1][0][1, 7]) == 2 and int(counted[1][0][0].sum()) == 0
+
+
+@pytest.mark.parametrize("vocab", [1500, 12])
+def test_fused_logprob_table_equals_log_softmax_and_topk(vocab):
+    """Each row's chosen token's logprob and the 20 best with their ids (the best first), from the blocks'
+    partials; under 20 tokens the rest -inf with id 0, as the torch table pads."""
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(5, vocab, generator=generator) * 5).to(DEVICE)
+    tokens = torch.randint(0, vocab, (5,), generator=generator).to(DEVICE)
+    want = logprob_table(logits, tokens)
+    got = fused_logprob_table(logits, tokens, 20)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    assert torch.equal(got[:, 21:], want[:, 21:])  # the same ids, in the same order

@@ -109,3 +109,94 @@ def count_inputs(
     """Each row's input token counted in its slot's `counts` and `seen` ([S, V]) and `generated` ([S]), for
     the rows whose slot is `on`: one launch (torch's three index_put_ took ~70 µs at 16 rows)."""
     _count_inputs_kernel[(slots.shape[0],)](slots, tokens, on, counts, seen, generated, counts.shape[1])
+
+
+@triton.jit
+def _logprob_partials_kernel(
+    logits_ptr, top_ptr, top_ids_ptr, max_ptr, sum_ptr, vocab, blocks, K: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One block of a row's vocabulary: its K best logits (best first, the lower id first among equals), its
+    max and its sum of exp(x - max)."""
+    row, block = tl.program_id(0), tl.program_id(1)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row * vocab + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    best = tl.max(x, 0)
+    tl.store(max_ptr + row * blocks + block, best)
+    tl.store(sum_ptr + row * blocks + block, tl.sum(tl.exp(x - best), 0))
+    out = (row * blocks + block) * K
+    for i in tl.static_range(K):
+        value = tl.max(x, 0)
+        at = tl.min(tl.where(x == value, cols, 2147483647), 0)
+        tl.store(top_ptr + out + i, value)
+        tl.store(top_ids_ptr + out + i, at)
+        x = tl.where(cols == at, float("-inf"), x)
+
+
+@triton.jit
+def _logprob_table_kernel(
+    logits_ptr,
+    tokens_ptr,
+    top_ptr,
+    top_ids_ptr,
+    max_ptr,
+    sum_ptr,
+    table_ptr,
+    vocab,
+    blocks,
+    K: tl.constexpr,
+    CANDIDATES: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """A row's table from its blocks' partials: the chosen token's logprob, the K best, their ids."""
+    row = tl.program_id(0)
+    b = tl.arange(0, BLOCKS)
+    maxes = tl.load(max_ptr + row * blocks + b, mask=b < blocks, other=float("-inf"))
+    best = tl.max(maxes, 0)
+    sums = tl.load(sum_ptr + row * blocks + b, mask=b < blocks, other=0.0)
+    lse = best + tl.log(tl.sum(sums * tl.exp(maxes - best), 0))
+    token = tl.load(tokens_ptr + row).to(tl.int64)
+    table = table_ptr + row * (1 + 2 * K)
+    tl.store(table, tl.load(logits_ptr + row * vocab + token).to(tl.float32) - lse)
+    c = tl.arange(0, CANDIDATES)
+    live = c < blocks * K
+    values = tl.load(top_ptr + row * blocks * K + c, mask=live, other=float("-inf"))
+    ids = tl.load(top_ids_ptr + row * blocks * K + c, mask=live, other=2147483647)
+    for i in tl.static_range(K):
+        value = tl.max(values, 0)
+        at = tl.min(tl.where(values == value, ids, 2147483647), 0)
+        tl.store(table + 1 + i, value - lse)
+        tl.store(table + 1 + K + i, tl.where(value > float("-inf"), at, 0).to(tl.float32))
+        values = tl.where(ids == at, float("-inf"), values)
+
+
+def fused_logprob_table(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """logprob_table's (sampler_controls) f32[B, 1 + 2k] in two launches: each vocabulary block's k best and
+    its log-sum-exp parts, then each row's merge (torch's log_softmax + topk + gather + cat: ~80 µs at 16 rows
+    on an H200)."""
+    batch, vocab = logits.shape
+    blocks = triton.cdiv(vocab, _BLOCK)
+    device = logits.device
+    top = torch.empty(batch, blocks, k, dtype=torch.float32, device=device)  # top: [B, blocks, k]
+    top_ids = torch.empty(batch, blocks, k, dtype=torch.int32, device=device)
+    maxes = torch.empty(batch, blocks, dtype=torch.float32, device=device)
+    sums = torch.empty(batch, blocks, dtype=torch.float32, device=device)
+    table = torch.empty(batch, 1 + 2 * k, dtype=torch.float32, device=device)
+    logits = logits.contiguous()
+    _logprob_partials_kernel[(batch, blocks)](
+        logits, top, top_ids, maxes, sums, vocab, blocks, K=k, BLOCK=_BLOCK
+    )
+    _logprob_table_kernel[(batch,)](
+        logits,
+        tokens,
+        top,
+        top_ids,
+        maxes,
+        sums,
+        table,
+        vocab,
+        blocks,
+        K=k,
+        CANDIDATES=triton.next_power_of_2(blocks * k),
+        BLOCKS=triton.next_power_of_2(blocks),
+    )
+    return table
