@@ -26,14 +26,21 @@ class Admission(Generic[T]):
         self._head: T | None = None  # the blocked head the count is for
         self.skipped = 0  # requests admitted past it
 
-    def take(self, waiting: deque[T], fits: Callable[[T], bool]) -> Iterator[T]:
+    def take(
+        self, waiting: deque[T], fits: Callable[[T], bool], frees_head: Callable[[T], bool] | None = None
+    ) -> Iterator[T]:
         """Removes from `waiting` and yields each request to admit now, in order. `fits` is asked again after
-        each one (the caller gives the pages of one before the next is chosen)."""
+        each one (the caller gives the pages of one before the next is chosen). `frees_head`: those requests
+        whose run frees what the head waits for, which pass it whatever the count."""
         at = 0
         while at < len(waiting) and at < self.scan_limit:
             request = waiting[at]
             if at and self.skipped >= self.skip_limit:
-                return  # the head blocks: nothing else passes it
+                if frees_head is None:
+                    return  # the head blocks: nothing else passes it
+                if not frees_head(request):
+                    at += 1
+                    continue
             if fits(request):
                 del waiting[at]
                 self.skipped += 1 if at else 0

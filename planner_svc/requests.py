@@ -145,3 +145,8 @@ class Request:
     def pages_needed(self, page_size: int) -> int:
         """Pages for every position it can write: the prompt and all but its last sampled token."""
         return -(-self.end_len // page_size)
+
+    @property
+    def brings_state(self) -> bool:
+        """It needs no free recurrent-state slot: it holds one, or takes its checkpoint's."""
+        return bool(self.state_slot or self.state_source)

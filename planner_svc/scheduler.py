@@ -280,9 +280,7 @@ class Scheduler:
     # --- admission (the order: admission.py) ----------------------------------------------------
     def _can_admit(self, request: Request) -> bool:
         need = request.pages_needed(self.config.page_size) - len(request.pages)
-        state_ok = (
-            request.state_slot or request.state_source or not self.states.enabled or self.states.free_count
-        )
+        state_ok = request.brings_state or not self.states.enabled or self.states.free_count
         return self.pages.free_count >= need and bool(state_ok)
 
     def take_pages(self, n: int) -> list[int] | None:
@@ -306,13 +304,15 @@ class Scheduler:
         """First come, first served; a bounded number may pass a head waiting for pages (admission.py)."""
         page_size = self.config.page_size
         head = self.waiting[0] if self.waiting else None
-        if (
-            head
-            and not (self.states.free_count or head.state_slot or head.state_source)
-            and self.conversations
-        ):
+        starved = (
+            head is not None and not (head.brings_state or self.states.free_count) and self.states.enabled
+        )
+        if starved and self.conversations:
             self.pages.free(self.conversations.drop_state_copy() or [])  # state pressure: a checkpoint's copy
-        for request in self.admission.take(self.waiting, self._can_admit):
+        # Every slot still a copy none may drop (their conversations' turns wait, mounted on them): those turns
+        # pass the head whatever the skip count, taking their copies' slots; their ends' copies are idle then.
+        frees_head = (lambda r: r.brings_state) if starved and not self.states.free_count else None
+        for request in self.admission.take(self.waiting, self._can_admit, frees_head):
             if self.prefix_cache and not request.pages:
                 self._match_prefix(request)
             if self.states.enabled and not request.state_slot:

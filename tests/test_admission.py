@@ -27,6 +27,14 @@ def take(admission, waiting, free):
     return taken
 
 
+def test_requests_that_free_what_the_head_waits_for_pass_it_past_the_count():
+    admission = Admission(skip_limit=0)
+    waiting = deque([10, 2, 3, 4])
+    assert list(admission.take(waiting, lambda size: size < 10)) == []  # the head blocks: nothing passes
+    passed = list(admission.take(waiting, lambda size: size < 10, frees_head=lambda size: size % 2 == 0))
+    assert passed == [2, 4] and list(waiting) == [10, 3]
+
+
 def test_later_requests_pass_a_blocked_head_a_bounded_number_of_times():
     admission = Admission(skip_limit=3)
     waiting = deque([10, 1, 2, 1, 1, 1])

@@ -39,7 +39,9 @@ def test_none_for_a_model_without_recurrent_layers():
         StateSlots(1)
 
 
-def _scheduler(state_slots: int, conversations: Conversations | None = None) -> Scheduler:
+def _scheduler(
+    state_slots: int, conversations: Conversations | None = None, admission_skips: int = 32
+) -> Scheduler:
     layout = RowLayout.build([2], max_seq_len=64, page_size=4, pool_pages=64)
     config = SchedulerConfig(
         page_size=4,
@@ -48,7 +50,7 @@ def _scheduler(state_slots: int, conversations: Conversations | None = None) -> 
         max_seq_len=64,
         vocab_size=100,
         state_slots=state_slots,
-        settings=SchedulingConfig(prefill_token_budget=64),
+        settings=SchedulingConfig(prefill_token_budget=64, admission_skips=admission_skips),
     )
     return Scheduler(config, layout, conversations)
 
@@ -114,6 +116,38 @@ def test_turns_keep_their_state_and_resume_from_a_copy_of_it():
     scheduler.add(other)  # no slot free: the conversation's older copy goes
     seq, _ = _run(scheduler, other, seq)
     assert conversation.states == {10: 2} and conversation.retention.positions == [10]
+    scheduler.states.check()
+
+
+def test_turns_of_busy_conversations_holding_every_slot_pass_a_head_that_waits_for_one():
+    """Every state slot a checkpoint of a conversation whose next turn waits behind a new request: no copy can
+    be dropped (their turns are mounted), so those turns pass the head whatever the skip count (each takes its
+    checkpoint's own slot); their ends' copies are then idle, and one goes to the head."""
+    conversations = Conversations(4, RetentionConfig())
+    scheduler = _scheduler(state_slots=3, conversations=conversations, admission_skips=0)
+    chats = [conversations.open("tenant", name) for name in ("a", "b")]
+    seq = 0
+    for chat in chats:  # each keeps a checkpoint copy: both slots held
+        request = Request(f"{chat.conversation_id}0", [5, 6, 7], max_tokens=2)
+        conversations.mount(chat, request.prompt_ids)
+        request.conversation = chat
+        scheduler.add(request)
+        seq, _ = _run(scheduler, request, seq)
+    assert scheduler.states.free_count == 0
+    head = Request("new", [1, 2, 3], max_tokens=2)
+    scheduler.add(head)
+    turns = []
+    for chat in chats:
+        request = Request(f"{chat.conversation_id}1", chat.tokens + [9, 9], max_tokens=2)
+        mount, release = conversations.mount(chat, request.prompt_ids)
+        scheduler.return_pages(release)
+        request.pages, request.reused, request.prefilled = mount.pages, mount.reused, mount.reused
+        request.conversation, request.state_source = chat, mount.state_slot
+        scheduler.add(request)
+        turns.append(request)
+    seq, _ = _run(scheduler, head, seq)
+    assert all(r.output_ids for r in [head, *turns])
+    assert sum(len(chat.states) for chat in chats) == 1 and scheduler.states.free_count == 1  # one went to it
     scheduler.states.check()
 
 
