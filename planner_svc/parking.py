@@ -210,12 +210,14 @@ class Parking:
     @staticmethod
     def _take_state_slots(engine: Engine, conversation: Conversation) -> list[int] | None:
         """A model with recurrent layers: free state slots for the snapshot's newest states, one per checkpoint
-        parked (one after a planner restart: then only the newest is known to exist), as many as are free;
-        None when none is. [] for a model without recurrent layers."""
+        parked (after a planner restart, as many as a conversation keeps: the cap and a pin; the executor fills
+        the newest, the rest go back), as many as are free; None when none is. [] for a model without
+        recurrent layers."""
         states = engine.scheduler.states
         if not states.enabled:
             return []
-        parked = len(conversation.retention.positions) if conversation.parked else 1
+        retention = conversation.retention
+        parked = len(retention.positions) if conversation.parked else retention.config.cap + 1
         want = min(max(parked, 1), states.free_count)
         return [states.take() for _ in range(want)] if want else None
 
