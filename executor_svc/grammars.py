@@ -196,10 +196,16 @@ class Grammars:
         self._unfed.clear()
 
     def _compiler_now(self) -> Any:
-        """The compiler, built here if no thread started building it."""
-        if self._compiler is None:
-            self._compiler = Future()
-            self._build_compiler()
+        """The compiler, built here if no thread started building it, or built again where the build failed
+        to import (transformers imported by another thread outside TRANSFORMERS_IMPORTS, at the same time:
+        once that is done, it works)."""
+        if self._compiler is not None:
+            try:
+                return self._compiler.result()
+            except ImportError:
+                pass
+        self._compiler = Future()
+        self._build_compiler()
         return self._compiler.result()
 
     def _build_compiler(self) -> None:

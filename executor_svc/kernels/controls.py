@@ -69,6 +69,7 @@ def adjust_logits(
     logits = logits.contiguous()
     out = torch.empty_like(logits)  # out: [B, V]
     bias, seen, counts, stop, grammar = tables
+    # No fused multiply-adds: torch rounds `frequency * counts` before subtracting it, and so must this.
     _adjust_kernel[(batch, triton.cdiv(vocab, _BLOCK))](
         logits,
         out,
@@ -83,6 +84,7 @@ def adjust_logits(
         vocab,
         grammar.shape[1],
         BLOCK=_BLOCK,
+        enable_fp_fusion=False,
     )
     return out
 
@@ -122,7 +124,8 @@ def _logprob_partials_kernel(
     x = tl.load(logits_ptr + row * vocab + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
     best = tl.max(x, 0)
     tl.store(max_ptr + row * blocks + block, best)
-    tl.store(sum_ptr + row * blocks + block, tl.sum(tl.exp(x - best), 0))
+    shift = tl.where(best == float("-inf"), 0.0, best)  # a block all -inf sums to 0, not NaN
+    tl.store(sum_ptr + row * blocks + block, tl.sum(tl.exp(x - shift), 0))
     out = (row * blocks + block) * K
     for i in tl.static_range(K):
         value = tl.max(x, 0)
