@@ -22,6 +22,21 @@ def write_json(path: str, results: list[dict]) -> None:
         f.write("\n")
 
 
+def replay_us(graph, replays: int) -> float:
+    """Mean device µs of one replay of a captured CUDA graph, after 10 unmeasured ones."""
+    import torch
+
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / replays
+
+
 def smollm2_config(**overrides):
     """SmolLM2-135M's shape (what the benchmarks fill with random weights); overrides name what differs."""
     from executor_svc.models.dense import DenseConfig

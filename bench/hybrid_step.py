@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import commit_hash, qwen3_5_0_8b_config, write_json
+from bench.common import commit_hash, qwen3_5_0_8b_config, replay_us, write_json
 from executor_svc.attention import StepInputs
 from executor_svc.kernels.attention import decode_splits, paged_decode_attention
 from executor_svc.models.qwen3_5_model import Qwen35Model
@@ -122,17 +122,10 @@ def step_time(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         model(inputs, attention)
-    for _ in range(10):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
+    graph_us = replay_us(graph, replays)
     del graph, kv, pool
     torch.cuda.empty_cache()
-    return start.elapsed_time(end) * 1000 / replays, kernels
+    return graph_us, kernels
 
 
 def prefill_time(model: Qwen35Model, sequences: int, tokens: int, packed: bool, rounds: int = 20) -> float:

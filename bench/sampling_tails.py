@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.common import commit_hash, write_json
+from bench.common import commit_hash, replay_us, write_json
 from executor_svc.control_writes import TOP_LOGPROBS
 from executor_svc.kernels.controls import fused_logprob_table
 from executor_svc.sampler import sample
@@ -35,15 +35,7 @@ def graph_us(step: Callable[[], object]) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for _ in range(10):
-        graph.replay()
-    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    began.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    ended.record()
-    torch.cuda.synchronize()
-    return round(began.elapsed_time(ended) * 1000 / REPLAYS, 1)
+    return round(replay_us(graph, REPLAYS), 1)
 
 
 def tails(rows: int) -> dict[str, Callable[[], object]]:
