@@ -23,9 +23,8 @@ class SamplerControls:
     def __init__(self, slots: int, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self.fused = (
-            device.type == "cuda"
-        )  # apply in one Triton kernel (tests set it on the CPU's interpreter)
+        # The step's work in Triton kernels (executor_svc/kernels/controls.py); tests set it under the interpreter.
+        self.fused = device.type == "cuda"
         self.on = torch.zeros(slots, dtype=torch.bool, device=device)
         self.min_p = torch.zeros(slots, dtype=torch.float32, device=device)
         self.repetition = torch.ones(slots, dtype=torch.float32, device=device)
