@@ -1,5 +1,5 @@
-/* Weight-only quantized matmul for the CPU: out[M, N] = x[M, K] @ w[N, K]^T with x and out float32 and w kept
- * packed, de-quantized in registers one group of 32 weights at a time.
+/* Weight-only quantized matmul for the CPU: out[M, N] = x[M, K] @ w[N, K]^T (+ bias) with x and out float32 and w
+ * kept packed, de-quantized in registers one group of 32 weights at a time.
  *
  * A weight is w = (float)(q - offset) * scale + minv, scale and minv per group of 32 along K, computed with
  * two roundings (no FMA: built with -ffp-contract=off) so every weight equals gguf's de-quantized float32
@@ -7,11 +7,21 @@
  * bits 4: q[N, K/2] bytes, per group 16 bytes, the low nibble of byte j is element j, the high one j + 16
  *         (ggml's Q4_0 / Q4_1 block layout).
  * bits 8: q[N, K] int8.
+ *
+ * Included by dense_cpu.c, whose decode layers call packed_block inside their own parallel region.
  */
 #include <stdint.h>
 
 #define GROUP 32
 #define MAX_ROWS 8
+
+typedef struct {
+    int32_t bits, offset;
+    const uint8_t *q;
+    const float *scale, *minv; /* [N, K / GROUP] */
+    const float *bias;         /* [N] or NULL */
+    int64_t n, k;
+} packed_t;
 
 static inline void decode_group(int bits, const uint8_t *q, int offset, float scale, float minv, float *w) {
     if (bits == 4) {
@@ -25,75 +35,132 @@ static inline void decode_group(int bits, const uint8_t *q, int offset, float sc
     }
 }
 
+/* Output rows come in blocks of this many: a block shares every load of x. */
+#define BLOCK 4
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* One group's 32 weights as two vectors of 16 (elements 0..15 and 16..31). */
-static inline void decode_group_avx512(int bits, const uint8_t *q, __m512i offset, __m512 scale, __m512 minv,
-                                       __m512 *w0, __m512 *w1) {
-    __m512i lo, hi;
+/* One group's 32 weights as two vectors of 16 (elements 0..15 and 16..31). 4 bits: the 16 values a weight of
+ * the group can take, rounded as above, are made once and looked up by the nibble (vpermps reads the low 4 bits
+ * of each index lane, so the bytes need no mask). */
+static inline __attribute__((always_inline)) void group_weights(const int bits, const uint8_t *q, __m512 levels,
+                                                                __m512i offset, float scale, float minv,
+                                                                __m512 *w0, __m512 *w1) {
+    const __m512 vscale = _mm512_set1_ps(scale), vminv = _mm512_set1_ps(minv);
     if (bits == 4) {
-        const __m128i b = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(15);
-        lo = _mm512_cvtepu8_epi32(_mm_and_si128(b, mask));
-        hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+        const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, vscale), vminv);
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+        *w0 = _mm512_permutexvar_ps(bytes, table);
+        *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
     } else {
-        lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q));
-        hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+        const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q));
+        const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+        *w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, offset)), vscale), vminv);
+        *w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, offset)), vscale), vminv);
     }
-    *w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, offset)), scale), minv);
-    *w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, offset)), scale), minv);
 }
 
-/* M <= MAX_ROWS rows of x; the caller de-quantizes into a scratch matrix for more. */
-void packed_matmul(int bits, int offset, const uint8_t *q, const float *scale, const float *minv, int64_t n_out,
-                   int64_t k, const float *x, int64_t m, float *out, int threads) {
-    const int64_t groups = k / GROUP, row_bytes = k * bits / 8, group_bytes = GROUP * bits / 8;
-    const __m512i voffset = _mm512_set1_epi32(offset);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < n_out; n++) {
-        __m512 acc0[MAX_ROWS], acc1[MAX_ROWS], w0, w1;
-        for (int64_t r = 0; r < m; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-        const uint8_t *qn = q + n * row_bytes;
-        const float *sn = scale + n * groups, *mn = minv + n * groups;
-        for (int64_t g = 0; g < groups; g++) {
-            decode_group_avx512(bits, qn + g * group_bytes, voffset, _mm512_set1_ps(sn[g]), _mm512_set1_ps(mn[g]),
-                                &w0, &w1);
-            for (int64_t r = 0; r < m; r++) {
-                const float *xg = x + r * k + g * GROUP;
-                acc0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xg), w0, acc0[r]);
-                acc1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16), w1, acc1[r]);
-            }
+/* Output rows [n0, n0 + NB) for M rows of x (strides k and out_stride). BITS, M and NB are constants at every
+ * call, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void block_fixed(const int BITS, const int M, const int NB,
+                                                              const packed_t *w, int64_t n0, const float *x,
+                                                              float *out, int64_t out_stride) {
+    const int64_t k = w->k, groups = k / GROUP, row_bytes = k * BITS / 8, group_bytes = GROUP * BITS / 8;
+    const __m512i offset = _mm512_set1_epi32(w->offset);
+    const __m512 levels = _mm512_sub_ps(
+        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps((float)w->offset));
+    __m512 acc[NB][M], w0[NB], w1[NB];
+    for (int j = 0; j < NB; j++)
+        for (int r = 0; r < M; r++) acc[j][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        for (int j = 0; j < NB; j++) {
+            const int64_t n = n0 + j;
+            group_weights(BITS, w->q + n * row_bytes + g * group_bytes, levels, offset, w->scale[n * groups + g],
+                          w->minv[n * groups + g], &w0[j], &w1[j]);
         }
-        for (int64_t r = 0; r < m; r++) out[r * n_out + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+        for (int r = 0; r < M; r++) {
+            const __m512 x0 = _mm512_loadu_ps(x + r * k + g * GROUP), x1 = _mm512_loadu_ps(x + r * k + g * GROUP + 16);
+            for (int j = 0; j < NB; j++) acc[j][r] = _mm512_fmadd_ps(x1, w1[j], _mm512_fmadd_ps(x0, w0[j], acc[j][r]));
+        }
+    }
+    for (int j = 0; j < NB; j++) {
+        const float bias = w->bias ? w->bias[n0 + j] : 0.0f;
+        for (int r = 0; r < M; r++) {
+            const float sum = _mm512_reduce_add_ps(acc[j][r]);
+            out[r * out_stride + n0 + j] = w->bias ? sum + bias : sum;
+        }
+    }
+}
+
+#define ROWS_CASES(BITS, NB, START)                                                                              \
+    switch (m) {                                                                                                 \
+    case 1: block_fixed(BITS, 1, NB, w, START, x, out, out_stride); break;                                      \
+    case 2: block_fixed(BITS, 2, NB, w, START, x, out, out_stride); break;                                      \
+    case 3: block_fixed(BITS, 3, NB, w, START, x, out, out_stride); break;                                      \
+    case 4: block_fixed(BITS, 4, NB, w, START, x, out, out_stride); break;                                      \
+    case 5: block_fixed(BITS, 5, NB, w, START, x, out, out_stride); break;                                      \
+    case 6: block_fixed(BITS, 6, NB, w, START, x, out, out_stride); break;                                      \
+    case 7: block_fixed(BITS, 7, NB, w, START, x, out, out_stride); break;                                      \
+    default: block_fixed(BITS, 8, NB, w, START, x, out, out_stride); break;                                     \
+    }
+
+/* Output rows [n0, n0 + count) with count <= BLOCK, for m <= MAX_ROWS rows of x. */
+static void packed_block(const packed_t *w, int64_t n0, int64_t count, const float *x, int64_t m, float *out,
+                         int64_t out_stride) {
+    if (count == BLOCK && m <= 4) {
+        if (w->bits == 4) { ROWS_CASES(4, BLOCK, n0) } else { ROWS_CASES(8, BLOCK, n0) }
+        return;
+    }
+    /* More rows of x than the registers hold for a whole block, or the last rows of N: two or one at a time. */
+    int64_t n = n0;
+    for (; n + 2 <= n0 + count; n += 2)
+        if (w->bits == 4) { ROWS_CASES(4, 2, n) } else { ROWS_CASES(8, 2, n) }
+    if (n < n0 + count) {
+        if (w->bits == 4) { ROWS_CASES(4, 1, n) } else { ROWS_CASES(8, 1, n) }
     }
 }
 #else
-/* M <= MAX_ROWS rows of x; the caller de-quantizes into a scratch matrix for more. */
-void packed_matmul(int bits, int offset, const uint8_t *q, const float *scale, const float *minv, int64_t n_out,
-                   int64_t k, const float *x, int64_t m, float *out, int threads) {
-    const int64_t groups = k / GROUP, row_bytes = k * bits / 8, group_bytes = GROUP * bits / 8;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < n_out; n++) {
+/* Output rows [n0, n0 + count) for m <= MAX_ROWS rows of x. */
+static void packed_block(const packed_t *w, int64_t n0, int64_t count, const float *x, int64_t m, float *out,
+                         int64_t out_stride) {
+    const int64_t k = w->k, groups = k / GROUP, row_bytes = k * w->bits / 8, group_bytes = GROUP * w->bits / 8;
+    for (int64_t n = n0; n < n0 + count; n++) {
         /* acc[r][j]: lane j of row r's dot product; lanes are independent, so the loops vectorize. */
-        float acc[MAX_ROWS][GROUP], w[GROUP];
+        float acc[MAX_ROWS][GROUP], wg[GROUP];
         for (int64_t r = 0; r < m; r++)
             for (int j = 0; j < GROUP; j++) acc[r][j] = 0;
-        const uint8_t *qn = q + n * row_bytes;
         for (int64_t g = 0; g < groups; g++) {
-            decode_group(bits, qn + g * group_bytes, offset, scale[n * groups + g], minv[n * groups + g], w);
+            decode_group(w->bits, w->q + n * row_bytes + g * group_bytes, w->offset, w->scale[n * groups + g],
+                         w->minv[n * groups + g], wg);
             for (int64_t r = 0; r < m; r++) {
                 const float *xg = x + r * k + g * GROUP;
-                for (int j = 0; j < GROUP; j++) acc[r][j] = __builtin_fmaf(xg[j], w[j], acc[r][j]);
+                for (int j = 0; j < GROUP; j++) acc[r][j] = __builtin_fmaf(xg[j], wg[j], acc[r][j]);
             }
         }
         for (int64_t r = 0; r < m; r++) {
             float sum = 0;
             for (int j = 0; j < GROUP; j++) sum += acc[r][j];
-            out[r * n_out + n] = sum;
+            out[r * out_stride + n] = w->bias ? sum + w->bias[n] : sum;
         }
     }
 }
 #endif
+
+/* The blocks of N shared out among the threads of the enclosing parallel region (an orphaned `omp for`): call
+ * it from every thread of a region, or alone outside one. */
+static void packed_rows_for(const packed_t *w, const float *x, int64_t m, float *out) {
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < w->n; n0 += BLOCK) packed_block(w, n0, w->n - n0 < BLOCK ? w->n - n0 : BLOCK, x, m, out, w->n);
+}
+
+/* M <= MAX_ROWS rows of x; the caller de-quantizes into a scratch matrix for more. */
+void packed_matmul(int bits, int offset, const uint8_t *q, const float *scale, const float *minv, int64_t n_out,
+                   int64_t k, const float *x, int64_t m, float *out, int threads) {
+    const packed_t w = {bits, offset, q, scale, minv, 0, n_out, k};
+#pragma omp parallel num_threads(threads)
+    packed_rows_for(&w, x, m, out);
+}
 
 /* Rows `rows[i]` (all N rows when rows is NULL) de-quantized into out[count, K]. */
 void packed_dequantize(int bits, int offset, const uint8_t *q, const float *scale, const float *minv, int64_t k,
