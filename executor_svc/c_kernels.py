@@ -13,6 +13,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -38,6 +39,19 @@ def _cpu_flags() -> bytes:
         return b""
 
 
+_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)
+
+
+def _source_with_includes(path: str) -> bytes:
+    """The file's bytes and those of every file it includes by a quoted path, recursively: what a build's
+    cache key must cover (a kernel file may include another)."""
+    with open(path, "rb") as f:
+        source = f.read()
+    for name in _INCLUDE.findall(source):
+        source += _source_with_includes(os.path.join(os.path.dirname(path), name.decode()))
+    return source
+
+
 @functools.cache
 def build(source_path: str, flags: tuple[str, ...]) -> ctypes.CDLL:
     """The C file at source_path built with flags (and -shared -fPIC, linked with libm) and loaded; KernelUnavailable saying why
@@ -46,8 +60,7 @@ def build(source_path: str, flags: tuple[str, ...]) -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelUnavailable(f"no C compiler (cc) on PATH to build the {name} kernel")
-    with open(source_path, "rb") as f:
-        source = f.read()
+    source = _source_with_includes(source_path)
     command = [compiler, *flags, "-shared", "-fPIC"]
     key = hashlib.sha256(source + " ".join(command).encode() + _cpu_flags()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"{name}-{key}.so")

@@ -173,6 +173,12 @@ class TorchDecode:
         write_page = block_tables.gather(1, (kv_lens // page_size).long()[:, None])[:, 0]
         return StepInputs(tokens, positions, kv_lens, write_page, kv_lens % page_size)
 
+    @property
+    def paged(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's block tables int32[B, W] and attended lengths int32[B] where its attention reads the
+        pages in place (the C decode step reads them too), else None."""
+        return self._tables
+
     def forward(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         k_layer, v_layer = self.kv.k[layer], self.kv.v[layer]
         if self._tables is not None:

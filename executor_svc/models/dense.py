@@ -12,8 +12,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from executor_svc.attention.torch_ref import TorchDecode
 from executor_svc.kv_pool import KVPool
+from executor_svc.models.dense_cpu import CpuDecodeLayers
 from executor_svc.models.layers import Embedding, GatedMLP, Linear, RMSNorm, apply_rope
+from executor_svc.models.packed_kernel import MAX_ROWS
 from executor_svc.models.rope import default_inv_freq, hf_rope, rope_tables
 from executor_svc.stage import Stage
 
@@ -191,6 +194,8 @@ class DenseModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.fused_layers: list[FusedLayer] | None = None  # built by dense_kernels on the first fused forward
+        # The CPU decode step in C over one pool (None: it cannot serve them), made on the first decode step.
+        self.cpu_layers: tuple[KVPool, CpuDecodeLayers | None] | None = None
 
     def make_kv_pool(
         self,
@@ -272,17 +277,31 @@ class DenseModel(nn.Module):
             return forward_kernels(self, inputs, attention, select)
         return self._forward_torch(inputs, attention, select)
 
+    def _cpu_layers(self, attention: Attention, x: torch.Tensor) -> CpuDecodeLayers | None:
+        """The C decode step where it serves this step: a CPU decode step (its attention reads the pages in
+        place) of at most MAX_ROWS rows, over a model and pool it can serve."""
+        if not isinstance(attention, TorchDecode) or attention.paged is None or x.shape[0] > MAX_ROWS:
+            return None
+        if self.cpu_layers is None or self.cpu_layers[0] is not attention.kv:
+            self.cpu_layers = (attention.kv, CpuDecodeLayers.over(self, attention.kv))
+        return self.cpu_layers[1]
+
     def _forward_torch(
         self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
     ) -> torch.Tensor | None:
         """The layers in torch ops (the CPU path and the reference)."""
         kv = attention.kv
-        cos, sin = self.rope_cos[inputs.positions], self.rope_sin[inputs.positions]
         x = self.enter(inputs.tokens)  # x: [B, hidden]
-        for index, layer in enumerate(self.decoder_layers()):
-            q, k, v = self._project_qkv(layer, x, cos, sin)
-            kv.write(index, inputs.write_page, inputs.write_offset, k, v)
-            x = self._finish_layer(layer, x, attention.forward(index, q))
+        cpu_layers = self._cpu_layers(attention, x)
+        if cpu_layers is not None:
+            assert isinstance(attention, TorchDecode) and attention.paged is not None
+            x = cpu_layers.run(x.contiguous(), inputs, *attention.paged)
+        else:
+            cos, sin = self.rope_cos[inputs.positions], self.rope_sin[inputs.positions]
+            for index, layer in enumerate(self.decoder_layers()):
+                q, k, v = self._project_qkv(layer, x, cos, sin)
+                kv.write(index, inputs.write_page, inputs.write_offset, k, v)
+                x = self._finish_layer(layer, x, attention.forward(index, q))
         if not self.stage.layers.last:
             self.stage.hand_on(x)
             return None

@@ -1,0 +1,103 @@
+"""The CPU decode step in one C call (executor_svc/models/dense_cpu.c) against the torch layers it replaces: the
+same logits (within float32 tolerance: only the order of sums differs) and the same K/V written, for dense
+variants with packed weights (GQA, biases in every projection, q/k head norms, llama3 rope), rows of different
+lengths on shuffled pages beside a padding row; and the torch layers wherever the C step cannot serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from executor_svc.attention.torch_ref import TorchDecode
+from executor_svc.models import dense_cpu
+from executor_svc.models.dense import DenseModel
+from executor_svc.models.gguf_packing import pack_gguf
+from executor_svc.models.loader import load_model
+from executor_svc.models.packed import fuse_projections, install_packed
+from executor_svc.models.packed_kernel import MAX_ROWS
+from tests import tiny_families
+
+PAGE = 16
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    if dense_cpu.library() is None:
+        pytest.skip("no C compiler to build the CPU decode step")
+
+
+def _model(variant: str, tmp_path: Path, type_name: str | None) -> DenseModel:
+    """The variant's random checkpoint loaded on the CPU, its layers' projections packed as `type_name`
+    (gguf's own quantizer) and fused, as the loader does for a GGUF; None: left float."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_families.hf_config(variant), dtype=torch.float32)
+    hf.save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), "cpu", torch.float32)
+    assert isinstance(model, DenseModel)
+    if type_name is not None:
+        packed = {}
+        for name, param in model.named_parameters():
+            if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS:
+                rows, cols = param.shape
+                blocks = gguf.quants.quantize(param.numpy(), gguf.GGMLQuantizationType[type_name])
+                packed[name] = pack_gguf(blocks, type_name, rows, cols)
+        install_packed(model, packed)
+        fuse_projections(model)
+    return model
+
+
+def _step(model: DenseModel, kv, tokens, kv_lens, tables, torch_layers: bool) -> torch.Tensor:
+    if torch_layers:
+        model.cpu_layers = (kv, None)  # what `over` answers where the C step cannot serve
+    attention = TorchDecode(None, kv, model.scale)
+    inputs = attention.over(tokens, kv_lens.long(), kv_lens, tables)
+    return model.forward(inputs, attention)
+
+
+@pytest.mark.parametrize(
+    ("variant", "type_name"), [("linear_biases", "Q4_1"), ("qwen3", "Q8_0"), ("llama3", "Q4_0")]
+)
+def test_the_c_step_equals_the_torch_layers(variant, type_name, tmp_path):
+    model = _model(variant, tmp_path, type_name)
+    c_kv = model.make_kv_pool(num_pages=24, page_size=PAGE)
+    c_kv.k.normal_(), c_kv.v.normal_()  # stored K/V as if prompts had been read
+    torch_kv = model.make_kv_pool(num_pages=24, page_size=PAGE)
+    torch_kv.k.copy_(c_kv.k), torch_kv.v.copy_(c_kv.v)
+    # Row 0 pads (length 0, the sink page's table); the others hold 5, 37 and 70 positions on shuffled pages.
+    kv_lens = torch.tensor([0, 5, 37, 70], dtype=torch.int32)
+    pages = torch.randperm(23, generator=torch.Generator().manual_seed(1))[:18] + 1
+    tables = torch.zeros(4, 6, dtype=torch.int32)
+    tables[1:] = pages.view(3, 6).to(torch.int32)
+    tokens = torch.tensor([0, 17, 230, 401])
+    for _ in range(3):
+        c_logits = _step(model, c_kv, tokens, kv_lens, tables, torch_layers=False)
+        assert model.cpu_layers is not None and model.cpu_layers[1] is not None, "the C step served"
+        torch_logits = _step(model, torch_kv, tokens, kv_lens, tables, torch_layers=True)
+        torch.testing.assert_close(c_logits, torch_logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(c_logits[1:].argmax(-1), torch_logits[1:].argmax(-1))
+        torch.testing.assert_close(c_kv.k, torch_kv.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c_kv.v, torch_kv.v, rtol=1e-5, atol=1e-5)
+        tokens = c_logits.argmax(-1)
+        tokens[0] = 0
+        kv_lens[1:] += 1
+
+
+def test_the_torch_layers_serve_where_the_c_step_cannot(tmp_path):
+    float_model = _model("qwen3", tmp_path / "float", None)
+    kv = float_model.make_kv_pool(num_pages=4, page_size=PAGE)
+    assert dense_cpu.CpuDecodeLayers.over(float_model, kv) is None, "float weights: the torch layers"
+    packed = _model("qwen3", tmp_path / "packed", "Q8_0")
+    kv = packed.make_kv_pool(num_pages=4, page_size=PAGE)
+    assert dense_cpu.CpuDecodeLayers.over(packed, kv) is not None
+    rows = MAX_ROWS + 1  # more rows than the C step takes: the torch layers
+    tables = torch.ones(rows, 1, dtype=torch.int32)
+    packed.cpu_layers = None
+    _step(
+        packed, kv, torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int32), tables, False
+    )
+    assert packed.cpu_layers is None, "not consulted for a step it cannot take"
