@@ -127,19 +127,41 @@ def test_step_at_slots_equals_the_reference(dtype, block):
     assert (states[0] == 0).all() and (states[[2, 4]] == expected_states[[2, 4]]).all()
 
 
-def test_packed_conv_equals_the_conv_by_sequence():
-    """gated_delta_fla's packed conv (CUDA prefill) equals conv1d_sequence run sequence by sequence: fresh and
-    continued windows, a sequence of one token, windows that reach back past a short sequence."""
-    from executor_svc.kernels.gated_delta_fla import PackedIndex, conv1d_packed
+@pytest.mark.skipif(
+    not (interpreting() or torch.cuda.is_available()), reason="Triton: its interpreter or a CUDA device"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_conv_equals_the_conv_by_sequence(dtype):
+    """gated_delta_conv's kernels (the CUDA prefill's conv) equal conv1d_sequence run sequence by sequence, q
+    and k l2-normed: continued and fresh windows (a fresh one's slot holding garbage), a sequence of one token,
+    windows that reach back past a short sequence, one of two chunks; each window moved on in place at its slot,
+    the other slots untouched. x's rows strided, as the model's joined projection gives them."""
+    from executor_svc.kernels.gated_delta_conv import conv_qkv, conv_windows
+    from executor_svc.kernels.gated_delta_fla import packed_index
+    from executor_svc.state_pool import StateInputs
 
+    hk, dk, hv, dv = 2, 8, 3, 4  # DV narrower than DK: the v heads' programs mask
+    channels = 2 * hk * dk + hv * dv
     g = torch.Generator().manual_seed(6)
-    starts = np.array([0, 5, 6, 8, 30])
-    x, weight = torch.randn(30, C, generator=g), torch.randn(C, K, generator=g)
-    windows = torch.randn(4, C, K - 1, generator=g)
-    windows[1] = 0  # a fresh sequence's
-    index = PackedIndex.build(starts, np.zeros(4, dtype=bool), K - 1, x.device)
-    out, moved = conv1d_packed(x, weight, windows, index)
-    for i in range(4):
-        expected, window = ref.conv1d_sequence(x[starts[i] : starts[i + 1]], weight, windows[i])
-        torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected)
-        torch.testing.assert_close(moved[i], window)
+    starts = np.array([0, 2, 3, 5, 75])
+    host_slots, fresh = np.array([4, 1, 5, 2]), np.array([False, True, False, False])
+    wide = torch.randn(75, channels + 5, generator=g).to(dtype)
+    x, weight = wide[:, :channels], torch.randn(channels, K, generator=g).to(dtype)
+    windows = torch.randn(6, channels, K - 1, generator=g).to(dtype)
+    expected_windows, expected = windows.clone(), []
+    for i, slot in enumerate(host_slots):
+        part = x[starts[i] : starts[i + 1]]
+        out, expected_windows[slot] = ref.conv1d_sequence(part, weight, None if fresh[i] else windows[slot])
+        expected.append(out)
+    q, k, v = torch.cat(expected).split([hk * dk, hk * dk, hv * dv], dim=-1)
+    device = "cpu" if interpreting() else "cuda"
+    x, weight, windows = wide.to(device)[:, :channels], weight.to(device), windows.to(device)
+    states = StateInputs(None, torch.from_numpy(host_slots).to(device), starts, host_slots, fresh)  # type: ignore[arg-type]
+    packed = packed_index(states, torch.device(device))
+    outs = conv_qkv(x, weight, windows, packed, (hk, dk, hv, dv))
+    conv_windows(x, windows, packed)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    qk_expected = (ref.l2norm(t.float().view(-1, hk, dk)).to(dtype) for t in (q, k))
+    for got, want in zip(outs, (*qk_expected, v.view(-1, hv, dv)), strict=True):
+        torch.testing.assert_close(got.cpu().float(), want.float(), **tolerance)
+    torch.testing.assert_close(windows.cpu(), expected_windows)

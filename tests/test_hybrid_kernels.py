@@ -1,6 +1,6 @@
-"""The Qwen3.5 hybrid's decode step in the Triton kernels (qwen3_5_kernels, the CUDA path) equals its torch
-forward: the logits, the K/V written, the conv windows and recurrent states moved on at each row's slot, a
-padding row leaving the sink slot zero; two stages of a layer split equal the whole model, in either; and the
+"""The Qwen3.5 hybrid's decode step and prefill batch in the Triton kernels (qwen3_5_kernels, the CUDA path)
+equal its torch forward: the logits, the K/V written, the conv windows and recurrent states moved on at each
+row's slot, a padding row leaving the sink slot zero; two stages of a layer split equal the whole model, in either; and the
 conv kernel alone equals the reference step. Under Triton's interpreter on the CPU, or on CUDA."""
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from executor_svc.attention import StepInputs
-from executor_svc.attention.torch_ref import decode_attention
+from executor_svc.attention.torch_ref import decode_attention, prefill_attention_batch
 from executor_svc.kernels import gated_delta_ref as ref
 from executor_svc.kernels import interpreting
 from executor_svc.models.loader import stage_weights
 from executor_svc.models.qwen3_5_config import FULL, LINEAR, Qwen35Config
 from executor_svc.models.qwen3_5_model import Qwen35Model
+from executor_svc.prefill.batch import PrefillBatch
 from executor_svc.stage import Stage
 from executor_svc.state_pool import StateInputs
 from protos.layer_split import LayerRange
@@ -129,6 +130,60 @@ def test_fused_decode_step_equals_the_torch_forward(batch: int):
     torch.testing.assert_close(pool_fused.conv.cpu(), pool_ref.conv.cpu(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool_fused.recurrent.cpu(), pool_ref.recurrent.cpu(), atol=1e-4, rtol=1e-4)
     assert (pool_fused.conv[:, 0] == 0).all() and (pool_fused.recurrent[:, 0] == 0).all()
+
+
+class _PrefillAttention:
+    """A packed prefill batch's attention chunk by chunk (torch_ref's), the model's other ops picked by `fused`."""
+
+    def __init__(self, kv, batch: PrefillBatch, scale: float, fused: bool):
+        self.kv, self.batch, self.scale, self.fused = kv, batch, scale, fused
+
+    def forward(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        return prefill_attention_batch(q, self.kv.k[layer], self.kv.v[layer], self.batch, self.scale)
+
+
+def test_fused_prefill_equals_the_torch_forward():
+    """A prefill batch in the Triton kernels (the CUDA path; its gated delta nets' conv and rule in the model's
+    prefill, the reference here) equals the torch forward: the logits of each chunk's last token, the K/V
+    written, the states at each sequence's slot. A chunk continuing a sequence (its pages and state held), two
+    fresh ones, one of a single token."""
+    model = _model()
+    g = torch.Generator().manual_seed(3)
+    kv = model.make_kv_pool(PAGES, PAGE)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    pool = model.make_state_pool(5)
+    pool.conv.copy_(torch.randn(pool.conv.shape, generator=g))
+    pool.recurrent.copy_(torch.randn(pool.recurrent.shape, generator=g))
+    ids = torch.randint(0, model.config.vocab_size, (16,), generator=g).numpy()
+    chunks = [
+        (ids[:6], 5, np.array([1, 2, 3])),
+        (ids[6:15], 0, np.array([4, 5, 6])),
+        (ids[15:], 0, np.array([7])),
+    ]
+    batch = PrefillBatch.build(chunks, PAGE, model.config.max_seq_len, torch.device(DEVICE))
+    host_slots = np.array([3, 1, 4])
+    results = []
+    for fused in (False, True):
+        kv_run, pool_run = model.make_kv_pool(PAGES, PAGE), model.make_state_pool(5)
+        kv_run.k.copy_(kv.k), kv_run.v.copy_(kv.v)
+        pool_run.conv.copy_(pool.conv), pool_run.recurrent.copy_(pool.recurrent)
+        states = StateInputs(
+            pool_run,
+            torch.from_numpy(host_slots).to(DEVICE),
+            batch.seq_starts_host,
+            host_slots,
+            batch.starts == 0,
+        )
+        attention = _PrefillAttention(kv_run, batch, model.scale, fused)
+        logits = model(batch.inputs._replace(states=states), attention, select=batch.last_index)
+        results.append((logits.cpu(), kv_run, pool_run))
+    (expected, kv_ref, pool_ref), (logits, kv_fused, pool_fused) = results
+    torch.testing.assert_close(logits, expected, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(kv_fused.k.cpu(), kv_ref.k.cpu(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv_fused.v.cpu(), kv_ref.v.cpu(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool_fused.conv.cpu(), pool_ref.conv.cpu(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool_fused.recurrent.cpu(), pool_ref.recurrent.cpu(), atol=1e-4, rtol=1e-4)
 
 
 class _HandOver(Stage):

@@ -1,18 +1,20 @@
-"""A gated delta net layer's prefill on CUDA: every sequence of the batch in one packed conv and one varlen call
-of flash-linear-attention's chunked Triton kernel (fla-core, the `gpu` extra; vLLM and SGLang use it). Same
-contract as gated_delta_ref.prefill_at_slots, which stays the CPU path and the fallback where fla-core is
-missing or fails. (The decode step is gated_delta_slots', which reads the states by slot.)"""
+"""A gated delta net layer's prefill on CUDA: every sequence of the batch in one packed conv (gated_delta_conv's
+Triton kernels) and one varlen pass of flash-linear-attention's chunked Triton kernels (fla-core, the `gpu`
+extra; vLLM and SGLang use it), called below fla's autograd wrapper. Same contract as
+gated_delta_ref.prefill_at_slots, which stays the CPU path and the fallback where fla-core is missing or fails.
+(The decode step is gated_delta_slots', which reads the states by slot.)"""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import structlog
 import torch
-import torch.nn.functional as F
 
 from executor_svc.kernels import gated_delta_ref
 
@@ -23,103 +25,125 @@ log = structlog.get_logger("deltaserve.executor.kernels")
 Prefill = Callable[..., torch.Tensor]  # gated_delta_ref.prefill_at_slots' contract
 
 
+CHUNK = 64  # tokens of a chunk of fla's kernels, and of a program of the conv kernel (they share the indices)
+
+
 def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-class PackedIndex(NamedTuple):
-    """Where a packed prefill batch's sequences lie, on the device: what every gated delta net layer of one step
-    shares (made once a step, not once a layer: each costs host-to-device copies)."""
+class Packed(NamedTuple):
+    """Where a packed batch's sequences lie, on the device (int64): what the conv kernels and fla's read, made
+    once a step (not once a layer)."""
 
-    seq_starts: np.ndarray  # int64[N + 1], host
-    width: int  # the conv window, K - 1
-    token_at: (
-        torch.Tensor
-    )  # i64[T]: each token's row in the laid-out batch (sequences end to end, each after its window)
-    window_at: torch.Tensor  # i64[N W]: the rows of each sequence's starting window
-    new_window_at: torch.Tensor  # i64[N W]: the rows of its window after its last token
-    kept: torch.Tensor  # bool[N]: the sequences that continue a state (not fresh)
-    cu_seqlens: torch.Tensor  # i64[N + 1], on the device, for fla
-    cu_seqlens_cpu: torch.Tensor  # i64[N + 1], fla's host copy (no device read back)
-
-    @staticmethod
-    def build(seq_starts: np.ndarray, fresh: np.ndarray, width: int, device: torch.device) -> PackedIndex:
-        n = len(seq_starts) - 1
-        owner = np.repeat(np.arange(n), np.diff(seq_starts))
-        segment_start = seq_starts[:-1] + width * np.arange(n)
-        ends = seq_starts[1:] + width * np.arange(1, n + 1)
-        steps = np.arange(width)[None, :]
-        host = [
-            np.arange(seq_starts[-1]) + width * (owner + 1),
-            (segment_start[:, None] + steps).reshape(-1),
-            (ends[:, None] - width + steps).reshape(-1),
-        ]
-        token_at, window_at, new_window_at = (
-            torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device) for x in host
-        )
-        cu_cpu = torch.from_numpy(np.asarray(seq_starts, dtype=np.int64))
-        kept = torch.from_numpy(~fresh).to(device)
-        return PackedIndex(
-            seq_starts, width, token_at, window_at, new_window_at, kept, cu_cpu.to(device), cu_cpu
-        )
+    cu_seqlens: torch.Tensor  # [N + 1]: sequence i is tokens [cu_seqlens[i], cu_seqlens[i + 1])
+    chunk_indices: torch.Tensor  # [chunks, 2]: (sequence, chunk within it) of each CHUNK tokens
+    slots: torch.Tensor  # [N]: each sequence's state slot
+    kept: torch.Tensor  # [N]: 1 where the sequence continues its slot's state, 0 where it starts fresh
+    chunk_offsets: torch.Tensor  # [N + 1]: each sequence's first chunk
 
 
-_last_index: list[PackedIndex] = []  # the step's, reused by its next layers
-
-
-def packed_index(states: StateInputs, width: int, device: torch.device) -> PackedIndex:
+def _packed(states: StateInputs, device: torch.device) -> Packed:
+    """Where the step's sequences lie, on the device: chunk indices and offsets computed on the host (what fla
+    would compute once a call, with a read back) and copied with the rest in one copy from pinned memory."""
     assert states.seq_starts is not None and states.fresh is not None
-    if _last_index and _last_index[0].seq_starts is states.seq_starts and _last_index[0].width == width:
-        return _last_index[0]
-    _last_index[:] = [PackedIndex.build(states.seq_starts, states.fresh, width, device)]
-    return _last_index[0]
+    starts = np.asarray(states.seq_starts, dtype=np.int64)
+    n = len(starts) - 1
+    counts = -(-np.diff(starts) // CHUNK)  # chunks of each sequence
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    owner = np.repeat(np.arange(n), counts)
+    chunks = np.stack([owner, np.arange(offsets[-1]) - offsets[owner]], axis=1)  # chunks: [NT, 2]
+    host = torch.from_numpy(
+        np.concatenate([starts, offsets, ~states.fresh, chunks.reshape(-1)]).astype(np.int64)
+    )
+    if device.type == "cuda":
+        host = (
+            host.pin_memory()
+        )  # queued without a wait (the caching host allocator keeps the block till then)
+    words = host.to(device, non_blocking=True)
+    cu, chunk_offsets, kept, chunk_indices = words.split([n + 1, n + 1, n, 2 * len(owner)])
+    return Packed(cu, chunk_indices.view(-1, 2), states.slots, kept, chunk_offsets)
 
 
-def conv1d_packed(
-    x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, index: PackedIndex
+_last_packed: list[tuple[np.ndarray, Packed]] = []  # the step's, reused by its next layers
+
+
+def packed_index(states: StateInputs, device: torch.device) -> Packed:
+    """The step's Packed, made at its first gated delta net layer and shared by the others."""
+    assert states.seq_starts is not None
+    if not _last_packed or _last_packed[0][0] is not states.seq_starts:
+        _last_packed[:] = [(states.seq_starts, _packed(states, device))]
+    return _last_packed[0][1]
+
+
+@functools.cache
+def _fla_forward() -> tuple[Callable[..., Any], ...]:
+    """fla's forward pieces, below its autograd Function, input guards and backend dispatch (each a few hundred
+    microseconds of host work a call that an inference step has no use for): fla-core 0.6's
+    chunk_gated_delta_rule_fwd, step by step."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils.cumsum import chunk_local_cumsum_scalar
+
+    pieces = (chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_h, chunk_fwd_o)
+    return (chunk_local_cumsum_scalar, *(inspect.unwrap(piece) for piece in pieces))
+
+
+def chunked_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial: torch.Tensor,
+    packed: Packed,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """conv1d_sequence of every sequence of a packed batch at once: x [T, C] (sequence i is tokens
-    [seq_starts[i], seq_starts[i + 1])), weight [C, K], windows [N, C, K - 1] the windows they start after
-    (zeros for a fresh one). Returns (out [T, C], the new windows [N, C, K - 1])."""
-    tokens, channels = x.shape
-    n, width = len(index.seq_starts) - 1, index.width
-    laid = x.new_empty(tokens + n * width, channels)  # laid: [T + N W, C]
-    laid[index.token_at] = x
-    laid[index.window_at] = windows.transpose(1, 2).reshape(n * width, channels).to(x.dtype)
-    # full[:, p - W]: the conv at laid position p over laid[p - W .. p] (only a token's position is read)
-    full = F.conv1d(laid.t()[None].float(), weight.float()[:, None, :], groups=channels)[0]
-    out = F.silu(full[:, index.token_at - width]).t().to(x.dtype)
-    new_windows = laid[index.new_window_at].view(n, width, channels).transpose(1, 2)
-    return out, new_windows
+    """The gated delta rule of every sequence of a packed batch in fla's chunked kernels: q, k [T, Hk, Dk]
+    (l2-normed), v [T, H, Dv], all contiguous; g (log decay, float32) and beta [T, H]; initial [N, H, Dk, Dv]
+    float32. Returns (out [T, H, Dv] in v's dtype, the final states [N, H, Dk, Dv] float32)."""
+    from fla.ops.utils.constant import RCP_LN2
+
+    cumsum, intra, states_of, out_of = _fla_forward()
+    cu, chunks = packed.cu_seqlens, packed.chunk_indices
+    q, k, v, g, beta = (x.contiguous()[None] for x in (q, k, v, g, beta))
+    g = cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=chunks)  # fla works in exp2
+    w, u, _ = intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu, chunk_size=CHUNK, chunk_indices=chunks)
+    h, v_new, final = states_of(
+        k=k,
+        w=w,
+        u=u,
+        g=g,
+        initial_state=initial,
+        output_final_state=True,
+        chunk_size=CHUNK,
+        cu_seqlens=cu,
+        chunk_indices=chunks,
+        chunk_offsets=packed.chunk_offsets,
+    )
+    scale = q.shape[-1] ** -0.5
+    out = out_of(
+        q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu, chunk_size=CHUNK, chunk_indices=chunks
+    )
+    return out[0], final
 
 
 def _prefill_fla(mixed, weight, g, beta, conv, recurrent, states: StateInputs, split) -> torch.Tensor:
-    """gated_delta_ref.prefill_at_slots with the batch's sequences in one conv and one varlen call of fla's
-    chunked kernel; nothing is written to the pools until both have run."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    """gated_delta_ref.prefill_at_slots with the batch's sequences in one conv kernel and fla's chunked kernels;
+    nothing is written to the pools until both have run. (The heads come from the pools' shapes: `split` is the
+    reference's.)"""
+    from executor_svc.kernels.gated_delta_conv import conv_qkv, conv_windows  # Triton: the gpu extra
 
-    index = packed_index(states, weight.shape[1] - 1, conv.device)
-    slots = states.slots
-    windows = conv.index_select(0, slots) * index.kept[:, None, None]
-    out_mixed, new_windows = conv1d_packed(mixed, weight, windows, index)
-    q, k, v = split(out_mixed)
-    initial = recurrent.index_select(0, slots) * index.kept[:, None, None, None]
-    out, final = chunk_gated_delta_rule(
-        q[None],
-        k[None],
-        v[None],
-        g[None].float(),
-        beta[None],
-        scale=q.shape[-1] ** -0.5,
-        initial_state=initial,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        cu_seqlens=index.cu_seqlens,
-        cu_seqlens_cpu=index.cu_seqlens_cpu,
-    )
-    conv.index_copy_(0, slots, new_windows.to(conv.dtype))
-    recurrent.index_copy_(0, slots, final.float())
-    return out[0]
+    heads, dk, dv = recurrent.shape[1:]
+    key_heads = (conv.shape[1] - heads * dv) // (2 * dk)
+    packed = packed_index(states, conv.device)
+    q, k, v = conv_qkv(mixed, weight, conv, packed, (key_heads, dk, heads, dv))
+    initial = recurrent.index_select(0, packed.slots).mul_(packed.kept[:, None, None, None])
+    out, final = chunked_rule(q, k, v, g, beta, initial, packed)
+    conv_windows(mixed, conv, packed)
+    recurrent.index_copy_(0, packed.slots, final)
+    return out
 
 
 class _FallBack:

@@ -1,7 +1,9 @@
-"""The Qwen3.5 hybrid's decode step in the Triton kernels (the CUDA path): each layer's projections joined into
-one matmul that also norms its input, the gated delta net's conv window and rule step on the state pool by slot,
-its gated norm in one kernel. The torch forward in qwen3_5_model.py is its reference; a decode step there
-launches some forty kernels a layer, here about eight (what bounds the step at small batches)."""
+"""The Qwen3.5 hybrid's forward in the Triton kernels (the CUDA path), of a decode step or a packed prefill
+batch: each layer's projections joined into one matmul that also norms its input, the gated delta net's conv
+window and rule step on the state pool by slot (prefill: the packed conv kernel and fla's chunked rule, through
+the model's prefill), its gated norm in one kernel. The torch forward in qwen3_5_model.py is its reference; a
+decode step there launches some forty kernels a layer, here about eight (what bounds the step at small batches);
+a prefill layer some seventy against about twenty, each a few microseconds of host work."""
 
 from __future__ import annotations
 
@@ -72,14 +74,14 @@ def _fuse_layer(layer: _Layer) -> FusedLayer:
 def forward_kernels(
     model: Qwen35Model, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """Qwen35Model.forward of a decode step in the Triton kernels: float32 logits[B or len(select), V] (None
-    before the last stage of a split)."""
+    """Qwen35Model.forward of a decode step or a prefill batch in the Triton kernels: float32 logits[B or
+    len(select), V] (None before the last stage of a split)."""
     from executor_svc.kernels.fused import rmsnorm_residual
 
     cfg, states = model.config, inputs.states
-    assert states is not None and states.seq_starts is None, "the fused forward runs decode steps"
+    assert states is not None, "a Qwen3.5 step carries its state slots"
     eps = cfg.rms_eps
-    x = model.enter(inputs.tokens)  # x: [B, hidden]
+    x = model.enter(inputs.tokens)  # x: [B, hidden] (prefill: B tokens)
     projections = Projections(x.shape[0], eps)
     project, norm_project = projections.project, projections.norm_project
 
@@ -117,7 +119,7 @@ def _delta_net_core(
     state_layer: int,
 ) -> torch.Tensor:
     """mixed [B, C + H Dv + 2 H] (the joined projection) -> the normed, gated core [B, H Dv], the pool's conv
-    window and recurrent state moved on at each row's slot."""
+    window and recurrent state moved on at each row's slot (prefill: at each sequence's)."""
     from executor_svc.kernels.fused import gated_rmsnorm
     from executor_svc.kernels.gated_delta_slots import conv_step_at_slots, delta_rule_step_at_slots
 
@@ -129,19 +131,36 @@ def _delta_net_core(
     b = mixed[:, channels + values : channels + values + hv]
     a = mixed[:, channels + values + hv :]
     pool = states.pool
-    # conv: [B, C], q | k | v after the conv and SiLU
-    conv = conv_step_at_slots(
-        mixed[:, :channels], net.conv1d.weight[:, 0, :], pool.conv[state_layer], states.slots
-    )
-    q, k, v = conv.split([hk * dk, hk * dk, values], dim=-1)
     assert fused.gates is not None
+    conv_weight, conv_state, recurrent = (
+        net.conv1d.weight[:, 0, :],
+        pool.conv[state_layer],
+        pool.recurrent[state_layer],
+    )
+    if states.seq_starts is not None:  # prefill: g and beta as the torch forward makes them, then its prefill
+        decay_rate, dt_bias = fused.gates
+        g = decay_rate * F.softplus(a.float() + dt_bias)  # g, beta: [T, H]
+        core = model._prefill(
+            mixed[:, :channels],
+            conv_weight,
+            g,
+            torch.sigmoid(b),
+            conv_state,
+            recurrent,
+            states,
+            model.split_heads,
+        )
+        return gated_rmsnorm(core, z, net.norm.weight, cfg.rms_eps)
+    # conv: [B, C], q | k | v after the conv and SiLU
+    conv = conv_step_at_slots(mixed[:, :channels], conv_weight, conv_state, states.slots)
+    q, k, v = conv.split([hk * dk, hk * dk, values], dim=-1)
     out = delta_rule_step_at_slots(
         q.view(batch, hk, dk),
         k.view(batch, hk, dk),
         v.view(batch, hv, dv),
         a,
         b,
-        pool.recurrent[state_layer],
+        recurrent,
         states.slots,
         raw_gates=fused.gates,
     )

@@ -272,12 +272,9 @@ class Qwen35Model(nn.Module):
         states = inputs.states
         if states is None:
             raise ValueError("a Qwen3.5 step needs its state slots (inputs.states)")
-        # A decode step on CUDA: the Triton kernels (whose attention parts take power-of-two heads, as published)
-        if (
-            attention.fused
-            and states.seq_starts is None
-            and not self.config.head_dim & (self.config.head_dim - 1)
-        ):
+        # On CUDA, a decode step or a prefill batch: the Triton kernels (whose attention parts take power-of-two
+        # heads, as published)
+        if attention.fused and not self.config.head_dim & (self.config.head_dim - 1):
             from executor_svc.models.qwen3_5_kernels import forward_kernels
 
             return forward_kernels(self, inputs, attention, select)
@@ -321,9 +318,8 @@ class Qwen35Model(nn.Module):
         out = attention.forward(kv_layer, q.contiguous()).flatten(1)
         return attn.o_proj(out * torch.sigmoid(gate))
 
-    def _delta_net(
-        self, net: _GatedDeltaNet, h: torch.Tensor, states: StateInputs, state_layer: int
-    ) -> torch.Tensor:
+    def split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mixed [T, C] (after the conv) -> q, k [T, Hk, Dk], v [T, H, Dv], views."""
         cfg = self.config
         hk, dk, hv, dv = (
             cfg.linear_key_heads,
@@ -331,17 +327,21 @@ class Qwen35Model(nn.Module):
             cfg.linear_value_heads,
             cfg.linear_value_dim,
         )
+        q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        return q.view(-1, hk, dk), k.view(-1, hk, dk), v.view(-1, hv, dv)
+
+    def _delta_net(
+        self, net: _GatedDeltaNet, h: torch.Tensor, states: StateInputs, state_layer: int
+    ) -> torch.Tensor:
+        cfg = self.config
+        hv, dv = cfg.linear_value_heads, cfg.linear_value_dim
         mixed = net.in_proj_qkv(h)  # mixed: [T, C], q | k | v before the conv
         z = net.in_proj_z(h).view(-1, hv, dv)
         beta = torch.sigmoid(net.in_proj_b(h))  # beta, g: [T, H]
         g = -net.A_log.float().exp() * F.softplus(net.in_proj_a(h).float() + net.dt_bias)
         weight = net.conv1d.weight[:, 0, :]  # [C, K]
         conv, recurrent = states.pool.conv[state_layer], states.pool.recurrent[state_layer]
-
-        def split(mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
-            return q.view(-1, hk, dk), k.view(-1, hk, dk), v.view(-1, hv, dv)
-
+        split = self.split_heads
         if (
             states.seq_starts is None
         ):  # decode: one token of each row's sequence, states read and written by slot

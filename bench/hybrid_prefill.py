@@ -1,0 +1,122 @@
+"""The Qwen3.5 hybrid's eager prefill step on the GPU, the whole model as the executor runs it (PrefillGraphs'
+eager path: the batch packed, the state slots, the forward over the prefill attention kernel): Qwen3.5-0.8B's
+shape with random bf16 weights, N fresh sequences of L tokens a step. Reports the host's time to issue the step
+(no wait at its end), the wall time to its end, the GPU's kernel time and launches, and the argmax of each
+sequence's last logits (to compare two commits' outputs); `--profile` prints where the host's time goes.
+
+    python bench/hybrid_prefill.py --commit X --out docs/bench/hybrid_prefill.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import commit_hash, write_json
+from bench.hybrid_step import random_model
+from executor_svc.attention.prefill import PrefillAttention
+from executor_svc.models.qwen3_5_model import Qwen35Model
+from executor_svc.prefill.batch import PrefillBatch
+from executor_svc.state_pool import StateInputs
+
+PAGE = 16
+
+
+def prefill_step(model: Qwen35Model, kv, pool, chunks: list, slots: np.ndarray) -> torch.Tensor | None:
+    """One eager prefill step of `chunks`, as PrefillGraphs._eager runs it: the last token's logits of each."""
+    device = model.device
+    batch = PrefillBatch.build(chunks, PAGE, model.config.max_seq_len, device)
+    attention = PrefillAttention(kv, model.scale, batch, fused=True)
+    on_device = torch.from_numpy(slots).pin_memory().to(device, non_blocking=True)
+    states = StateInputs(pool, on_device, batch.seq_starts_host, slots, batch.starts == 0)
+    with torch.inference_mode():
+        return model.forward(batch.inputs._replace(states=states), attention, select=batch.last_index)
+
+
+def measure(model: Qwen35Model, sequences: int, tokens: int, rounds: int, profile: bool) -> dict:
+    cfg = model.config
+    span = -(-tokens // PAGE)
+    kv = model.make_kv_pool(sequences * span + 1, PAGE)
+    pool = model.make_state_pool(sequences + 1)
+    rng = np.random.default_rng(0)
+    chunks = [
+        (
+            rng.integers(0, cfg.vocab_size, tokens),
+            0,
+            np.arange(1 + i * span, 1 + (i + 1) * span, dtype=np.int64),
+        )
+        for i in range(sequences)
+    ]
+    slots = np.arange(1, sequences + 1, dtype=np.int64)
+    for _ in range(3):
+        prefill_step(model, kv, pool, chunks, slots)
+    torch.cuda.synchronize()
+    host, wall = [], []
+    for _ in range(rounds):
+        began = time.perf_counter()
+        logits = prefill_step(model, kv, pool, chunks, slots)
+        host.append((time.perf_counter() - began) * 1000)
+        torch.cuda.synchronize()
+        wall.append((time.perf_counter() - began) * 1000)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        prefill_step(model, kv, pool, chunks, slots)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    row = {
+        "sequences": sequences,
+        "tokens": tokens,
+        "host_ms": round(float(np.median(host)), 3),
+        "wall_ms": round(float(np.median(wall)), 3),
+        "gpu_kernel_ms": round(sum(e.time_range.elapsed_us() for e in kernels) / 1000, 3),
+        "gpu_kernels": len(kernels),
+        "argmax": logits.argmax(-1).tolist() if logits is not None else None,
+        "fell_back": bool(getattr(model._prefill, "failed", False)),
+    }
+    print(row, flush=True)
+    if profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        prefill_step(model, kv, pool, chunks, slots)
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    del kv, pool
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--shapes", nargs="+", default=["1x512", "4x512", "16x128"], help="sequences x tokens of a step"
+    )
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of one step per shape")
+    parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
+    parser.add_argument("--out", default="docs/bench/hybrid_prefill.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = random_model()
+    rows = []
+    for shape in args.shapes:
+        sequences, tokens = (int(x) for x in shape.split("x"))
+        rows.append(measure(model, sequences, tokens, args.rounds, args.profile))
+    write_json(
+        args.out,
+        [{"commit": args.commit or commit_hash(), "device": torch.cuda.get_device_name(), "steps": rows}],
+    )
+
+
+if __name__ == "__main__":
+    main()
