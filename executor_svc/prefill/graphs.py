@@ -150,14 +150,11 @@ class PrefillGraphs:
         states = None
         if self.state_pool is not None:
             host_slots = np.asarray(state_slots, dtype=np.int64)
-            slots = torch.from_numpy(host_slots)
-            if (
-                self.fused
-            ):  # on CUDA: from pinned memory, queued without waiting for the device (as the batch)
-                slots = slots.pin_memory()
+            # on CUDA from pinned memory, queued without waiting for the device (as the batch)
+            pinned = torch.from_numpy(host_slots).pin_memory() if self.fused else torch.from_numpy(host_slots)
             states = StateInputs(
                 self.state_pool,
-                slots.to(self.store.device, non_blocking=True),
+                pinned.to(self.store.device, non_blocking=True),
                 seq_starts=batch.seq_starts_host,
                 host_slots=host_slots,
                 fresh=batch.starts == 0,
