@@ -79,3 +79,19 @@ def test_fused_rows_and_tied_embedding():
     torch.testing.assert_close(embedding.project(x), parts[0].matmul(x))
     with pytest.raises(ValueError, match="share their format"):
         PackedWeight.cat([parts[0], pack_gguf(_blocks("Q8_0", 5), "Q8_0", ROWS, COLS)])
+
+
+def test_float16_scales_read_exactly_zero_subnormal_and_negative_included():
+    special = torch.tensor([0.0, -0.0, 6e-8, -6e-8, 1e-5, -2.5, 65504.0, 0.011], dtype=torch.float16)
+    rows = special.numel()
+    q = torch.randint(0, 256, (rows, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    for minv in (None, special.flip(0)[:, None]):
+        packed = PackedWeight(4, 0, q, special[:, None], minv)
+        nibbles = torch.cat([q & 15, q >> 4], dim=1).float()  # element j low nibble, j + 16 high
+        expected = nibbles * special.float()[:, None]
+        if minv is not None:
+            expected = expected + minv.float()
+        assert torch.equal(packed.dequantize_rows(), expected)
+        x = torch.randn(3, 32, generator=torch.Generator().manual_seed(4))
+        bound = x.abs().double() @ expected.abs().double().t()  # sums in another order
+        assert ((packed.matmul(x).double() - x.double() @ expected.double().t()).abs() <= 1e-5 * bound).all()

@@ -38,6 +38,7 @@ class _Packed(ctypes.Structure):
     _fields_ = [
         ("bits", ctypes.c_int32),
         ("offset", ctypes.c_int32),
+        ("half", ctypes.c_int32),
         ("q", _ptr),
         ("scale", _ptr),
         ("minv", _ptr),
@@ -111,7 +112,9 @@ def _packed(linear: object) -> _Packed | None:
     w: PackedWeight = linear.packed
     bias = 0 if linear.bias is None else linear.bias.data_ptr()
     n, k = w.shape
-    return _Packed(w.bits, w.offset, w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr(), bias, n, k)
+    half = w.scale.dtype == torch.float16
+    minv = 0 if w.minv is None else w.minv.data_ptr()
+    return _Packed(w.bits, w.offset, half, w.q.data_ptr(), w.scale.data_ptr(), minv, bias, n, k)
 
 
 def _layer(layer: DenseLayer, kv: KVPool, index: int) -> _Layer | None:

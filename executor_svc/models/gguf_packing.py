@@ -2,7 +2,7 @@
 minimums rewritten into the one packed layout the CPU kernel reads (see packed_kernel.c).
 
 Every type maps exactly: a packed weight de-quantizes to gguf's own float32 value bit for bit (scale and
-minimum are the float32 products gguf computes). Types with groups of 16 (Q2_K, Q3_K, Q6_K) and the i-quants
+minimum are the float16 values the blocks hold, or for the K-quants the float32 products gguf computes). Types with groups of 16 (Q2_K, Q3_K, Q6_K) and the i-quants
 have no mapping here; the loader de-quantizes those.
 """
 
@@ -18,9 +18,13 @@ from executor_svc.models.packed import GROUP, PackedWeight
 _QK_K = 256  # a K-quant super-block: 8 groups of 32
 
 
+def _f16(half: np.ndarray) -> np.ndarray:
+    """Two bytes per element (ggml's float16) -> float16, shape without the byte axis."""
+    return np.ascontiguousarray(half).view(np.float16)[..., 0]
+
+
 def _f32(half: np.ndarray) -> np.ndarray:
-    """Two bytes per element (ggml's float16) -> float32, shape without the byte axis."""
-    return np.ascontiguousarray(half).view(np.float16)[..., 0].astype(np.float32)
+    return _f16(half).astype(np.float32)
 
 
 def _nibbles_to_bytes(q: np.ndarray) -> np.ndarray:
@@ -41,25 +45,25 @@ def _bit_planes(qh: np.ndarray, count: int) -> np.ndarray:
 
 
 def _q4_0(b: np.ndarray) -> tuple:
-    return 4, 8, b[..., 2:], _f32(b[..., :2]), None
+    return 4, 8, b[..., 2:], _f16(b[..., :2]), None
 
 
 def _q4_1(b: np.ndarray) -> tuple:
-    return 4, 0, b[..., 4:], _f32(b[..., :2]), _f32(b[..., 2:4])
+    return 4, 0, b[..., 4:], _f16(b[..., :2]), _f16(b[..., 2:4])
 
 
 def _q8_0(b: np.ndarray) -> tuple:
-    return 8, 0, b[..., 2:], _f32(b[..., :2]), None
+    return 8, 0, b[..., 2:], _f16(b[..., :2]), None
 
 
 def _q5_0(b: np.ndarray) -> tuple:
     q = _low_high(b[..., 6:]) | (_bit_planes(b[..., 2:6], 32) << 4)
-    return 8, 16, q, _f32(b[..., :2]), None
+    return 8, 16, q, _f16(b[..., :2]), None
 
 
 def _q5_1(b: np.ndarray) -> tuple:
     q = _low_high(b[..., 8:]) | (_bit_planes(b[..., 4:8], 32) << 4)
-    return 8, 0, q, _f32(b[..., :2]), _f32(b[..., 2:4])
+    return 8, 0, q, _f16(b[..., :2]), _f16(b[..., 2:4])
 
 
 def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -113,13 +117,11 @@ def pack_gguf(data: np.ndarray, type_name: str, rows: int, cols: int) -> PackedW
     blocks = np.asarray(data, dtype=np.uint8).reshape(rows, cols // block_size, block_bytes)
     bits, offset, q, scale, minv = read(blocks)
     groups = cols // GROUP
-    scale = scale.reshape(rows, groups)
-    minv = np.zeros_like(scale) if minv is None else minv.reshape(rows, groups)
     q = np.ascontiguousarray(q, dtype=np.uint8).reshape(rows, cols * bits // 8)
     return PackedWeight(
         bits,
         offset,
         torch.from_numpy(q),
-        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
-        torch.from_numpy(np.ascontiguousarray(minv, dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, groups))),
+        None if minv is None else torch.from_numpy(np.ascontiguousarray(minv.reshape(rows, groups))),
     )

@@ -1,8 +1,8 @@
 """Quantized weights kept packed on the CPU: a linear layer and an embedding any model family can use in place
 of the dense ones, multiplying without a de-quantized copy of the weight.
 
-A packed weight is w = (q - offset) * scale + minv with q of 4 or 8 bits and scale, minv float32 per group of
-32 along the input axis; activations stay float32, so a packed matmul equals the de-quantized one up to the
+A packed weight is w = (q - offset) * scale + minv with q of 4 or 8 bits and scale, minv per group of 32 along
+the input axis (float16 where gguf stores them so, else float32; no minv where it is zero); activations stay float32, so a packed matmul equals the de-quantized one up to the
 order of its sums (packed_kernel.c). Few rows (a decode step) go through the kernel straight from the packed
 bytes; many (a prefill chunk) de-quantize a tile of rows at a time into a small scratch matrix for torch's GEMM.
 """
@@ -29,8 +29,8 @@ class PackedWeight:
     bits: int  # 4: two weights a byte; 8: one
     offset: int  # subtracted from q before scaling
     q: torch.Tensor  # uint8 [N, K * bits / 8], grouped as packed_kernel.c says
-    scale: torch.Tensor  # float32 [N, K / GROUP]
-    minv: torch.Tensor  # float32 [N, K / GROUP]
+    scale: torch.Tensor  # float32 or float16 [N, K / GROUP]
+    minv: torch.Tensor | None  # as scale; None: every minimum is 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -38,24 +38,32 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv))
+        parts = (self.q, self.scale) if self.minv is None else (self.q, self.scale, self.minv)
+        return sum(t.numel() * t.element_size() for t in parts)
 
     def take_rows(self, rows: torch.Tensor | slice) -> PackedWeight:
-        return PackedWeight(self.bits, self.offset, self.q[rows], self.scale[rows], self.minv[rows])
+        minv = None if self.minv is None else self.minv[rows]
+        return PackedWeight(self.bits, self.offset, self.q[rows], self.scale[rows], minv)
 
     @staticmethod
     def cat(parts: list[PackedWeight]) -> PackedWeight:
         """The parts' rows one after another (fused projections); all of one bits and offset."""
         first = parts[0]
-        if any((p.bits, p.offset, p.shape[1]) != (first.bits, first.offset, first.shape[1]) for p in parts):
+        if any(p.format != first.format for p in parts):
             raise ValueError("packed weights joined into one must share their format and input size")
+        minvs = [p.minv for p in parts]
         return PackedWeight(
             first.bits,
             first.offset,
             torch.cat([p.q for p in parts]),
             torch.cat([p.scale for p in parts]),
-            torch.cat([p.minv for p in parts]),
+            None if first.minv is None else torch.cat(cast(list[torch.Tensor], minvs)),
         )
+
+    @property
+    def format(self) -> tuple[int, int, int, torch.dtype, bool]:
+        """What weights joined into one must share: bits, offset, input size, scale dtype, minimums or not."""
+        return self.bits, self.offset, self.shape[1], self.scale.dtype, self.minv is None
 
     def dequantize_rows(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [len(rows) or N, K], exactly gguf's de-quantized values."""
@@ -149,7 +157,8 @@ def fuse_projections(model: nn.Module) -> None:
             linears = [getattr(module, name, None) for name in parts]
             if hasattr(module, fused) and all(isinstance(p, PackedLinear) for p in linears):
                 packed = [cast(PackedLinear, p) for p in linears]
-                if len({p.bias is None for p in packed}) == 1:  # all with a bias or none
+                # All with a bias or none, all of one format (a GGUF may quantize its parts differently).
+                if len({(p.bias is None, p.packed.format) for p in packed}) == 1:
                     setattr(module, fused, _fuse(packed))
 
 

@@ -26,8 +26,8 @@ def library() -> ctypes.CDLL:
     """The built kernel; KernelUnavailable saying why when it cannot be built."""
     lib = build(_SOURCE, _FLAGS)
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.packed_matmul.argtypes = [c_int, c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, c_int]
-    lib.packed_dequantize.argtypes = [c_int, c_int, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int]
+    lib.packed_matmul.argtypes = [c_int, c_int, c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, c_int]
+    lib.packed_dequantize.argtypes = [c_int, c_int, c_int, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int]
     return lib
 
 
@@ -41,17 +41,19 @@ def available() -> bool:
 
 
 def matmul(
-    bits: int, offset: int, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, x: torch.Tensor
+    bits: int, offset: int, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, x: torch.Tensor
 ) -> torch.Tensor:
-    """x[M <= MAX_ROWS, K] float32 contiguous @ the packed w[N, K]^T -> [M, N] float32."""
+    """x[M <= MAX_ROWS, K] float32 contiguous @ the packed w[N, K]^T -> [M, N] float32. scale and minv
+    float32 or both float16; minv None: all zero."""
     n, k = scale.shape[0], x.shape[1]
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     library().packed_matmul(
         bits,
         offset,
+        scale.dtype == torch.float16,
         q.data_ptr(),
         scale.data_ptr(),
-        minv.data_ptr(),
+        None if minv is None else minv.data_ptr(),
         n,
         k,
         x.data_ptr(),
@@ -67,7 +69,7 @@ def dequantize(
     offset: int,
     q: torch.Tensor,
     scale: torch.Tensor,
-    minv: torch.Tensor,
+    minv: torch.Tensor | None,
     k: int,
     rows: torch.Tensor | None,
     out: torch.Tensor,
@@ -77,9 +79,10 @@ def dequantize(
     library().packed_dequantize(
         bits,
         offset,
+        scale.dtype == torch.float16,
         q.data_ptr(),
         scale.data_ptr(),
-        minv.data_ptr(),
+        None if minv is None else minv.data_ptr(),
         k,
         None if rows is None else rows.data_ptr(),
         count,
