@@ -2,9 +2,10 @@
 eager path: the batch packed, the state slots, the forward over the prefill attention kernel): Qwen3.5-0.8B's
 shape with random bf16 weights, N fresh sequences of L tokens a step. Reports the host's time to issue the step
 (no wait at its end), the wall time to its end, the GPU's kernel time and launches, and the argmax of each
-sequence's last logits (to compare two commits' outputs); `--profile` prints where the host's time goes.
+sequence's last logits (to compare two commits' outputs); `--profile` prints where the host's time goes,
+`--graph` adds the step replayed from a prefill graph of its size.
 
-    python bench/hybrid_prefill.py --commit X --out docs/bench/hybrid_prefill.json
+    python bench/hybrid_prefill.py --graph --commit X --out docs/bench/hybrid_prefill.json
 """
 
 from __future__ import annotations
@@ -42,7 +43,36 @@ def prefill_step(model: Qwen35Model, kv, pool, chunks: list, slots: np.ndarray) 
         return model.forward(batch.inputs._replace(states=states), attention, select=batch.last_index)
 
 
-def measure(model: Qwen35Model, sequences: int, tokens: int, rounds: int, profile: bool) -> dict:
+def replayed(model: Qwen35Model, kv, pool, chunks: list, slots: np.ndarray, rounds: int) -> dict:
+    """The same step replayed from a prefill graph of its size (PrefillGraphs.launch: the batch and its state
+    index laid out, one replay): host and wall ms, and the argmax it samples."""
+    from executor_svc.prefill.graphs import PrefillGraphs
+    from executor_svc.slot_store import GREEDY, SlotStore
+    from protos.layout import RowLayout
+
+    cfg, n = model.config, len(chunks)
+    store = SlotStore(RowLayout.build([n], cfg.max_seq_len, PAGE, kv.num_pages), model.device, cfg.vocab_size)
+    bucket = sum(len(ids) for ids, _, _ in chunks)
+    graphs = PrefillGraphs(model, kv, store, [bucket], max_seq_len=cfg.max_seq_len, state_pool=pool)
+    if graphs.states.get(bucket) != "captured":
+        return {"graph": graphs.states.get(bucket, "off")}
+    host, wall = [], []
+    for _ in range(rounds + 3):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        sampled = graphs.launch(chunks, list(slots), GREEDY, list(slots))
+        host.append((time.perf_counter() - began) * 1000)
+        torch.cuda.synchronize()
+        wall.append((time.perf_counter() - began) * 1000)
+    assert sampled is not None
+    return {
+        "graph_host_ms": round(float(np.median(host[3:])), 3),
+        "graph_wall_ms": round(float(np.median(wall[3:])), 3),
+        "graph_argmax": sampled[0].tolist(),
+    }
+
+
+def measure(model: Qwen35Model, sequences: int, tokens: int, rounds: int, profile: bool, graph: bool) -> dict:
     cfg = model.config
     span = -(-tokens // PAGE)
     kv = model.make_kv_pool(sequences * span + 1, PAGE)
@@ -89,6 +119,9 @@ def measure(model: Qwen35Model, sequences: int, tokens: int, rounds: int, profil
         profiler.disable()
         torch.cuda.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    if graph:
+        row.update(replayed(model, kv, pool, chunks, slots, rounds))
+        print(row, flush=True)
     del kv, pool
     torch.cuda.empty_cache()
     return row
@@ -103,6 +136,7 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of one step per shape")
+    parser.add_argument("--graph", action="store_true", help="also the step replayed from a prefill graph")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     parser.add_argument("--out", default="docs/bench/hybrid_prefill.json")
     args = parser.parse_args()
@@ -111,7 +145,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         sequences, tokens = (int(x) for x in shape.split("x"))
-        rows.append(measure(model, sequences, tokens, args.rounds, args.profile))
+        rows.append(measure(model, sequences, tokens, args.rounds, args.profile, args.graph))
     write_json(
         args.out,
         [{"commit": args.commit or commit_hash(), "device": torch.cuda.get_device_name(), "steps": rows}],

@@ -154,12 +154,10 @@ class StepRunner:
         if graphs is None:
             attention = decode_attention("torch", model, kv_pool, store, buckets, max_seq_len)
             graphs = DecodeGraphs(model, store, attention, buckets, capture=False, state_pool=state_pool)
-        if prefill_graphs is None:
-            prefill_graphs = PrefillGraphs(
-                model, kv_pool, store, (), max_seq_len=max_seq_len, state_pool=state_pool
-            )
+        self.prefill_graphs = prefill_graphs or PrefillGraphs(
+            model, kv_pool, store, max_seq_len=max_seq_len, state_pool=state_pool
+        )
         self.graphs = graphs
-        self.prefill_graphs = prefill_graphs
         self.times = RunnerTimes()
         self._last_replay: tuple[int, torch.cuda.Event] | None = None  # seq and end event of the last timed
         # Steps launch on the device's default stream. Named in each event record: finding the current
@@ -370,11 +368,15 @@ def runner_for_model(model: ExecutorModel, config: ExecutorConfig, fingerprint: 
         graphs = DecodeGraphs(
             model, store, attention, config.buckets, state_pool=state_pool, capture=not model.stage.split
         )
-        if state_pool is not None:
-            log.info("prefill graphs off: a model with recurrent layers prefills eager")
-        elif config.prefill_buckets and graphs.capture:
+        if config.prefill_buckets and graphs.capture:
             prefill_graphs = PrefillGraphs(
-                model, kv_pool, store, config.prefill_buckets, max_seq_len=max_seq_len, pool=graphs.pool
+                model,
+                kv_pool,
+                store,
+                config.prefill_buckets,
+                max_seq_len=max_seq_len,
+                pool=graphs.pool,
+                state_pool=state_pool,
             )
     return StepRunner(
         model,

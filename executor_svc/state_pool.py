@@ -4,11 +4,14 @@ slot each of its sequences reads and writes."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import structlog
 import torch
+
+if TYPE_CHECKING:
+    from executor_svc.kernels.gated_delta_fla import Packed
 
 log = structlog.get_logger("deltaserve.executor.state_pool")
 
@@ -88,6 +91,7 @@ class StateInputs(NamedTuple):
     seq_starts: np.ndarray | None = None  # int64[N + 1], host
     host_slots: np.ndarray | None = None  # int64[N]: slots, on the host (prefill)
     fresh: np.ndarray | None = None  # bool[N], host
+    packed: Packed | None = None  # prefill on CUDA: the sequences' index on the device (None: made per step)
 
 
 @runtime_checkable

@@ -130,24 +130,27 @@ def test_step_at_slots_equals_the_reference(dtype, block):
 @pytest.mark.skipif(
     not (interpreting() or torch.cuda.is_available()), reason="Triton: its interpreter or a CUDA device"
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_conv_equals_the_conv_by_sequence(dtype):
+@pytest.mark.parametrize(
+    ("dtype", "padded"), [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)]
+)
+def test_packed_conv_equals_the_conv_by_sequence(dtype, padded):
     """gated_delta_conv's kernels (the CUDA prefill's conv) equal conv1d_sequence run sequence by sequence, q
     and k l2-normed: continued and fresh windows (a fresh one's slot holding garbage), a sequence of one token,
     windows that reach back past a short sequence, one of two chunks; each window moved on in place at its slot,
-    the other slots untouched. x's rows strided, as the model's joined projection gives them."""
+    the other slots untouched. x's rows strided, as the model's joined projection gives them. Padded to a graph's
+    shape: the padding tokens (a sequence at the sink slot) leave the sink's window zero."""
     from executor_svc.kernels.gated_delta_conv import conv_qkv, conv_windows
-    from executor_svc.kernels.gated_delta_fla import packed_index
-    from executor_svc.state_pool import StateInputs
+    from executor_svc.kernels.gated_delta_fla import Packed
 
     hk, dk, hv, dv = 2, 8, 3, 4  # DV narrower than DK: the v heads' programs mask
     channels = 2 * hk * dk + hv * dv
     g = torch.Generator().manual_seed(6)
     starts = np.array([0, 2, 3, 5, 75])
     host_slots, fresh = np.array([4, 1, 5, 2]), np.array([False, True, False, False])
-    wide = torch.randn(75, channels + 5, generator=g).to(dtype)
+    wide = torch.randn(90 if padded else 75, channels + 5, generator=g).to(dtype)  # tokens past 75: padding
     x, weight = wide[:, :channels], torch.randn(channels, K, generator=g).to(dtype)
     windows = torch.randn(6, channels, K - 1, generator=g).to(dtype)
+    windows[0] = 0  # the sink's
     expected_windows, expected = windows.clone(), []
     for i, slot in enumerate(host_slots):
         part = x[starts[i] : starts[i + 1]]
@@ -156,12 +159,13 @@ def test_packed_conv_equals_the_conv_by_sequence(dtype):
     q, k, v = torch.cat(expected).split([hk * dk, hk * dk, hv * dv], dim=-1)
     device = "cpu" if interpreting() else "cuda"
     x, weight, windows = wide.to(device)[:, :channels], weight.to(device), windows.to(device)
-    states = StateInputs(None, torch.from_numpy(host_slots).to(device), starts, host_slots, fresh)  # type: ignore[arg-type]
-    packed = packed_index(states, torch.device(device))
+    shape = (len(wide), 6) if padded else None  # room for six sequences: two of none after the padding's
+    packed = Packed.build(starts, fresh, host_slots, torch.device(device), shape)
+    assert packed.padded == padded
     outs = conv_qkv(x, weight, windows, packed, (hk, dk, hv, dv))
     conv_windows(x, windows, packed)
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     qk_expected = (ref.l2norm(t.float().view(-1, hk, dk)).to(dtype) for t in (q, k))
     for got, want in zip(outs, (*qk_expected, v.view(-1, hv, dv)), strict=True):
-        torch.testing.assert_close(got.cpu().float(), want.float(), **tolerance)
+        torch.testing.assert_close(got[:75].cpu().float(), want.float(), **tolerance)
     torch.testing.assert_close(windows.cpu(), expected_windows)

@@ -286,3 +286,59 @@ def test_fla_prefill_equals_the_reference_by_sequence():
     torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(pools[0][0].float(), pools[1][0].float())
     torch.testing.assert_close(pools[0][1], pools[1][1], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and importlib.util.find_spec("fla")), reason="fla-core on a CUDA device"
+)
+def test_prefill_graph_replays_the_eager_prefill():
+    """A bf16 hybrid's prefill replayed from its CUDA graph (fla's kernels; the batch padded to the bucket, the
+    padding tokens one more sequence at the sink slot) gives the eager step's tokens and pools: a fresh sequence
+    of two chunks and one continuing its state; the sink slot stays zero."""
+    import dataclasses
+
+    from executor_svc.prefill.graphs import PrefillGraphs
+    from executor_svc.slot_store import GREEDY, SlotStore
+    from protos.layout import RowLayout
+
+    dims = {
+        "linear_key_dim": 64,
+        "linear_value_dim": 64,
+        "head_dim": 64,
+        "hidden_size": 64,
+        "max_seq_len": 256,
+    }
+    model = Qwen35Model(dataclasses.replace(_model().config, **dims), "cuda", torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+    assert model.prefill_capturable
+    ids = torch.randint(0, model.config.vocab_size, (77,), generator=g).numpy()
+    chunks = [(ids[:70], 0, np.arange(1, 19)), (ids[70:], 5, np.array([19, 20, 21]))]
+    layout = RowLayout.build([1, 2], model.config.max_seq_len, PAGE, 32)
+    runs = []
+    for buckets in ((128,), ()):
+        kv, pool = model.make_kv_pool(32, PAGE), model.make_state_pool(5)
+        generator = torch.Generator().manual_seed(5)
+        for pages in (kv.k, kv.v, pool.conv, pool.recurrent):
+            pages.copy_(torch.randn(pages.shape, generator=generator) * 0.3)
+        pool.conv[:, 0], pool.recurrent[:, 0] = 0, 0
+        store = SlotStore(layout, torch.device("cuda"), model.config.vocab_size)
+        graphs = PrefillGraphs(
+            model, kv, store, buckets, max_seq_len=model.config.max_seq_len, state_pool=pool
+        )
+        with torch.inference_mode():
+            if buckets:
+                assert graphs.states == {128: "captured"}
+                sampled = graphs.launch(chunks, [1, 2], GREEDY, [3, 1])
+            else:
+                sampled = graphs._eager(chunks, [1, 2], GREEDY, [3, 1])
+        assert sampled is not None
+        runs.append((sampled[0].cpu(), kv, pool))
+    (tokens, kv, pool), (expected, kv_eager, pool_eager) = runs
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(kv.k[:, 1:], kv_eager.k[:, 1:], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(pool.conv, pool_eager.conv, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(pool.recurrent, pool_eager.recurrent, atol=2e-2, rtol=2e-2)
+    assert not pool.conv[:, 0].any() and not pool.recurrent[:, 0].any()

@@ -103,8 +103,10 @@ def _windows_kernel(
     window = windows_ptr + slot * CHANNELS * (WIDTH - 1) + channel[:, None] * (WIDTH - 1)
     x = tl.load(x_ptr + at[None, :] * x_row_stride + channel[:, None], mask=live & own, other=0.0)
     held = tl.load(window + (WIDTH - 1 + at - start)[None, :], mask=live & ~own & kept, other=0.0)
-    # in place: this program alone reads and writes its slot's channels, and it has read them all
-    tl.store(window + steps[None, :], tl.where(own, x.to(held.dtype), held), mask=live)
+    # in place: this program alone reads and writes its slot's channels, and it has read them all; a padding
+    # sequence (a graph's, at the sink slot) writes nothing, so the sink stays zero
+    real = (steps * 0 + slot != 0)[None, :]
+    tl.store(window + steps[None, :], tl.where(own, x.to(held.dtype), held), mask=live & real)
 
 
 def conv_qkv(
@@ -155,7 +157,8 @@ def conv_qkv(
 
 def conv_windows(x: torch.Tensor, windows: torch.Tensor, packed: Packed) -> None:
     """Move each sequence's window windows[slots[i]] on past its tokens of x [T, C], in place: its last K - 1
-    inputs (reaching into the old window, or zeros where not kept, for a sequence shorter than that)."""
+    inputs (reaching into the old window, or zeros where not kept, for a sequence shorter than that). The sink
+    slot (0, padding sequences') is not written."""
     channels = x.shape[1]
     width = windows.shape[2] + 1
     block = min(256, triton.next_power_of_2(channels))

@@ -34,46 +34,77 @@ def fla_available() -> bool:
 
 class Packed(NamedTuple):
     """Where a packed batch's sequences lie, on the device (int64): what the conv kernels and fla's read, made
-    once a step (not once a layer)."""
+    once a step (not once a layer), exact or padded to a captured prefill graph's shape."""
 
     cu_seqlens: torch.Tensor  # [N + 1]: sequence i is tokens [cu_seqlens[i], cu_seqlens[i + 1])
     chunk_indices: torch.Tensor  # [chunks, 2]: (sequence, chunk within it) of each CHUNK tokens
     slots: torch.Tensor  # [N]: each sequence's state slot
     kept: torch.Tensor  # [N]: 1 where the sequence continues its slot's state, 0 where it starts fresh
     chunk_offsets: torch.Tensor  # [N + 1]: each sequence's first chunk
+    padded: bool  # padding sequences at the sink slot (a graph's shape), whose final states are not kept
 
+    @staticmethod
+    def words(tokens: int, sequences: int) -> int:
+        """The int64 words of a batch padded to `tokens` and `sequences`: its layout in a graph's buffer."""
+        held = sequences + 2  # the real ones, the padding tokens' one, an empty one for the padding chunks
+        return 4 * held + 2 + 2 * (-(-tokens // CHUNK) + held)
 
-def _packed(states: StateInputs, device: torch.device) -> Packed:
-    """Where the step's sequences lie, on the device: chunk indices and offsets computed on the host (what fla
-    would compute once a call, with a read back) and copied with the rest in one copy from pinned memory."""
-    assert states.seq_starts is not None and states.fresh is not None
-    starts = np.asarray(states.seq_starts, dtype=np.int64)
-    n = len(starts) - 1
-    counts = -(-np.diff(starts) // CHUNK)  # chunks of each sequence
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    owner = np.repeat(np.arange(n), counts)
-    chunks = np.stack([owner, np.arange(offsets[-1]) - offsets[owner]], axis=1)  # chunks: [NT, 2]
-    host = torch.from_numpy(
-        np.concatenate([starts, offsets, ~states.fresh, chunks.reshape(-1)]).astype(np.int64)
-    )
-    if device.type == "cuda":
-        host = (
-            host.pin_memory()
-        )  # queued without a wait (the caching host allocator keeps the block till then)
-    words = host.to(device, non_blocking=True)
-    cu, chunk_offsets, kept, chunk_indices = words.split([n + 1, n + 1, n, 2 * len(owner)])
-    return Packed(cu, chunk_indices.view(-1, 2), states.slots, kept, chunk_offsets)
+    @staticmethod
+    def build(
+        seq_starts: np.ndarray,
+        fresh: np.ndarray,
+        host_slots: np.ndarray,
+        device: torch.device,
+        shape: tuple[int, int] | None = None,
+        into: torch.Tensor | None = None,
+    ) -> Packed:
+        """The index of sequences [seq_starts[i], seq_starts[i + 1]) at host_slots[i] (fresh[i]: from zeros),
+        chunk indices and offsets made on the host (fla makes them once a call, with a read back) and copied in
+        one copy from pinned memory, without a wait. `shape` (tokens, sequences) pads to a captured graph's
+        sizes: the tokens past the real ones make one more fresh sequence at the sink slot, then sequences of
+        none, and the padding chunks point at the last (their programs do nothing); `into` is the int64 device
+        buffer to lay it out in (default a new one)."""
+        starts = np.asarray(seq_starts, dtype=np.int64)
+        slots = np.asarray(host_slots, dtype=np.int64)
+        kept = (~np.asarray(fresh, dtype=bool)).astype(np.int64)
+        if shape is not None:
+            tokens, sequences = shape
+            pad = sequences + 2 - len(slots)
+            starts = np.concatenate([starts, np.full(pad, tokens, dtype=np.int64)])
+            slots, kept = (np.concatenate([x, np.zeros(pad, dtype=np.int64)]) for x in (slots, kept))
+        n = len(slots)
+        counts = -(-np.diff(starts) // CHUNK)  # chunks of each sequence
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        owner = np.repeat(np.arange(n), counts)
+        chunks = np.stack([owner, np.arange(offsets[-1]) - offsets[owner]], axis=1)  # chunks: [NT, 2]
+        if shape is not None:
+            spare = -(-shape[0] // CHUNK) + n - len(chunks)
+            chunks = np.concatenate([chunks, np.tile(np.array([[n - 1, 0]]), (spare, 1))])
+        host = torch.from_numpy(np.concatenate([starts, offsets, kept, slots, chunks.reshape(-1)]))
+        if device.type == "cuda":
+            host = host.pin_memory()  # the caching host allocator keeps the block till the copy has run
+        if into is None:
+            into = torch.empty(len(host), dtype=torch.int64, device=device)
+        into[: len(host)].copy_(host, non_blocking=True)
+        cu, chunk_offsets, kept_at, slots_at, chunk_indices = into[: len(host)].split(
+            [n + 1, n + 1, n, n, 2 * len(chunks)]
+        )
+        return Packed(cu, chunk_indices.view(-1, 2), slots_at, kept_at, chunk_offsets, shape is not None)
 
 
 _last_packed: list[tuple[np.ndarray, Packed]] = []  # the step's, reused by its next layers
 
 
 def packed_index(states: StateInputs, device: torch.device) -> Packed:
-    """The step's Packed, made at its first gated delta net layer and shared by the others."""
-    assert states.seq_starts is not None
+    """The step's Packed: the one the caller made (a graph's), else made at the step's first gated delta net
+    layer and shared by the others."""
+    if states.packed is not None:
+        return states.packed
+    assert states.seq_starts is not None and states.fresh is not None and states.host_slots is not None
     if not _last_packed or _last_packed[0][0] is not states.seq_starts:
-        _last_packed[:] = [(states.seq_starts, _packed(states, device))]
+        index = Packed.build(states.seq_starts, states.fresh, states.host_slots, device)
+        _last_packed[:] = [(states.seq_starts, index)]
     return _last_packed[0][1]
 
 
@@ -142,6 +173,8 @@ def _prefill_fla(mixed, weight, g, beta, conv, recurrent, states: StateInputs, s
     initial = recurrent.index_select(0, packed.slots).mul_(packed.kept[:, None, None, None])
     out, final = chunked_rule(q, k, v, g, beta, initial, packed)
     conv_windows(mixed, conv, packed)
+    if packed.padded:  # the padding sequences' states go to the sink slot, which stays zero
+        final = final * (packed.slots != 0)[:, None, None, None]
     recurrent.index_copy_(0, packed.slots, final)
     return out
 
@@ -164,6 +197,12 @@ class _FallBack:
                     "runs the torch reference from now on"
                 )
         return gated_delta_ref.prefill_at_slots(*args)
+
+
+def capturable(prefill: Prefill) -> bool:
+    """Whether a CUDA graph can hold `prefill`: fla's kernels, not (or not yet) fallen back (the reference
+    loops over the sequences on the host)."""
+    return isinstance(prefill, _FallBack) and not prefill.failed
 
 
 def prefill_for(device: torch.device, dtype: torch.dtype) -> Prefill:

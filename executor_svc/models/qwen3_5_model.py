@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.kernels import gated_delta_ref as ref
-from executor_svc.kernels.gated_delta_fla import prefill_for
+from executor_svc.kernels.gated_delta_fla import capturable, prefill_for
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.qwen3_5_config import FULL, LINEAR, Qwen35Config
 from executor_svc.stage import Stage
@@ -207,6 +207,11 @@ class Qwen35Model(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)  # angles: [max_seq_len, rotary_dim]
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+
+    @property
+    def prefill_capturable(self) -> bool:
+        """Whether a prefill step can be captured in a CUDA graph: its gated delta nets in fla's kernels."""
+        return capturable(self._prefill)
 
     @property
     def recurrent_layers(self) -> int:

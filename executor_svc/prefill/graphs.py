@@ -12,6 +12,7 @@ import torch
 
 from executor_svc.attention.prefill import PrefillAttention
 from executor_svc.decode_graphs import Sampled, capture_order, capture_step
+from executor_svc.kernels.gated_delta_fla import Packed
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.family import ExecutorModel
 from executor_svc.plan import CheckedPlan
@@ -92,7 +93,7 @@ class PrefillGraphs:
         model: ExecutorModel,
         kv_pool: KVPool,
         store: SlotStore,
-        token_buckets: Iterable[int],
+        token_buckets: Iterable[int] = (),
         *,
         max_seq_len: int,
         pool: GraphPool | None = None,
@@ -103,10 +104,9 @@ class PrefillGraphs:
         token_buckets = tuple(token_buckets)
         if token_buckets and not self.fused:
             raise ValueError("prefill graphs need a CUDA device")
-        if token_buckets and state_pool is not None:
-            raise ValueError(
-                "prefill graphs of a model with recurrent layers are not built: its prefill runs eager"
-            )
+        if token_buckets and state_pool is not None and not getattr(model, "prefill_capturable", False):
+            log.info("prefill graphs off: the recurrent layers prefill in the torch reference, eagerly")
+            token_buckets = ()
         self.model = model
         self.kv_pool = kv_pool
         self.store = store
@@ -115,6 +115,12 @@ class PrefillGraphs:
         self.shapes = bucket_shapes(token_buckets, store.layout.widest_bucket, max_seq_len, kv_pool.page_size)
         self._input = torch.zeros(
             max((s.words for s in self.shapes), default=0), dtype=torch.int64, device=device
+        )
+        # A recurrent model's sequences (where each starts, its chunks and state slot), where its graphs read them
+        self._state_index = torch.zeros(
+            max((Packed.words(s.tokens, s.chunks) for s in self.shapes if state_pool), default=0),
+            dtype=torch.int64,
+            device=device,
         )
         # The sampled tokens, outside the graphs' memory pool: the step's decode replay, between this replay and
         # the read-back, may reuse the pool's memory (the pool is the decode graphs', and a graph's outputs in
@@ -134,7 +140,7 @@ class PrefillGraphs:
         chunks, slots = plan.prefill, plan.sample_slots
         sampling = [slot for slot in slots if slot]
         variant = self.store.variant_of(np.array(sampling, dtype=np.int64))
-        sampled = self.launch(chunks, slots, variant)
+        sampled = self.launch(chunks, slots, variant, plan.state_slots)
         if sampled is None:
             with torch.inference_mode():  # not for a replay: it costs more to enter than one
                 sampled = self._eager(chunks, slots, variant, plan.state_slots)
@@ -166,10 +172,15 @@ class PrefillGraphs:
         return prefill_step(self.model, attention, self.store, variant, states)
 
     def launch(
-        self, chunks: Sequence[tuple[np.ndarray, int, np.ndarray]], sample_slots: Sequence[int], variant: str
+        self,
+        chunks: Sequence[tuple[np.ndarray, int, np.ndarray]],
+        sample_slots: Sequence[int],
+        variant: str,
+        state_slots: Sequence[int] = (),
     ) -> Sampled | None:
-        """Replay the step of the smallest bucket that holds the chunks; their sampled tokens i64[S] on the
-        device, or None when no captured bucket holds them (or none captures the variant)."""
+        """Replay the step of the smallest bucket that holds the chunks (`state_slots`: their recurrent-state
+        slots); their sampled tokens i64[S] on the device, or None when no captured bucket holds them (or none
+        captures the variant)."""
         if not self._graphs:
             return None
         own = PrefillBatch.exact_shape(chunks, sum(1 for slot in sample_slots if slot))
@@ -177,7 +188,7 @@ class PrefillGraphs:
         if shape is None:
             return None
         page_size = self.kv_pool.page_size
-        PrefillBatch.build(
+        batch = PrefillBatch.build(
             chunks,
             page_size,
             self.max_seq_len,
@@ -186,6 +197,8 @@ class PrefillGraphs:
             shape=shape,
             into=self._input,
         )
+        if self.state_pool is not None:
+            self._graph_states(batch, shape, state_slots)
         self._graphs[(shape.tokens, variant)].replay()
         return self._sampled[: own.samples], None
 
@@ -196,9 +209,10 @@ class PrefillGraphs:
             [], self.kv_pool.page_size, self.max_seq_len, self.store.device, shape=shape, into=self._input
         )
         attention = PrefillAttention(self.kv_pool, self.model.scale, batch, fused=True)
+        states = None if self.state_pool is None else self._graph_states(batch, shape, ())
 
         def step(variant: str) -> Sampled:
-            tokens, _ = prefill_step(self.model, attention, self.store, variant)
+            tokens, _ = prefill_step(self.model, attention, self.store, variant, states)
             return self._sampled[: shape.samples].copy_(tokens), None
 
         captured = {}
@@ -207,6 +221,10 @@ class PrefillGraphs:
                 graph, _ = capture_step(lambda: step(variant), self.store.device, self._pool)  # noqa: B023 (called at once)
                 captured[(shape.tokens, variant)] = graph
             torch.cuda.synchronize()
+            if self.state_pool is not None and not getattr(self.model, "prefill_capturable", False):
+                raise RuntimeError(
+                    "the recurrent layers fell back to the torch reference, which no graph holds"
+                )
         except Exception as err:  # any failure leaves the bucket eager, said why
             self.states[shape.tokens] = f"eager (capture failed: {type(err).__name__}: {err})"
             log.warning(f"prefill bucket {shape.tokens}: {self.states[shape.tokens]}")
@@ -216,3 +234,20 @@ class PrefillGraphs:
         log.info(
             f"prefill bucket {shape.tokens} tokens: captured", chunks=shape.chunks, samples=shape.samples
         )
+
+    def _graph_states(
+        self, batch: PrefillBatch, shape: PrefillShape, state_slots: Sequence[int]
+    ) -> StateInputs:
+        """The batch's recurrent-state inputs, their sequence index laid out for the bucket where its graphs read
+        it (the padding tokens one sequence at the sink slot)."""
+        host_slots, fresh = np.asarray(state_slots, dtype=np.int64), batch.starts == 0
+        assert self.state_pool is not None
+        index = Packed.build(
+            batch.seq_starts_host,
+            fresh,
+            host_slots,
+            self.store.device,
+            shape=(shape.tokens, shape.chunks),
+            into=self._state_index,
+        )
+        return StateInputs(self.state_pool, index.slots, batch.seq_starts_host, host_slots, fresh, index)
