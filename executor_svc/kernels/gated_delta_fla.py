@@ -173,9 +173,9 @@ def _prefill_fla(mixed, weight, g, beta, conv, recurrent, states: StateInputs, s
     initial = recurrent.index_select(0, packed.slots).mul_(packed.kept[:, None, None, None])
     out, final = chunked_rule(q, k, v, g, beta, initial, packed)
     conv_windows(mixed, conv, packed)
-    if packed.padded:  # the padding sequences' states go to the sink slot, which stays zero
-        final = final * (packed.slots != 0)[:, None, None, None]
     recurrent.index_copy_(0, packed.slots, final)
+    if packed.padded:  # the padding sequences' states went to the sink slot, which stays zero
+        recurrent[0].zero_()
     return out
 
 

@@ -118,7 +118,7 @@ class PrefillGraphs:
         )
         # A recurrent model's sequences (where each starts, its chunks and state slot), where its graphs read them
         self._state_index = torch.zeros(
-            max((Packed.words(s.tokens, s.chunks) for s in self.shapes if state_pool), default=0),
+            max((Packed.words(s.tokens, self._sequences(s)) for s in self.shapes if state_pool), default=0),
             dtype=torch.int64,
             device=device,
         )
@@ -184,7 +184,10 @@ class PrefillGraphs:
         if not self._graphs:
             return None
         own = PrefillBatch.exact_shape(chunks, sum(1 for slot in sample_slots if slot))
-        shape = smallest_holding([s for s in self.shapes if (s.tokens, variant) in self._graphs], own)
+        shapes = [
+            s for s in self.shapes if (s.tokens, variant) in self._graphs and self._sequences(s) >= own.chunks
+        ]
+        shape = smallest_holding(shapes, own)
         if shape is None:
             return None
         page_size = self.kv_pool.page_size
@@ -247,7 +250,13 @@ class PrefillGraphs:
             fresh,
             host_slots,
             self.store.device,
-            shape=(shape.tokens, shape.chunks),
+            shape=(shape.tokens, self._sequences(shape)),
             into=self._state_index,
         )
         return StateInputs(self.state_pool, index.slots, batch.seq_starts_host, host_slots, fresh, index)
+
+    def _sequences(self, shape: PrefillShape) -> int:
+        """The chunks a graph of `shape` holds: all of a model without recurrent layers; else a few (a step of
+        more runs eager), since every sequence it holds, real or padding, costs each gated delta net layer a
+        gather, a write and a scatter of a whole state (1 MiB in Qwen3.5-0.8B's)."""
+        return shape.chunks if self.state_pool is None else min(shape.chunks, max(4, shape.tokens // 128))
