@@ -30,6 +30,7 @@ from executor_svc.prefill.batch import PrefillBatch
 from executor_svc.state_pool import StateInputs
 
 PAGE = 16
+GRAPH_MAX_SEQ_LEN = 1024  # bench/decode.py's MAX_SEQ_LEN
 
 
 def prefill_step(model: Qwen35Model, kv, pool, chunks: list, slots: np.ndarray) -> torch.Tensor | None:
@@ -51,9 +52,12 @@ def replayed(model: Qwen35Model, kv, pool, chunks: list, slots: np.ndarray, roun
     from protos.layout import RowLayout
 
     cfg, n = model.config, len(chunks)
-    store = SlotStore(RowLayout.build([n], cfg.max_seq_len, PAGE, kv.num_pages), model.device, cfg.vocab_size)
+    # an executor's context as bench/decode.py serves it: the graph's block tables are that wide (the model's
+    # own 262,144 tokens would lay out 16,384 pages a chunk each step)
+    max_seq_len = GRAPH_MAX_SEQ_LEN
+    store = SlotStore(RowLayout.build([n], max_seq_len, PAGE, kv.num_pages), model.device, cfg.vocab_size)
     bucket = sum(len(ids) for ids, _, _ in chunks)
-    graphs = PrefillGraphs(model, kv, store, [bucket], max_seq_len=cfg.max_seq_len, state_pool=pool)
+    graphs = PrefillGraphs(model, kv, store, [bucket], max_seq_len=max_seq_len, state_pool=pool)
     if graphs.states.get(bucket) != "captured":
         return {"graph": graphs.states.get(bucket, "off")}
     host, wall = [], []
