@@ -2,8 +2,13 @@
  * no torch op, no allocation, one parallel region for every layer (each phase an `omp for`, its barrier the
  * hand-over to the next). The same arithmetic as the torch layers (dense.py, layers.py), each op rounded as
  * torch rounds it (built with -ffp-contract=off): only the order of sums differs.
+ *
+ * Six barriers a layer: every thread norms the rows itself before a projection (a few hundred floats, cheaper
+ * than a barrier, which stalls the whole team while a thread is descheduled), the residuals are added as o and
+ * down store their sums, and SiLU(gate) * up is taken as gate_up's blocks finish.
  */
 #include <math.h>
+#include <omp.h>
 
 #include "../attention/paged_cpu.c"
 #include "packed_kernel.c"
@@ -57,52 +62,57 @@ static void qkv_heads(const dense_shape_t *s, const dense_layer_t *layer, float 
     }
 }
 
-/* x[batch, hidden] through `count` layers in place. scratch: dense_scratch_floats(shape, batch) floats. */
+/* act[B, I] = SiLU(gate) * up with gate, up = h @ gate_up^T (its rows: I of gate, then I of up), blocks of I
+ * shared out among the team. */
+static void gate_up_for(const packed_t *gate_up, const float *h, int64_t batch, float *act) {
+    const int64_t inter = gate_up->n / 2;
+#pragma omp for schedule(static)
+    for (int64_t i0 = 0; i0 < inter; i0 += BLOCK) {
+        const int64_t count = inter - i0 < BLOCK ? inter - i0 : BLOCK;
+        float gate[MAX_ROWS * BLOCK], up[MAX_ROWS * BLOCK]; /* [batch, BLOCK] */
+        packed_block(gate_up, i0, count, h, batch, gate, BLOCK, 0);
+        packed_block(gate_up, inter + i0, count, h, batch, up, BLOCK, 0);
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t j = 0; j < count; j++) {
+                const float g = gate[b * BLOCK + j];
+                act[b * inter + i0 + j] = g / (1.0f + expf(-g)) * up[b * BLOCK + j];
+            }
+    }
+}
+
+/* x[batch, hidden] through `count` layers in place. scratch: dense_scratch_floats(shape, batch, threads) floats. */
 void dense_decode_layers(const dense_shape_t *s, const dense_layer_t *layers, int64_t count, float *x, int64_t batch,
                          const int64_t *positions, const int64_t *write_page, const int64_t *write_offset,
                          const int32_t *tables, int64_t table_stride, const int32_t *lens, float *scratch,
                          int threads) {
-    const int64_t hidden = s->hidden, d = s->head_dim, inter = s->intermediate;
+    const int64_t hidden = s->hidden, d = s->head_dim;
     const int64_t qkv_size = (s->heads + 2 * s->kv_heads) * d;
-    float *h = scratch;                     /* h: [B, hidden], the normed input of a projection */
-    float *qkv = h + batch * hidden;        /* qkv: [B, (H + 2 KVH) D] */
-    float *attn = qkv + batch * qkv_size;   /* attn: [B, H D] */
-    float *gate_up = attn + batch * s->heads * d; /* gate_up: [B, 2 I] */
-    float *act = gate_up + batch * 2 * inter;     /* act: [B, I] */
-    float *proj = act + batch * inter;            /* proj: [B, hidden], o's and down's output */
+    float *qkv = scratch;                          /* qkv: [B, (H + 2 KVH) D] */
+    float *attn = qkv + batch * qkv_size;          /* attn: [B, H D] */
+    float *act = attn + batch * s->heads * d;      /* act: [B, I] */
+    float *normed = act + batch * s->intermediate; /* normed: [threads, B, hidden], each thread's own */
 #pragma omp parallel num_threads(threads)
-    for (int64_t l = 0; l < count; l++) {
-        const dense_layer_t *layer = layers + l;
+    {
+        float *h = normed + omp_get_thread_num() * batch * hidden;
+        for (int64_t l = 0; l < count; l++) {
+            const dense_layer_t *layer = layers + l;
+            for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, layer->input_norm, hidden, s->eps, h + b * hidden);
+            packed_rows_for(&layer->qkv, h, batch, qkv, 0);
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, layer->input_norm, hidden, s->eps, h + b * hidden);
-        packed_rows_for(&layer->qkv, h, batch, qkv);
+            for (int64_t task = 0; task < batch * (s->heads + s->kv_heads); task++)
+                qkv_heads(s, layer, qkv, qkv_size, task, positions, write_page, write_offset);
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < batch * (s->heads + s->kv_heads); task++)
-            qkv_heads(s, layer, qkv, qkv_size, task, positions, write_page, write_offset);
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < batch * s->heads; task++)
-            paged_decode_task(task, qkv, qkv_size, layer->k_pages, layer->v_pages, tables, table_stride, lens,
-                              s->heads, s->kv_heads, d, s->page_size, s->scale, attn);
-        packed_rows_for(&layer->o, attn, batch, proj);
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < batch; b++) {
-            for (int64_t i = 0; i < hidden; i++) x[b * hidden + i] += proj[b * hidden + i];
-            rms_norm(x + b * hidden, layer->post_norm, hidden, s->eps, h + b * hidden);
+            for (int64_t task = 0; task < batch * s->heads; task++)
+                paged_decode_task(task, qkv, qkv_size, layer->k_pages, layer->v_pages, tables, table_stride, lens,
+                                  s->heads, s->kv_heads, d, s->page_size, s->scale, attn);
+            packed_rows_for(&layer->o, attn, batch, x, 1);
+            for (int64_t b = 0; b < batch; b++) rms_norm(x + b * hidden, layer->post_norm, hidden, s->eps, h + b * hidden);
+            gate_up_for(&layer->gate_up, h, batch, act);
+            packed_rows_for(&layer->down, act, batch, x, 1);
         }
-        packed_rows_for(&layer->gate_up, h, batch, gate_up);
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < batch; b++)
-            for (int64_t i = 0; i < inter; i++) {
-                const float g = gate_up[b * 2 * inter + i];
-                act[b * inter + i] = g / (1.0f + expf(-g)) * gate_up[b * 2 * inter + inter + i];
-            }
-        packed_rows_for(&layer->down, act, batch, proj);
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < batch; b++)
-            for (int64_t i = 0; i < hidden; i++) x[b * hidden + i] += proj[b * hidden + i];
     }
 }
 
-int64_t dense_scratch_floats(const dense_shape_t *s, int64_t batch) {
-    return batch * (2 * s->hidden + (2 * s->heads + 2 * s->kv_heads) * s->head_dim + 3 * s->intermediate);
+int64_t dense_scratch_floats(const dense_shape_t *s, int64_t batch, int threads) {
+    return batch * ((2 * s->heads + 2 * s->kv_heads) * s->head_dim + s->intermediate + threads * s->hidden);
 }

@@ -101,7 +101,7 @@ def library() -> ctypes.CDLL | None:
         _ptr,
     ]
     lib.dense_decode_layers.argtypes += [ctypes.c_int]
-    lib.dense_scratch_floats.argtypes = [_ptr, _i64]
+    lib.dense_scratch_floats.argtypes = [_ptr, _i64, ctypes.c_int]
     lib.dense_scratch_floats.restype = _i64
     return lib
 
@@ -181,8 +181,8 @@ class CpuDecodeLayers:
         (inputs.write_page, inputs.write_offset) and attended over attn_lens[b] positions of tables[b]."""
         lib = library()
         assert lib is not None and x.shape[0] <= MAX_ROWS and x.is_contiguous()
-        batch = x.shape[0]
-        need = lib.dense_scratch_floats(ctypes.byref(self.shape), batch)
+        batch, threads = x.shape[0], torch.get_num_threads()
+        need = lib.dense_scratch_floats(ctypes.byref(self.shape), batch, threads)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         # Held in locals until the call returns: the C step reads them by address.
@@ -202,6 +202,6 @@ class CpuDecodeLayers:
             tables.stride(0),
             attn_lens.data_ptr(),
             self._scratch.data_ptr(),
-            torch.get_num_threads(),
+            threads,
         )
         return x

@@ -113,11 +113,12 @@ static inline const float *row_floats(const void *p, int half, int64_t n, int64_
     return buf;
 }
 
-/* Output rows [n0, n0 + NB) for M rows of x (strides k and out_stride). BITS, M and NB are constants at every
- * call, so the accumulators stay in registers. */
+/* Output rows [n0, n0 + NB) for M rows of x (stride k) into out[r * out_stride + j], j < NB (out points at column
+ * n0), added to what out holds where `add` (a residual). BITS, M and NB are constants at every call, so the
+ * accumulators stay in registers. */
 static inline __attribute__((always_inline)) void block_fixed(const int BITS, const int M, const int NB,
                                                               const packed_t *w, int64_t n0, const float *x,
-                                                              float *out, int64_t out_stride) {
+                                                              float *out, int64_t out_stride, int add) {
     const int64_t k = w->k, groups = k / GROUP, row_bytes = k * BITS / 8, group_bytes = GROUP * BITS / 8;
     const __m512i offset = _mm512_set1_epi32(w->offset);
     const __m512 levels = _mm512_sub_ps(
@@ -143,27 +144,28 @@ static inline __attribute__((always_inline)) void block_fixed(const int BITS, co
     for (int j = 0; j < NB; j++) {
         const float bias = w->bias ? w->bias[n0 + j] : 0.0f;
         for (int r = 0; r < M; r++) {
-            const float sum = _mm512_reduce_add_ps(acc[j][r]);
-            out[r * out_stride + n0 + j] = w->bias ? sum + bias : sum;
+            const float sum = _mm512_reduce_add_ps(acc[j][r]), value = w->bias ? sum + bias : sum;
+            out[r * out_stride + j] = add ? out[r * out_stride + j] + value : value;
         }
     }
 }
 
 #define ROWS_CASES(BITS, NB, START)                                                                              \
     switch (m) {                                                                                                 \
-    case 1: block_fixed(BITS, 1, NB, w, START, x, out, out_stride); break;                                      \
-    case 2: block_fixed(BITS, 2, NB, w, START, x, out, out_stride); break;                                      \
-    case 3: block_fixed(BITS, 3, NB, w, START, x, out, out_stride); break;                                      \
-    case 4: block_fixed(BITS, 4, NB, w, START, x, out, out_stride); break;                                      \
-    case 5: block_fixed(BITS, 5, NB, w, START, x, out, out_stride); break;                                      \
-    case 6: block_fixed(BITS, 6, NB, w, START, x, out, out_stride); break;                                      \
-    case 7: block_fixed(BITS, 7, NB, w, START, x, out, out_stride); break;                                      \
-    default: block_fixed(BITS, 8, NB, w, START, x, out, out_stride); break;                                     \
+    case 1: block_fixed(BITS, 1, NB, w, START, x, out + START - n0, out_stride, add); break;                                \
+    case 2: block_fixed(BITS, 2, NB, w, START, x, out + START - n0, out_stride, add); break;                                \
+    case 3: block_fixed(BITS, 3, NB, w, START, x, out + START - n0, out_stride, add); break;                                \
+    case 4: block_fixed(BITS, 4, NB, w, START, x, out + START - n0, out_stride, add); break;                                \
+    case 5: block_fixed(BITS, 5, NB, w, START, x, out + START - n0, out_stride, add); break;                                \
+    case 6: block_fixed(BITS, 6, NB, w, START, x, out + START - n0, out_stride, add); break;                                \
+    case 7: block_fixed(BITS, 7, NB, w, START, x, out + START - n0, out_stride, add); break;                                \
+    default: block_fixed(BITS, 8, NB, w, START, x, out + START - n0, out_stride, add); break;                                \
     }
 
-/* Output rows [n0, n0 + count) with count <= BLOCK, for m <= MAX_ROWS rows of x. */
+/* Output rows [n0, n0 + count) with count <= BLOCK, for m <= MAX_ROWS rows of x, into out[r * out_stride + j]
+ * (out points at column n0), added to what it holds where `add`. */
 static void packed_block(const packed_t *w, int64_t n0, int64_t count, const float *x, int64_t m, float *out,
-                         int64_t out_stride) {
+                         int64_t out_stride, int add) {
     if (count == BLOCK && m <= 4) {
         if (w->bits == 4) { ROWS_CASES(4, BLOCK, n0) } else { ROWS_CASES(8, BLOCK, n0) }
         return;
@@ -177,9 +179,9 @@ static void packed_block(const packed_t *w, int64_t n0, int64_t count, const flo
     }
 }
 #else
-/* Output rows [n0, n0 + count) for m <= MAX_ROWS rows of x. */
+/* Output rows [n0, n0 + count) for m <= MAX_ROWS rows of x, as the AVX-512 packed_block. */
 static void packed_block(const packed_t *w, int64_t n0, int64_t count, const float *x, int64_t m, float *out,
-                         int64_t out_stride) {
+                         int64_t out_stride, int add) {
     const int64_t k = w->k, groups = k / GROUP;
     for (int64_t n = n0; n < n0 + count; n++) {
         /* acc[r][j]: lane j of row r's dot product; lanes are independent, so the loops vectorize. */
@@ -196,17 +198,19 @@ static void packed_block(const packed_t *w, int64_t n0, int64_t count, const flo
         for (int64_t r = 0; r < m; r++) {
             float sum = 0;
             for (int j = 0; j < GROUP; j++) sum += acc[r][j];
-            out[r * out_stride + n] = w->bias ? sum + w->bias[n] : sum;
+            const float value = w->bias ? sum + w->bias[n] : sum;
+            out[r * out_stride + n - n0] = add ? out[r * out_stride + n - n0] + value : value;
         }
     }
 }
 #endif
 
-/* The blocks of N shared out among the threads of the enclosing parallel region (an orphaned `omp for`): call
- * it from every thread of a region, or alone outside one. */
-static void packed_rows_for(const packed_t *w, const float *x, int64_t m, float *out) {
+/* out[m, N] (= or += where `add`) x @ w^T, the blocks of N shared out among the threads of the enclosing parallel
+ * region (an orphaned `omp for`): call it from every thread of a region, or alone outside one. */
+static void packed_rows_for(const packed_t *w, const float *x, int64_t m, float *out, int add) {
 #pragma omp for schedule(static)
-    for (int64_t n0 = 0; n0 < w->n; n0 += BLOCK) packed_block(w, n0, w->n - n0 < BLOCK ? w->n - n0 : BLOCK, x, m, out, w->n);
+    for (int64_t n0 = 0; n0 < w->n; n0 += BLOCK)
+        packed_block(w, n0, w->n - n0 < BLOCK ? w->n - n0 : BLOCK, x, m, out + n0, w->n, add);
 }
 
 /* M <= MAX_ROWS rows of x; the caller de-quantizes into a scratch matrix for more. */
@@ -214,7 +218,7 @@ void packed_matmul(int bits, int offset, int half, const uint8_t *q, const void 
                    int64_t n_out, int64_t k, const float *x, int64_t m, float *out, int threads) {
     const packed_t w = {bits, offset, half, q, scale, minv, 0, n_out, k};
 #pragma omp parallel num_threads(threads)
-    packed_rows_for(&w, x, m, out);
+    packed_rows_for(&w, x, m, out, 0);
 }
 
 /* Rows `rows[i]` (all N rows when rows is NULL) de-quantized into out[count, K]. */
