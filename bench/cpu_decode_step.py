@@ -1,8 +1,9 @@
-"""The CPU decode step with its attention read in place off the pages (paged_cpu.c) against the gathered copy
-(issue 17), in one process, interleaved: process CPU time per step, which a shared machine's load distorts
-least (wall time is printed beside it).
+"""The CPU decode step (issue 17), three ways in one process, interleaved: every layer in one C call
+(models/dense_cpu.c, what the executor runs), the torch layers with the attention read in place off the pages
+(paged_cpu.c), and the torch layers with the gathered copy and SDPA. Process CPU time per step, which a shared
+machine's load distorts least, and wall time beside it.
 
-    python bench/cpu_attention_step.py [--contexts 40,540] [--concurrency 1,4] [--steps 32] [--threads 1]
+    python bench/cpu_decode_step.py [--contexts 40,540] [--concurrency 1,4] [--steps 32] [--threads 1]
 
 SmolLM2's GGUF (packed weights), rows of `context` stored positions on pages in a shuffled order, the same
 steps run by each arm in turn (rounds alternated), greedy tokens fed back.
@@ -29,8 +30,12 @@ from protos.model_files import default_model_path
 PAGE_SIZE = 16
 
 
-def step_times(model, attention: TorchDecode, context: int, batch: int, steps: int) -> tuple[float, float]:
-    """CPU and wall ms per step of `steps` decode steps of `batch` rows from `context` stored positions."""
+def step_times(
+    model, attention: TorchDecode, context: int, batch: int, steps: int, c_step: bool
+) -> tuple[float, float]:
+    """CPU and wall ms per step of `steps` decode steps of `batch` rows from `context` stored positions;
+    `c_step` False: the torch layers (the model's C step set aside for this pool)."""
+    model.cpu_layers = None if c_step else (attention.kv, None)
     width = -(-(context + steps) // PAGE_SIZE)
     pages = torch.randperm(attention.kv.num_pages - 1)[: batch * width] + 1
     tables = pages.view(batch, width).to(torch.int32)
@@ -52,7 +57,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="docs/bench/cpu_attention_step.json")
+    parser.add_argument("--out", default="docs/bench/cpu_decode_step.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(default_model_path(), "cpu", torch.float32)
@@ -60,17 +65,22 @@ def main() -> None:
     need = max(args.concurrency) * -(-(max(args.contexts) + args.steps) // PAGE_SIZE)
     kv = KVPool(cfg.num_layers, need + 1, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     kv.k.normal_(), kv.v.normal_()  # stored K/V as if a prompt had been read: only the cost is measured
-    arms = {"in place": TorchDecode(None, kv, model.scale), "gathered": TorchDecode(None, kv, model.scale)}
-    assert arms["in place"].in_place, "the paged_cpu kernel does not build here"
-    arms["gathered"].in_place = False
+    # arm -> (attention, C step)
+    arms = {
+        "C step": (TorchDecode(None, kv, model.scale), True),
+        "torch, in place": (TorchDecode(None, kv, model.scale), False),
+        "torch, gathered": (TorchDecode(None, kv, model.scale), False),
+    }
+    assert arms["C step"][0].in_place, "the paged_cpu kernel does not build here"
+    arms["torch, gathered"][0].in_place = False
     results = []
     for context in args.contexts:
         for batch in args.concurrency:
             runs: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
-            step_times(model, arms["in place"], context, batch, 2)  # warm-up
+            step_times(model, arms["C step"][0], context, batch, 2, True)  # warm-up
             for _ in range(args.rounds):
-                for arm, attention in arms.items():
-                    runs[arm].append(step_times(model, attention, context, batch, args.steps))
+                for arm, (attention, c_step) in arms.items():
+                    runs[arm].append(step_times(model, attention, context, batch, args.steps, c_step))
             for arm, times in runs.items():
                 cpu_ms = statistics.median(t[0] for t in times)
                 wall_ms = statistics.median(t[1] for t in times)
@@ -87,7 +97,7 @@ def main() -> None:
                     }
                 )
                 print(
-                    f"context {context:4d} c={batch}  {arm:9s} {cpu_ms:6.2f} ms CPU / step  "
+                    f"context {context:4d} c={batch}  {arm:15s} {cpu_ms:6.2f} ms CPU / step  "
                     f"({wall_ms:6.2f} ms wall)  load {os.getloadavg()[0]:.2f}",
                     flush=True,
                 )
