@@ -31,7 +31,6 @@ class DecodeInputs(NamedTuple):
     positions: torch.Tensor  # i64[B]: KV_LEN + POS_OFFSET
     kv_lens: torch.Tensor  # i32[B]: stored length before the step
     block_tables: torch.Tensor  # i32[B, W]
-    sampler: SamplerParams
 
 
 class _Staging:
@@ -243,7 +242,6 @@ class SlotStore:
             positions=positions,
             kv_lens=kv_lens.contiguous(),
             block_tables=rows[:, RowLayout.BLOCK_TABLE :].contiguous(),
-            sampler=self.sampler_params(slots),
         )
 
     def state_slots(self, bucket: int) -> torch.Tensor:
