@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import commit_hash, write_json
 from planner_svc.config import SchedulingConfig
-from planner_svc.engine import to_proto
 from planner_svc.requests import Request
 from planner_svc.scheduler import Scheduler, SchedulerConfig
+from planner_svc.step_wire import to_proto
 from protos.layout import RowLayout
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -16,10 +16,11 @@ from planner_svc.logprobs import logprob_rows
 from planner_svc.prefill_progress import log_prefill_progress
 from planner_svc.recovery import recover
 from planner_svc.requests import Finish, Request
-from planner_svc.scheduler import PlannedStep, Scheduler
+from planner_svc.scheduler import Scheduler
+from planner_svc.step_wire import plan_summary, to_proto
 from planner_svc.streaming import PendingTokens, StreamBudget, TokenEvent
 from protos import executor_pb2
-from protos.wire import pack_i32, unpack_i32
+from protos.wire import unpack_i32
 
 log = structlog.get_logger("deltaserve.planner.engine")
 
@@ -27,20 +28,6 @@ EXECUTOR_TIMEOUT_S = 5.0  # a step in flight with no output for this long (plus 
 PREFILL_S_PER_TOKEN = 0.025  # the allowance per prompt token a step reads (2,048 tokens: 51 s, a slow CPU)
 RECONNECT_BACKOFF_S = (0.1, 1.0)  # first and longest wait between attempts to reach a lost executor
 PROBE_TIMEOUT_S = 2.0  # how long one attempt waits for the executor's Describe
-
-
-def plan_summary(plan: executor_pb2.StepPlan) -> dict[str, int]:
-    """What a log line says about a plan: its numbers and sizes, not its bytes."""
-    return {
-        "seq": plan.seq,
-        "bucket": plan.bucket,
-        "slots_bytes": len(plan.slots),
-        "row_runs_bytes": len(plan.row_runs),
-        "sampler_slots_bytes": len(plan.sampler_slots),
-        "prefill_chunks": len(plan.prefill),
-        "prefill_tokens": sum(len(chunk.token_ids) // 4 for chunk in plan.prefill),
-        "bytes": plan.ByteSize(),
-    }
 
 
 @dataclass(slots=True)
@@ -56,32 +43,6 @@ class StepTimes:
     stream_us: float = 0.0  # the client stream writes released before each wait (within wait_us)
     streams_written: int = 0
     plan_bytes: int = 0
-
-
-def to_proto(step: PlannedStep) -> executor_pb2.StepPlan:
-    plan = executor_pb2.StepPlan(seq=step.seq, bucket=step.bucket)
-    delta = step.delta
-    if delta.slots:
-        plan.slots = delta.slots
-    if delta.row_runs:
-        plan.row_runs = delta.row_runs
-    if step.sampler is not None:
-        for name, data in step.sampler.pack().items():
-            if isinstance(data, bytes):
-                setattr(plan, name, data)
-            else:
-                getattr(plan, name).extend(data)
-    for chunk in step.prefill:
-        plan.prefill.add(
-            token_ids=chunk.token_ids,
-            start=chunk.start,
-            pages=chunk.pages,
-            sample_slot=chunk.sample_slot,
-            state_slot=chunk.state_slot,
-        )
-    plan.mirror = step.mirror  # empty: unset
-    plan.state_copies = pack_i32(step.state_copies)
-    return plan
 
 
 class Engine:

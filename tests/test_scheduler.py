@@ -212,7 +212,7 @@ def test_soak_kv_and_slot_pressure(seed, pool_pages):
 
 
 def test_steady_message_size_does_not_grow_with_the_batch():
-    from planner_svc.engine import to_proto
+    from planner_svc.step_wire import to_proto
 
     sizes = {}
     for rows in (1, 16, 64):
