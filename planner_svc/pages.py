@@ -49,6 +49,18 @@ class PagePool:
         self._page_of_hash: dict[bytes, int] = {}
         self._hash_of_page: dict[int, bytes] = {}
 
+    def reset(self, keep: Sequence[int] = ()) -> None:
+        """Every page free and unindexed (the KV went with its executor) but `keep`, one ref per listing (pages
+        executor RPCs may still use: loans.py)."""
+        kept = Counter(keep)
+        for page in kept:
+            self._check_page(page)
+        self._refcount = [kept[page] for page in range(self.num_pages)]
+        self._free = deque(page for page in range(1, self.num_pages) if page not in kept)
+        self._cached.clear()
+        self._page_of_hash.clear()
+        self._hash_of_page.clear()
+
     @property
     def total(self) -> int:
         return self.num_pages - 1

@@ -15,6 +15,7 @@ from cache_svc.client import CacheClient
 from planner_svc.conversations import Conversation
 from planner_svc.engine import Engine
 from planner_svc.link import LinkError
+from planner_svc.loans import Loan
 from planner_svc.retention import Retention
 from protos import cache_pb2, executor_pb2
 from protos.rpc import ChannelSecurity
@@ -103,9 +104,16 @@ class Parking:
             ],
         )
         # The executor reads its pages and state slots until it answers, also when the caller is cancelled:
-        # pressure takes none of them back meanwhile.
+        # pressure takes none of them back meanwhile, nor, should the executor be lost, a rebuilt pool.
         conversation.parking = True
+        loans = engine.scheduler.loans
+        loan = loans.lend(list(conversation.pages), list(conversation.states.values()))
         rpc = asyncio.ensure_future(engine.link.park(request))
+
+        def answered() -> None:
+            conversation.parking = False
+            self._settle(engine, loan)
+
         try:
             reply = await asyncio.shield(rpc)
         except grpc.aio.AioRpcError as error:
@@ -113,7 +121,10 @@ class Parking:
         except LinkError as error:
             raise ParkError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from error
         finally:
-            _once_answered(rpc, lambda: setattr(conversation, "parking", False))
+            _once_answered(rpc, answered)
+        if loans.stale(loan):  # its KV was forgotten with the executor: the snapshot is in the cache alone
+            log.warning("executor lost while parking", conversation=conversation.conversation_id)
+            return reply
         conversation.drop_states(list(conversation.states))  # parked with the pages
         engine.scheduler.return_pages(conversation.pages)
         conversation.pages, conversation.parked = [], True
@@ -151,7 +162,10 @@ class Parking:
             engine.scheduler.return_pages(pages)
             return self._fall_back(conversation, "no state slot is free for the snapshot's states now")
         # Shielded: a caller cancelled (its client gone) gives the pages and slots back only once the executor
-        # answered, its copy into them done, so that no request reuses them while the copy writes.
+        # answered, its copy into them done, so that no request reuses them while the copy writes (lent: nor
+        # does one after a rebuild of the pools, should the executor be lost meanwhile).
+        loans = engine.scheduler.loans
+        loan = loans.lend(pages, states)
         rpc = asyncio.ensure_future(
             engine.link.restore(
                 executor_pb2.RestorePagesRequest(
@@ -165,7 +179,7 @@ class Parking:
         try:
             reply = await asyncio.shield(rpc)
         except (grpc.aio.AioRpcError, LinkError) as error:
-            self._give_back(engine, pages, states)  # partly written at worst: nobody reads them
+            self._give_back(engine, loan)  # partly written at worst: nobody reads them
             if isinstance(error, grpc.aio.AioRpcError):
                 data_loss = error.code() == grpc.StatusCode.DATA_LOSS
                 reason = f"{error.code().name}: {error.details()}"
@@ -178,8 +192,12 @@ class Parking:
                 data_loss, reason = False, str(error)
             return self._fall_back(conversation, f"snapshot refused: {reason}", data_loss=data_loss)
         except BaseException:  # cancelled, or an unexpected error: the conversation stays as it was
-            _once_answered(rpc, lambda: self._give_back(engine, pages, states))
+            _once_answered(rpc, lambda: self._give_back(engine, loan))
             raise
+        if loans.stale(loan):  # the executor was lost meanwhile: what it wrote may be gone with it
+            self._give_back(engine, loan)
+            return self._fall_back(conversation, "the executor was lost while the snapshot was restored")
+        loans.end(loan)
         conversation.tokens = unpack_i32(reply.token_ids).tolist()
         conversation.retention = Retention(conversation.retention.config)
         checkpoints = sorted(reply.checkpoints, key=lambda c: c.position)
@@ -200,12 +218,23 @@ class Parking:
         return RESTORED
 
     @staticmethod
-    def _give_back(engine: Engine, pages: list[int], states: list[int]) -> None:
-        """A restore's pages and state slots, unused: back to the pools."""
-        for slot in states:
+    def _give_back(engine: Engine, loan: Loan) -> None:
+        """The RPC answered: its pages and state slots, unused, back to the pools (those rebuilt since kept them
+        for it)."""
+        engine.scheduler.loans.end(loan)
+        for slot in loan.states:
             engine.scheduler.states.give_back(slot)
-        engine.scheduler.return_pages(pages)
+        engine.scheduler.return_pages(loan.pages)
         engine.wake()
+
+    @classmethod
+    def _settle(cls, engine: Engine, loan: Loan) -> None:
+        """A park answered: its pages and slots stay the conversation's, unless the pools were rebuilt since
+        (the conversation forgot them): then they go back."""
+        if engine.scheduler.loans.stale(loan):
+            cls._give_back(engine, loan)
+        else:
+            engine.scheduler.loans.end(loan)
 
     @staticmethod
     def _take_state_slots(engine: Engine, conversation: Conversation) -> list[int] | None:

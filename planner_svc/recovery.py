@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner_svc.pages import PagePool
 from planner_svc.requests import Phase, Request
 from planner_svc.scheduler import PlannedStep, Scheduler
 from planner_svc.slots import SlotCache
@@ -76,8 +75,9 @@ def recover(
     scheduler._free_committed()  # every page of the finished and the aborted returns (turns end)
     if lost:
         result.conversations_lost = _forget_resident(scheduler, reason)
-        scheduler.pages = PagePool(scheduler.pages.num_pages)
-        scheduler.states.reset()  # the recurrent states went with the pool (the conversations' copies above)
+        lent_pages, lent_states = scheduler.loans.rebuilt()  # a restore still answering may still write them
+        scheduler.pages.reset(keep=lent_pages)
+        scheduler.states.reset(keep=lent_states)  # the recurrent states went with the pool (the copies above)
     scheduler.mark_stale()  # nothing left to mark after the above: every running row is stale already
     scheduler._dirty = True
     return result

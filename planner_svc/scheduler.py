@@ -9,6 +9,7 @@ import numpy as np
 
 from planner_svc.admission import Admission
 from planner_svc.conversations import Conversations
+from planner_svc.loans import Loans
 from planner_svc.logprobs import LogprobRow
 from planner_svc.pages import PagePool
 from planner_svc.planned import CapacityError, PlannedStep, PrefillChunk, SchedulerConfig
@@ -37,6 +38,7 @@ class Scheduler:
         if conversations is not None:  # their checkpoints' state copies take slots of the same pool
             conversations.states = self.states
         self.marks = MarkCopies(self.states)
+        self.loans = Loans()  # pages and state slots an executor RPC writes into (a restore)
         # Shared prefix pages would skip tokens whose recurrent state no page holds: off for such models.
         self.prefix_cache = config.settings.prefix_cache and not self.states.enabled
         self.mirror = RowMirror(layout)

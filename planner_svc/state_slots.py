@@ -4,6 +4,8 @@ step (the scheduler calls `give_back` only then, so a slot never changes hands u
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 SINK_SLOT = 0
 
 
@@ -46,10 +48,14 @@ class StateSlots:
         self._taken.remove(slot)
         self._free.append(slot)
 
-    def reset(self) -> None:
-        """Every slot free (the pool's states were lost with their executor)."""
-        self._free = list(range(self.num_slots - 1, SINK_SLOT, -1))
-        self._taken.clear()
+    def reset(self, keep: Iterable[int] = ()) -> None:
+        """Every slot free (the pool's states were lost with their executor) but `keep` (slots an executor RPC
+        may still write: loans.py)."""
+        kept = set(keep)
+        if not kept <= set(range(1, self.num_slots)):
+            raise ValueError(f"state slots {sorted(kept)} are not all pool slots (1..{self.num_slots - 1})")
+        self._taken = kept
+        self._free = [slot for slot in range(self.num_slots - 1, SINK_SLOT, -1) if slot not in kept]
 
     def check(self) -> None:
         """Free and taken partition slots 1..num_slots-1 (DESIGN §7 invariant 2, for state slots)."""

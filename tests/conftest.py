@@ -39,7 +39,10 @@ class Stack:
             await asyncio.sleep(0.01)
 
 
-async def start_stack(executor: ExecutorConfig, planner: PlannerConfig | None = None, security=None):
+async def start_stack(
+    executor: ExecutorConfig, planner: PlannerConfig | None = None, security=None, link=None
+):
+    """`link`: what builds the planner's link from the executor's address (a GrpcLink when None)."""
     from executor_svc.runner import build_runner
     from executor_svc.server import start_executor_server
     from planner_svc.server import start_planner_server
@@ -50,7 +53,8 @@ async def start_stack(executor: ExecutorConfig, planner: PlannerConfig | None = 
     )
     planner = planner or PlannerConfig()
     planner.executors = [f"127.0.0.1:{executor_server.port}"]
-    planner_server = await start_planner_server(planner, port=0, security=security)
+    links = None if link is None else [link(planner.executors[0])]
+    planner_server = await start_planner_server(planner, port=0, links=links, security=security)
     stack = Stack(f"127.0.0.1:{planner_server.port}", planner_server.servicer, runner)
     return stack, (planner_server, executor_server)
 

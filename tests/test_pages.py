@@ -338,3 +338,17 @@ def test_page_hashes_are_seeded_by_the_tenant():
     a, b = page_hashes(tokens, PAGE, "a"), page_hashes(tokens, PAGE, "b")
     assert a == page_hashes(tokens, PAGE, "a") and len(a) == 4
     assert not set(a) & set(b) and not set(a) & set(page_hashes(tokens, PAGE))
+
+
+def test_reset_frees_and_unindexes_everything_but_what_it_keeps():
+    pool = PagePool(8)
+    pages = pool.allocate(4)
+    pool.register(page_hashes(list(range(8)), 4), pages[:2])
+    pool.free(pages[:3])
+    pool.reset(keep=[5, 6, 6])  # a page two loans hold: two refs
+    pool.check()
+    assert (pool.refcount(5), pool.refcount(6), pool.free_count, pool.cached_count) == (1, 2, 5, 0)
+    assert pool.match_prefix(page_hashes(list(range(8)), 4)) == []
+    with pytest.raises(ValueError, match="not a pool page"):
+        pool.reset(keep=[8])
+    assert pool.refcount(6) == 2  # refused: nothing changed

@@ -160,3 +160,22 @@ def test_lost_executor_loses_resident_conversations_and_keeps_parked_ones():
     assert scheduler.pages.free_count == scheduler.pages.total
     again, release = conversations.mount(resident, turn.prompt_ids + [50, 51])
     assert again.reused == 0 and not release and again.checkpoint == "none (its KV was lost)"
+
+
+def test_a_loan_out_across_a_loss_stays_out_of_the_rebuilt_pools_until_given_back():
+    scheduler = make_scheduler(pool_pages=16)
+    pages = scheduler.take_pages(3)
+    assert pages is not None
+    loan = scheduler.loans.lend(pages, [])
+    scheduler.add(req(1, prompt_len=10, max_tokens=4))
+    Loop(scheduler).run(2)
+
+    recover(scheduler, last_seq=10, refused_seq=None, reason="gone")
+    assert scheduler.loans.stale(loan)
+    assert [scheduler.pages.refcount(p) for p in pages] == [1, 1, 1]
+    assert scheduler.pages.free_count == scheduler.pages.total - 3
+    scheduler.loans.end(loan)
+    scheduler.return_pages(loan.pages)
+    scheduler.pages.check()
+    assert scheduler.pages.free_count == scheduler.pages.total
+    assert not scheduler.loans.stale(scheduler.loans.lend([], []))  # a loan of the new epoch

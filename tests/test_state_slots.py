@@ -32,6 +32,19 @@ def test_take_and_give_back():
     slots.check()
 
 
+def test_reset_frees_every_slot_but_what_it_keeps():
+    slots = StateSlots(5)
+    for _ in range(3):
+        slots.take()
+    slots.reset(keep=[3])
+    slots.check()
+    assert slots.free_count == 3 and 3 not in [slots.take() for _ in range(3)]
+    with pytest.raises(ValueError, match="not all pool slots"):
+        slots.reset(keep=[0])
+    slots.check()  # refused: nothing changed
+    assert slots.free_count == 0
+
+
 def test_none_for_a_model_without_recurrent_layers():
     slots = StateSlots(0)
     assert not slots.enabled and slots.total == 0

@@ -1,0 +1,148 @@
+"""An executor's loss racing what else runs, over real gRPC with a cache service, each interleaving driven by the
+test through the planner's link (FaultyLink): a restore still answering when the pools are rebuilt gives back
+only what the rebuilt pools kept for it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from cache_svc.server import start_cache_server
+from executor_svc.config import ExecutorConfig
+from planner_svc.client import GenerateOptions, PlannerClient
+from planner_svc.config import PlannerConfig
+from planner_svc.link import GrpcLink, LinkError
+from planner_svc.parking import ParkError
+from protos import executor_pb2
+from tests.conftest import start_stack, stop_stack
+from tests.hybrid_model import build_text_model, save_layouts
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPT = [(7 * i) % 500 + 3 for i in range(21)]
+OTHER = [(11 * i) % 500 + 5 for i in range(19)]
+
+
+class FaultyLink(GrpcLink):
+    """The real link, with the faults a test injects where it wants them: the step stream lost while the
+    engine idles (`lose`), a restore held until the test answers `hold` ("answered": the executor's answer,
+    "failed": the link error of an executor gone)."""
+
+    def __init__(self, address: str):
+        super().__init__(address)
+        self.restoring = asyncio.Event()  # a restore is held
+        self.hold: asyncio.Future[str] | None = None
+        self._lost = asyncio.Event()
+        self._reopened = asyncio.Event()
+
+    async def lose(self) -> None:
+        """The step stream ends now; returns once the engine has recovered and reopened it."""
+        self._reopened.clear()
+        self._lost.set()
+        await self._reopened.wait()
+
+    async def until_ended(self) -> str:
+        await self._lost.wait()
+        self._lost.clear()
+        return "stream ended: UNAVAILABLE: lost on purpose"
+
+    async def open(self) -> None:
+        await super().open()
+        self._reopened.set()
+
+    async def restore(self, request: executor_pb2.RestorePagesRequest) -> executor_pb2.RestorePagesReply:
+        if self.hold is not None:
+            self.restoring.set()
+            answer = await self.hold
+            self.hold = None
+            if answer == "failed":
+                raise LinkError("the executor is gone")
+        return await super().restore(request)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stack(tmp_path_factory):
+    from tests.hf_reference import hf_tokenizer
+
+    root = tmp_path_factory.mktemp("loss_races")
+    model_dir, _ = save_layouts(build_text_model(), str(root / "model"), hf_tokenizer())
+    cache = await start_cache_server(str(root / "cache"), budget_bytes=1 << 30)
+    address = f"127.0.0.1:{cache.port}"
+    executor = ExecutorConfig(
+        model=model_dir,
+        device="cpu",
+        dtype="float32",
+        pool_pages=32,
+        page_size=16,
+        buckets=(1, 2),
+        state_slots=6,
+        cache=address,
+    )
+    stack, servers = await start_stack(
+        executor, PlannerConfig(model=model_dir, cache=address), link=FaultyLink
+    )
+    yield stack
+    await stop_stack([*servers, cache])
+
+
+async def _turn(stack, client: PlannerClient, name: str, prompt: list[int] = PROMPT):
+    await client.generate_all(GenerateOptions(token_ids=prompt, max_tokens=3, conversation_id=name))
+    await stack.wait_idle()
+    (conversation,) = [c for c in stack.scheduler.conversations.every() if c.conversation_id == name]
+    return conversation
+
+
+def _check_pools(stack, held_pages: list[int], held_states: list[int]) -> None:
+    """Exactly these pages (once each) and state slots are taken; the rest is free."""
+    pages, states = stack.scheduler.pages, stack.scheduler.states
+    pages.check()
+    states.check()
+    assert [pages.refcount(p) for p in held_pages] == [1] * len(held_pages)
+    assert pages.free_count == pages.total - len(held_pages)
+    assert states.free_count == states.total - len(held_states)
+
+
+def _forget(stack, *conversations) -> None:
+    for conversation in conversations:
+        stack.scheduler.return_pages(conversation.forget())
+        stack.scheduler.conversations.remove(conversation)
+
+
+@pytest.mark.parametrize("answer", ["answered", "failed"])
+async def test_a_restore_answering_after_the_loss_gives_back_only_what_the_rebuilt_pools_kept(stack, answer):
+    link, scheduler = stack.engine.link, stack.scheduler
+    async with PlannerClient(stack.addr) as client:
+        parked = await _turn(stack, client, "parked")
+        assert (await client.park("parked")).bytes > 0
+        _check_pools(stack, [], [])
+        link.hold = asyncio.get_running_loop().create_future()
+        link.restoring.clear()
+        resume = asyncio.ensure_future(stack.planner.turns.resume(parked.tenant, "parked"))
+        await link.restoring.wait()  # its pages and state slots taken; the executor has not answered
+        lent_pages = [p for p in range(1, scheduler.pages.num_pages) if scheduler.pages.refcount(p)]
+        lent_states = scheduler.states.total - scheduler.states.free_count
+        assert lent_pages and lent_states
+        losses = stack.engine.losses
+        await link.lose()
+        assert stack.engine.losses == losses + 1 and stack.engine.serving
+        # The rebuilt pools keep the loan out: the executor may still write into it.
+        assert [scheduler.pages.refcount(p) for p in lent_pages] == [1] * len(lent_pages)
+        assert scheduler.states.total - scheduler.states.free_count == lent_states
+        other = await _turn(stack, client, "other", OTHER)  # takes pages and state slots of the rebuilt pools
+        assert other.pages and other.states and not set(other.pages) & set(lent_pages)
+        link.hold.set_result(answer)
+        with pytest.raises(ParkError) as refused:
+            await resume
+        assert refused.value.code is grpc.StatusCode.UNAVAILABLE
+        reason = "the executor was lost while" if answer == "answered" else "the executor is gone"
+        assert reason in str(refused.value), refused.value
+        assert not parked.pages and not parked.states
+        _check_pools(stack, other.pages, list(other.states.values()))
+        # The snapshot is still in the cache: the next resume restores it.
+        await client.resume("parked")
+        assert parked.pages and parked.states
+        _forget(stack, parked, other)
+        _check_pools(stack, [], [])
