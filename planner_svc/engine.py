@@ -14,7 +14,7 @@ from planner_svc.conversations import Conversation, Conversations
 from planner_svc.link import ExecutorLink, LinkLost, StepRefused
 from planner_svc.logprobs import logprob_rows
 from planner_svc.prefill_progress import log_prefill_progress
-from planner_svc.recovery import recover
+from planner_svc.recovery import Recovery, recover
 from planner_svc.requests import Finish, Request
 from planner_svc.scheduler import Scheduler
 from planner_svc.step_wire import plan_summary, to_proto
@@ -166,10 +166,30 @@ class Engine:
                 await self._steps()
             except asyncio.CancelledError:
                 raise
-            except StepRefused as error:
-                await self._refused(str(error))
-            except Exception as error:  # the stream broke or the executor hung: fail, free, reconnect
-                await self._lost(error)
+            except Exception as error:  # a plan refused, the stream broke or the executor hung
+                await self._recover_from(error)
+
+    async def _recover_from(self, error: Exception) -> None:
+        """Fail, free, reconnect. A recovery that raises (a planner defect) is logged with its traceback, the
+        requests it had ended without a word end with INTERNAL, and the executor is handled as lost, until a
+        recovery ends (one attempt per reconnect backoff, not a spin): the loop never ends for everyone."""
+        while True:
+            try:
+                if isinstance(error, StepRefused):
+                    await self._refused(str(error))
+                else:
+                    await self._lost(error)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as defect:
+                log.exception("recovery failed (a planner defect); the executor is handled as lost")
+                words = f"{type(defect).__name__}: {defect}"
+                self._stream(len(self._pending))  # what was produced first; then the finished still open
+                for request in [r for r in self._queues if r.finish is not None]:
+                    self._end(request, "INTERNAL", f"the planner failed to recover this request: {words}")
+                error = LinkLost(f"recovery failed: {words}")
+                await asyncio.sleep(RECONNECT_BACKOFF_S[0])
 
     async def _steps(self) -> None:
         while True:
@@ -190,6 +210,7 @@ class Engine:
                     await self._idle()
                 continue
             plan = to_proto(step)
+            self._seq += 1  # the step exists from now on, sent or not: a recovery counts it
             encoded = time.perf_counter()
             allowance = self.executor_timeout
             if step.prefill:
@@ -203,8 +224,7 @@ class Engine:
             times.encode_us += (encoded - planned) * 1e6
             times.send_us += (sent - encoded) * 1e6
             times.plan_bytes += plan.ByteSize()
-            self._inflight.append((self._seq, allowance))
-            self._seq += 1
+            self._inflight.append((plan.seq, allowance))
 
     async def _idle(self) -> None:
         """Until there is something to plan; an executor lost meanwhile is noticed at once (its stream's
@@ -286,6 +306,7 @@ class Engine:
         result = self._recover(seq)
         for request in result.refused:
             self._end(request, "INTERNAL", f"the executor refused the step planned for this request: {error}")
+        self._end_failed(result, "a refused plan")
         log.info("step stream reopened", executor=self.link.address, requeued=len(result.requeued))
         self.losses += 1
         await self.link.open()
@@ -302,6 +323,7 @@ class Engine:
                 "UNAVAILABLE",
                 f"{self.failure}; the request was cut after {len(request.output_ids)} tokens",
             )
+        self._end_failed(result, "the executor's loss")
         log.error(
             "executor lost",
             executor=address,
@@ -316,13 +338,24 @@ class Engine:
         self._health()
         self._wake.set()
 
-    def _recover(self, refused_seq: int | None, reason: str = ""):
+    def _recover(self, refused_seq: int | None, reason: str = "") -> Recovery:
         self._stream(len(self._pending))  # tokens already produced reach their streams first
         self._inflight.clear()
         self._recent.clear()
         result = recover(self.scheduler, self._seq - 1, refused_seq, reason)
         self._turns_ended()
         return result
+
+    def _end_failed(self, result: Recovery, after: str) -> None:
+        """The requests whose host truth the recovery could not rebuild: a planner defect, logged; they end."""
+        for request, defect in result.failed:
+            log.error(
+                "a request's recovery failed (a planner defect)", request=request.request_id, exc_info=defect
+            )
+            words = f"{type(defect).__name__}: {defect}"
+            self._end(
+                request, "INTERNAL", f"the planner could not recover this request after {after}: {words}"
+            )
 
     def _end(self, request: Request, code: str, message: str) -> None:
         self._pending.drop(request)

@@ -12,9 +12,10 @@ Pure logic: no gRPC, no asyncio.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from planner_svc.requests import Phase, Request
+from planner_svc.requests import Finish, Phase, Request
 from planner_svc.scheduler import PlannedStep, Scheduler
 from planner_svc.slots import SlotCache
 
@@ -24,19 +25,23 @@ class Recovery:
     cut: list[Request] = field(default_factory=list)  # had produced tokens: they end with an error
     refused: list[Request] = field(default_factory=list)  # in the refused step: they end with an error
     requeued: list[Request] = field(default_factory=list)  # had produced nothing: they run again
+    # Whose host truth the recovery could not rebuild (a planner defect, raised): they end with an error
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
     conversations_lost: int = 0  # conversations whose KV was only on the lost executor
 
 
 def recover(
     scheduler: Scheduler, last_seq: int, refused_seq: int | None = None, reason: str = ""
 ) -> Recovery:
-    """Every plan up to `last_seq` was sent; those after the last commit never finished (or never ran).
+    """Every plan up to `last_seq` was made (sent or not: a send that failed counts); those after the last
+    commit never finished (or never ran).
 
     `refused_seq` is the step the executor refused (its KV pool intact), None when the executor was lost;
     the requests whose data that step carried (`_carried`) fail, the others in it go on.
     Afterwards nothing is in flight, no slot is held, the mirror is zero, and every running request is
     stale: the next plan writes its row whole (with its last token) and the step numbers go on from
-    `last_seq + 1`. The refused and cut requests are aborted (their pages and turns freed).
+    `last_seq + 1`. The refused and cut requests are aborted (their pages and turns freed). A request whose
+    part raises (a planner defect: pages freed twice) is `failed` alone (`_drop`); the others go on.
     """
     result = Recovery()
     lost = refused_seq is None
@@ -51,15 +56,16 @@ def recover(
     scheduler.slots = SlotCache(scheduler.layout.widest_bucket)
     scheduler._assigned_seq = last_seq
     scheduler.mirror.reset()
-    for request in result.refused:
-        if request.state_slot:  # its state may have read steps that never ran: no checkpoint of it
-            scheduler.states.give_back(request.state_slot)
-            request.state_slot = 0
-        scheduler.abort(request)
+    # Every page of the finished returns (their turns end), one request at a time so a defect has a name.
+    for request in [r for r in scheduler._pending_free if r.last_seq <= scheduler.committed]:
+        scheduler._pending_free.remove(request)
+        _guarded(scheduler, result, request, scheduler._release_pages)
+    for request in list(result.refused):
+        _guarded(scheduler, result, request, lambda r: _fail_refused(scheduler, r))
     for request in [*scheduler.prefilling, *scheduler.decoding]:
         if request.output_ids and lost:
             result.cut.append(request)
-            scheduler.abort(request)
+            _guarded(scheduler, result, request, scheduler.abort)
         elif request.output_ids:  # its KV up to its last token's is on the device: it goes on
             request.kv_len = request.prompt_len + len(request.output_ids) - 1
             request.stale = True
@@ -72,8 +78,6 @@ def recover(
             request.pages, request.reused, request.prefilled, request.state_source = [], 0, 0, 0
         scheduler.waiting.clear()
         scheduler.waiting.extend([*result.requeued, *waiting])
-    scheduler._free_committed()  # every page of the finished and the aborted returns (turns end)
-    if lost:
         result.conversations_lost = _forget_resident(scheduler, reason)
         lent_pages, lent_states = scheduler.loans.rebuilt()  # a restore still answering may still write them
         scheduler.pages.reset(keep=lent_pages)
@@ -81,6 +85,45 @@ def recover(
     scheduler.mark_stale()  # nothing left to mark after the above: every running row is stale already
     scheduler._dirty = True
     return result
+
+
+def _guarded(
+    scheduler: Scheduler, result: Recovery, request: Request, part: Callable[[Request], object]
+) -> None:
+    """One request's part of the recovery; should it raise, that request alone fails (`_drop`)."""
+    try:
+        part(request)
+    except Exception as error:
+        result.failed.append((request, error))
+        for ending in (result.cut, result.refused):
+            if request in ending:
+                ending.remove(request)
+        _drop(scheduler, request)
+
+
+def _drop(scheduler: Scheduler, request: Request) -> None:
+    """The request leaves the schedule holding nothing. Its pages and state slot, whatever they are, stay out
+    of the pools (leaked until the pools are rebuilt) rather than be handed to a second owner; its turn ends,
+    its conversation forgets what it kept."""
+    for queue in (scheduler.waiting, scheduler.prefilling, scheduler.decoding, scheduler._pending_free):
+        if request in queue:
+            queue.remove(request)
+    scheduler.slots.release(request)
+    request.phase, request.pages, request.state_slot = Phase.DONE, [], 0
+    if request.finish is None:
+        request.finish = Finish.ABORT
+    conversation = request.conversation
+    if conversation is not None:
+        conversation.pages, conversation.states = [], {}  # leaked with the request's, not given back
+        conversation.forget()
+        conversation.busy = False
+
+
+def _fail_refused(scheduler: Scheduler, request: Request) -> None:
+    if request.state_slot:  # its state may have read steps that never ran: no checkpoint of it
+        scheduler.states.give_back(request.state_slot)
+        request.state_slot = 0
+    scheduler.abort(request)
 
 
 def _carried(scheduler: Scheduler, step: PlannedStep) -> list[Request]:
@@ -119,6 +162,7 @@ def _forget_resident(scheduler: Scheduler, reason: str) -> int:
     lost = 0
     for conversation in list(scheduler.conversations._by_key.values()):
         if conversation.pages or conversation.states:
+            conversation.states = {}  # the state pool is reset: nothing to give back
             conversation.forget()
             conversation.lost = reason
             lost += 1

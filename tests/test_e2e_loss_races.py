@@ -1,20 +1,23 @@
 """An executor's loss racing what else runs, over real gRPC with a cache service, each interleaving driven by the
 test through the planner's link (FaultyLink): a restore still answering when the pools are rebuilt gives back
-only what the rebuilt pools kept for it."""
+only what the rebuilt pools kept for it, a plan whose send failed is counted by the recovery (its requests'
+pages are not freed into the rebuilt pools later), and a recovery that raises is logged and the engine serves on."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 import pytest
 import pytest_asyncio
+from structlog.testing import capture_logs
 
 from cache_svc.server import start_cache_server
 from executor_svc.config import ExecutorConfig
 from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig
-from planner_svc.link import GrpcLink, LinkError
+from planner_svc.link import GrpcLink, LinkError, LinkLost
 from planner_svc.parking import ParkError
 from protos import executor_pb2
 from tests.conftest import start_stack, stop_stack
@@ -29,12 +32,15 @@ OTHER = [(11 * i) % 500 + 5 for i in range(19)]
 class FaultyLink(GrpcLink):
     """The real link, with the faults a test injects where it wants them: the step stream lost while the
     engine idles (`lose`), a restore held until the test answers `hold` ("answered": the executor's answer,
-    "failed": the link error of an executor gone)."""
+    "failed": the link error of an executor gone), the plan `fail_send` picks failing to go out (as a write
+    racing the stream's end does), the next reopen raising `fail_open`."""
 
     def __init__(self, address: str):
         super().__init__(address)
         self.restoring = asyncio.Event()  # a restore is held
         self.hold: asyncio.Future[str] | None = None
+        self.fail_send: Callable[[executor_pb2.StepPlan], bool] | None = None
+        self.fail_open: Exception | None = None
         self._lost = asyncio.Event()
         self._reopened = asyncio.Event()
 
@@ -50,8 +56,17 @@ class FaultyLink(GrpcLink):
         return "stream ended: UNAVAILABLE: lost on purpose"
 
     async def open(self) -> None:
+        if self.fail_open is not None:
+            error, self.fail_open = self.fail_open, None
+            raise error
         await super().open()
         self._reopened.set()
+
+    async def send(self, plan: executor_pb2.StepPlan) -> None:
+        if self.fail_send is not None and self.fail_send(plan):
+            self.fail_send = None
+            raise LinkLost("stream ended: INTERNAL: Internal error from Core")
+        await super().send(plan)
 
     async def restore(self, request: executor_pb2.RestorePagesRequest) -> executor_pb2.RestorePagesReply:
         if self.hold is not None:
@@ -145,4 +160,43 @@ async def test_a_restore_answering_after_the_loss_gives_back_only_what_the_rebui
         await client.resume("parked")
         assert parked.pages and parked.states
         _forget(stack, parked, other)
+        _check_pools(stack, [], [])
+
+
+async def test_a_plan_whose_send_failed_is_counted_by_the_recovery(stack):
+    """The send of a step carrying a decoding row and a new prompt fails (handled as a loss): the decoding request
+    is cut, the new one runs again, and the cut one's pages are freed into the pool they came from, not into the
+    rebuilt one when the re-planned step commits (that freed pages twice and stopped the engine)."""
+    link, engine = stack.engine.link, stack.engine
+    async with PlannerClient(stack.addr) as client:
+        alone = await client.generate_all(GenerateOptions(token_ids=OTHER, max_tokens=4, ignore_eos=True))
+        losses = engine.losses
+        stream = client.generate(GenerateOptions(token_ids=PROMPT, max_tokens=60, ignore_eos=True))
+        await stream.__anext__()  # it decodes
+        link.fail_send = lambda plan: bool(plan.prefill) and plan.bucket > 0
+        late = await client.generate_all(GenerateOptions(token_ids=OTHER, max_tokens=4, ignore_eos=True))
+        with pytest.raises(grpc.aio.AioRpcError) as cut:
+            async for _ in stream:
+                pass
+        assert cut.value.code() is grpc.StatusCode.UNAVAILABLE and "was lost" in (cut.value.details() or "")
+        assert late.token_ids == alone.token_ids
+        await stack.wait_idle()
+        assert engine.losses == losses + 1 and engine.serving
+        _check_pools(stack, [], [])
+
+
+async def test_a_recovery_that_raises_is_logged_and_the_engine_serves_on(stack):
+    link, engine = stack.engine.link, stack.engine
+    async with PlannerClient(stack.addr) as client:
+        alone = await client.generate_all(GenerateOptions(token_ids=OTHER, max_tokens=4, ignore_eos=True))
+        losses = engine.losses
+        link.fail_open = RuntimeError("a planner defect, on purpose")
+        with capture_logs() as logs:
+            await link.lose()  # the first recovery raises when it reopens the stream; the second one ends
+        failed = [e for e in logs if e["event"].startswith("recovery failed")]
+        assert len(failed) == 1 and failed[0]["log_level"] == "error" and failed[0]["exc_info"], logs
+        assert engine.serving and engine.losses == losses + 2
+        again = await client.generate_all(GenerateOptions(token_ids=OTHER, max_tokens=4, ignore_eos=True))
+        assert again.token_ids == alone.token_ids
+        await stack.wait_idle()
         _check_pools(stack, [], [])

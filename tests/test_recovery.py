@@ -162,6 +162,50 @@ def test_lost_executor_loses_resident_conversations_and_keeps_parked_ones():
     assert again.reused == 0 and not release and again.checkpoint == "none (its KV was lost)"
 
 
+def test_a_request_whose_pages_were_freed_behind_its_back_fails_alone_in_a_lost_recovery():
+    """The incident's shape: a request holds pages the pool already counts free; recovering from a loss must
+    not raise out of the engine's loop, but fail that request and cut or requeue the others as ever."""
+    scheduler = make_scheduler(pool_pages=64, budget=16)
+    loop = Loop(scheduler, seed=3)
+    running = [req(i, max_tokens=20) for i in range(3)]
+    started(scheduler, loop, running, 6)
+    broken = running[1]
+    scheduler.pages.free(broken.pages)  # a planner defect: its pages freed twice once it is cut
+
+    result = recover(scheduler, last_seq=loop.seq - 1, refused_seq=None, reason="gone")
+    assert [(r, type(e)) for r, e in result.failed] == [(broken, ValueError)]
+    assert "freed 1 times with refcount 0" in str(result.failed[0][1])
+    assert set(result.cut) == {running[0], running[2]} and not result.requeued
+    assert all(r.finish is Finish.ABORT and r.phase is Phase.DONE and not r.pages for r in running)
+    scheduler.pages.check()
+    assert scheduler.pages.free_count == scheduler.pages.total and scheduler.idle  # rebuilt: nothing leaks
+
+
+def test_a_refused_recovery_fails_the_broken_request_alone_and_the_others_go_on():
+    """The refused request's pages were freed behind its back (a stale free, as after a loss): failing it raises,
+    so it fails as broken (INTERNAL all the same), and the others go on to their ends."""
+    scheduler = make_scheduler(pool_pages=64, budget=16)
+    loop = Loop(scheduler, seed=4)
+    running = [req(i, max_tokens=30) for i in range(2)]
+    started(scheduler, loop, running, 8)
+    while loop.pending:
+        loop.commit()
+    bad = req(9, prompt_len=6)
+    scheduler.add(bad)
+    loop.plan()  # bad's prompt and the running rows: the step the executor refuses
+    scheduler.pages.free(bad.pages)
+
+    result = recover(scheduler, last_seq=loop.seq - 1, refused_seq=loop.pending[0].seq)
+    loop.pending.clear()
+    assert [r for r, _ in result.failed] == [bad] and not result.refused and not result.cut
+    assert bad.finish is Finish.ABORT and bad.phase is Phase.DONE and not bad.pages
+    scheduler.pages.check()
+    loop.device = DeviceRows(scheduler.layout)
+    loop.drain()
+    assert all(r.finish is Finish.LENGTH and len(r.output_ids) == 30 for r in running)
+    assert scheduler.idle and scheduler.pages.free_count == scheduler.pages.total
+
+
 def test_a_loan_out_across_a_loss_stays_out_of_the_rebuilt_pools_until_given_back():
     scheduler = make_scheduler(pool_pages=16)
     pages = scheduler.take_pages(3)
