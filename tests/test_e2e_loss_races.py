@@ -31,13 +31,13 @@ OTHER = [(11 * i) % 500 + 5 for i in range(19)]
 
 class FaultyLink(GrpcLink):
     """The real link, with the faults a test injects where it wants them: the step stream lost while the
-    engine idles (`lose`), a restore held until the test answers `hold` ("answered": the executor's answer,
-    "failed": the link error of an executor gone), the plan `fail_send` picks failing to go out (as a write
+    engine idles (`lose`), a restore or park held until the test answers `hold` ("answered": the executor's
+    answer, "failed": the link error of an executor gone), the plan `fail_send` picks failing to go out (as a write
     racing the stream's end does), the next reopen raising `fail_open`."""
 
     def __init__(self, address: str):
         super().__init__(address)
-        self.restoring = asyncio.Event()  # a restore is held
+        self.holding = asyncio.Event()  # a restore or park is held
         self.hold: asyncio.Future[str] | None = None
         self.fail_send: Callable[[executor_pb2.StepPlan], bool] | None = None
         self.fail_open: Exception | None = None
@@ -68,14 +68,21 @@ class FaultyLink(GrpcLink):
             raise LinkLost("stream ended: INTERNAL: Internal error from Core")
         await super().send(plan)
 
-    async def restore(self, request: executor_pb2.RestorePagesRequest) -> executor_pb2.RestorePagesReply:
+    async def _held(self) -> None:
         if self.hold is not None:
-            self.restoring.set()
+            self.holding.set()
             answer = await self.hold
             self.hold = None
             if answer == "failed":
                 raise LinkError("the executor is gone")
+
+    async def restore(self, request: executor_pb2.RestorePagesRequest) -> executor_pb2.RestorePagesReply:
+        await self._held()
         return await super().restore(request)
+
+    async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:
+        await self._held()
+        return await super().park(request)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -134,9 +141,9 @@ async def test_a_restore_answering_after_the_loss_gives_back_only_what_the_rebui
         assert (await client.park("parked")).bytes > 0
         _check_pools(stack, [], [])
         link.hold = asyncio.get_running_loop().create_future()
-        link.restoring.clear()
+        link.holding.clear()
         resume = asyncio.ensure_future(stack.planner.turns.resume(parked.tenant, "parked"))
-        await link.restoring.wait()  # its pages and state slots taken; the executor has not answered
+        await link.holding.wait()  # its pages and state slots taken; the executor has not answered
         lent_pages = [p for p in range(1, scheduler.pages.num_pages) if scheduler.pages.refcount(p)]
         lent_states = scheduler.states.total - scheduler.states.free_count
         assert lent_pages and lent_states
@@ -160,6 +167,33 @@ async def test_a_restore_answering_after_the_loss_gives_back_only_what_the_rebui
         await client.resume("parked")
         assert parked.pages and parked.states
         _forget(stack, parked, other)
+        _check_pools(stack, [], [])
+
+
+async def test_a_park_answering_after_the_loss_gives_back_what_the_rebuilt_pools_kept(stack):
+    """The executor reads the conversation's pages and state slots until it answers: the rebuilt pools keep them
+    out meanwhile (a request writing them would corrupt the snapshot), and take them back once it has."""
+    link = stack.engine.link
+    async with PlannerClient(stack.addr) as client:
+        kept = await _turn(stack, client, "kept")
+        lent_pages, lent_states = list(kept.pages), list(kept.states.values())
+        link.hold = asyncio.get_running_loop().create_future()
+        link.holding.clear()
+        park = asyncio.ensure_future(stack.planner.turns.park(kept.tenant, "kept"))
+        await link.holding.wait()
+        await link.lose()
+        assert not kept.pages and not kept.states and not kept.tokens  # its KV went with the executor
+        _check_pools(stack, lent_pages, lent_states)  # but what the executor reads stays out
+        other = await _turn(stack, client, "other", OTHER)
+        assert not set(other.pages) & set(lent_pages)
+        assert not set(other.states.values()) & set(lent_states)
+        link.hold.set_result("answered")
+        reply, _ = await park
+        assert reply.bytes > 0 and not kept.parked and not kept.parking
+        _check_pools(stack, other.pages, list(other.states.values()))
+        await client.resume("kept")  # the snapshot the executor wrote is in the cache
+        assert kept.pages and kept.states
+        _forget(stack, kept, other)
         _check_pools(stack, [], [])
 
 
