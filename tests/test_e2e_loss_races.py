@@ -1,7 +1,8 @@
 """An executor's loss racing what else runs, over real gRPC with a cache service, each interleaving driven by the
 test through the planner's link (FaultyLink): a restore still answering when the pools are rebuilt gives back
 only what the rebuilt pools kept for it, a plan whose send failed is counted by the recovery (its requests'
-pages are not freed into the rebuilt pools later), and a recovery that raises is logged and the engine serves on."""
+pages are not freed into the rebuilt pools later), a request whose recovery raises ends alone with INTERNAL, and a
+recovery that raises is logged and the engine serves on."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ OTHER = [(11 * i) % 500 + 5 for i in range(19)]
 class FaultyLink(GrpcLink):
     """The real link, with the faults a test injects where it wants them: the step stream lost while the
     engine idles (`lose`), a restore or park held until the test answers `hold` ("answered": the executor's
-    answer, "failed": the link error of an executor gone), the plan `fail_send` picks failing to go out (as a write
-    racing the stream's end does), the next reopen raising `fail_open`."""
+    answer, "failed": the link error of an executor gone), the plan `fail_next_send` picks failing to go out
+    (as a write racing the stream's end does), the next reopen raising `fail_open`."""
 
     def __init__(self, address: str):
         super().__init__(address)
@@ -48,6 +49,14 @@ class FaultyLink(GrpcLink):
         """The step stream ends now; returns once the engine has recovered and reopened it."""
         self._reopened.clear()
         self._lost.set()
+        await self.reopened()
+
+    def fail_next_send(self, which: Callable[[executor_pb2.StepPlan], bool]) -> None:
+        self._reopened.clear()
+        self.fail_send = which
+
+    async def reopened(self) -> None:
+        """Once the engine has recovered from the fault and reopened the stream."""
         await self._reopened.wait()
 
     async def until_ended(self) -> str:
@@ -207,7 +216,7 @@ async def test_a_plan_whose_send_failed_is_counted_by_the_recovery(stack):
         losses = engine.losses
         stream = client.generate(GenerateOptions(token_ids=PROMPT, max_tokens=60, ignore_eos=True))
         await stream.__anext__()  # it decodes
-        link.fail_send = lambda plan: bool(plan.prefill) and plan.bucket > 0
+        link.fail_next_send(lambda plan: bool(plan.prefill) and plan.bucket > 0)
         late = await client.generate_all(GenerateOptions(token_ids=OTHER, max_tokens=4, ignore_eos=True))
         with pytest.raises(grpc.aio.AioRpcError) as cut:
             async for _ in stream:
@@ -216,6 +225,33 @@ async def test_a_plan_whose_send_failed_is_counted_by_the_recovery(stack):
         assert late.token_ids == alone.token_ids
         await stack.wait_idle()
         assert engine.losses == losses + 1 and engine.serving
+        _check_pools(stack, [], [])
+
+
+async def test_a_request_whose_recovery_raises_ends_with_internal_and_the_engine_serves_on(stack):
+    """A planner defect made on purpose: a decoding request's pages are freed behind its back, so cutting it when
+    the executor is lost raises. That request alone ends with INTERNAL naming the defect; the engine serves on."""
+    link, engine, scheduler = stack.engine.link, stack.engine, stack.scheduler
+    async with PlannerClient(stack.addr) as client:
+        alone = await client.generate_all(GenerateOptions(token_ids=OTHER, max_tokens=4, ignore_eos=True))
+        losses = engine.losses
+        stream = client.generate(GenerateOptions(token_ids=PROMPT, max_tokens=60, ignore_eos=True))
+        await stream.__anext__()  # it decodes
+        (broken,) = scheduler.decoding
+        scheduler.pages.free(broken.pages)
+        link.fail_next_send(lambda plan: True)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async for _ in stream:
+                pass
+        assert failed.value.code() is grpc.StatusCode.INTERNAL
+        details = failed.value.details() or ""
+        assert "could not recover this request after the executor's loss: ValueError: page" in details, (
+            details
+        )
+        await link.reopened()
+        again = await client.generate_all(GenerateOptions(token_ids=OTHER, max_tokens=4, ignore_eos=True))
+        assert again.token_ids == alone.token_ids and engine.losses == losses + 1
+        await stack.wait_idle()
         _check_pools(stack, [], [])
 
 
