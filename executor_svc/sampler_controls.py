@@ -66,11 +66,16 @@ class SamplerControls:
 
     # --- writes (a plan, applied) ---------------------------------------------------------------------
 
-    def write(self, sampler_slots: np.ndarray, writes: ControlWrites | None) -> None:
-        """Every slot written whole loses its controls, but those `writes` names, written whole."""
+    def write(
+        self, sampler_slots: np.ndarray, device_slots: torch.Tensor, writes: ControlWrites | None
+    ) -> None:
+        """Every slot written whole loses its controls, but those `writes` names, written whole.
+        `device_slots`: `sampler_slots` already on the device (the slot store's upload of them); a copy from
+        the host here would synchronize the stream, holding every step that writes a row until the steps
+        launched before it end."""
         self._host_on[sampler_slots] = False
         self._host_logprobs[sampler_slots] = False
-        self.on[torch.from_numpy(sampler_slots.astype(np.int64)).to(self.device)] = False
+        self.on.index_fill_(0, device_slots.long(), False)
         if writes is None:
             return
         at, bias_at = 0, 0

@@ -144,8 +144,8 @@ class SlotStore:
         if plan.rows.segments:
             self.write_runs(plan.rows)
         if len(plan.sampler_slots):
-            self.write_sampler(plan.sampler_slots, plan.sampler_f32, plan.sampler_i32)
-            self.controls.write(plan.sampler_slots, plan.controls)
+            device_slots = self.write_sampler(plan.sampler_slots, plan.sampler_f32, plan.sampler_i32)
+            self.controls.write(plan.sampler_slots, device_slots, plan.controls)
 
     def set_slots(self, slots: np.ndarray) -> None:
         """The slot of each row of the next decode buckets (0 for padding rows)."""
@@ -177,13 +177,11 @@ class SlotStore:
             self._flat_rows[segment.flat_start : end].copy_(cells[at : at + segment.n_cells])
             at += segment.n_cells
 
-    def write_sampler(self, slots: np.ndarray, f32: np.ndarray, i32: np.ndarray) -> None:
+    def write_sampler(self, slots: np.ndarray, f32: np.ndarray, i32: np.ndarray) -> torch.Tensor:
         """Sampler state of slots written whole: f32[k, 2] (temperature, top_p) and i32[k, 4]
         (top_k, seed_lo, seed_hi, last_token); the seed is the two uint32 halves, and last_token < 0
-        keeps the loop-back value on the device."""
+        keeps the loop-back value on the device. Returns the slots as uploaded: i32[k] on the device."""
         k = len(slots)
-        if k == 0:
-            return
         self._samples[slots] = f32[:, 0] > 0
         self._variants.clear()
         staged = self._staging.host("sampler")
@@ -193,7 +191,7 @@ class SlotStore:
         words = self._staging.upload("sampler", _SAMPLER_WORDS * k)
         if self._kernels is not None:
             self._kernels.scatter_sampler(words, k, self._sampler_state)
-            return
+            return words[:k]
         index = words[:k].long()
         floats = words[k : 3 * k].view(torch.float32).view(k, SAMPLER_F32)
         ints = words[3 * k : 7 * k].view(k, SAMPLER_I32)
@@ -204,6 +202,7 @@ class SlotStore:
         self.seed[index] = (ints[:, 2].long() << 32) | (ints[:, 1].long() & 0xFFFFFFFF)
         last = ints[:, 3].long()
         self.last_token[index] = torch.where(last >= 0, last, self.last_token[index])
+        return words[:k]
 
     # --- the step's slots, read -------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ def controls_for(
         np.array([b for _, b in bias], np.float32),
         [None],
     )
-    controls.write(np.array([1, 2, 3], np.int32), writes)
+    controls.write(np.array([1, 2, 3], np.int32), torch.tensor([1, 2, 3], dtype=torch.int32), writes)
     return controls
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc.plan import Run, Segment, join_runs, parse_runs, row_writes, run_cells
+from executor_svc.plan import CheckedPlan, Run, Segment, join_runs, parse_runs, row_writes, run_cells
 from executor_svc.slot_store import SlotStore
 from protos.layout import RowLayout
 
@@ -158,14 +158,22 @@ def test_table_work_and_sampling_never_wait_for_the_gpu():
     torch.cuda.set_sync_debug_mode("error")  # any implicit device-to-host wait raises
     try:
         for _ in range(3):
-            store.set_slots(np.array([1, 0, 2, 0], dtype=np.int32))
-            store.write_runs(writes_of((1, 0, [4, 0, 0, 1]), (2, 0, [9, 0, 0, 2, 3])))
-            store.write_runs(writes_of((1, BLOCK_TABLE + 1, [5])))
-            store.write_sampler(
-                np.array([1, 2], dtype=np.int32),
-                np.array([[0.8, 0.9], [0.0, 1.0]], np.float32),
-                np.array([[5, 1, 0, 7], [0, 2, 0, -1]], dtype=np.int32),
+            # A plan of new rows, applied as the runner does: slots, runs, sampler state and controls.
+            store.apply(
+                CheckedPlan(
+                    4,
+                    np.array([1, 0, 2, 0], dtype=np.int32),
+                    writes_of((1, 0, [4, 0, 0, 1]), (2, 0, [9, 0, 0, 2, 3])),
+                    np.array([1, 2], dtype=np.int32),
+                    np.array([[0.8, 0.9], [0.0, 1.0]], np.float32),
+                    np.array([[5, 1, 0, 7], [0, 2, 0, -1]], dtype=np.int32),
+                    [],
+                    [],
+                    [],
+                    None,
+                )
             )
+            store.write_runs(writes_of((1, BLOCK_TABLE + 1, [5])))
             inputs = store.gather(4)
             logits = torch.randn(4, 100, device="cuda")
             tokens = sample(logits, *inputs.sampler, inputs.positions + 1)
