@@ -9,6 +9,7 @@ import numpy as np
 
 from planner_svc.admission import Admission
 from planner_svc.conversations import Conversations
+from planner_svc.decode_rows import in_slot_order, ready_rows, repeats_left, stored_lengths
 from planner_svc.loans import Loans
 from planner_svc.logprobs import LogprobRow
 from planner_svc.pages import PagePool
@@ -137,11 +138,11 @@ class Scheduler:
         step = PlannedStep(seq)
         finals = self._plan_prefill(step)
         room = self.layout.widest_bucket - len(finals)
-        ready = [r for r in self.decoding if r not in finals and self._kv_len(r) < r.end_len]
-        if len(ready) > room:  # more rows than the widest bucket: the least recently run go first
-            ready.sort(key=lambda r: r.last_seq)
-            ready = ready[:room]
-            self._dirty = True  # the rows rotate, so the next step differs
+        candidates = [r for r in self.decoding if r not in finals] if finals else self.decoding
+        lens = stored_lengths(candidates, self.slots.slots_of(candidates), self.mirror.rows)
+        # More rows than the widest bucket: the least recently run go first, and the rows rotate (dirty).
+        ready, ends, rotate = ready_rows(candidates, lens, room)
+        self._dirty = self._dirty or rotate
         if not (step.prefill or ready):
             self._steady, self._steady_left = None, 0
             return None
@@ -154,12 +155,15 @@ class Scheduler:
                 chunk.sample_slot = self.slots.held_slot(chunk.request)
                 writes.add(chunk.sample_slot, chunk.request, last_token=-1)
             chunk.request.last_seq = seq
-        self._plan_decode(step, ready, writes)
+        self._plan_decode(step, ready, ends, writes)
         step.sampler = writes if writes else None
         self._steps[seq] = step
         self._steady = step if step.bucket and not step.prefill else None
         self._assigned_seq = seq
-        self._steady_left = self._steady_steps(step) if self._steady is not None else 0
+        self._steady_left = 0
+        if self._steady is not None:  # its repeats read its slots while none reads a row past its end
+            self._steady_slots = self.mirror.last_slots
+            self._steady_left = repeats_left(self._steady_ends, self.mirror.rows, self._steady_slots)
         if self.prefilling or (self.waiting and self._can_admit(self.waiting[0])):
             self._dirty = True
         return step
@@ -184,12 +188,15 @@ class Scheduler:
         """Tell the slot cache about the reads of repeated steps, before it decides anything."""
         steady = self._steady
         if steady is not None and steady.seq > self._assigned_seq:
-            self.slots.assign(steady.seq, [r for r in steady.rows if self.slots.slot_of(r) is not None])
+            rows = steady.rows
+            self.slots.assign(
+                steady.seq, [r for r, s in zip(rows, self.slots.slots_of(rows)) if s is not None]
+            )
             self._assigned_seq = steady.seq
 
     def _assign(self, seq: int, requests: list[Request]) -> None:
         slot_of = self.slots.slot_of
-        missing = sum(1 for r in requests if slot_of(r) is None)
+        missing = self.slots.slots_of(requests).count(None)
         # Displacement hands a victim's slot to another row this step: keep the victim's length first.
         holders = (
             {r: slot for r in self.decoding if (slot := slot_of(r)) is not None}
@@ -240,21 +247,25 @@ class Scheduler:
             step.prefill.append(chunk)
         return finals
 
-    def _plan_decode(self, step: PlannedStep, ready: list[Request], writes: SamplerWrites) -> None:
+    def _plan_decode(
+        self, step: PlannedStep, ready: list[Request], ends: np.ndarray, writes: SamplerWrites
+    ) -> None:
         if not ready:
             return
-        slot_of = self.slots.held_slot  # every ready row was just assigned one
-        ready.sort(key=slot_of)
+        ready, held, self._steady_ends = in_slot_order(
+            ready, self.slots.slots_of(ready), ends
+        )  # all hold one
         bucket = next(b for b in self.config.buckets if b >= len(ready))
         slots = np.zeros(bucket, dtype=I32)
+        slots[: len(ready)] = held
         whole: list[tuple[int, np.ndarray]] = []
-        for row, request in enumerate(ready):
-            slot = slot_of(request)
-            slots[row] = slot
-            kv_len = self._kv_len(request)
-            if request.stale:
+        for request, slot in zip(ready, slots.tolist()):
+            if request.stale:  # its kv_len is the request's own (_kv_len)
                 whole.append(
-                    (slot, self.mirror.whole_row(kv_len, request.pages, state_slot=request.state_slot))
+                    (
+                        slot,
+                        self.mirror.whole_row(request.kv_len, request.pages, state_slot=request.state_slot),
+                    )
                 )
                 last = request.output_ids[-1] if request.last_seq <= self.committed else -1
                 writes.add(slot, request, last_token=last)
@@ -267,17 +278,8 @@ class Scheduler:
             step.mirror = self.mirror.read(slots).tobytes()
         self.mirror.advance()
 
-    def _steady_steps(self, step: PlannedStep) -> int:
-        """How many next steps can repeat this one: none reads a row past its end."""
-        self._steady_slots = self.mirror.last_slots  # what the repeats read
-        self._steady_ends = np.fromiter((r.end_len for r in step.rows), dtype=np.int64, count=len(step.rows))
-        real = self._steady_slots[: len(step.rows)]
-        lens = self.mirror.rows[real, RowLayout.KV_LEN].astype(np.int64)
-        return int((self._steady_ends - lens).min())
-
     def _kv_len(self, request: Request) -> int:
-        slot = self.slots.slot_of(request)
-        return request.kv_len if slot is None or request.stale else self.mirror.kv_len(slot)
+        return int(stored_lengths([request], [self.slots.slot_of(request)], self.mirror.rows)[0])
 
     # --- admission (the order: admission.py) ----------------------------------------------------
     def _can_admit(self, request: Request) -> bool:

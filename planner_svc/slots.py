@@ -63,6 +63,10 @@ class SlotCache(Generic[K]):
     def slot_of(self, request_id: K) -> int | None:
         return self._slot_of.get(request_id)
 
+    def slots_of(self, request_ids: Sequence[K]) -> list[int | None]:
+        """slot_of of each, in one pass."""
+        return list(map(self._slot_of.get, request_ids))
+
     def held_slot(self, request_id: K) -> int:
         """The slot of a request that holds one (a KeyError names one that holds none)."""
         return self._slot_of[request_id]
