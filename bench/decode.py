@@ -55,6 +55,7 @@ from planner_svc.link import GrpcLink
 from planner_svc.server import start_planner_server
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.auth import parse_keys
+from protos.heap import freeze_startup_heap
 from protos.rpc import ChannelSecurity, ServerSecurity, StartedServer, open_channel
 from protos.tls import ClientTLS, ServerTLS
 from protos.wire import pack_i32, unpack_i32
@@ -511,6 +512,7 @@ async def serve_executor(args: argparse.Namespace, stop: asyncio.Event) -> None:
     server = await start_executor_server(runner, security=ServerSecurity(tls=tls))
     protocol.write(json.dumps({"port": server.port, "capture": states}) + "\n")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    freeze_startup_heap()  # as `deltaserve executor` does once serving
     # The only request is {"times": true}; the runner's floats are safe to read from answer_lines' thread.
     await answer_lines(protocol, lambda request: asdict(runner.times), stop)
     await server.stop(None)
@@ -610,6 +612,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
                     name, planner_config, runners.get(name), children.get(name), certs
                 )
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+        freeze_startup_heap()  # as `deltaserve planner` does once serving
         clients = await ClientsChild.start("clients", "--serve-clients")
         await clients.ready()
 

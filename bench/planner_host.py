@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import logging
 import os
 import statistics
@@ -42,6 +43,7 @@ from executor_svc.slot_store import SlotStore
 from planner_svc.config import PlannerConfig, SchedulingConfig
 from planner_svc.server import start_planner_server
 from protos import executor_pb2
+from protos.heap import freeze_startup_heap
 from protos.layout import RowLayout
 from protos.wire import pack_i32
 
@@ -115,6 +117,26 @@ class DeviceStandIn:
         pass
 
 
+class GcTimes:
+    """The time each generation's collections took, from gc.callbacks."""
+
+    def __init__(self) -> None:
+        self.ms = [0.0, 0.0, 0.0]
+        self.count = [0, 0, 0]
+        self._began = 0.0
+
+    def note(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        generation = info["generation"]
+        self.ms[generation] += (time.perf_counter() - self._began) * 1e3
+        self.count[generation] += 1
+
+    def summary(self) -> dict:
+        return {f"gen{g}": {"count": self.count[g], "ms": round(self.ms[g], 1)} for g in range(3)}
+
+
 def apply_replay(
     plans: list[executor_pb2.StepPlan], measured: int, layout: RowLayout, pool_pages: int
 ) -> dict:
@@ -156,6 +178,8 @@ async def run(args: argparse.Namespace) -> dict:
     )
     engine = planner.servicer.engines[0]
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    if not args.no_freeze:
+        freeze_startup_heap()  # as `deltaserve planner` does once serving
     address = f"127.0.0.1:{planner.port}"
     clients = await ClientsChild.start("clients", "--serve-clients")
     rng = np.random.default_rng(0)
@@ -167,6 +191,8 @@ async def run(args: argparse.Namespace) -> dict:
         await clients.generate(address, prompts, 8)  # warm-up
         warm_plans = len(stand_in.plans)
         before = asdict(engine.times)
+        collections = GcTimes()
+        gc.callbacks.append(collections.note)
         profile = cProfile.Profile() if args.profile else None
         if profile is not None:
             profile.enable()
@@ -175,6 +201,7 @@ async def run(args: argparse.Namespace) -> dict:
             profile.disable()
             profile.dump_stats(args.profile)
         times = {k: v - before[k] for k, v in asdict(engine.times).items()}
+        gc.callbacks.remove(collections.note)
     finally:
         await clients.close()
         await planner.stop(None)
@@ -196,7 +223,10 @@ async def run(args: argparse.Namespace) -> dict:
             for k in ("plan", "encode", "send", "wait", "stream", "commit")
         },
         "streams_written_per_step": per_step(times["streams_written"], steps),
+        # this process's cyclic garbage collections over the measured round (planner, and the stand-in)
+        "gc": collections.summary(),
         "executor_apply": apply_replay(stand_in.plans, warm_plans, layout, pool_pages),
+        "heap_frozen": not args.no_freeze,
         "commit": args.commit or commit_hash(),
         "host": "CPU (no device)",
     }
@@ -214,6 +244,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--tokenizer", default=None, help="tokenizer dir or GGUF (default: the SmolLM2 GGUF)")
     parser.add_argument("--profile", default=None, help="write cProfile stats of the measured round here")
+    parser.add_argument("--no-freeze", action="store_true", help="leave the start-up heap to the collector")
     parser.add_argument("--out", default=None, help="append the record to this JSON file")
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()

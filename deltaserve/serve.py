@@ -20,6 +20,7 @@ from executor_svc.config import ExecutorConfig
 from planner_svc.config import PlannerConfig, SchedulingConfig
 from planner_svc.retention import RetentionConfig
 from protos import executor_pb2, executor_pb2_grpc
+from protos.heap import freeze_startup_heap
 from protos.metrics_port import serve_metrics
 from protos.rpc import ChannelSecurity, open_channel, wait_serving
 
@@ -168,7 +169,8 @@ def _metrics(
 
 
 async def _serve_until_stopped(stop: asyncio.Event, **listening) -> None:
-    log.info("listening", **listening)
+    frozen = freeze_startup_heap()  # no full collection walks the start-up heap mid-step (protos/heap.py)
+    log.info("listening", **listening, frozen_objects=frozen)
     await stop.wait()
     log.info("stopping", grace_s=SHUTDOWN_GRACE_S)
 
