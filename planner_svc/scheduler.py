@@ -252,9 +252,7 @@ class Scheduler:
     ) -> None:
         if not ready:
             return
-        ready, held, self._steady_ends = in_slot_order(
-            ready, self.slots.slots_of(ready), ends
-        )  # all hold one
+        ready, held, self._steady_ends = in_slot_order(ready, self.slots.slots_of(ready), ends)
         bucket = next(b for b in self.config.buckets if b >= len(ready))
         slots = np.zeros(bucket, dtype=I32)
         slots[: len(ready)] = held
