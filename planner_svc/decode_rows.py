@@ -16,9 +16,9 @@ from protos.layout import RowLayout
 def stored_lengths(requests: Sequence[Request], slots: Sequence[int | None], rows: np.ndarray) -> np.ndarray:
     """int64[n]: each request's stored length, the mirror's (`rows`, int32[S, C]) where it holds a slot
     (`slots`, row for row) and its row is not stale, else its own `kv_len`."""
-    own = [r.stale or s is None for r, s in zip(requests, slots)]
-    lens = rows[[0 if o else s for o, s in zip(own, slots)], RowLayout.KV_LEN].astype(np.int64)
-    for index in compress(range(len(requests)), own):
+    held = np.array([0 if r.stale or s is None else s for r, s in zip(requests, slots)], dtype=np.intp)
+    lens = rows[held, RowLayout.KV_LEN].astype(np.int64)  # slot 0, the sink, is never held: their own
+    for index in np.flatnonzero(held == 0).tolist():
         lens[index] = requests[index].kv_len
     return lens
 
@@ -39,9 +39,10 @@ def ready_rows(
 
 
 def in_slot_order(
-    ready: Sequence[Request], slots: Sequence[int], ends: np.ndarray
+    ready: Sequence[Request], slots: Sequence[int | None], ends: np.ndarray
 ) -> tuple[list[Request], np.ndarray, np.ndarray]:
-    """The rows sorted by their slots (distinct), with their slots (int32) and ends in the same order."""
+    """The rows sorted by their slots (each holds one, distinct), with their slots (int32) and ends in the same
+    order."""
     held = np.asarray(slots, dtype=np.int32)
     order = np.argsort(held, kind="stable")
     return [ready[i] for i in order.tolist()], held[order], ends[order]
