@@ -84,9 +84,10 @@ def test_gather_reads_rows_by_slot(store: SlotStore):
     assert inputs.positions.tolist() == [17, 0, 7]
     assert inputs.kv_lens.tolist() == [17, 0, 5]
     assert inputs.block_tables.tolist() == [[3, 4, 5, 0], [0, 0, 0, 0], [1, 2, 0, 0]]
-    assert inputs.sampler.temperature.tolist() == pytest.approx([0.0, 0.0, 0.7])
-    assert inputs.sampler.top_k.tolist() == [0, 0, 40]
-    assert inputs.sampler.seed.tolist() == [12, 0, 11]
+    sampler = store.sampler_params(store.step_slots[:3])
+    assert sampler.temperature.tolist() == pytest.approx([0.0, 0.0, 0.7])
+    assert sampler.top_k.tolist() == [0, 0, 40]
+    assert sampler.seed.tolist() == [12, 0, 11]
 
 
 def test_advance_and_loop_back_skip_padding_and_keep_the_sink_row_zero(store: SlotStore):
@@ -176,7 +177,7 @@ def test_table_work_and_sampling_never_wait_for_the_gpu():
             store.write_runs(writes_of((1, BLOCK_TABLE + 1, [5])))
             inputs = store.gather(4)
             logits = torch.randn(4, 100, device="cuda")
-            tokens = sample(logits, *inputs.sampler, inputs.positions + 1)
+            tokens = sample(logits, *store.sampler_params(store.step_slots[:4]), inputs.positions + 1)
             store.store_tokens(4, tokens)
             store.store_prefill_tokens(store.step_slots[:1], tokens[:1])
             store.advance(4)
