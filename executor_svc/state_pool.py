@@ -72,7 +72,10 @@ class StatePool:
         copy, or its restore)."""
         if len(pairs) == 0:
             return
-        index = torch.from_numpy(np.asarray(pairs, dtype=np.int64)).to(self.conv.device)
+        index = torch.from_numpy(np.asarray(pairs, dtype=np.int64))
+        if self.conv.device.type == "cuda":  # pinned: queued without waiting for the steps launched before
+            index = index.pin_memory()
+        index = index.to(self.conv.device, non_blocking=True)
         src, dst = index[:, 0], index[:, 1]
         self.conv[:, dst] = self.conv[:, src]
         self.recurrent[:, dst] = self.recurrent[:, src]

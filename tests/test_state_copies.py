@@ -38,14 +38,21 @@ def test_state_copies_are_checked():
             check_plan(executor_pb2.StepPlan(seq=0, state_copies=pack_i32(copies)), limits, 0)
 
 
-def test_state_pool_copies_every_layer():
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_state_pool_copies_every_layer(device: str):
     pool = StatePool(
-        2, 4, channels=3, conv_width=4, heads=2, key_dim=2, value_dim=2, dtype=torch.float32, device="cpu"
+        2, 4, channels=3, conv_width=4, heads=2, key_dim=2, value_dim=2, dtype=torch.float32, device=device
     )
     pool.conv.normal_()
     pool.recurrent.normal_()
     before_conv, before_recurrent = pool.conv.clone(), pool.recurrent.clone()
-    pool.copy(np.array([[1, 3]], dtype=np.int32))
+    if device == "cuda":  # the copy is queued behind the steps launched before it, never waits for them
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        pool.copy(np.array([[1, 3]], dtype=np.int32))
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(pool.conv[:, 3], before_conv[:, 1]) and torch.equal(
         pool.recurrent[:, 3], before_recurrent[:, 1]
     )
