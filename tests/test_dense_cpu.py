@@ -32,13 +32,17 @@ def kernel() -> None:
 
 
 def _model(variant: str, tmp_path: Path, type_name: str | None) -> DenseModel:
-    """The variant's random checkpoint loaded on the CPU, its layers' projections packed as `type_name`
-    (gguf's own quantizer) and fused, as the loader does for a GGUF; None: left float."""
+    """The variant's random checkpoint loaded on the CPU, its biases and norm weights made random too
+    (transformers makes them 0 and 1: a step that dropped one would pass), its layers' projections packed as
+    `type_name` (gguf's own quantizer) and fused, as the loader does for a GGUF; None: left float."""
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(tiny_families.hf_config(variant), dtype=torch.float32)
     hf.save_pretrained(tmp_path)
     model = load_model(str(tmp_path), "cpu", torch.float32)
     assert isinstance(model, DenseModel)
+    for name, param in model.named_parameters():
+        if name.endswith(".bias") or "norm" in name:
+            param.add_(0.3 * torch.randn_like(param))
     if type_name is not None:
         packed = {}
         for name, param in model.named_parameters():
@@ -60,31 +64,37 @@ def _step(model: DenseModel, kv, tokens, kv_lens, tables, torch_layers: bool) ->
 
 
 @pytest.mark.parametrize(
-    ("variant", "type_name"), [("linear_biases", "Q4_1"), ("qwen3", "Q8_0"), ("llama3", "Q4_0")]
+    ("variant", "type_name", "rows"),
+    [("linear_biases", "Q4_1", 5), ("qwen3", "Q8_0", 8), ("llama3", "Q4_0", 1)],
 )
-def test_the_c_step_equals_the_torch_layers(variant, type_name, tmp_path):
+def test_the_c_step_equals_the_torch_layers(variant, type_name, rows, tmp_path):
     model = _model(variant, tmp_path, type_name)
-    c_kv = model.make_kv_pool(num_pages=24, page_size=PAGE)
+    c_kv = model.make_kv_pool(num_pages=64, page_size=PAGE)
     c_kv.k.normal_(), c_kv.v.normal_()  # stored K/V as if prompts had been read
-    torch_kv = model.make_kv_pool(num_pages=24, page_size=PAGE)
+    torch_kv = model.make_kv_pool(num_pages=64, page_size=PAGE)
     torch_kv.k.copy_(c_kv.k), torch_kv.v.copy_(c_kv.v)
-    # Row 0 pads (length 0, the sink page's table); the others hold 5, 37 and 70 positions on shuffled pages.
-    kv_lens = torch.tensor([0, 5, 37, 70], dtype=torch.int32)
-    pages = torch.randperm(23, generator=torch.Generator().manual_seed(1))[:18] + 1
-    tables = torch.zeros(4, 6, dtype=torch.int32)
-    tables[1:] = pages.view(3, 6).to(torch.int32)
-    tokens = torch.tensor([0, 17, 230, 401])
+    # Row 0 pads where there are several (length 0, the sink page's table); the others hold 5 to 70 positions
+    # on shuffled pages.
+    kv_lens = torch.tensor([0, 5, 37, 70, 12, 50, 3, 66][:rows] if rows > 1 else [37], dtype=torch.int32)
+    pages = torch.randperm(63, generator=torch.Generator().manual_seed(1))[: rows * 6] + 1
+    tables = pages.view(rows, 6).to(torch.int32)
+    tokens = torch.randint(1, tiny_families.VOCAB, (rows,), generator=torch.Generator().manual_seed(2))
+    real = slice(1, None) if rows > 1 else slice(None)
+    if rows > 1:
+        tables[0], tokens[0] = 0, 0
     for _ in range(3):
         c_logits = _step(model, c_kv, tokens, kv_lens, tables, torch_layers=False)
         assert model.cpu_layers is not None and model.cpu_layers[1] is not None, "the C step served"
         torch_logits = _step(model, torch_kv, tokens, kv_lens, tables, torch_layers=True)
-        torch.testing.assert_close(c_logits, torch_logits, rtol=1e-4, atol=1e-4)
-        assert torch.equal(c_logits[1:].argmax(-1), torch_logits[1:].argmax(-1))
-        torch.testing.assert_close(c_kv.k, torch_kv.k, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(c_kv.v, torch_kv.v, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c_logits[real], torch_logits[real], rtol=1e-4, atol=1e-4)
+        assert torch.equal(c_logits[real].argmax(-1), torch_logits[real].argmax(-1))
+        # Page 0 is the sink: the padding row's K/V go nowhere that is read.
+        torch.testing.assert_close(c_kv.k[:, 1:], torch_kv.k[:, 1:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c_kv.v[:, 1:], torch_kv.v[:, 1:], rtol=1e-5, atol=1e-5)
         tokens = c_logits.argmax(-1)
-        tokens[0] = 0
-        kv_lens[1:] += 1
+        kv_lens[real] += 1
+        if rows > 1:
+            tokens[0] = 0
 
 
 def test_the_torch_layers_serve_where_the_c_step_cannot(tmp_path):

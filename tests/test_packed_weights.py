@@ -4,16 +4,19 @@ and the packed matmul equals the de-quantized matmul within float32 tolerance, f
 
 from __future__ import annotations
 
+import platform
+
 import gguf
 import numpy as np
 import pytest
 import torch
 
+from executor_svc import c_kernels
 from executor_svc.models import packed_kernel
 from executor_svc.models.gguf_packing import PACKABLE, pack_gguf
 from executor_svc.models.packed import PackedEmbedding, PackedLinear, PackedWeight
 
-ROWS, COLS = 80, 512  # COLS: two K-quant super-blocks
+ROWS, COLS = 83, 512  # COLS: two K-quant super-blocks; ROWS: not a multiple of the kernel's block of 4
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")  # gguf's numpy quantizers; the rest get random blocks
 
 
@@ -45,7 +48,7 @@ def test_packed_weights_equal_gguf_dequantized(type_name):
     assert packed.shape == (ROWS, COLS)
     assert packed.nbytes < reference.nbytes / 3, "packed, not a float copy"
     assert np.array_equal(packed.dequantize_rows().numpy(), reference)
-    rows = torch.tensor([5, 0, 79, 5])
+    rows = torch.tensor([5, 0, 82, 5])
     assert torch.equal(packed.dequantize_rows(rows), torch.from_numpy(reference)[rows])
 
 
@@ -95,3 +98,66 @@ def test_float16_scales_read_exactly_zero_subnormal_and_negative_included():
         x = torch.randn(3, 32, generator=torch.Generator().manual_seed(4))
         bound = x.abs().double() @ expected.abs().double().t()  # sums in another order
         assert ((packed.matmul(x).double() - x.double() @ expected.double().t()).abs() <= 1e-5 * bound).all()
+
+
+def test_no_rows_give_no_rows():
+    linear = PackedLinear(pack_gguf(_blocks("Q4_1", seed=5), "Q4_1", ROWS, COLS))
+    assert linear(torch.randn(0, COLS)).shape == (0, ROWS)
+    assert linear(torch.randn(2, 0, COLS)).shape == (2, 0, ROWS)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for x86-64-v2")
+def test_the_portable_kernel_is_as_exact_as_the_native_one():
+    """The kernel built without AVX-512 or F16C (its scalar loops and software float16 conversion: what machines
+    without them run, and the CI machine otherwise never builds) de-quantizes every weight to gguf's value and
+    multiplies within float32's reordering bound, as the native build does."""
+    flags = tuple(f for f in packed_kernel._FLAGS if not f.startswith("-march")) + ("-march=x86-64-v2",)
+    portable = c_kernels.build(packed_kernel._SOURCE, flags)
+    native = packed_kernel.library()
+    for type_name in ("Q4_1", "Q4_0", "Q8_0", "Q4_K"):
+        weight = pack_gguf(_blocks(type_name, seed=6), type_name, ROWS, COLS)
+        half = weight.scale.dtype == torch.float16
+        minv = None if weight.minv is None else weight.minv.data_ptr()
+        dense = weight.dequantize_rows().double()
+        for m in (1, 3, packed_kernel.MAX_ROWS):
+            x = torch.randn(m, COLS, generator=torch.Generator().manual_seed(m))
+            # float32 sums in another order than the double ones: bounded by the sum of the products' sizes
+            expected, bound = x.double() @ dense.T, x.abs().double() @ dense.abs().T
+            for lib in (portable, native):
+                out = torch.empty(m, ROWS)
+                lib.packed_matmul.argtypes = native.packed_matmul.argtypes
+                lib.packed_matmul(
+                    weight.bits,
+                    weight.offset,
+                    half,
+                    weight.q.data_ptr(),
+                    weight.scale.data_ptr(),
+                    minv,
+                    ROWS,
+                    COLS,
+                    x.data_ptr(),
+                    m,
+                    out.data_ptr(),
+                    1,
+                )
+                assert ((out.double() - expected).abs() <= 1e-5 * bound + 1e-30).all()
+        rows = torch.arange(ROWS, dtype=torch.int64)
+        dequantized = []
+        for lib in (portable, native):
+            out = torch.empty(ROWS, COLS)
+            lib.packed_dequantize.argtypes = native.packed_dequantize.argtypes
+            lib.packed_dequantize(
+                weight.bits,
+                weight.offset,
+                half,
+                weight.q.data_ptr(),
+                weight.scale.data_ptr(),
+                minv,
+                COLS,
+                rows.data_ptr(),
+                ROWS,
+                out.data_ptr(),
+                1,
+            )
+            dequantized.append(out)
+        assert torch.equal(dequantized[0], dequantized[1]), "every weight gguf's value in both builds"

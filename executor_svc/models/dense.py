@@ -280,7 +280,11 @@ class DenseModel(nn.Module):
     def _cpu_layers(self, attention: Attention, x: torch.Tensor) -> CpuDecodeLayers | None:
         """The C decode step where it serves this step: a CPU decode step (its attention reads the pages in
         place) of at most MAX_ROWS rows, over a model and pool it can serve."""
-        if not isinstance(attention, TorchDecode) or attention.paged is None or x.shape[0] > MAX_ROWS:
+        if (
+            not isinstance(attention, TorchDecode)
+            or attention.paged is None
+            or not 0 < x.shape[0] <= MAX_ROWS
+        ):
             return None
         if self.cpu_layers is None or self.cpu_layers[0] is not attention.kv:
             self.cpu_layers = (attention.kv, CpuDecodeLayers.over(self, attention.kv))

@@ -54,7 +54,7 @@ static void qkv_heads(const dense_shape_t *s, const dense_layer_t *layer, float 
     const float *norm = h < s->heads ? layer->q_norm : layer->k_norm;
     if (norm) rms_norm(head, norm, d, s->eps, head);
     rope(head, cos, sin, d);
-    if (h >= s->heads) {
+    if (h >= s->heads && write_page[b] != 0) { /* padding rows write nothing: the sink page's K/V never matter */
         const int64_t kv_head = h - s->heads, position_stride = s->kv_heads * d;
         const int64_t at = (write_page[b] * s->page_size + write_offset[b]) * position_stride + kv_head * d;
         const float *v = row + (s->heads + s->kv_heads + kv_head) * d;

@@ -180,7 +180,7 @@ class CpuDecodeLayers:
         """x[B <= MAX_ROWS, hidden] float32 through every layer, in place (returned); each row's K/V written at
         (inputs.write_page, inputs.write_offset) and attended over attn_lens[b] positions of tables[b]."""
         lib = library()
-        assert lib is not None and x.shape[0] <= MAX_ROWS and x.is_contiguous()
+        assert lib is not None and 0 < x.shape[0] <= MAX_ROWS and x.is_contiguous()
         batch, threads = x.shape[0], torch.get_num_threads()
         need = lib.dense_scratch_floats(ctypes.byref(self.shape), batch, threads)
         if self._scratch.numel() < need:

@@ -32,6 +32,14 @@ class PackedWeight:
     scale: torch.Tensor  # float32 or float16 [N, K / GROUP]
     minv: torch.Tensor | None  # as scale; None: every minimum is 0
 
+    def __post_init__(self) -> None:
+        if self.scale.dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"packed scales must be float16 or float32, got {self.scale.dtype}")
+        if self.minv is not None and self.minv.dtype != self.scale.dtype:
+            raise ValueError(
+                f"packed minimums ({self.minv.dtype}) must share the scales' dtype ({self.scale.dtype})"
+            )
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.scale.shape[0], self.scale.shape[1] * GROUP
@@ -79,6 +87,8 @@ class PackedWeight:
         """x[..., K] float32 @ w^T -> [..., N] float32."""
         n, k = self.shape
         x2 = x.reshape(-1, k).contiguous()  # x2: [M, K]
+        if x2.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], n)
         if x2.shape[0] <= packed_kernel.MAX_ROWS:
             out = packed_kernel.matmul(self.bits, self.offset, self.q, self.scale, self.minv, x2)
         else:

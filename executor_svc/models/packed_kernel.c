@@ -159,13 +159,15 @@ static inline __attribute__((always_inline)) void block_fixed(const int BITS, co
     case 5: block_fixed(BITS, 5, NB, w, START, x, out + START - n0, out_stride, add); break;                                \
     case 6: block_fixed(BITS, 6, NB, w, START, x, out + START - n0, out_stride, add); break;                                \
     case 7: block_fixed(BITS, 7, NB, w, START, x, out + START - n0, out_stride, add); break;                                \
-    default: block_fixed(BITS, 8, NB, w, START, x, out + START - n0, out_stride, add); break;                                \
+    case 8: block_fixed(BITS, 8, NB, w, START, x, out + START - n0, out_stride, add); break;                                \
+    default: __builtin_trap(); /* packed_block takes 1 <= m <= MAX_ROWS */                                        \
     }
 
 /* Output rows [n0, n0 + count) with count <= BLOCK, for m <= MAX_ROWS rows of x, into out[r * out_stride + j]
  * (out points at column n0), added to what it holds where `add`. */
 static void packed_block(const packed_t *w, int64_t n0, int64_t count, const float *x, int64_t m, float *out,
                          int64_t out_stride, int add) {
+    if (m <= 0) return;
     if (count == BLOCK && m <= 4) {
         if (w->bits == 4) { ROWS_CASES(4, BLOCK, n0) } else { ROWS_CASES(8, BLOCK, n0) }
         return;
@@ -192,7 +194,8 @@ static void packed_block(const packed_t *w, int64_t n0, int64_t count, const flo
             decode_group(w, n, g, wg);
             for (int64_t r = 0; r < m; r++) {
                 const float *xg = x + r * k + g * GROUP;
-                for (int j = 0; j < GROUP; j++) acc[r][j] = __builtin_fmaf(xg[j], wg[j], acc[r][j]);
+                /* a multiply and an add: without hardware FMA, fmaf would be a libm call an element */
+                for (int j = 0; j < GROUP; j++) acc[r][j] += xg[j] * wg[j];
             }
         }
         for (int64_t r = 0; r < m; r++) {

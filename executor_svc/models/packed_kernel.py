@@ -16,9 +16,8 @@ log = logging.getLogger(__name__)
 _SOURCE = os.path.join(os.path.dirname(__file__), "packed_kernel.c")
 # No FMA contraction: each weight is rounded as gguf's de-quantization rounds it (see packed_kernel.c).
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
-MAX_ROWS = (
-    8  # packed_kernel.c's MAX_ROWS: more rows go through a de-quantized scratch matrix and torch's GEMM
-)
+# packed_kernel.c's MAX_ROWS: more rows go through a de-quantized scratch matrix and torch's GEMM
+MAX_ROWS = 8
 
 
 @functools.cache
