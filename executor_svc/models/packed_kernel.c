@@ -209,9 +209,9 @@ static void packed_block(const packed_t *w, int64_t n0, int64_t count, const flo
 #endif
 
 /* out[m, N] (= or += where `add`) x @ w^T, the blocks of N shared out among the threads of the enclosing parallel
- * region (an orphaned `omp for`): call it from every thread of a region, or alone outside one. */
+ * region (an orphaned `omp for`, no barrier after it: the caller's): call it from every thread of a region. */
 static void packed_rows_for(const packed_t *w, const float *x, int64_t m, float *out, int add) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t n0 = 0; n0 < w->n; n0 += BLOCK)
         packed_block(w, n0, w->n - n0 < BLOCK ? w->n - n0 : BLOCK, x, m, out + n0, w->n, add);
 }
