@@ -75,4 +75,17 @@ def build(source_path: str, flags: tuple[str, ...]) -> ctypes.CDLL:
             raise KernelUnavailable(f"building the {name} kernel failed: {result.stderr.strip()[:500]}")
         os.replace(tmp, path)
         log.info("built the %s kernel into %s", name, path)
-    return ctypes.CDLL(path)
+    try:
+        return ctypes.CDLL(path)
+    except OSError as e:  # a cached build this machine cannot load (truncated, another libc)
+        raise KernelUnavailable(f"loading the {name} kernel from {path} failed: {e}") from None
+
+
+def build_or_none(source_path: str, flags: tuple[str, ...], instead: str) -> ctypes.CDLL | None:
+    """build(), or None where the kernel cannot be built or loaded, with a warning naming the reason and
+    `instead`, what serves in its place."""
+    try:
+        return build(source_path, flags)
+    except KernelUnavailable as e:
+        log.warning("%s; %s instead", e, instead)
+        return None

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc import c_kernels
 from executor_svc.models import packed_kernel
 from executor_svc.models.gguf_packing import PACKABLE, pack_gguf
 from executor_svc.models.packed import PackedEmbedding, PackedLinear, PackedWeight
@@ -107,57 +106,22 @@ def test_no_rows_give_no_rows():
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for x86-64-v2")
-def test_the_portable_kernel_is_as_exact_as_the_native_one():
+def test_the_portable_kernel_is_as_exact_as_the_native_one(monkeypatch):
     """The kernel built without AVX-512 or F16C (its scalar loops and software float16 conversion: what machines
     without them run, and the CI machine otherwise never builds) de-quantizes every weight to gguf's value and
     multiplies within float32's reordering bound, as the native build does."""
-    flags = tuple(f for f in packed_kernel._FLAGS if not f.startswith("-march")) + ("-march=x86-64-v2",)
-    portable = c_kernels.build(packed_kernel._SOURCE, flags)
-    native = packed_kernel.library()
+    portable = tuple(f for f in packed_kernel._FLAGS if not f.startswith("-march")) + ("-march=x86-64-v2",)
+    builds = (packed_kernel.library(), packed_kernel.library(portable))
     for type_name in ("Q4_1", "Q4_0", "Q8_0", "Q4_K"):
         weight = pack_gguf(_blocks(type_name, seed=6), type_name, ROWS, COLS)
-        half = weight.scale.dtype == torch.float16
-        minv = None if weight.minv is None else weight.minv.data_ptr()
-        dense = weight.dequantize_rows().double()
-        for m in (1, 3, packed_kernel.MAX_ROWS):
-            x = torch.randn(m, COLS, generator=torch.Generator().manual_seed(m))
-            # float32 sums in another order than the double ones: bounded by the sum of the products' sizes
-            expected, bound = x.double() @ dense.T, x.abs().double() @ dense.abs().T
-            for lib in (portable, native):
-                out = torch.empty(m, ROWS)
-                lib.packed_matmul.argtypes = native.packed_matmul.argtypes
-                lib.packed_matmul(
-                    weight.bits,
-                    weight.offset,
-                    half,
-                    weight.q.data_ptr(),
-                    weight.scale.data_ptr(),
-                    minv,
-                    ROWS,
-                    COLS,
-                    x.data_ptr(),
-                    m,
-                    out.data_ptr(),
-                    1,
-                )
-                assert ((out.double() - expected).abs() <= 1e-5 * bound + 1e-30).all()
-        rows = torch.arange(ROWS, dtype=torch.int64)
         dequantized = []
-        for lib in (portable, native):
-            out = torch.empty(ROWS, COLS)
-            lib.packed_dequantize.argtypes = native.packed_dequantize.argtypes
-            lib.packed_dequantize(
-                weight.bits,
-                weight.offset,
-                half,
-                weight.q.data_ptr(),
-                weight.scale.data_ptr(),
-                minv,
-                COLS,
-                rows.data_ptr(),
-                ROWS,
-                out.data_ptr(),
-                1,
-            )
-            dequantized.append(out)
+        for lib in builds:
+            monkeypatch.setattr(packed_kernel, "library", lambda lib=lib: lib)
+            dense = weight.dequantize_rows()
+            dequantized.append(dense)
+            for m in (1, 3, packed_kernel.MAX_ROWS):
+                x = torch.randn(m, COLS, generator=torch.Generator().manual_seed(m))
+                # float32 sums in another order than the double ones: bounded by the sum of the products' sizes
+                expected, bound = x.double() @ dense.double().T, x.abs().double() @ dense.abs().double().T
+                assert ((weight.matmul(x).double() - expected).abs() <= 1e-5 * bound + 1e-30).all()
         assert torch.equal(dequantized[0], dequantized[1]), "every weight gguf's value in both builds"

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 
 import torch
 
-from executor_svc.c_kernels import KernelUnavailable, build
-
-log = logging.getLogger(__name__)
+from executor_svc.c_kernels import build_or_none
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "paged_cpu.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
@@ -21,10 +18,8 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None (logged once) where it cannot be built: the gathering torch path serves."""
-    try:
-        lib = build(_SOURCE, _FLAGS)
-    except KernelUnavailable as e:
-        log.warning("%s; the CPU decode attention gathers the pages instead", e)
+    lib = build_or_none(_SOURCE, _FLAGS, "the CPU decode attention gathers the pages")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.paged_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr]

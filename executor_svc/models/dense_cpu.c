@@ -49,7 +49,7 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
 /* The q and k heads of row b normed (where the model has head norms) and rotated; its k and v heads written to
  * their page. Task: one head of one row, q heads first, then the kv heads. */
 static void qkv_heads(const dense_shape_t *s, const dense_layer_t *layer, float *qkv, int64_t qkv_size, int64_t task,
-                      const int64_t *positions, const int64_t *write_page, const int64_t *write_offset) {
+                      const int64_t *positions, const int32_t *write_page, const int32_t *write_offset) {
     const int64_t d = s->head_dim, heads = s->heads + s->kv_heads, b = task / heads, h = task % heads;
     float *row = qkv + b * qkv_size;
     const float *cos = s->rope_cos + positions[b] * d, *sin = s->rope_sin + positions[b] * d;
@@ -59,7 +59,7 @@ static void qkv_heads(const dense_shape_t *s, const dense_layer_t *layer, float 
     rope(head, cos, sin, d);
     if (h >= s->heads && write_page[b] != 0) { /* padding rows write nothing: the sink page's K/V never matter */
         const int64_t kv_head = h - s->heads, position_stride = s->kv_heads * d;
-        const int64_t at = (write_page[b] * s->page_size + write_offset[b]) * position_stride + kv_head * d;
+        const int64_t at = ((int64_t)write_page[b] * s->page_size + write_offset[b]) * position_stride + kv_head * d;
         const float *v = row + (s->heads + s->kv_heads + kv_head) * d;
         for (int64_t j = 0; j < d; j++) layer->k_pages[at + j] = head[j], layer->v_pages[at + j] = v[j];
     }
@@ -113,7 +113,7 @@ static void gate_up_for(const packed_t *gate_up, const float *h, int64_t batch, 
 
 /* x[batch, hidden] through `count` layers in place. scratch: dense_scratch_floats(shape, batch, threads) floats. */
 void dense_decode_layers(const dense_shape_t *s, const dense_layer_t *layers, int64_t count, float *x, int64_t batch,
-                         const int64_t *positions, const int64_t *write_page, const int64_t *write_offset,
+                         const int64_t *positions, const int32_t *write_page, const int32_t *write_offset,
                          const int32_t *tables, int64_t table_stride, const int32_t *lens, float *scratch,
                          int threads) {
     const int64_t hidden = s->hidden, d = s->head_dim;

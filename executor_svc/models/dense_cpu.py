@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 from typing import TYPE_CHECKING
 
 import torch
 
-from executor_svc.c_kernels import KernelUnavailable, build
+from executor_svc.c_kernels import build_or_none
 from executor_svc.models.packed import PackedLinear, PackedWeight
 from executor_svc.models.packed_kernel import MAX_ROWS
 
@@ -24,8 +23,6 @@ if TYPE_CHECKING:
     from executor_svc.attention import StepInputs
     from executor_svc.kv_pool import KVPool
     from executor_svc.models.dense import DenseLayer, DenseModel
-
-log = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "dense_cpu.c")
 # No FMA contraction: the packed weights and the norms and rope round as torch rounds them.
@@ -78,29 +75,18 @@ class _Shape(ctypes.Structure):
     ]
 
 
+# dense_decode_layers': shape, layers, count, x, batch, positions, write page, offset, tables, stride, lengths,
+# scratch, threads
+_STEP_ARGS = (_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, ctypes.c_int)
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built step, or None (logged once) where it cannot be built: the torch layers serve."""
-    try:
-        lib = build(_SOURCE, _FLAGS)
-    except KernelUnavailable as e:
-        log.warning("%s; the CPU decode step runs in torch ops", e)
+    lib = build_or_none(_SOURCE, _FLAGS, "the CPU decode step runs in torch ops")
+    if lib is None:
         return None
-    lib.dense_decode_layers.argtypes = [
-        _ptr,
-        _ptr,
-        _i64,
-        _ptr,
-        _i64,
-        _ptr,
-        _ptr,
-        _ptr,
-        _ptr,
-        _i64,
-        _ptr,
-        _ptr,
-    ]
-    lib.dense_decode_layers.argtypes += [ctypes.c_int]
+    lib.dense_decode_layers.argtypes = _STEP_ARGS
     lib.dense_scratch_floats.argtypes = [_ptr, _i64, ctypes.c_int]
     lib.dense_scratch_floats.restype = _i64
     return lib
@@ -187,8 +173,8 @@ class CpuDecodeLayers:
             self._scratch = torch.empty(need, dtype=torch.float32)
         # Held in locals until the call returns: the C step reads them by address.
         positions = inputs.positions.to(torch.int64).contiguous()
-        write_page = inputs.write_page.to(torch.int64).contiguous()
-        write_offset = inputs.write_offset.to(torch.int64).contiguous()
+        write_page = inputs.write_page.to(torch.int32).contiguous()  # i32 already: no copy
+        write_offset = inputs.write_offset.to(torch.int32).contiguous()
         lib.dense_decode_layers(
             ctypes.byref(self.shape),
             self.layers,

@@ -21,9 +21,10 @@ MAX_ROWS = 8
 
 
 @functools.cache
-def library() -> ctypes.CDLL:
-    """The built kernel; KernelUnavailable saying why when it cannot be built."""
-    lib = build(_SOURCE, _FLAGS)
+def library(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL:
+    """The kernel built with `flags` (this machine's own by default); KernelUnavailable saying why when it
+    cannot be built."""
+    lib = build(_SOURCE, flags)
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.packed_matmul.argtypes = [c_int, c_int, c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, c_int]
     lib.packed_dequantize.argtypes = [c_int, c_int, c_int, ptr, ptr, ptr, i64, ptr, i64, ptr, c_int]
