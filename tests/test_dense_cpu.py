@@ -111,3 +111,15 @@ def test_the_torch_layers_serve_where_the_c_step_cannot(tmp_path):
         packed, kv, torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int32), tables, False
     )
     assert packed.cpu_layers is None, "not consulted for a step it cannot take"
+
+
+def test_a_cpu_runner_builds_the_c_step_before_serving(tmp_path):
+    """The first step would otherwise build it (seconds of compiler on a first run), and the planner's watchdog
+    reads a first step that slow as a hung executor."""
+    from executor_svc.config import ExecutorConfig
+    from executor_svc.runner import runner_for_model
+
+    model = _model("qwen3", tmp_path, "Q8_0")
+    runner = runner_for_model(model, ExecutorConfig(device="cpu", pool_pages=8, buckets=(1, 2)), "random")
+    assert model.cpu_layers is not None, "the narrowest bucket's warm-up step ran"
+    assert model.cpu_layers[0] is runner.kv_pool and model.cpu_layers[1] is not None
