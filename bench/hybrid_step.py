@@ -2,8 +2,8 @@
 (qwen3_5_kernels) in the same run, both captured as CUDA graphs: Qwen3.5-0.8B's shape with random bf16 weights,
 each row `--context` tokens deep, over the paged decode attention kernel the resident backend uses. Reports
 the replayed step's time per arm and batch, the kernel launches each arm's graph holds and where the GPU time
-goes; then one gated delta net layer's prefill (fla-core's chunked kernel) of several sequences in one packed
-call against one call a sequence.
+goes; then one gated delta net layer's decode kernel by its tile, and one such layer's prefill (fla-core's
+chunked kernel) of several sequences in one packed call against one call a sequence.
 
     python bench/hybrid_step.py --out docs/bench/hybrid_step.json
 """
@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import commit_hash, qwen3_5_0_8b_config, replay_us, write_json
 from executor_svc.attention import StepInputs
 from executor_svc.kernels.attention import decode_splits, paged_decode_attention
+from executor_svc.models.qwen3_5_config import LINEAR
 from executor_svc.models.qwen3_5_model import Qwen35Model
 from executor_svc.state_pool import StateInputs
 from protos.layout import RowLayout
@@ -189,27 +190,52 @@ def prefill_time(model: Qwen35Model, sequences: int, tokens: int, packed: bool, 
     return start.elapsed_time(end) / rounds
 
 
-def rule_time(model: Qwen35Model, batch: int, block: int, rounds: int = 50) -> float:
-    """Microseconds one gated delta net layer's rule step (gated_delta_slots) takes for `batch` rows with
-    `block` value dims per program."""
-    from executor_svc.kernels.gated_delta_slots import delta_rule_step_at_slots
+def delta_net_step_time(model: Qwen35Model, batch: int, tile: tuple[int, int], replays: int) -> float:
+    """Microseconds one gated delta net layer's decode kernel (gated_delta_slots.delta_net_step_at_slots: conv,
+    rule and gated norm) takes for `batch` rows with `tile` = (value block, warps): a captured graph of it over
+    64 layers' states (more than the GPU's L2 holds at one row, as in the model's step, where a layer's weights
+    pass between two of its state reads)."""
+    from executor_svc.kernels.gated_delta_slots import delta_net_step_at_slots
+    from executor_svc.models.qwen3_5_kernels import fused_weights
+    from executor_svc.state_pool import StatePool
 
-    cfg = model.config
-    hk, dk, hv, dv = cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_heads, cfg.linear_value_dim
-    states = torch.zeros(batch + 1, hv, dk, dv, device="cuda")
+    cfg, layers = model.config, 64
+    hk, hv, dk, dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
+    channels = cfg.conv_channels
+    pool = StatePool(layers, batch + 1, channels, cfg.conv_width, hv, dk, dv, torch.bfloat16, "cuda")
+    net = next(layer.linear_attn for layer in model._decoder_layers() if layer.kind == LINEAR)
+    gates = next(fused.gates for fused in fused_weights(model).layers if fused.gates is not None)
+    # mixed: [B, C + H Dv + 2 H], the joined projection's x | z | b | a
+    mixed = torch.randn(batch, channels + hv * dv + 2 * hv, device="cuda", dtype=torch.bfloat16)
+    x, z, b, a = mixed.split([channels, hv * dv, hv, hv], dim=-1)
     slots = torch.arange(1, batch + 1, device="cuda")
-    q, k = (torch.randn(batch, hk, dk, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(batch, hv, dv, device="cuda", dtype=torch.bfloat16)
-    g, beta = -torch.rand(batch, hv, device="cuda"), torch.rand(batch, hv, device="cuda")
-    for _ in range(3):
-        delta_rule_step_at_slots(q, k, v, g, beta, states, slots, block=block)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(rounds):
-        delta_rule_step_at_slots(q, k, v, g, beta, states, slots, block=block)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / rounds
+    weight = net.conv1d.weight[:, 0, :]
+
+    def run() -> None:
+        for layer in range(layers):
+            delta_net_step_at_slots(
+                x,
+                z,
+                a,
+                b,
+                weight,
+                pool.conv[layer],
+                pool.recurrent[layer],
+                slots,
+                gates,
+                (net.norm.weight, cfg.rms_eps),
+                hk,
+                tile=tile,
+            )
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            run()
+    return replay_us(graph, replays) / layers
 
 
 def main() -> None:
@@ -240,18 +266,19 @@ def main() -> None:
         print({k: v for k, v in row.items() if "top" not in k}, flush=True)
         print(" kernels arm, top by GPU time (count, µs):", row["kernels_top_kernels_us"], flush=True)
         results.append(row)
-    from executor_svc.kernels.gated_delta_slots import value_block
+    from executor_svc.kernels.gated_delta_slots import step_tile
 
-    rules = []
+    delta_net_steps = []
+    cfg = model.config
     for batch in args.batches:
-        cfg = model.config
-        row = {
-            "batch": batch,
-            "chosen_block": value_block(batch, cfg.linear_value_heads, cfg.linear_value_dim),
-        }
-        row.update({f"block_{b}_us": round(rule_time(model, batch, b), 1) for b in (8, 16, 32, 64)})
-        print("one layer's rule step:", row, flush=True)
-        rules.append(row)
+        chosen = step_tile(batch, cfg.linear_key_heads, cfg.linear_value_dim)
+        row = {"batch": batch, "chosen_tile": list(chosen)}
+        for block, warps in ((64, 16), (32, 16), (32, 8), (32, 4), (16, 4)):
+            row[f"tile_{block}x{warps}_us"] = round(
+                delta_net_step_time(model, batch, (block, warps), args.replays), 2
+            )
+        print("one gated delta net layer's decode kernel:", row, flush=True)
+        delta_net_steps.append(row)
     prefills = []
     for sequences in args.prefill_sequences:
         row = {"sequences": sequences, "tokens": args.prefill_tokens}
@@ -267,7 +294,7 @@ def main() -> None:
                 "commit": args.commit or commit_hash(),
                 "device": torch.cuda.get_device_name(),
                 "steps": results,
-                "delta_net_rule_step": rules,
+                "delta_net_step": delta_net_steps,
                 "delta_net_prefill": prefills,
             }
         ],

@@ -1,7 +1,7 @@
 """The Qwen3.5 hybrid's decode step and prefill batch in the Triton kernels (qwen3_5_kernels, the CUDA path)
 equal its torch forward: the logits, the K/V written, the conv windows and recurrent states moved on at each
 row's slot, a padding row leaving the sink slot zero; two stages of a layer split equal the whole model, in either; and the
-conv kernel alone equals the reference step. Under Triton's interpreter on the CPU, or on CUDA."""
+gated delta net's one-kernel decode equals the kernels it joins. Under Triton's interpreter on the CPU, or on CUDA."""
 
 from __future__ import annotations
 
@@ -228,27 +228,72 @@ def test_two_stages_equal_the_whole_model(fused: bool, tied: bool):
     torch.testing.assert_close(pool_first.conv, pool_whole.conv, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_conv_step_at_slots_equals_the_reference(dtype: torch.dtype):
-    """Channels over two blocks, rows strided (a view into a wider projection); the padding row's window (the
-    sink's) stays zero and untouched slots keep theirs."""
-    from executor_svc.kernels.gated_delta_slots import conv_step_at_slots
+@pytest.mark.parametrize(
+    ("dtype", "tile"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, (8, 1))]
+)
+def test_delta_net_step_equals_the_unfused_step(dtype: torch.dtype, tile: tuple[int, int] | None):
+    """A gated delta net layer's decode in one kernel (delta_net_step_at_slots) equals the reference's conv step,
+    gated_delta_slots' rule step and the gated norm kernel it joins: the output, the windows and states moved on
+    at each row's slot. Two value heads a key head; Dk = 12 and Dv = 20 not powers of two (a tile 8 values wide:
+    three value blocks, the last partial, the head read back for its norm); rows strided in the joined projection. The
+    padding row (slot 0) leaves the sink's window and state zero, slots not in the step keep theirs."""
+    from executor_svc.kernels.fused import gated_rmsnorm
+    from executor_svc.kernels.gated_delta_slots import delta_net_step_at_slots, delta_rule_step_at_slots
 
-    channels, width = 1100, 4
+    hk, h, dk, dv, width = 2, 4, 12, 20, 4
+    channels = 2 * hk * dk + h * dv
     g = torch.Generator().manual_seed(2)
-    slots = torch.tensor([2, 0, 4])
-    wide = torch.randn(3, channels + 7, generator=g).to(dtype)
-    weight = torch.randn(channels, width, generator=g).to(dtype)
-    windows = torch.randn(5, channels, width - 1, generator=g).to(dtype)
-    windows[0] = 0
-    expected_out, moved = ref.conv1d_step(wide[:, :channels], weight, windows[slots])
-    expected = windows.clone()
-    expected[slots[slots != 0]] = moved[slots != 0]
-    windows, slots_on = windows.to(DEVICE), slots.to(DEVICE)
-    out = conv_step_at_slots(wide.to(DEVICE)[:, :channels], weight.to(DEVICE), windows, slots_on).cpu()
+    slots = torch.tensor([3, 0, 1, 5])
+    n = len(slots)
+    # x | z | b | a of each row in one tensor, as the joined projection gives them
+    mixed = torch.randn(n, channels + h * dv + 2 * h, generator=g).to(dtype)
+    x, z, b, a = mixed.split([channels, h * dv, h, h], dim=-1)
+    weight = (torch.randn(channels, width, generator=g) * 0.5).to(dtype)
+    gates = -torch.rand(h, generator=g) * 4, torch.randn(h, generator=g)
+    norm_weight = torch.randn(dv, generator=g).to(dtype)
+    windows = torch.randn(6, channels, width - 1, generator=g).to(dtype)
+    states = torch.randn(6, h, dk, dv, generator=g) * 0.3
+    windows[0], states[0] = 0, 0
+    expected_windows, expected_states = windows.clone(), states.clone().to(DEVICE)
+    conv, moved = ref.conv1d_step(x, weight, windows[slots])
     real = slots != 0
-    torch.testing.assert_close(out[real], expected_out[real])
-    assert torch.equal(windows.cpu(), expected)
+    expected_windows[slots[real]] = moved[real]
+    on = [t.clone().to(DEVICE) for t in (mixed, weight, *gates, norm_weight, windows, states, slots)]
+    mixed_on, weight_on, decay_rate, dt_bias, norm_weight_on, windows_on, states_on, slots_on = on
+    x_on, z_on, b_on, a_on = mixed_on.split([channels, h * dv, h, h], dim=-1)
+    q, k, v = conv.to(DEVICE).split([hk * dk, hk * dk, h * dv], dim=-1)
+    core = delta_rule_step_at_slots(
+        q.view(n, hk, dk),
+        k.view(n, hk, dk),
+        v.view(n, h, dv),
+        a_on,
+        b_on,
+        expected_states,
+        slots_on,
+        raw_gates=(decay_rate, dt_bias),
+    )
+    expected = gated_rmsnorm(core, z_on, norm_weight_on, 1e-6).cpu()
+    out = delta_net_step_at_slots(
+        x_on,
+        z_on,
+        a_on,
+        b_on,
+        weight_on,
+        windows_on,
+        states_on,
+        slots_on,
+        (decay_rate, dt_bias),
+        (norm_weight_on, 1e-6),
+        hk,
+        tile=tile,
+    ).cpu()
+    # bf16: the conv's SiLU rounds to the dtype where the reference's may round the other way, and a conv
+    # output one ulp off moves the rule's output by more (its q and k are l2-normed, its state remembers)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 5e-2}
+    torch.testing.assert_close(out[real], expected[real], **tolerance)
+    assert torch.equal(windows_on.cpu(), expected_windows)
+    torch.testing.assert_close(states_on.cpu(), expected_states.cpu(), **tolerance)
+    assert (states_on.cpu()[[0, 2, 4]] == states[[0, 2, 4]]).all()
 
 
 @pytest.mark.skipif(

@@ -244,25 +244,29 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def gated_norm(x, gate, weight, size, eps):
+    """One head's gated RMSNorm: x [BD] float32 (zeros past `size`), gate [BD] in the output dtype, weight [BD]
+    float32. As GatedRMSNorm on x rounded to the dtype: norm in float32, round, scale by the weight, round, times
+    SiLU(gate) in float32, round; returned in gate's dtype."""
+    dtype = gate.dtype
+    x = x.to(dtype).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, 0) / size + eps)
+    normed = ((x * inv_rms).to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    gate = gate.to(tl.float32)
+    return (normed * (gate * tl.sigmoid(gate))).to(dtype)
+
+
+@triton.jit
 def _gated_rmsnorm_kernel(
     x_ptr, gate_ptr, weight_ptr, out_ptr, gate_row_stride, heads, eps, SIZE: tl.constexpr, BLOCK: tl.constexpr
 ):
     row, head = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     live = cols < SIZE
-    dtype = out_ptr.dtype.element_ty
-    # As GatedRMSNorm on x rounded to the dtype: norm in float32, round, scale by the weight, round, times
-    # SiLU(gate) in float32, round.
-    x = tl.load(x_ptr + (row * heads + head) * SIZE + cols, mask=live, other=0.0).to(dtype).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x * x, 0) / SIZE + eps)
+    x = tl.load(x_ptr + (row * heads + head) * SIZE + cols, mask=live, other=0.0)
     weight = tl.load(weight_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    normed = ((x * inv_rms).to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
-    gate = tl.load(gate_ptr + row * gate_row_stride + head * SIZE + cols, mask=live, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + (row * heads + head) * SIZE + cols,
-        (normed * (gate * tl.sigmoid(gate))).to(dtype),
-        mask=live,
-    )
+    gate = tl.load(gate_ptr + row * gate_row_stride + head * SIZE + cols, mask=live, other=0.0)
+    tl.store(out_ptr + (row * heads + head) * SIZE + cols, gated_norm(x, gate, weight, SIZE, eps), mask=live)
 
 
 def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """A gated delta net layer's decode step in Triton, reading and writing each row's conv window and recurrent
 state in the state pool at its slot (as attention reads pages by slot): no gather of the states into a batch and
 no scatter back. The contracts of gated_delta_ref's conv1d_step and delta_rule_step_at_slots, which stay the CPU
-path; fixed shapes and no host sync, so a CUDA graph captures them."""
+path; fixed shapes and no host sync, so a CUDA graph captures them.
+
+Two kernels: the rule step alone (the torch forward's, on CUDA), and the layer's whole step after its projection
+(conv, rule and gated norm in one launch, the Triton-kernels forward's)."""
 
 from __future__ import annotations
 
@@ -9,10 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
+from executor_svc.kernels.fused import gated_norm
+
 # Value dims per program: a [Dk, 8] float32 tile of the state on one warp (fla-core's and vLLM's choice for their
 # fused recurrent kernel) gives many programs at small batches (Qwen3.5-0.8B: 16 heads x 128 / 8 = 256 a row),
 # but its 32-byte rows waste memory bandwidth once the batch fills the GPU: wider tiles then.
 _PROGRAMS_WANTED = 2048
+# The whole layer's step runs one program a row and key head, a block of its value dims at a time (a [Dk, Dv]
+# float32 tile does not fit one program's registers: its pointers alone take two registers an element): wide
+# blocks on many warps while the batch gives few programs, so each SM keeps many loads in flight; [Dk, 32] on
+# 4 warps, the rule step's best tile at 256 rows, once it gives this many.
+_PROGRAMS_FOR_NARROW = 1024
 
 
 def value_block(rows: int, heads: int, dv: int) -> int:
@@ -22,6 +32,45 @@ def value_block(rows: int, heads: int, dv: int) -> int:
         if block <= widest and rows * heads * triton.cdiv(dv, block) >= _PROGRAMS_WANTED:
             return block
     return min(8, widest)
+
+
+def step_tile(rows: int, key_heads: int, dv: int) -> tuple[int, int]:
+    """(value dims a program of delta_net_step_at_slots takes at a time, its warps) for a batch of `rows`."""
+    if rows * key_heads >= _PROGRAMS_FOR_NARROW:
+        return min(32, triton.next_power_of_2(dv)), 4
+    return min(64, triton.next_power_of_2(dv)), 16
+
+
+@triton.jit
+def _decay_and_beta(g_at, b_at, decay_rate_ptr, dt_bias_ptr, head, RAW_GATES: tl.constexpr):
+    """A row and head's decay exp(g) and beta, float32; RAW_GATES: from the projections a, b as the model
+    computes them: beta = sigmoid(b) rounded to the dtype, g = -exp(A_log) * softplus(a + dt_bias) in float32
+    (softplus linear above 20, as torch's)."""
+    g = tl.load(g_at).to(tl.float32)
+    b = tl.load(b_at)
+    if RAW_GATES:
+        b = tl.sigmoid(b.to(tl.float32)).to(b_at.dtype.element_ty)
+        g = g + tl.load(dt_bias_ptr + head)
+        g = tl.load(decay_rate_ptr + head) * tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))
+    return tl.exp(g), b.to(tl.float32)
+
+
+@triton.jit
+def _normed_qk(q, k, scale):
+    """l2-normed q and k (eps inside the root, as fla and transformers), q scaled by Dk^-0.5."""
+    return q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale, k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+
+
+@triton.jit
+def _rule_tile(tile, live, written, q, k, v, decay, beta):
+    """The rule's step on the state tile [BK, BV] at `tile` (float32, masked by `live`), stored back where
+    `written`: q, k [BK] normed, v [BV], decay and beta float32. Returns out [BV], float32."""
+    state = tl.load(tile, mask=live, other=0.0) * decay
+    remembered = tl.sum(state * k[:, None], axis=0)  # remembered: [BV], what the state says of k
+    delta = (v - remembered) * beta
+    state = state + k[:, None] * delta[None, :]
+    tl.store(tile, state, mask=written)
+    return tl.sum(state * q[:, None], axis=0)
 
 
 @triton.jit
@@ -58,32 +107,19 @@ def _step_at_slots_kernel(
     qk = row * qk_row_stride + (head // GROUP) * qk_head_stride + keys
     q = tl.load(q_ptr + qk, mask=key_live, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + qk, mask=key_live, other=0.0).to(tl.float32)
-    # l2-normed q and k (eps inside the root, as fla and transformers), q scaled by Dk^-0.5
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    q, k = _normed_qk(q, k, scale)
     v = tl.load(v_ptr + row * v_row_stride + head * v_head_stride + values, mask=value_live, other=0.0)
-    g = tl.load(g_ptr + row * gate_row_stride + head).to(tl.float32)
-    b = tl.load(beta_ptr + row * gate_row_stride + head)
-    if RAW_GATES:
-        # g, beta from the projections a, b as the model computes them: beta = sigmoid(b) rounded to the
-        # dtype, g = -exp(A_log) * softplus(a + dt_bias) in float32 (softplus linear above 20, as torch's)
-        b = tl.sigmoid(b.to(tl.float32)).to(beta_ptr.dtype.element_ty)
-        g = g + tl.load(dt_bias_ptr + head)
-        g = tl.load(decay_rate_ptr + head) * tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))
-    decay = tl.exp(g)
-    beta = b.to(tl.float32)
-    # the state tile [BK, BV] of this row's slot and head, float32
+    gates = row * gate_row_stride + head
+    decay, beta = _decay_and_beta(
+        g_ptr + gates, beta_ptr + gates, decay_rate_ptr, dt_bias_ptr, head, RAW_GATES
+    )
+    # the state tile [BK, BV] of this row's slot and head, float32. A padding row reads the sink slot (zeros)
+    # and writes nothing back: slot 0 stays zero. (The slot is broadcast as an int first: Triton's interpreter
+    # refuses a scalar bool in a mask.)
     tile = states_ptr + ((slot * HEADS + head) * DK + keys[:, None]) * DV + values[None, :]
     live = key_live[:, None] & value_live[None, :]
-    state = tl.load(tile, mask=live, other=0.0) * decay
-    remembered = tl.sum(state * k[:, None], axis=0)  # remembered: [BV], what the state says of k
-    delta = (v.to(tl.float32) - remembered) * beta
-    state = state + k[:, None] * delta[None, :]
-    out = tl.sum(state * q[:, None], axis=0)
+    out = _rule_tile(tile, live, live & (keys[:, None] * 0 + slot != 0), q, k, v.to(tl.float32), decay, beta)
     tl.store(out_ptr + (row * HEADS + head) * DV + values, out, mask=value_live)
-    # A padding row reads the sink slot (zeros) and writes nothing back: slot 0 stays zero. (The slot is
-    # broadcast as an int first: Triton's interpreter refuses a scalar bool in a mask.)
-    tl.store(tile, state, mask=live & (keys[:, None] * 0 + slot != 0))
 
 
 def delta_rule_step_at_slots(
@@ -144,61 +180,174 @@ def delta_rule_step_at_slots(
 
 
 @triton.jit
-def _conv_step_at_slots_kernel(
+def _conv_channels(x_row, weight_ptr, window, cols, live, written, WIDTH: tl.constexpr):
+    """One token's causal conv with SiLU at channels `cols` (x_row: its inputs; window: its slot's [C, K - 1]
+    windows, oldest first), summed oldest first in float32 as conv1d_step's (window * weight).sum(-1), rounded to
+    x's dtype, returned float32. The window moves on by one in place where `written`: each lane reads entry
+    j + 1 before it writes j."""
+    x = tl.load(x_row + cols, mask=live, other=0.0)
+    at = window + cols * (WIDTH - 1)
+    taps = weight_ptr + cols * WIDTH
+    acc = tl.load(at, mask=live, other=0.0).to(tl.float32) * tl.load(taps, mask=live, other=0.0).to(
+        tl.float32
+    )
+    for j in tl.static_range(1, WIDTH - 1):
+        acc += tl.load(at + j, mask=live, other=0.0).to(tl.float32) * tl.load(
+            taps + j, mask=live, other=0.0
+        ).to(tl.float32)
+    acc += x.to(tl.float32) * tl.load(taps + WIDTH - 1, mask=live, other=0.0).to(tl.float32)
+    for j in tl.static_range(WIDTH - 2):
+        tl.store(at + j, tl.load(at + j + 1, mask=written), mask=written)
+    tl.store(at + WIDTH - 2, x.to(window.dtype.element_ty), mask=written)
+    return (acc * tl.sigmoid(acc)).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def _delta_net_step_kernel(
     x_ptr,
-    weight_ptr,
+    z_ptr,
+    a_ptr,
+    b_ptr,
+    conv_weight_ptr,
     windows_ptr,
+    states_ptr,
     slots_ptr,
+    decay_rate_ptr,
+    dt_bias_ptr,
+    norm_weight_ptr,
+    core_ptr,
     out_ptr,
     x_row_stride,
+    z_row_stride,
+    gate_row_stride,
     channels,
+    scale,
+    eps,
+    KEY_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BD: tl.constexpr,
     WIDTH: tl.constexpr,
-    BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = cols < channels
+    # One program a row and key head: it alone reads and moves on the q and k windows of its key head and the
+    # v windows and states of its GROUP value heads, so nothing races in place; a padding row (the sink slot)
+    # reads zeros and writes nothing, so the sink stays zero.
+    row, key_head = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=live, other=0.0)
-    window = windows_ptr + (slot * channels + cols) * (
-        WIDTH - 1
-    )  # this slot's [C, K - 1] window, oldest first
-    taps = weight_ptr + cols * WIDTH
-    # Summed oldest first in float32, as the reference's (window * weight).sum(-1)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in tl.static_range(WIDTH - 1):
-        acc += tl.load(window + j, mask=live, other=0.0).to(tl.float32) * tl.load(taps + j, mask=live).to(
-            tl.float32
-        )
-    acc += x.to(tl.float32) * tl.load(taps + WIDTH - 1, mask=live).to(tl.float32)
-    out = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + row * channels + cols, out.to(out_ptr.dtype.element_ty), mask=live)
-    # The window moves on by one, in place: each lane reads j + 1 before it writes j. A padding row (the sink
-    # slot) writes nothing, so the sink stays zero.
-    keep = live & (cols * 0 + slot != 0)
-    for j in tl.static_range(WIDTH - 2):
-        tl.store(window + j, tl.load(window + j + 1, mask=keep), mask=keep)
-    tl.store(window + WIDTH - 2, x.to(windows_ptr.dtype.element_ty), mask=keep)
+    x_row = x_ptr + row * x_row_stride
+    window = windows_ptr + slot * channels * (WIDTH - 1)
+    keys = tl.arange(0, BK)
+    key_live = keys < DK
+    key_written = key_live & (keys * 0 + slot != 0)  # (as an int first: the interpreter refuses scalar bools)
+    q = _conv_channels(x_row, conv_weight_ptr, window, key_head * DK + keys, key_live, key_written, WIDTH)
+    k = _conv_channels(
+        x_row, conv_weight_ptr, window, (KEY_HEADS + key_head) * DK + keys, key_live, key_written, WIDTH
+    )
+    q, k = _normed_qk(q, k, scale)
+    dims = tl.arange(0, BD)  # a head's value dims, for its norm
+    for member in tl.static_range(GROUP):
+        head = key_head * GROUP + member
+        gates = row * gate_row_stride + head
+        decay, beta = _decay_and_beta(a_ptr + gates, b_ptr + gates, decay_rate_ptr, dt_bias_ptr, head, True)
+        core_at = core_ptr + (row * KEY_HEADS * GROUP + head) * DV
+        for block in tl.static_range((DV + BV - 1) // BV):
+            values = block * BV + tl.arange(0, BV)
+            value_live = values < DV
+            v_cols = 2 * KEY_HEADS * DK + head * DV + values
+            v_written = value_live & (values * 0 + slot != 0)
+            v = _conv_channels(x_row, conv_weight_ptr, window, v_cols, value_live, v_written, WIDTH)
+            tile = (
+                states_ptr + ((slot * KEY_HEADS * GROUP + head) * DK + keys[:, None]) * DV + values[None, :]
+            )
+            live = key_live[:, None] & value_live[None, :]
+            core = _rule_tile(tile, live, live & (keys[:, None] * 0 + slot != 0), q, k, v, decay, beta)
+            if BV < DV:
+                tl.store(core_at + values, core, mask=value_live)
+        if BV < DV:
+            # the norm needs the whole head: read back what every block stored, once all threads stored theirs
+            tl.debug_barrier()
+            core = tl.load(core_at + dims, mask=dims < DV, other=0.0)
+        gate = tl.load(z_ptr + row * z_row_stride + head * DV + dims, mask=dims < DV, other=0.0)
+        weight = tl.load(norm_weight_ptr + dims, mask=dims < DV, other=0.0).to(tl.float32)
+        normed = gated_norm(core, gate, weight, DV, eps)
+        tl.store(out_ptr + (row * KEY_HEADS * GROUP + head) * DV + dims, normed, mask=dims < DV)
 
 
-def conv_step_at_slots(
-    x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor
+def delta_net_step_at_slots(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_weight: torch.Tensor,
+    windows: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    gates: tuple[torch.Tensor, torch.Tensor],
+    norm: tuple[torch.Tensor, float],
+    key_heads: int,
+    tile: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """One token of each of N sequences, x[N, C] (rows may be strided, channels contiguous), through the causal
-    depthwise conv (weight [C, K] contiguous) after its window windows[slots[n]] ([slots, C, K - 1], contiguous,
-    moved on in place; slot 0, padding, not written), SiLU applied. Returns out [N, C] in x's dtype."""
+    """One token of each of N sequences through a gated delta net layer after its projections, in one launch:
+    gated_rmsnorm(delta_rule_step_at_slots(conv_step(x), a, b, raw_gates=gates), z, *norm).
+
+    x [N, C] (q | k | v before the conv), z [N, H Dv] (the output gate), a, b [N, H] (the raw gate
+    projections): rows may be strided, last dims contiguous. The causal conv (conv_weight [C, K]) after each
+    row's window windows[slots[n]] ([slots, C, K - 1]) with SiLU, then the rule on states[slots[n]] ([slots, H,
+    Dk, Dv] float32), both moved on in place (slots distinct; slot 0, padding, not written); gates = (decay_rate,
+    dt_bias) float32 [H] as delta_rule_step_at_slots' raw_gates; norm = (weight [Dv], eps). Returns [N, H Dv] in
+    x's dtype (a padding row's is not meaningful). tile: (value dims a program takes at a time, its warps)
+    (None: step_tile's choice for the batch)."""
     n, channels = x.shape
-    width = weight.shape[1]
-    if weight.shape != (channels, width) or windows.shape[1:] != (channels, width - 1):
-        raise ValueError(
-            f"weight must be [{channels}, K] and windows [slots, {channels}, K - 1], got {tuple(weight.shape)}, "
-            f"{tuple(windows.shape)}"
-        )
-    if x.stride(1) != 1 or not weight.is_contiguous() or not windows.is_contiguous():
-        raise ValueError("x must be contiguous along channels, weight and windows contiguous")
-    out = torch.empty(n, channels, dtype=x.dtype, device=x.device)  # out: [N, C]
-    block = min(1024, triton.next_power_of_2(channels))
-    _conv_step_at_slots_kernel[(n, triton.cdiv(channels, block))](
-        x, weight, windows, slots, out, x.stride(0), channels, WIDTH=width, BLOCK=block
+    heads, dk, dv = states.shape[1:]
+    width = conv_weight.shape[1]
+    norm_weight, eps = norm
+    if channels != 2 * key_heads * dk + heads * dv or heads % key_heads:
+        raise ValueError(f"x must be [N, {2 * key_heads * dk + heads * dv}] for {key_heads} key heads")
+    if conv_weight.shape != (channels, width) or windows.shape[1:] != (channels, width - 1):
+        raise ValueError(f"conv_weight must be [{channels}, K] and windows [slots, {channels}, K - 1]")
+    if z.shape != (n, heads * dv) or a.shape != (n, heads) or b.stride() != a.stride() or b.shape != a.shape:
+        raise ValueError(f"z must be [{n}, {heads * dv}], a and b [{n}, {heads}] of the same strides")
+    if any(t.shape != (heads,) or t.dtype != torch.float32 for t in gates) or norm_weight.shape != (dv,):
+        raise ValueError(f"gates must be float32 [{heads}] each and the norm weight [{dv}]")
+    if any(t.stride(-1) != 1 for t in (x, z, a)) or x.dtype != z.dtype:
+        raise ValueError("x, z, a and b must be contiguous along their last dim, x and z of one dtype")
+    if not all(t.is_contiguous() for t in (conv_weight, windows, states, norm_weight)):
+        raise ValueError("conv_weight, windows, states and the norm weight must be contiguous")
+    assert states.dtype == torch.float32
+    bv, warps = step_tile(n, key_heads, dv) if tile is None else tile
+    out = torch.empty(n, heads * dv, dtype=x.dtype, device=x.device)  # out: [N, H Dv]
+    # core: [N, H, Dv] float32, each head's rule output while its blocks are stored (one block: not needed)
+    core = torch.empty(n, heads, dv, dtype=torch.float32, device=x.device) if bv < dv else out
+    _delta_net_step_kernel[(n, key_heads)](
+        x,
+        z,
+        a,
+        b,
+        conv_weight,
+        windows,
+        states,
+        slots,
+        *gates,
+        norm_weight,
+        core,
+        out,
+        x.stride(0),
+        z.stride(0),
+        a.stride(0),
+        channels,
+        dk**-0.5,
+        eps,
+        KEY_HEADS=key_heads,
+        GROUP=heads // key_heads,
+        DK=dk,
+        DV=dv,
+        BK=triton.next_power_of_2(dk),
+        BV=bv,
+        BD=triton.next_power_of_2(dv),
+        WIDTH=width,
+        num_warps=warps,
     )
     return out

@@ -1,7 +1,7 @@
 """The Qwen3.5 hybrid's forward in the Triton kernels (the CUDA path), of a decode step or a packed prefill
-batch: each layer's projections joined into one matmul that also norms its input, the gated delta net's conv
-window and rule step on the state pool by slot (prefill: the packed conv kernel and fla's chunked rule, through
-the model's prefill), its gated norm in one kernel. The torch forward in qwen3_5_model.py is its reference; a
+batch: each layer's projections joined into one matmul that also norms its input, the gated delta net's conv,
+rule step and gated norm in one kernel on the state pool by slot (prefill: the packed conv kernel and fla's
+chunked rule, through the model's prefill, then the gated norm). The torch forward in qwen3_5_model.py is its reference; a
 decode step there launches some forty kernels a layer, here about eight (what bounds the step at small batches);
 a prefill layer some seventy against about twenty, each a few microseconds of host work."""
 
@@ -121,12 +121,11 @@ def _delta_net_core(
     """mixed [B, C + H Dv + 2 H] (the joined projection) -> the normed, gated core [B, H Dv], the pool's conv
     window and recurrent state moved on at each row's slot (prefill: at each sequence's)."""
     from executor_svc.kernels.fused import gated_rmsnorm
-    from executor_svc.kernels.gated_delta_slots import conv_step_at_slots, delta_rule_step_at_slots
+    from executor_svc.kernels.gated_delta_slots import delta_net_step_at_slots
 
     cfg, net = model.config, layer.linear_attn
-    hk, dk, hv, dv = cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_heads, cfg.linear_value_dim
-    channels, values = cfg.conv_channels, hv * dv
-    batch = mixed.shape[0]
+    hk, hv = cfg.linear_key_heads, cfg.linear_value_heads
+    channels, values = cfg.conv_channels, hv * cfg.linear_value_dim
     z = mixed[:, channels : channels + values]
     b = mixed[:, channels + values : channels + values + hv]
     a = mixed[:, channels + values + hv :]
@@ -151,20 +150,19 @@ def _delta_net_core(
             model.split_heads,
         )
         return gated_rmsnorm(core, z, net.norm.weight, cfg.rms_eps)
-    # conv: [B, C], q | k | v after the conv and SiLU
-    conv = conv_step_at_slots(mixed[:, :channels], conv_weight, conv_state, states.slots)
-    q, k, v = conv.split([hk * dk, hk * dk, values], dim=-1)
-    out = delta_rule_step_at_slots(
-        q.view(batch, hk, dk),
-        k.view(batch, hk, dk),
-        v.view(batch, hv, dv),
+    return delta_net_step_at_slots(
+        mixed[:, :channels],
+        z,
         a,
         b,
+        conv_weight,
+        conv_state,
         recurrent,
         states.slots,
-        raw_gates=fused.gates,
+        fused.gates,
+        (net.norm.weight, cfg.rms_eps),
+        hk,
     )
-    return gated_rmsnorm(out, z, net.norm.weight, cfg.rms_eps)
 
 
 def _attention_core(
