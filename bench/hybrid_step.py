@@ -210,6 +210,7 @@ def delta_net_step_time(model: Qwen35Model, batch: int, tile: tuple[int, int], r
     x, z, b, a = mixed.split([channels, hv * dv, hv, hv], dim=-1)
     slots = torch.arange(1, batch + 1, device="cuda")
     weight = net.conv1d.weight[:, 0, :]
+    arrivals = torch.zeros(batch * hk, dtype=torch.int32, device="cuda")
 
     def run() -> None:
         for layer in range(layers):
@@ -225,7 +226,8 @@ def delta_net_step_time(model: Qwen35Model, batch: int, tile: tuple[int, int], r
                 gates,
                 (net.norm.weight, cfg.rms_eps),
                 hk,
-                tile=tile,
+                arrivals,
+                tile,
             )
 
     stream = torch.cuda.Stream()
@@ -266,14 +268,16 @@ def main() -> None:
         print({k: v for k, v in row.items() if "top" not in k}, flush=True)
         print(" kernels arm, top by GPU time (count, µs):", row["kernels_top_kernels_us"], flush=True)
         results.append(row)
-    from executor_svc.kernels.gated_delta_slots import step_tile
+    from executor_svc.kernels.gated_delta_slots import value_block
 
     delta_net_steps = []
     cfg = model.config
     for batch in args.batches:
-        chosen = step_tile(batch, cfg.linear_key_heads, cfg.linear_value_dim)
-        row = {"batch": batch, "chosen_tile": list(chosen)}
-        for block, warps in ((64, 16), (32, 16), (32, 8), (32, 4), (16, 4)):
+        row = {
+            "batch": batch,
+            "chosen_block": value_block(batch, cfg.linear_value_heads, cfg.linear_value_dim),
+        }
+        for block, warps in ((8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8)):
             row[f"tile_{block}x{warps}_us"] = round(
                 delta_net_step_time(model, batch, (block, warps), args.replays), 2
             )

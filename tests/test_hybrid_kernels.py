@@ -229,14 +229,15 @@ def test_two_stages_equal_the_whole_model(fused: bool, tied: bool):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "tile"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, (8, 1))]
+    ("dtype", "tile"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, (32, 4))]
 )
 def test_delta_net_step_equals_the_unfused_step(dtype: torch.dtype, tile: tuple[int, int] | None):
     """A gated delta net layer's decode in one kernel (delta_net_step_at_slots) equals the reference's conv step,
     gated_delta_slots' rule step and the gated norm kernel it joins: the output, the windows and states moved on
-    at each row's slot. Two value heads a key head; Dk = 12 and Dv = 20 not powers of two (a tile 8 values wide:
-    three value blocks, the last partial, the head read back for its norm); rows strided in the joined projection. The
-    padding row (slot 0) leaves the sink's window and state zero, slots not in the step keep theirs."""
+    at each row's slot; its arrival counters left zero. Two value heads a key head, which the last of their
+    programs to finish norms; Dk = 12 and Dv = 20 not powers of two (blocks of 8: three a head, the last partial;
+    or one of 32); rows strided in the joined projection. The padding row (slot 0) leaves the sink's window and
+    state zero, slots not in the step keep theirs."""
     from executor_svc.kernels.fused import gated_rmsnorm
     from executor_svc.kernels.gated_delta_slots import delta_net_step_at_slots, delta_rule_step_at_slots
 
@@ -273,6 +274,7 @@ def test_delta_net_step_equals_the_unfused_step(dtype: torch.dtype, tile: tuple[
         raw_gates=(decay_rate, dt_bias),
     )
     expected = gated_rmsnorm(core, z_on, norm_weight_on, 1e-6).cpu()
+    arrivals = torch.zeros(n * hk, dtype=torch.int32, device=DEVICE)
     out = delta_net_step_at_slots(
         x_on,
         z_on,
@@ -285,13 +287,14 @@ def test_delta_net_step_equals_the_unfused_step(dtype: torch.dtype, tile: tuple[
         (decay_rate, dt_bias),
         (norm_weight_on, 1e-6),
         hk,
-        tile=tile,
+        arrivals,
+        tile,
     ).cpu()
     # bf16: the conv's SiLU rounds to the dtype where the reference's may round the other way, and a conv
     # output one ulp off moves the rule's output by more (its q and k are l2-normed, its state remembers)
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 5e-2}
     torch.testing.assert_close(out[real], expected[real], **tolerance)
-    assert torch.equal(windows_on.cpu(), expected_windows)
+    assert torch.equal(windows_on.cpu(), expected_windows) and not arrivals.any()
     torch.testing.assert_close(states_on.cpu(), expected_states.cpu(), **tolerance)
     assert (states_on.cpu()[[0, 2, 4]] == states[[0, 2, 4]]).all()
 

@@ -18,11 +18,6 @@ from executor_svc.kernels.fused import gated_norm
 # fused recurrent kernel) gives many programs at small batches (Qwen3.5-0.8B: 16 heads x 128 / 8 = 256 a row),
 # but its 32-byte rows waste memory bandwidth once the batch fills the GPU: wider tiles then.
 _PROGRAMS_WANTED = 2048
-# The whole layer's step runs one program a row and key head, a block of its value dims at a time (a [Dk, Dv]
-# float32 tile does not fit one program's registers: its pointers alone take two registers an element): wide
-# blocks on many warps while the batch gives few programs, so each SM keeps many loads in flight; [Dk, 32] on
-# 4 warps, the rule step's best tile at 256 rows, once it gives this many.
-_PROGRAMS_FOR_NARROW = 1024
 
 
 def value_block(rows: int, heads: int, dv: int) -> int:
@@ -32,13 +27,6 @@ def value_block(rows: int, heads: int, dv: int) -> int:
         if block <= widest and rows * heads * triton.cdiv(dv, block) >= _PROGRAMS_WANTED:
             return block
     return min(8, widest)
-
-
-def step_tile(rows: int, key_heads: int, dv: int) -> tuple[int, int]:
-    """(value dims a program of delta_net_step_at_slots takes at a time, its warps) for a batch of `rows`."""
-    if rows * key_heads >= _PROGRAMS_FOR_NARROW:
-        return min(32, triton.next_power_of_2(dv)), 4
-    return min(64, triton.next_power_of_2(dv)), 16
 
 
 @triton.jit
@@ -180,12 +168,10 @@ def delta_rule_step_at_slots(
 
 
 @triton.jit
-def _conv_channels(x_row, weight_ptr, window, cols, live, written, WIDTH: tl.constexpr):
+def _conv_channels(x_row, weight_ptr, window, cols, live, WIDTH: tl.constexpr):
     """One token's causal conv with SiLU at channels `cols` (x_row: its inputs; window: its slot's [C, K - 1]
     windows, oldest first), summed oldest first in float32 as conv1d_step's (window * weight).sum(-1), rounded to
-    x's dtype, returned float32. The window moves on by one in place where `written`: each lane reads entry
-    j + 1 before it writes j."""
-    x = tl.load(x_row + cols, mask=live, other=0.0)
+    x's dtype, returned float32."""
     at = window + cols * (WIDTH - 1)
     taps = weight_ptr + cols * WIDTH
     acc = tl.load(at, mask=live, other=0.0).to(tl.float32) * tl.load(taps, mask=live, other=0.0).to(
@@ -195,11 +181,19 @@ def _conv_channels(x_row, weight_ptr, window, cols, live, written, WIDTH: tl.con
         acc += tl.load(at + j, mask=live, other=0.0).to(tl.float32) * tl.load(
             taps + j, mask=live, other=0.0
         ).to(tl.float32)
+    x = tl.load(x_row + cols, mask=live, other=0.0)
     acc += x.to(tl.float32) * tl.load(taps + WIDTH - 1, mask=live, other=0.0).to(tl.float32)
+    return (acc * tl.sigmoid(acc)).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def _move_window(x_row, window, cols, written, WIDTH: tl.constexpr):
+    """The windows at channels `cols` moved on by one token in place where `written`: each lane reads entry
+    j + 1 before it writes j, and the token's input becomes the newest entry."""
+    at = window + cols * (WIDTH - 1)
     for j in tl.static_range(WIDTH - 2):
         tl.store(at + j, tl.load(at + j + 1, mask=written), mask=written)
-    tl.store(at + WIDTH - 2, x.to(window.dtype.element_ty), mask=written)
-    return (acc * tl.sigmoid(acc)).to(x.dtype).to(tl.float32)
+    tl.store(at + WIDTH - 2, tl.load(x_row + cols, mask=written).to(window.dtype.element_ty), mask=written)
 
 
 @triton.jit
@@ -216,6 +210,7 @@ def _delta_net_step_kernel(
     dt_bias_ptr,
     norm_weight_ptr,
     core_ptr,
+    arrivals_ptr,
     out_ptr,
     x_row_stride,
     z_row_stride,
@@ -232,48 +227,52 @@ def _delta_net_step_kernel(
     BD: tl.constexpr,
     WIDTH: tl.constexpr,
 ):
-    # One program a row and key head: it alone reads and moves on the q and k windows of its key head and the
-    # v windows and states of its GROUP value heads, so nothing races in place; a padding row (the sink slot)
-    # reads zeros and writes nothing, so the sink stays zero.
-    row, key_head = tl.program_id(0), tl.program_id(1)
+    # One program a row, value head and block of its values, as the rule step alone: each computes its key
+    # head's q and k from their windows and moves its own v channels' windows on; the last of a key head's
+    # programs to finish moves the q and k windows on (once every program has read them) and norms its heads
+    # (once every block is stored). A padding row (the sink slot) reads zeros and writes no state or window.
+    row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    key_head = head // GROUP
     slot = tl.load(slots_ptr + row).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     window = windows_ptr + slot * channels * (WIDTH - 1)
     keys = tl.arange(0, BK)
     key_live = keys < DK
-    key_written = key_live & (keys * 0 + slot != 0)  # (as an int first: the interpreter refuses scalar bools)
-    q = _conv_channels(x_row, conv_weight_ptr, window, key_head * DK + keys, key_live, key_written, WIDTH)
-    k = _conv_channels(
-        x_row, conv_weight_ptr, window, (KEY_HEADS + key_head) * DK + keys, key_live, key_written, WIDTH
-    )
+    q_cols, k_cols = key_head * DK + keys, (KEY_HEADS + key_head) * DK + keys
+    q = _conv_channels(x_row, conv_weight_ptr, window, q_cols, key_live, WIDTH)
+    k = _conv_channels(x_row, conv_weight_ptr, window, k_cols, key_live, WIDTH)
     q, k = _normed_qk(q, k, scale)
-    dims = tl.arange(0, BD)  # a head's value dims, for its norm
-    for member in tl.static_range(GROUP):
-        head = key_head * GROUP + member
-        gates = row * gate_row_stride + head
-        decay, beta = _decay_and_beta(a_ptr + gates, b_ptr + gates, decay_rate_ptr, dt_bias_ptr, head, True)
-        core_at = core_ptr + (row * KEY_HEADS * GROUP + head) * DV
-        for block in tl.static_range((DV + BV - 1) // BV):
-            values = block * BV + tl.arange(0, BV)
-            value_live = values < DV
-            v_cols = 2 * KEY_HEADS * DK + head * DV + values
-            v_written = value_live & (values * 0 + slot != 0)
-            v = _conv_channels(x_row, conv_weight_ptr, window, v_cols, value_live, v_written, WIDTH)
-            tile = (
-                states_ptr + ((slot * KEY_HEADS * GROUP + head) * DK + keys[:, None]) * DV + values[None, :]
+    values = block * BV + tl.arange(0, BV)
+    value_live = values < DV
+    v_cols = 2 * KEY_HEADS * DK + head * DV + values
+    v = _conv_channels(x_row, conv_weight_ptr, window, v_cols, value_live, WIDTH)
+    # (the slot broadcast as an int first: Triton's interpreter refuses a scalar bool in a mask)
+    _move_window(x_row, window, v_cols, value_live & (values * 0 + slot != 0), WIDTH)
+    gates = row * gate_row_stride + head
+    decay, beta = _decay_and_beta(a_ptr + gates, b_ptr + gates, decay_rate_ptr, dt_bias_ptr, head, True)
+    tile = states_ptr + ((slot * KEY_HEADS * GROUP + head) * DK + keys[:, None]) * DV + values[None, :]
+    live = key_live[:, None] & value_live[None, :]
+    core = _rule_tile(tile, live, live & (keys[:, None] * 0 + slot != 0), q, k, v, decay, beta)
+    tl.store(core_ptr + (row * KEY_HEADS * GROUP + head) * DV + values, core, mask=value_live)
+    # Release this block (every thread's stores and loads before the one atomic), and learn whether it was its
+    # key head's last (acquire the others'): no second kernel.
+    tl.debug_barrier()
+    arrival = arrivals_ptr + row * KEY_HEADS + key_head
+    if tl.atomic_add(arrival, 1, sem="acq_rel") == GROUP * tl.num_programs(2) - 1:
+        key_written = key_live & (keys * 0 + slot != 0)
+        _move_window(x_row, window, q_cols, key_written, WIDTH)
+        _move_window(x_row, window, k_cols, key_written, WIDTH)
+        dims = tl.arange(0, BD)
+        for member in tl.static_range(GROUP):
+            at = (row * KEY_HEADS * GROUP + key_head * GROUP + member) * DV + dims
+            # read past L1, which may hold none of the other programs' stores
+            head_core = tl.load(core_ptr + at, mask=dims < DV, other=0.0, cache_modifier=".cg")
+            head_gate = tl.load(
+                z_ptr + row * z_row_stride + (key_head * GROUP + member) * DV + dims, mask=dims < DV
             )
-            live = key_live[:, None] & value_live[None, :]
-            core = _rule_tile(tile, live, live & (keys[:, None] * 0 + slot != 0), q, k, v, decay, beta)
-            if BV < DV:
-                tl.store(core_at + values, core, mask=value_live)
-        if BV < DV:
-            # the norm needs the whole head: read back what every block stored, once all threads stored theirs
-            tl.debug_barrier()
-            core = tl.load(core_at + dims, mask=dims < DV, other=0.0)
-        gate = tl.load(z_ptr + row * z_row_stride + head * DV + dims, mask=dims < DV, other=0.0)
-        weight = tl.load(norm_weight_ptr + dims, mask=dims < DV, other=0.0).to(tl.float32)
-        normed = gated_norm(core, gate, weight, DV, eps)
-        tl.store(out_ptr + (row * KEY_HEADS * GROUP + head) * DV + dims, normed, mask=dims < DV)
+            norm_weight = tl.load(norm_weight_ptr + dims, mask=dims < DV, other=0.0).to(tl.float32)
+            tl.store(out_ptr + at, gated_norm(head_core, head_gate, norm_weight, DV, eps), mask=dims < DV)
+        tl.store(arrival, 0)  # rearmed for the next layer's launch
 
 
 def delta_net_step_at_slots(
@@ -288,6 +287,7 @@ def delta_net_step_at_slots(
     gates: tuple[torch.Tensor, torch.Tensor],
     norm: tuple[torch.Tensor, float],
     key_heads: int,
+    arrivals: torch.Tensor | None = None,
     tile: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """One token of each of N sequences through a gated delta net layer after its projections, in one launch:
@@ -298,8 +298,10 @@ def delta_net_step_at_slots(
     row's window windows[slots[n]] ([slots, C, K - 1]) with SiLU, then the rule on states[slots[n]] ([slots, H,
     Dk, Dv] float32), both moved on in place (slots distinct; slot 0, padding, not written); gates = (decay_rate,
     dt_bias) float32 [H] as delta_rule_step_at_slots' raw_gates; norm = (weight [Dv], eps). Returns [N, H Dv] in
-    x's dtype (a padding row's is not meaningful). tile: (value dims a program takes at a time, its warps)
-    (None: step_tile's choice for the batch)."""
+    x's dtype (a padding row's is not meaningful).
+
+    arrivals: int32[>= N * key_heads], zero, which the kernel leaves zero again (None: made here; a step's layers
+    can share one). tile: (value dims a program takes, its warps) (None: value_block's choice for the batch)."""
     n, channels = x.shape
     heads, dk, dv = states.shape[1:]
     width = conv_weight.shape[1]
@@ -317,11 +319,16 @@ def delta_net_step_at_slots(
     if not all(t.is_contiguous() for t in (conv_weight, windows, states, norm_weight)):
         raise ValueError("conv_weight, windows, states and the norm weight must be contiguous")
     assert states.dtype == torch.float32
-    bv, warps = step_tile(n, key_heads, dv) if tile is None else tile
+    if arrivals is None:
+        arrivals = torch.zeros(n * key_heads, dtype=torch.int32, device=x.device)
+    if arrivals.dtype != torch.int32 or arrivals.numel() < n * key_heads:
+        raise ValueError(
+            f"arrivals must be int32[>= {n * key_heads}], got {arrivals.dtype}[{arrivals.numel()}]"
+        )
+    bv = value_block(n, heads, dv) if tile is None else tile[0]
+    core = torch.empty(n, heads, dv, dtype=torch.float32, device=x.device)  # core: [N, H, Dv], the rule's out
     out = torch.empty(n, heads * dv, dtype=x.dtype, device=x.device)  # out: [N, H Dv]
-    # core: [N, H, Dv] float32, each head's rule output while its blocks are stored (one block: not needed)
-    core = torch.empty(n, heads, dv, dtype=torch.float32, device=x.device) if bv < dv else out
-    _delta_net_step_kernel[(n, key_heads)](
+    _delta_net_step_kernel[(n, heads, triton.cdiv(dv, bv))](
         x,
         z,
         a,
@@ -333,6 +340,7 @@ def delta_net_step_at_slots(
         *gates,
         norm_weight,
         core,
+        arrivals,
         out,
         x.stride(0),
         z.stride(0),
@@ -348,6 +356,6 @@ def delta_net_step_at_slots(
         BV=bv,
         BD=triton.next_power_of_2(dv),
         WIDTH=width,
-        num_warps=warps,
+        num_warps=max(1, bv // 8) if tile is None else tile[1],
     )
     return out

@@ -86,13 +86,20 @@ def forward_kernels(
     project, norm_project = projections.project, projections.norm_project
 
     weights = fused_weights(model)
+    # the gated delta nets' arrival counters of a decode step, one a row and key head, which each layer's kernel
+    # leaves zero for the next: one memset a step
+    arrivals = (
+        None
+        if states.seq_starts is not None
+        else torch.zeros(x.shape[0] * cfg.linear_key_heads, dtype=torch.int32, device=x.device)
+    )
     residual = None  # the first norm's "sum" is the embedding itself
     for layer, fused, pool_index in zip(
         model._decoder_layers(), weights.layers, model.pool_index, strict=True
     ):
         mixed, residual = norm_project(x, residual, fused.input_norm, fused.in_weight)
         if layer.kind == LINEAR:
-            core = _delta_net_core(model, layer, fused, mixed, states, pool_index)
+            core = _delta_net_core(model, layer, fused, mixed, states, pool_index, arrivals)
             x = project(core, layer.linear_attn.out_proj.weight)
         else:
             gated = _attention_core(model, fused, mixed, inputs, attention, pool_index)
@@ -117,9 +124,11 @@ def _delta_net_core(
     mixed: torch.Tensor,
     states: StateInputs,
     state_layer: int,
+    arrivals: torch.Tensor | None,
 ) -> torch.Tensor:
     """mixed [B, C + H Dv + 2 H] (the joined projection) -> the normed, gated core [B, H Dv], the pool's conv
-    window and recurrent state moved on at each row's slot (prefill: at each sequence's)."""
+    window and recurrent state moved on at each row's slot (prefill: at each sequence's). arrivals: a decode
+    step's counters (delta_net_step_at_slots')."""
     from executor_svc.kernels.fused import gated_rmsnorm
     from executor_svc.kernels.gated_delta_slots import delta_net_step_at_slots
 
@@ -162,6 +171,7 @@ def _delta_net_core(
         fused.gates,
         (net.norm.weight, cfg.rms_eps),
         hk,
+        arrivals,
     )
 
 
