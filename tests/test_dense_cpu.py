@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -123,3 +124,31 @@ def test_a_cpu_runner_builds_the_c_step_before_serving(tmp_path):
     runner = runner_for_model(model, ExecutorConfig(device="cpu", pool_pages=8, buckets=(1, 2)), "random")
     assert model.cpu_layers is not None, "the narrowest bucket's warm-up step ran"
     assert model.cpu_layers[0] is runner.kv_pool and model.cpu_layers[1] is not None
+
+
+def test_a_short_prefill_runs_in_the_c_step(tmp_path, monkeypatch):
+    """Two prompts (one continuing 5 stored positions) of 19 and 6 tokens read MAX_ROWS tokens a call: the same
+    logits and K/V as the torch layers, each token seeing the K/V of the tokens before it."""
+    from executor_svc.attention.prefill import PrefillAttention
+    from executor_svc.models import dense
+    from executor_svc.prefill.batch import PrefillBatch
+
+    model = _model("linear_biases", tmp_path, "Q4_1")
+    ids = torch.randint(1, tiny_families.VOCAB, (25,), generator=torch.Generator().manual_seed(3)).numpy()
+    chunks = [(ids[:19], 0, np.array([3, 7])), (ids[19:], 5, np.array([9]))]
+    results = []
+    for c_step in (True, False):
+        monkeypatch.setattr(dense, "CPU_PREFILL_TOKENS", 64 if c_step else 0)
+        kv = model.make_kv_pool(num_pages=16, page_size=PAGE)
+        kv.k[:, 9].normal_(generator=torch.Generator().manual_seed(4))  # the 5 stored positions
+        kv.v[:, 9].normal_(generator=torch.Generator().manual_seed(5))
+        batch = PrefillBatch.build(chunks, PAGE, model.config.max_seq_len, torch.device("cpu"))
+        logits = model.forward(batch.inputs, PrefillAttention(kv, model.scale, batch, fused=False))
+        assert (model.cpu_layers is not None and model.cpu_layers[1] is not None) == c_step
+        model.cpu_layers = None
+        results.append((logits, kv))
+    (c_logits, c_kv), (torch_logits, torch_kv) = results
+    torch.testing.assert_close(c_logits, torch_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(c_logits.argmax(-1), torch_logits.argmax(-1))
+    torch.testing.assert_close(c_kv.k[:, 1:], torch_kv.k[:, 1:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c_kv.v[:, 1:], torch_kv.v[:, 1:], rtol=1e-5, atol=1e-5)

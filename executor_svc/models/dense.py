@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from executor_svc.attention.prefill import PrefillAttention
 from executor_svc.attention.torch_ref import TorchDecode
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.dense_cpu import CpuDecodeLayers
@@ -19,6 +20,10 @@ from executor_svc.models.layers import Embedding, GatedMLP, Linear, RMSNorm, app
 from executor_svc.models.packed_kernel import MAX_ROWS
 from executor_svc.models.rope import default_inv_freq, hf_rope, rope_tables
 from executor_svc.stage import Stage
+
+# A CPU prefill of up to this many tokens runs in the C decode step, MAX_ROWS tokens a call (each call reads the
+# weights once): below it, torch's matmuls over de-quantized tiles cost more than the weights' reads.
+CPU_PREFILL_TOKENS = 64
 
 if TYPE_CHECKING:
     from executor_svc.attention import Attention, StepInputs
@@ -277,18 +282,25 @@ class DenseModel(nn.Module):
             return forward_kernels(self, inputs, attention, select)
         return self._forward_torch(inputs, attention, select)
 
-    def _cpu_layers(self, attention: Attention, x: torch.Tensor) -> CpuDecodeLayers | None:
-        """The C decode step where it serves this step: a CPU decode step (its attention reads the pages in
-        place) of at most MAX_ROWS rows, over a model and pool it can serve."""
-        if (
-            not isinstance(attention, TorchDecode)
-            or attention.paged is None
-            or not 0 < x.shape[0] <= MAX_ROWS
-        ):
+    def _cpu_layers(
+        self, attention: Attention, rows: int
+    ) -> tuple[CpuDecodeLayers, tuple[torch.Tensor, torch.Tensor]] | None:
+        """The C decode step and the step's block tables and attended lengths where it serves this step: a CPU
+        step whose attention reads the pages in place, of at most MAX_ROWS decode rows or CPU_PREFILL_TOKENS
+        prefill tokens, over a model and pool it can serve."""
+        if isinstance(attention, TorchDecode):
+            limit = MAX_ROWS
+        elif isinstance(attention, PrefillAttention):
+            limit = CPU_PREFILL_TOKENS
+        else:
+            return None
+        paged = attention.paged if 0 < rows <= limit else None
+        if paged is None:
             return None
         if self.cpu_layers is None or self.cpu_layers[0] is not attention.kv:
             self.cpu_layers = (attention.kv, CpuDecodeLayers.over(self, attention.kv))
-        return self.cpu_layers[1]
+        layers = self.cpu_layers[1]
+        return None if layers is None else (layers, paged)
 
     def _forward_torch(
         self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
@@ -296,10 +308,10 @@ class DenseModel(nn.Module):
         """The layers in torch ops (the CPU path and the reference)."""
         kv = attention.kv
         x = self.enter(inputs.tokens)  # x: [B, hidden]
-        cpu_layers = self._cpu_layers(attention, x)
-        if cpu_layers is not None:
-            assert isinstance(attention, TorchDecode) and attention.paged is not None
-            x = cpu_layers.run(x.contiguous(), inputs, *attention.paged)
+        cpu_step = self._cpu_layers(attention, x.shape[0])
+        if cpu_step is not None:
+            layers, (tables, attn_lens) = cpu_step
+            x = layers.run(x.contiguous(), inputs, tables, attn_lens)
         else:
             cos, sin = self.rope_cos[inputs.positions], self.rope_sin[inputs.positions]
             for index, layer in enumerate(self.decoder_layers()):

@@ -163,31 +163,35 @@ class CpuDecodeLayers:
     def run(
         self, x: torch.Tensor, inputs: StepInputs, tables: torch.Tensor, attn_lens: torch.Tensor
     ) -> torch.Tensor:
-        """x[B <= MAX_ROWS, hidden] float32 through every layer, in place (returned); each row's K/V written at
-        (inputs.write_page, inputs.write_offset) and attended over attn_lens[b] positions of tables[b]."""
+        """x[B, hidden] float32 through every layer, in place (returned); each row's K/V written at
+        (inputs.write_page, inputs.write_offset) and attended over attn_lens[b] positions of tables[b]. Taken
+        MAX_ROWS rows a call, in order: a prefill's tokens (rows of one sequence, positions rising) see the K/V
+        of every token before them, as a call writes its rows' K/V before any of them attends."""
         lib = library()
-        assert lib is not None and 0 < x.shape[0] <= MAX_ROWS and x.is_contiguous()
-        batch, threads = x.shape[0], torch.get_num_threads()
-        need = lib.dense_scratch_floats(ctypes.byref(self.shape), batch, threads)
+        assert lib is not None and x.shape[0] > 0 and x.is_contiguous()
+        threads = torch.get_num_threads()
+        need = lib.dense_scratch_floats(ctypes.byref(self.shape), min(x.shape[0], MAX_ROWS), threads)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
-        # Held in locals until the call returns: the C step reads them by address.
+        # Held in locals until the calls return: the C step reads them by address.
         positions = inputs.positions.to(torch.int64).contiguous()
         write_page = inputs.write_page.to(torch.int32).contiguous()  # i32 already: no copy
         write_offset = inputs.write_offset.to(torch.int32).contiguous()
-        lib.dense_decode_layers(
-            ctypes.byref(self.shape),
-            self.layers,
-            len(self.layers),
-            x.data_ptr(),
-            batch,
-            positions.data_ptr(),
-            write_page.data_ptr(),
-            write_offset.data_ptr(),
-            tables.data_ptr(),
-            tables.stride(0),
-            attn_lens.data_ptr(),
-            self._scratch.data_ptr(),
-            threads,
-        )
+        for first in range(0, x.shape[0], MAX_ROWS):
+            batch = min(MAX_ROWS, x.shape[0] - first)
+            lib.dense_decode_layers(
+                ctypes.byref(self.shape),
+                self.layers,
+                len(self.layers),
+                x[first].data_ptr(),
+                batch,
+                positions[first].data_ptr(),
+                write_page[first].data_ptr(),
+                write_offset[first].data_ptr(),
+                tables[first].data_ptr(),
+                tables.stride(0),
+                attn_lens[first].data_ptr(),
+                self._scratch.data_ptr(),
+                threads,
+            )
         return x
