@@ -229,15 +229,17 @@ def test_two_stages_equal_the_whole_model(fused: bool, tied: bool):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "tile"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, (32, 4))]
+    ("dtype", "tile"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, (8, 2, 1)), (torch.float32, (32, 1, 4))],
 )
-def test_delta_net_step_equals_the_unfused_step(dtype: torch.dtype, tile: tuple[int, int] | None):
+def test_delta_net_step_equals_the_unfused_step(dtype: torch.dtype, tile: tuple[int, int, int] | None):
     """A gated delta net layer's decode in one kernel (delta_net_step_at_slots) equals the reference's conv step,
     gated_delta_slots' rule step and the gated norm kernel it joins: the output, the windows and states moved on
     at each row's slot; its arrival counters left zero. Two value heads a key head, which the last of their
-    programs to finish norms; Dk = 12 and Dv = 20 not powers of two (blocks of 8: three a head, the last partial;
-    or one of 32); rows strided in the joined projection. The padding row (slot 0) leaves the sink's window and
-    state zero, slots not in the step keep theirs."""
+    programs to finish norms; Dk = 12 and Dv = 20 not powers of two (blocks of 8: three a head, the last partial,
+    one a program or two, the second program's second past the head; or one of 32); rows strided in the joined
+    projection. The padding row (slot 0) leaves the sink's window and state zero, slots not in the step keep
+    theirs."""
     from executor_svc.kernels.fused import gated_rmsnorm
     from executor_svc.kernels.gated_delta_slots import delta_net_step_at_slots, delta_rule_step_at_slots
 

@@ -18,6 +18,10 @@ from executor_svc.kernels.fused import gated_norm
 # fused recurrent kernel) gives many programs at small batches (Qwen3.5-0.8B: 16 heads x 128 / 8 = 256 a row),
 # but its 32-byte rows waste memory bandwidth once the batch fills the GPU: wider tiles then.
 _PROGRAMS_WANTED = 2048
+# Heads (rows x value heads) from which the one-kernel layer step gives each head one program (H200,
+# Qwen3.5-0.8B's 16 heads a layer: a program a block took 6.5 us at one row against 11.4 for a program a head,
+# both 17.5 at 16 rows, 62 against 50 at 64)
+_PROGRAMS_FOR_WHOLE_HEADS = 1024
 
 
 def value_block(rows: int, heads: int, dv: int) -> int:
@@ -27,6 +31,16 @@ def value_block(rows: int, heads: int, dv: int) -> int:
         if block <= widest and rows * heads * triton.cdiv(dv, block) >= _PROGRAMS_WANTED:
             return block
     return min(8, widest)
+
+
+def step_tile(rows: int, heads: int, dv: int) -> tuple[int, int, int]:
+    """delta_net_step_at_slots' tile for a batch of `rows`: (value dims a block, blocks a program, warps). The rule
+    step's value_block; each head's blocks spread over programs of their own while the batch gives fewer than
+    _PROGRAMS_FOR_WHOLE_HEADS heads (each program repeats its key head's q and k conv and norms, and only the
+    last finishes the head), else one program a head."""
+    block = value_block(rows, heads, dv)
+    blocks = triton.cdiv(dv, block)
+    return block, 1 if rows * heads < _PROGRAMS_FOR_WHOLE_HEADS else blocks, max(1, block // 8)
 
 
 @triton.jit
@@ -224,14 +238,15 @@ def _delta_net_step_kernel(
     DV: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    BLOCKS: tl.constexpr,
     BD: tl.constexpr,
     WIDTH: tl.constexpr,
 ):
-    # One program a row, value head and block of its values, as the rule step alone: each computes its key
-    # head's q and k from their windows and moves its own v channels' windows on; the last of a key head's
-    # programs to finish moves the q and k windows on (once every program has read them) and norms its heads
-    # (once every block is stored). A padding row (the sink slot) reads zeros and writes no state or window.
-    row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # One program a row, value head and share of its values (BLOCKS blocks of BV, one after the other): each
+    # computes its key head's q and k from their windows and moves its own v channels' windows on; the last of a
+    # key head's programs to finish moves the q and k windows on (once every program has read them) and norms its
+    # heads (once every block is stored). A padding row (the sink slot) reads zeros, writes no state or window.
+    row, head, share = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     key_head = head // GROUP
     slot = tl.load(slots_ptr + row).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
@@ -242,18 +257,19 @@ def _delta_net_step_kernel(
     q = _conv_channels(x_row, conv_weight_ptr, window, q_cols, key_live, WIDTH)
     k = _conv_channels(x_row, conv_weight_ptr, window, k_cols, key_live, WIDTH)
     q, k = _normed_qk(q, k, scale)
-    values = block * BV + tl.arange(0, BV)
-    value_live = values < DV
-    v_cols = 2 * KEY_HEADS * DK + head * DV + values
-    v = _conv_channels(x_row, conv_weight_ptr, window, v_cols, value_live, WIDTH)
-    # (the slot broadcast as an int first: Triton's interpreter refuses a scalar bool in a mask)
-    _move_window(x_row, window, v_cols, value_live & (values * 0 + slot != 0), WIDTH)
     gates = row * gate_row_stride + head
     decay, beta = _decay_and_beta(a_ptr + gates, b_ptr + gates, decay_rate_ptr, dt_bias_ptr, head, True)
-    tile = states_ptr + ((slot * KEY_HEADS * GROUP + head) * DK + keys[:, None]) * DV + values[None, :]
-    live = key_live[:, None] & value_live[None, :]
-    core = _rule_tile(tile, live, live & (keys[:, None] * 0 + slot != 0), q, k, v, decay, beta)
-    tl.store(core_ptr + (row * KEY_HEADS * GROUP + head) * DV + values, core, mask=value_live)
+    for block in tl.static_range(BLOCKS):
+        values = (share * BLOCKS + block) * BV + tl.arange(0, BV)
+        value_live = values < DV
+        v_cols = 2 * KEY_HEADS * DK + head * DV + values
+        v = _conv_channels(x_row, conv_weight_ptr, window, v_cols, value_live, WIDTH)
+        # (the slot broadcast as an int first: Triton's interpreter refuses a scalar bool in a mask)
+        _move_window(x_row, window, v_cols, value_live & (values * 0 + slot != 0), WIDTH)
+        tile = states_ptr + ((slot * KEY_HEADS * GROUP + head) * DK + keys[:, None]) * DV + values[None, :]
+        live = key_live[:, None] & value_live[None, :]
+        core = _rule_tile(tile, live, live & (keys[:, None] * 0 + slot != 0), q, k, v, decay, beta)
+        tl.store(core_ptr + (row * KEY_HEADS * GROUP + head) * DV + values, core, mask=value_live)
     # Release this block (every thread's stores and loads before the one atomic), and learn whether it was its
     # key head's last (acquire the others'): no second kernel.
     tl.debug_barrier()
@@ -288,7 +304,7 @@ def delta_net_step_at_slots(
     norm: tuple[torch.Tensor, float],
     key_heads: int,
     arrivals: torch.Tensor | None = None,
-    tile: tuple[int, int] | None = None,
+    tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """One token of each of N sequences through a gated delta net layer after its projections, in one launch:
     gated_rmsnorm(delta_rule_step_at_slots(conv_step(x), a, b, raw_gates=gates), z, *norm).
@@ -301,7 +317,7 @@ def delta_net_step_at_slots(
     x's dtype (a padding row's is not meaningful).
 
     arrivals: int32[>= N * key_heads], zero, which the kernel leaves zero again (None: made here; a step's layers
-    can share one). tile: (value dims a program takes, its warps) (None: value_block's choice for the batch)."""
+    can share one). tile: (value dims a block, blocks a program, warps) (None: step_tile's choice)."""
     n, channels = x.shape
     heads, dk, dv = states.shape[1:]
     width = conv_weight.shape[1]
@@ -325,10 +341,10 @@ def delta_net_step_at_slots(
         raise ValueError(
             f"arrivals must be int32[>= {n * key_heads}], got {arrivals.dtype}[{arrivals.numel()}]"
         )
-    bv = value_block(n, heads, dv) if tile is None else tile[0]
+    bv, blocks, warps = step_tile(n, heads, dv) if tile is None else tile
     core = torch.empty(n, heads, dv, dtype=torch.float32, device=x.device)  # core: [N, H, Dv], the rule's out
     out = torch.empty(n, heads * dv, dtype=x.dtype, device=x.device)  # out: [N, H Dv]
-    _delta_net_step_kernel[(n, heads, triton.cdiv(dv, bv))](
+    _delta_net_step_kernel[(n, heads, triton.cdiv(triton.cdiv(dv, bv), blocks))](
         x,
         z,
         a,
@@ -354,8 +370,9 @@ def delta_net_step_at_slots(
         DV=dv,
         BK=triton.next_power_of_2(dk),
         BV=bv,
+        BLOCKS=blocks,
         BD=triton.next_power_of_2(dv),
         WIDTH=width,
-        num_warps=max(1, bv // 8) if tile is None else tile[1],
+        num_warps=warps,
     )
     return out
