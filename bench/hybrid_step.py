@@ -190,13 +190,12 @@ def prefill_time(model: Qwen35Model, sequences: int, tokens: int, packed: bool, 
     return start.elapsed_time(end) / rounds
 
 
-def delta_net_step_time(model: Qwen35Model, batch: int, tile: tuple[int, int, int], replays: int) -> float:
+def delta_net_step_time(model: Qwen35Model, batch: int, tile: tuple[int, int], replays: int) -> float:
     """Microseconds one gated delta net layer's decode kernel (gated_delta_slots.delta_net_step_at_slots: conv,
-    rule and gated norm) takes for `batch` rows with `tile` = (value block, blocks a program, warps): a captured
-    graph of it over
+    rule and gated norm) takes for `batch` rows with `tile` = (value block, warps): a captured graph of it over
     64 layers' states (more than the GPU's L2 holds at one row, as in the model's step, where a layer's weights
     pass between two of its state reads)."""
-    from executor_svc.kernels.gated_delta_slots import delta_net_step_at_slots
+    from executor_svc.kernels.gated_delta_joined import delta_net_step_at_slots
     from executor_svc.models.qwen3_5_kernels import fused_weights
     from executor_svc.state_pool import StatePool
 
@@ -269,15 +268,19 @@ def main() -> None:
         print({k: v for k, v in row.items() if "top" not in k}, flush=True)
         print(" kernels arm, top by GPU time (count, µs):", row["kernels_top_kernels_us"], flush=True)
         results.append(row)
-    from executor_svc.kernels.gated_delta_slots import step_tile
+    from executor_svc.kernels.gated_delta_joined import joined_step_block
 
     delta_net_steps = []
     cfg = model.config
     for batch in args.batches:
-        row = {"batch": batch, "chosen_tile": step_tile(batch, cfg.linear_value_heads, cfg.linear_value_dim)}
-        for tile in ((8, 1, 1), (16, 1, 2), (32, 1, 4), (32, 4, 4)):
-            name = "tile_{}x{}x{}_us".format(*tile)
-            row[name] = round(delta_net_step_time(model, batch, tile, args.replays), 2)
+        row = {
+            "batch": batch,
+            "chosen_block": joined_step_block(batch, cfg.linear_value_heads, cfg.linear_value_dim),
+        }
+        for block, warps in ((8, 1), (16, 2), (32, 4)):
+            row[f"tile_{block}x{warps}_us"] = round(
+                delta_net_step_time(model, batch, (block, warps), args.replays), 2
+            )
         print("one gated delta net layer's decode kernel:", row, flush=True)
         delta_net_steps.append(row)
     prefills = []

@@ -1,7 +1,7 @@
 """The Qwen3.5 hybrid's decode step and prefill batch in the Triton kernels (qwen3_5_kernels, the CUDA path)
 equal its torch forward: the logits, the K/V written, the conv windows and recurrent states moved on at each
 row's slot, a padding row leaving the sink slot zero; two stages of a layer split equal the whole model, in either; and the
-gated delta net's one-kernel decode equals the kernels it joins. Under Triton's interpreter on the CPU, or on CUDA."""
+conv kernel alone equals the reference step, the gated delta net's one-kernel decode the kernels it joins. Under Triton's interpreter on the CPU, or on CUDA."""
 
 from __future__ import annotations
 
@@ -116,8 +116,14 @@ def _run(model: Qwen35Model, inputs: StepInputs, kv, tables, lens, fused: bool, 
     return out, kv_run, pool_run
 
 
-@pytest.mark.parametrize("batch", [3, 6])  # the GEMV path (<= 4 rows) and the cuBLAS one
-def test_fused_decode_step_equals_the_torch_forward(batch: int):
+@pytest.mark.parametrize(
+    ("batch", "joined"), [(3, True), (6, True), (6, False)]
+)  # the GEMV path (<= 4 rows) and the cuBLAS one; the gated delta nets in one kernel, or three (a wide batch's)
+def test_fused_decode_step_equals_the_torch_forward(batch: int, joined: bool, monkeypatch):
+    from executor_svc.kernels import gated_delta_joined
+
+    if not joined:
+        monkeypatch.setattr(gated_delta_joined, "_JOINED_STEP_HEADS", 0)
     model = _model()
     inputs, kv, tables, lens = _decode_step(model, batch)
     (expected, kv_ref, pool_ref), (logits, kv_fused, pool_fused) = (
@@ -230,18 +236,18 @@ def test_two_stages_equal_the_whole_model(fused: bool, tied: bool):
 
 @pytest.mark.parametrize(
     ("dtype", "tile"),
-    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, (8, 2, 1)), (torch.float32, (32, 1, 4))],
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, (8, 1)), (torch.float32, (32, 4))],
 )
-def test_delta_net_step_equals_the_unfused_step(dtype: torch.dtype, tile: tuple[int, int, int] | None):
+def test_delta_net_step_equals_the_unfused_step(dtype: torch.dtype, tile: tuple[int, int] | None):
     """A gated delta net layer's decode in one kernel (delta_net_step_at_slots) equals the reference's conv step,
     gated_delta_slots' rule step and the gated norm kernel it joins: the output, the windows and states moved on
     at each row's slot; its arrival counters left zero. Two value heads a key head, which the last of their
-    programs to finish norms; Dk = 12 and Dv = 20 not powers of two (blocks of 8: three a head, the last partial,
-    one a program or two, the second program's second past the head; or one of 32); rows strided in the joined
-    projection. The padding row (slot 0) leaves the sink's window and state zero, slots not in the step keep
+    programs to finish norms; Dk = 12 and Dv = 20 not powers of two (blocks of 8: three programs a head, the last
+    partial; or one of 32); rows strided in the joined projection. The padding row (slot 0) leaves the sink's window and state zero, slots not in the step keep
     theirs."""
     from executor_svc.kernels.fused import gated_rmsnorm
-    from executor_svc.kernels.gated_delta_slots import delta_net_step_at_slots, delta_rule_step_at_slots
+    from executor_svc.kernels.gated_delta_joined import delta_net_step_at_slots
+    from executor_svc.kernels.gated_delta_slots import delta_rule_step_at_slots
 
     hk, h, dk, dv, width = 2, 4, 12, 20, 4
     channels = 2 * hk * dk + h * dv
@@ -299,6 +305,29 @@ def test_delta_net_step_equals_the_unfused_step(dtype: torch.dtype, tile: tuple[
     assert torch.equal(windows_on.cpu(), expected_windows) and not arrivals.any()
     torch.testing.assert_close(states_on.cpu(), expected_states.cpu(), **tolerance)
     assert (states_on.cpu()[[0, 2, 4]] == states[[0, 2, 4]]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_step_at_slots_equals_the_reference(dtype: torch.dtype):
+    """Channels over two blocks, rows strided (a view into a wider projection); the padding row's window (the
+    sink's) stays zero and untouched slots keep theirs."""
+    from executor_svc.kernels.gated_delta_slots import conv_step_at_slots
+
+    channels, width = 1100, 4
+    g = torch.Generator().manual_seed(2)
+    slots = torch.tensor([2, 0, 4])
+    wide = torch.randn(3, channels + 7, generator=g).to(dtype)
+    weight = torch.randn(channels, width, generator=g).to(dtype)
+    windows = torch.randn(5, channels, width - 1, generator=g).to(dtype)
+    windows[0] = 0
+    expected_out, moved = ref.conv1d_step(wide[:, :channels], weight, windows[slots])
+    expected = windows.clone()
+    expected[slots[slots != 0]] = moved[slots != 0]
+    windows, slots_on = windows.to(DEVICE), slots.to(DEVICE)
+    out = conv_step_at_slots(wide.to(DEVICE)[:, :channels], weight.to(DEVICE), windows, slots_on).cpu()
+    real = slots != 0
+    torch.testing.assert_close(out[real], expected_out[real])
+    assert torch.equal(windows.cpu(), expected)
 
 
 @pytest.mark.skipif(

@@ -3,8 +3,8 @@ state in the state pool at its slot (as attention reads pages by slot): no gathe
 no scatter back. The contracts of gated_delta_ref's conv1d_step and delta_rule_step_at_slots, which stay the CPU
 path; fixed shapes and no host sync, so a CUDA graph captures them.
 
-Two kernels: the rule step alone (the torch forward's, on CUDA), and the layer's whole step after its projection
-(conv, rule and gated norm in one launch, the Triton-kernels forward's)."""
+The conv and the rule step each alone (the torch forward's rule on CUDA; the Triton-kernels forward's wide
+batches), and the pieces gated_delta_joined's one-kernel step (the narrow batches') is made of."""
 
 from __future__ import annotations
 
@@ -12,16 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_svc.kernels.fused import gated_norm
-
 # Value dims per program: a [Dk, 8] float32 tile of the state on one warp (fla-core's and vLLM's choice for their
 # fused recurrent kernel) gives many programs at small batches (Qwen3.5-0.8B: 16 heads x 128 / 8 = 256 a row),
 # but its 32-byte rows waste memory bandwidth once the batch fills the GPU: wider tiles then.
 _PROGRAMS_WANTED = 2048
-# Heads (rows x value heads) from which the one-kernel layer step gives each head one program (H200,
-# Qwen3.5-0.8B's 16 heads a layer: a program a block took 6.5 us at one row against 11.4 for a program a head,
-# both 17.5 at 16 rows, 62 against 50 at 64)
-_PROGRAMS_FOR_WHOLE_HEADS = 1024
 
 
 def value_block(rows: int, heads: int, dv: int) -> int:
@@ -33,18 +27,8 @@ def value_block(rows: int, heads: int, dv: int) -> int:
     return min(8, widest)
 
 
-def step_tile(rows: int, heads: int, dv: int) -> tuple[int, int, int]:
-    """delta_net_step_at_slots' tile for a batch of `rows`: (value dims a block, blocks a program, warps). The rule
-    step's value_block; each head's blocks spread over programs of their own while the batch gives fewer than
-    _PROGRAMS_FOR_WHOLE_HEADS heads (each program repeats its key head's q and k conv and norms, and only the
-    last finishes the head), else one program a head."""
-    block = value_block(rows, heads, dv)
-    blocks = triton.cdiv(dv, block)
-    return block, 1 if rows * heads < _PROGRAMS_FOR_WHOLE_HEADS else blocks, max(1, block // 8)
-
-
 @triton.jit
-def _decay_and_beta(g_at, b_at, decay_rate_ptr, dt_bias_ptr, head, RAW_GATES: tl.constexpr):
+def decay_and_beta(g_at, b_at, decay_rate_ptr, dt_bias_ptr, head, RAW_GATES: tl.constexpr):
     """A row and head's decay exp(g) and beta, float32; RAW_GATES: from the projections a, b as the model
     computes them: beta = sigmoid(b) rounded to the dtype, g = -exp(A_log) * softplus(a + dt_bias) in float32
     (softplus linear above 20, as torch's)."""
@@ -58,13 +42,13 @@ def _decay_and_beta(g_at, b_at, decay_rate_ptr, dt_bias_ptr, head, RAW_GATES: tl
 
 
 @triton.jit
-def _normed_qk(q, k, scale):
+def normed_qk(q, k, scale):
     """l2-normed q and k (eps inside the root, as fla and transformers), q scaled by Dk^-0.5."""
     return q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale, k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
 
 
 @triton.jit
-def _rule_tile(tile, live, written, q, k, v, decay, beta):
+def rule_tile(tile, live, written, q, k, v, decay, beta):
     """The rule's step on the state tile [BK, BV] at `tile` (float32, masked by `live`), stored back where
     `written`: q, k [BK] normed, v [BV], decay and beta float32. Returns out [BV], float32."""
     state = tl.load(tile, mask=live, other=0.0) * decay
@@ -109,10 +93,10 @@ def _step_at_slots_kernel(
     qk = row * qk_row_stride + (head // GROUP) * qk_head_stride + keys
     q = tl.load(q_ptr + qk, mask=key_live, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + qk, mask=key_live, other=0.0).to(tl.float32)
-    q, k = _normed_qk(q, k, scale)
+    q, k = normed_qk(q, k, scale)
     v = tl.load(v_ptr + row * v_row_stride + head * v_head_stride + values, mask=value_live, other=0.0)
     gates = row * gate_row_stride + head
-    decay, beta = _decay_and_beta(
+    decay, beta = decay_and_beta(
         g_ptr + gates, beta_ptr + gates, decay_rate_ptr, dt_bias_ptr, head, RAW_GATES
     )
     # the state tile [BK, BV] of this row's slot and head, float32. A padding row reads the sink slot (zeros)
@@ -120,7 +104,7 @@ def _step_at_slots_kernel(
     # refuses a scalar bool in a mask.)
     tile = states_ptr + ((slot * HEADS + head) * DK + keys[:, None]) * DV + values[None, :]
     live = key_live[:, None] & value_live[None, :]
-    out = _rule_tile(tile, live, live & (keys[:, None] * 0 + slot != 0), q, k, v.to(tl.float32), decay, beta)
+    out = rule_tile(tile, live, live & (keys[:, None] * 0 + slot != 0), q, k, v.to(tl.float32), decay, beta)
     tl.store(out_ptr + (row * HEADS + head) * DV + values, out, mask=value_live)
 
 
@@ -182,7 +166,7 @@ def delta_rule_step_at_slots(
 
 
 @triton.jit
-def _conv_channels(x_row, weight_ptr, window, cols, live, WIDTH: tl.constexpr):
+def conv_channels(x_row, weight_ptr, window, cols, live, WIDTH: tl.constexpr):
     """One token's causal conv with SiLU at channels `cols` (x_row: its inputs; window: its slot's [C, K - 1]
     windows, oldest first), summed oldest first in float32 as conv1d_step's (window * weight).sum(-1), rounded to
     x's dtype, returned float32."""
@@ -201,178 +185,75 @@ def _conv_channels(x_row, weight_ptr, window, cols, live, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _move_window(x_row, window, cols, written, WIDTH: tl.constexpr):
-    """The windows at channels `cols` moved on by one token in place where `written`: each lane reads entry
-    j + 1 before it writes j, and the token's input becomes the newest entry."""
+def move_window(x_row, window, cols, written, WIDTH: tl.constexpr, BW: tl.constexpr):
+    """The windows at channels `cols` moved on by one token in place where `written`: entry j + 1 to j, the
+    token's input the newest. Every thread reads its entries before any writes (a layout may give a channel to
+    threads of several warps, which run apart)."""
     at = window + cols * (WIDTH - 1)
-    for j in tl.static_range(WIDTH - 2):
-        tl.store(at + j, tl.load(at + j + 1, mask=written), mask=written)
-    tl.store(at + WIDTH - 2, tl.load(x_row + cols, mask=written).to(window.dtype.element_ty), mask=written)
+    steps = tl.arange(0, BW)  # a window's entries, BW = WIDTH - 1 rounded up to a power of two
+    kept = written[:, None] & (steps >= 1)[None, :] & (steps < WIDTH - 1)[None, :]
+    entries = tl.load(at[:, None] + steps[None, :], mask=kept)
+    x = tl.load(x_row + cols, mask=written)
+    tl.debug_barrier()
+    tl.store(at[:, None] + steps[None, :] - 1, entries, mask=kept)
+    tl.store(at + WIDTH - 2, x.to(window.dtype.element_ty), mask=written)
 
 
 @triton.jit
-def _delta_net_step_kernel(
+def _conv_step_at_slots_kernel(
     x_ptr,
-    z_ptr,
-    a_ptr,
-    b_ptr,
-    conv_weight_ptr,
+    weight_ptr,
     windows_ptr,
-    states_ptr,
     slots_ptr,
-    decay_rate_ptr,
-    dt_bias_ptr,
-    norm_weight_ptr,
-    core_ptr,
-    arrivals_ptr,
     out_ptr,
     x_row_stride,
-    z_row_stride,
-    gate_row_stride,
     channels,
-    scale,
-    eps,
-    KEY_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    BLOCKS: tl.constexpr,
-    BD: tl.constexpr,
     WIDTH: tl.constexpr,
+    BW: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    # One program a row, value head and share of its values (BLOCKS blocks of BV, one after the other): each
-    # computes its key head's q and k from their windows and moves its own v channels' windows on; the last of a
-    # key head's programs to finish moves the q and k windows on (once every program has read them) and norms its
-    # heads (once every block is stored). A padding row (the sink slot) reads zeros, writes no state or window.
-    row, head, share = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    key_head = head // GROUP
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < channels
     slot = tl.load(slots_ptr + row).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     window = windows_ptr + slot * channels * (WIDTH - 1)
-    keys = tl.arange(0, BK)
-    key_live = keys < DK
-    q_cols, k_cols = key_head * DK + keys, (KEY_HEADS + key_head) * DK + keys
-    q = _conv_channels(x_row, conv_weight_ptr, window, q_cols, key_live, WIDTH)
-    k = _conv_channels(x_row, conv_weight_ptr, window, k_cols, key_live, WIDTH)
-    q, k = _normed_qk(q, k, scale)
-    gates = row * gate_row_stride + head
-    decay, beta = _decay_and_beta(a_ptr + gates, b_ptr + gates, decay_rate_ptr, dt_bias_ptr, head, True)
-    for block in tl.static_range(BLOCKS):
-        values = (share * BLOCKS + block) * BV + tl.arange(0, BV)
-        value_live = values < DV
-        v_cols = 2 * KEY_HEADS * DK + head * DV + values
-        v = _conv_channels(x_row, conv_weight_ptr, window, v_cols, value_live, WIDTH)
-        # (the slot broadcast as an int first: Triton's interpreter refuses a scalar bool in a mask)
-        _move_window(x_row, window, v_cols, value_live & (values * 0 + slot != 0), WIDTH)
-        tile = states_ptr + ((slot * KEY_HEADS * GROUP + head) * DK + keys[:, None]) * DV + values[None, :]
-        live = key_live[:, None] & value_live[None, :]
-        core = _rule_tile(tile, live, live & (keys[:, None] * 0 + slot != 0), q, k, v, decay, beta)
-        tl.store(core_ptr + (row * KEY_HEADS * GROUP + head) * DV + values, core, mask=value_live)
-    # Release this block (every thread's stores and loads before the one atomic), and learn whether it was its
-    # key head's last (acquire the others'): no second kernel.
-    tl.debug_barrier()
-    arrival = arrivals_ptr + row * KEY_HEADS + key_head
-    if tl.atomic_add(arrival, 1, sem="acq_rel") == GROUP * tl.num_programs(2) - 1:
-        key_written = key_live & (keys * 0 + slot != 0)
-        _move_window(x_row, window, q_cols, key_written, WIDTH)
-        _move_window(x_row, window, k_cols, key_written, WIDTH)
-        dims = tl.arange(0, BD)
-        for member in tl.static_range(GROUP):
-            at = (row * KEY_HEADS * GROUP + key_head * GROUP + member) * DV + dims
-            # read past L1, which may hold none of the other programs' stores
-            head_core = tl.load(core_ptr + at, mask=dims < DV, other=0.0, cache_modifier=".cg")
-            head_gate = tl.load(
-                z_ptr + row * z_row_stride + (key_head * GROUP + member) * DV + dims, mask=dims < DV
-            )
-            norm_weight = tl.load(norm_weight_ptr + dims, mask=dims < DV, other=0.0).to(tl.float32)
-            tl.store(out_ptr + at, gated_norm(head_core, head_gate, norm_weight, DV, eps), mask=dims < DV)
-        tl.store(arrival, 0)  # rearmed for the next layer's launch
+    out = conv_channels(x_row, weight_ptr, window, cols, live, WIDTH)
+    tl.store(out_ptr + row * channels + cols, out.to(out_ptr.dtype.element_ty), mask=live)
+    # A padding row (the sink slot) writes nothing, so the sink stays zero. (The slot is broadcast as an int
+    # first: Triton's interpreter refuses a scalar bool in a mask.)
+    tl.debug_barrier()  # every thread's conv has read the window
+    move_window(x_row, window, cols, live & (cols * 0 + slot != 0), WIDTH, BW)
 
 
-def delta_net_step_at_slots(
-    x: torch.Tensor,
-    z: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    conv_weight: torch.Tensor,
-    windows: torch.Tensor,
-    states: torch.Tensor,
-    slots: torch.Tensor,
-    gates: tuple[torch.Tensor, torch.Tensor],
-    norm: tuple[torch.Tensor, float],
-    key_heads: int,
-    arrivals: torch.Tensor | None = None,
-    tile: tuple[int, int, int] | None = None,
+def conv_step_at_slots(
+    x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor
 ) -> torch.Tensor:
-    """One token of each of N sequences through a gated delta net layer after its projections, in one launch:
-    gated_rmsnorm(delta_rule_step_at_slots(conv_step(x), a, b, raw_gates=gates), z, *norm).
-
-    x [N, C] (q | k | v before the conv), z [N, H Dv] (the output gate), a, b [N, H] (the raw gate
-    projections): rows may be strided, last dims contiguous. The causal conv (conv_weight [C, K]) after each
-    row's window windows[slots[n]] ([slots, C, K - 1]) with SiLU, then the rule on states[slots[n]] ([slots, H,
-    Dk, Dv] float32), both moved on in place (slots distinct; slot 0, padding, not written); gates = (decay_rate,
-    dt_bias) float32 [H] as delta_rule_step_at_slots' raw_gates; norm = (weight [Dv], eps). Returns [N, H Dv] in
-    x's dtype (a padding row's is not meaningful).
-
-    arrivals: int32[>= N * key_heads], zero, which the kernel leaves zero again (None: made here; a step's layers
-    can share one). tile: (value dims a block, blocks a program, warps) (None: step_tile's choice)."""
+    """One token of each of N sequences, x[N, C] (rows may be strided, channels contiguous), through the causal
+    depthwise conv (weight [C, K] contiguous) after its window windows[slots[n]] ([slots, C, K - 1], contiguous,
+    moved on in place; slot 0, padding, not written), SiLU applied. Returns out [N, C] in x's dtype. The
+    gated delta net step's conv where the batch is too wide for delta_net_step_at_slots to win."""
     n, channels = x.shape
-    heads, dk, dv = states.shape[1:]
-    width = conv_weight.shape[1]
-    norm_weight, eps = norm
-    if channels != 2 * key_heads * dk + heads * dv or heads % key_heads:
-        raise ValueError(f"x must be [N, {2 * key_heads * dk + heads * dv}] for {key_heads} key heads")
-    if conv_weight.shape != (channels, width) or windows.shape[1:] != (channels, width - 1):
-        raise ValueError(f"conv_weight must be [{channels}, K] and windows [slots, {channels}, K - 1]")
-    if z.shape != (n, heads * dv) or a.shape != (n, heads) or b.stride() != a.stride() or b.shape != a.shape:
-        raise ValueError(f"z must be [{n}, {heads * dv}], a and b [{n}, {heads}] of the same strides")
-    if any(t.shape != (heads,) or t.dtype != torch.float32 for t in gates) or norm_weight.shape != (dv,):
-        raise ValueError(f"gates must be float32 [{heads}] each and the norm weight [{dv}]")
-    if any(t.stride(-1) != 1 for t in (x, z, a)) or x.dtype != z.dtype:
-        raise ValueError("x, z, a and b must be contiguous along their last dim, x and z of one dtype")
-    if not all(t.is_contiguous() for t in (conv_weight, windows, states, norm_weight)):
-        raise ValueError("conv_weight, windows, states and the norm weight must be contiguous")
-    assert states.dtype == torch.float32
-    if arrivals is None:
-        arrivals = torch.zeros(n * key_heads, dtype=torch.int32, device=x.device)
-    if arrivals.dtype != torch.int32 or arrivals.numel() < n * key_heads:
+    width = weight.shape[1]
+    if weight.shape != (channels, width) or windows.shape[1:] != (channels, width - 1):
         raise ValueError(
-            f"arrivals must be int32[>= {n * key_heads}], got {arrivals.dtype}[{arrivals.numel()}]"
+            f"weight must be [{channels}, K] and windows [slots, {channels}, K - 1], got {tuple(weight.shape)}, "
+            f"{tuple(windows.shape)}"
         )
-    bv, blocks, warps = step_tile(n, heads, dv) if tile is None else tile
-    core = torch.empty(n, heads, dv, dtype=torch.float32, device=x.device)  # core: [N, H, Dv], the rule's out
-    out = torch.empty(n, heads * dv, dtype=x.dtype, device=x.device)  # out: [N, H Dv]
-    _delta_net_step_kernel[(n, heads, triton.cdiv(triton.cdiv(dv, bv), blocks))](
+    if x.stride(1) != 1 or not weight.is_contiguous() or not windows.is_contiguous():
+        raise ValueError("x must be contiguous along channels, weight and windows contiguous")
+    out = torch.empty(n, channels, dtype=x.dtype, device=x.device)  # out: [N, C]
+    block = min(512, triton.next_power_of_2(channels))  # 4 channels a thread, their windows [4, K - 1] in registers
+    _conv_step_at_slots_kernel[(n, triton.cdiv(channels, block))](
         x,
-        z,
-        a,
-        b,
-        conv_weight,
+        weight,
         windows,
-        states,
         slots,
-        *gates,
-        norm_weight,
-        core,
-        arrivals,
         out,
         x.stride(0),
-        z.stride(0),
-        a.stride(0),
         channels,
-        dk**-0.5,
-        eps,
-        KEY_HEADS=key_heads,
-        GROUP=heads // key_heads,
-        DK=dk,
-        DV=dv,
-        BK=triton.next_power_of_2(dk),
-        BV=bv,
-        BLOCKS=blocks,
-        BD=triton.next_power_of_2(dv),
         WIDTH=width,
-        num_warps=warps,
+        BW=triton.next_power_of_2(width - 1),
+        BLOCK=block,
     )
     return out

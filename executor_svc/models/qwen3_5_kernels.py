@@ -1,7 +1,7 @@
 """The Qwen3.5 hybrid's forward in the Triton kernels (the CUDA path), of a decode step or a packed prefill
-batch: each layer's projections joined into one matmul that also norms its input, the gated delta net's conv,
-rule step and gated norm in one kernel on the state pool by slot (prefill: the packed conv kernel and fla's
-chunked rule, through the model's prefill, then the gated norm). The torch forward in qwen3_5_model.py is its reference; a
+batch: each layer's projections joined into one matmul that also norms its input, the gated delta net's conv
+window and rule step on the state pool by slot (prefill: the packed conv kernel and fla's chunked rule, through
+the model's prefill), then its gated norm; in one kernel for a narrow decode batch. The torch forward in qwen3_5_model.py is its reference; a
 decode step there launches some forty kernels a layer, here about eight (what bounds the step at small batches);
 a prefill layer some seventy against about twenty, each a few microseconds of host work."""
 
@@ -77,6 +77,7 @@ def forward_kernels(
     """Qwen35Model.forward of a decode step or a prefill batch in the Triton kernels: float32 logits[B or
     len(select), V] (None before the last stage of a split)."""
     from executor_svc.kernels.fused import rmsnorm_residual
+    from executor_svc.kernels.gated_delta_joined import joined_step_wins
 
     cfg, states = model.config, inputs.states
     assert states is not None, "a Qwen3.5 step carries its state slots"
@@ -86,13 +87,11 @@ def forward_kernels(
     project, norm_project = projections.project, projections.norm_project
 
     weights = fused_weights(model)
-    # the gated delta nets' arrival counters of a decode step, one a row and key head, which each layer's kernel
-    # leaves zero for the next: one memset a step
-    arrivals = (
-        None
-        if states.seq_starts is not None
-        else torch.zeros(x.shape[0] * cfg.linear_key_heads, dtype=torch.int32, device=x.device)
-    )
+    # a narrow decode step's arrival counters for its gated delta nets' one-kernel step, one a row and key head,
+    # which each layer's kernel leaves zero for the next: one memset a step
+    arrivals = None
+    if states.seq_starts is None and joined_step_wins(x.shape[0], cfg.linear_value_heads):
+        arrivals = torch.zeros(x.shape[0] * cfg.linear_key_heads, dtype=torch.int32, device=x.device)
     residual = None  # the first norm's "sum" is the embedding itself
     for layer, fused, pool_index in zip(
         model._decoder_layers(), weights.layers, model.pool_index, strict=True
@@ -130,11 +129,13 @@ def _delta_net_core(
     window and recurrent state moved on at each row's slot (prefill: at each sequence's). arrivals: a decode
     step's counters (delta_net_step_at_slots')."""
     from executor_svc.kernels.fused import gated_rmsnorm
-    from executor_svc.kernels.gated_delta_slots import delta_net_step_at_slots
+    from executor_svc.kernels.gated_delta_joined import delta_net_step_at_slots, joined_step_wins
+    from executor_svc.kernels.gated_delta_slots import conv_step_at_slots, delta_rule_step_at_slots
 
     cfg, net = model.config, layer.linear_attn
-    hk, hv = cfg.linear_key_heads, cfg.linear_value_heads
-    channels, values = cfg.conv_channels, hv * cfg.linear_value_dim
+    hk, dk, hv, dv = cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_heads, cfg.linear_value_dim
+    channels, values = cfg.conv_channels, hv * dv
+    batch = mixed.shape[0]
     z = mixed[:, channels : channels + values]
     b = mixed[:, channels + values : channels + values + hv]
     a = mixed[:, channels + values + hv :]
@@ -159,20 +160,35 @@ def _delta_net_core(
             model.split_heads,
         )
         return gated_rmsnorm(core, z, net.norm.weight, cfg.rms_eps)
-    return delta_net_step_at_slots(
-        mixed[:, :channels],
-        z,
+    if joined_step_wins(batch, hv):  # a narrow batch: one launch
+        return delta_net_step_at_slots(
+            mixed[:, :channels],
+            z,
+            a,
+            b,
+            conv_weight,
+            conv_state,
+            recurrent,
+            states.slots,
+            fused.gates,
+            (net.norm.weight, cfg.rms_eps),
+            hk,
+            arrivals,
+        )
+    # conv: [B, C], q | k | v after the conv and SiLU
+    conv = conv_step_at_slots(mixed[:, :channels], conv_weight, conv_state, states.slots)
+    q, k, v = conv.split([hk * dk, hk * dk, values], dim=-1)
+    out = delta_rule_step_at_slots(
+        q.view(batch, hk, dk),
+        k.view(batch, hk, dk),
+        v.view(batch, hv, dv),
         a,
         b,
-        conv_weight,
-        conv_state,
         recurrent,
         states.slots,
-        fused.gates,
-        (net.norm.weight, cfg.rms_eps),
-        hk,
-        arrivals,
+        raw_gates=fused.gates,
     )
+    return gated_rmsnorm(out, z, net.norm.weight, cfg.rms_eps)
 
 
 def _attention_core(
