@@ -243,7 +243,9 @@ def conv_step_at_slots(
     if x.stride(1) != 1 or not weight.is_contiguous() or not windows.is_contiguous():
         raise ValueError("x must be contiguous along channels, weight and windows contiguous")
     out = torch.empty(n, channels, dtype=x.dtype, device=x.device)  # out: [N, C]
-    block = min(512, triton.next_power_of_2(channels))  # 4 channels a thread, their windows [4, K - 1] in registers
+    # 4 channels a thread, their windows [4, K - 1] in registers (H200, Qwen3.5-0.8B at 256 rows: 15 us a layer,
+    # 24 with 1,024 channels a program)
+    block = min(512, triton.next_power_of_2(channels))
     _conv_step_at_slots_kernel[(n, triton.cdiv(channels, block))](
         x,
         weight,
