@@ -105,8 +105,12 @@ def gemv(
     n_out = n_weights // 2 if gated else n_weights
     out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
     new_residual = x if residual is None else torch.empty_like(x)
+    # One row: half the tile on 8 warps, twice the programs each with its loads in flight: Qwen3.5-0.8B's
+    # projections took 6% less on the H200 (~852 against ~908 us a step); at 4 rows the
+    # wider tile stays ahead (1,508 against 1,914).
+    tile, warps = (_TILE_ELEMENTS // 2, 8) if rows == 1 else (_TILE_ELEMENTS, 8 if gated else 4)
     block_k = triton.next_power_of_2(k_in)
-    block_n = max(1, min(64, _TILE_ELEMENTS // block_k))
+    block_n = max(1, min(64, tile // block_k))
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x,
         x if residual is None else residual,
@@ -126,6 +130,6 @@ def gemv(
         GATED=gated,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=8 if gated else 4,
+        num_warps=warps,
     )
     return out, new_residual
