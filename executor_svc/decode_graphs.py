@@ -163,11 +163,6 @@ class DecodeGraphs:
         self.store.pad_slots(bucket)
         if not self.capture:
             self.states[bucket] = "eager (no CUDA graphs on this device)"
-            if bucket == self.buckets[0]:
-                # One eager step at start, as a capture warms up: what the first step builds (the CPU's C step,
-                # seconds of compiler on a first run) is built before serving, not inside a request's step.
-                with torch.inference_mode():
-                    self._step(bucket, GREEDY)
             return
         captured = {}
         try:

@@ -114,16 +114,16 @@ def test_the_torch_layers_serve_where_the_c_step_cannot(tmp_path):
     assert packed.cpu_layers is None, "not consulted for a step it cannot take"
 
 
-def test_a_cpu_runner_builds_the_c_step_before_serving(tmp_path):
-    """The first step would otherwise build it (seconds of compiler on a first run), and the planner's watchdog
+def test_loading_packed_weights_builds_the_c_step(monkeypatch):
+    """At load, not on the first decode step: a first build takes seconds of compiler, and the planner's watchdog
     reads a first step that slow as a hung executor."""
-    from executor_svc.config import ExecutorConfig
-    from executor_svc.runner import runner_for_model
+    from executor_svc.models.loader import load_model as load
+    from protos.model_files import default_model_path
 
-    model = _model("qwen3", tmp_path, "Q8_0")
-    runner = runner_for_model(model, ExecutorConfig(device="cpu", pool_pages=8, buckets=(1, 2)), "random")
-    assert model.cpu_layers is not None, "the narrowest bucket's warm-up step ran"
-    assert model.cpu_layers[0] is runner.kv_pool and model.cpu_layers[1] is not None
+    built = []
+    monkeypatch.setattr(dense_cpu, "library", lambda: built.append(True))
+    load(default_model_path(), "cpu", torch.float32, "packed")
+    assert built, "the loader built the C decode step"
 
 
 def test_a_short_prefill_runs_in_the_c_step(tmp_path, monkeypatch):

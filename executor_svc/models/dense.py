@@ -295,13 +295,13 @@ class DenseModel(nn.Module):
             limit = CPU_PREFILL_TOKENS
         else:
             return None
-        paged = attention.paged if 0 < rows <= limit else None
-        if paged is None:
+        if not 0 < rows <= limit:
             return None
         if self.cpu_layers is None or self.cpu_layers[0] is not attention.kv:
             self.cpu_layers = (attention.kv, CpuDecodeLayers.over(self, attention.kv))
         layers = self.cpu_layers[1]
-        return None if layers is None else (layers, paged)
+        paged = None if layers is None else attention.paged
+        return None if layers is None or paged is None else (layers, paged)
 
     def _forward_torch(
         self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None

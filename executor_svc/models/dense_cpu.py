@@ -1,9 +1,10 @@
-"""The dense decoder's CPU decode step in one C call (dense_cpu.c): every layer of a step of up to MAX_ROWS rows
-with packed, fused projections, its attention read in place off the pages. The torch layers cost about 30 torch
-ops a layer (18 ms a step for SmolLM2 on one core, more than its matmuls); the call costs none.
+"""The dense decoder's CPU step in one C call (dense_cpu.c): every layer of up to MAX_ROWS rows a call with
+packed, fused projections, its attention read in place off the pages. The torch layers cost about 30 torch ops a
+layer (18 ms a step for SmolLM2 on one core, more than its matmuls); the call costs none. A decode step's rows
+take one call; a short prefill's tokens (each a row whose stored length is its position) MAX_ROWS a call.
 
-The torch layers stay the path for everything else (prefill, more rows, float weights, other pools) and the
-reference the C step is checked against (tests/test_dense_cpu.py).
+The torch layers stay the path for everything else (long prefills, wide decode steps, float weights, other pools)
+and the reference the C step is checked against (tests/test_dense_cpu.py).
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ class CpuDecodeLayers:
             self._scratch = torch.empty(need, dtype=torch.float32)
         # Held in locals until the calls return: the C step reads them by address.
         positions = inputs.positions.to(torch.int64).contiguous()
-        write_page = inputs.write_page.to(torch.int32).contiguous()  # i32 already: no copy
+        write_page = inputs.write_page.to(torch.int32).contiguous()  # a decode step's: i32 already
         write_offset = inputs.write_offset.to(torch.int32).contiguous()
         for first in range(0, x.shape[0], MAX_ROWS):
             batch = min(MAX_ROWS, x.shape[0] - first)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from executor_svc.device import resolve_weights
+from executor_svc.models import dense_cpu
 from executor_svc.models.family import ExecutorModel, ModelFamily, family_for_gguf, family_for_hf
 from executor_svc.models.packed import PackedWeight, fuse_projections, install_packed
 from executor_svc.stage import StageOf
@@ -69,6 +70,10 @@ def load_model(
         assign=True,
     )
     fuse_projections(model)  # after the load: the biases are in place
+    if packed and device.type == "cpu":
+        # Built now, not by the first decode step: a first build takes seconds of compiler, which the planner's
+        # watchdog would read as a hung step.
+        dense_cpu.library()
     log.info(
         "model loaded: %s, weights %s (%d of %d matrices packed, %.0f MB), %.1f s",
         config.name,

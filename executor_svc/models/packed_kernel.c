@@ -136,7 +136,10 @@ static inline __attribute__((always_inline)) void block_fixed(const int BITS, co
         /* The rows two blocks on, a cache line at a time: a row is only 288 (4 bits) or 576 bytes of SmolLM2's,
          * too short for the hardware's stream prefetch to learn before it ends. */
         if (g * group_bytes % 64 == 0)
-            for (int j = 0; j < NB; j++) __builtin_prefetch(w->q + (n0 + j + 2 * NB) * row_bytes + g * group_bytes);
+            for (int j = 0; j < NB; j++) {
+                const int64_t ahead = n0 + j + 2 * NB < w->n ? n0 + j + 2 * NB : w->n - 1; /* inside the array */
+                __builtin_prefetch(w->q + ahead * row_bytes + g * group_bytes);
+            }
         for (int j = 0; j < NB; j++)
             group_weights(BITS, w->q + (n0 + j) * row_bytes + g * group_bytes, levels, offset, scale[j] + g,
                           minv[j] ? minv[j] + g : 0, &w0[j], &w1[j]);
