@@ -191,7 +191,7 @@ def prefill_time(model: Qwen35Model, sequences: int, tokens: int, packed: bool, 
 
 
 def delta_net_step_time(model: Qwen35Model, batch: int, tile: tuple[int, int], replays: int) -> float:
-    """Microseconds one gated delta net layer's decode kernel (gated_delta_slots.delta_net_step_at_slots: conv,
+    """Microseconds one gated delta net layer's decode kernel (gated_delta_joined.delta_net_step_at_slots: conv,
     rule and gated norm) takes for `batch` rows with `tile` = (value block, warps): a captured graph of it over
     64 layers' states (more than the GPU's L2 holds at one row, as in the model's step, where a layer's weights
     pass between two of its state reads)."""

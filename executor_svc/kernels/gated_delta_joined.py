@@ -16,6 +16,7 @@ from executor_svc.kernels.gated_delta_slots import (
     move_window,
     normed_qk,
     rule_tile,
+    value_block,
 )
 
 # The one-kernel layer step (conv, rule, gated norm): each of its programs repeats its key head's q and k conv
@@ -37,13 +38,7 @@ def joined_step_wins(rows: int, heads: int) -> bool:
 def joined_step_block(rows: int, heads: int, dv: int) -> int:
     """The widest value block of 32, 16 or 8 that gives delta_net_step_at_slots _JOINED_STEP_PROGRAMS programs,
     else 8."""
-    for block in (32, 16):
-        if (
-            block <= triton.next_power_of_2(dv)
-            and rows * heads * triton.cdiv(dv, block) >= _JOINED_STEP_PROGRAMS
-        ):
-            return block
-    return min(8, triton.next_power_of_2(dv))
+    return value_block(rows, heads, dv, _JOINED_STEP_PROGRAMS)
 
 
 @triton.jit
@@ -98,7 +93,6 @@ def _delta_net_step_kernel(
     v_cols = 2 * KEY_HEADS * DK + head * DV + values
     v = conv_channels(x_row, conv_weight_ptr, window, v_cols, value_live, WIDTH)
     # (the slot broadcast as an int first: Triton's interpreter refuses a scalar bool in a mask)
-    tl.debug_barrier()  # every thread's conv has read the window
     move_window(x_row, window, v_cols, value_live & (values * 0 + slot != 0), WIDTH, BW)
     gates = row * gate_row_stride + head
     decay, beta = decay_and_beta(a_ptr + gates, b_ptr + gates, decay_rate_ptr, dt_bias_ptr, head, True)
@@ -174,10 +168,12 @@ def delta_net_step_at_slots(
     assert states.dtype == torch.float32
     if arrivals is None:
         arrivals = torch.zeros(n * key_heads, dtype=torch.int32, device=x.device)
-    if arrivals.dtype != torch.int32 or arrivals.numel() < n * key_heads:
+    if arrivals.dtype != torch.int32 or arrivals.numel() < n * key_heads or not arrivals.is_contiguous():
         raise ValueError(
-            f"arrivals must be int32[>= {n * key_heads}], got {arrivals.dtype}[{arrivals.numel()}]"
+            f"arrivals must be contiguous int32[>= {n * key_heads}], got {arrivals.dtype}[{arrivals.numel()}]"
         )
+    if slots.shape != (n,) or any(t.device != x.device for t in (slots, arrivals, states, windows)):
+        raise ValueError(f"slots must be [{n}], and slots, arrivals, states and windows on {x.device}")
     bv = joined_step_block(n, heads, dv) if tile is None else tile[0]
     core = torch.empty(n, heads, dv, dtype=torch.float32, device=x.device)  # core: [N, H, Dv], the rule's out
     out = torch.empty(n, heads * dv, dtype=x.dtype, device=x.device)  # out: [N, H Dv]

@@ -18,11 +18,11 @@ import triton.language as tl
 _PROGRAMS_WANTED = 2048
 
 
-def value_block(rows: int, heads: int, dv: int) -> int:
-    """The widest value block of 8, 16 or 32 that still gives _PROGRAMS_WANTED programs, else 8."""
+def value_block(rows: int, heads: int, dv: int, wanted: int = _PROGRAMS_WANTED) -> int:
+    """The widest value block of 8, 16 or 32 that still gives `wanted` programs, else 8."""
     widest = min(32, triton.next_power_of_2(dv))
     for block in (32, 16):
-        if block <= widest and rows * heads * triton.cdiv(dv, block) >= _PROGRAMS_WANTED:
+        if block <= widest and rows * heads * triton.cdiv(dv, block) >= wanted:
             return block
     return min(8, widest)
 
@@ -222,7 +222,6 @@ def _conv_step_at_slots_kernel(
     tl.store(out_ptr + row * channels + cols, out.to(out_ptr.dtype.element_ty), mask=live)
     # A padding row (the sink slot) writes nothing, so the sink stays zero. (The slot is broadcast as an int
     # first: Triton's interpreter refuses a scalar bool in a mask.)
-    tl.debug_barrier()  # every thread's conv has read the window
     move_window(x_row, window, cols, live & (cols * 0 + slot != 0), WIDTH, BW)
 
 

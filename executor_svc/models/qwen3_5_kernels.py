@@ -1,9 +1,10 @@
 """The Qwen3.5 hybrid's forward in the Triton kernels (the CUDA path), of a decode step or a packed prefill
 batch: each layer's projections joined into one matmul that also norms its input, the gated delta net's conv
 window and rule step on the state pool by slot (prefill: the packed conv kernel and fla's chunked rule, through
-the model's prefill), then its gated norm; in one kernel for a narrow decode batch. The torch forward in qwen3_5_model.py is its reference; a
-decode step there launches some forty kernels a layer, here about eight (what bounds the step at small batches);
-a prefill layer some seventy against about twenty, each a few microseconds of host work."""
+the model's prefill), then its gated norm, all three in one kernel for a narrow decode batch. The torch forward
+in qwen3_5_model.py is its reference; a decode step there launches some forty kernels a layer, here six to eight
+(what bounds the step at small batches); a prefill layer some seventy against about twenty, each a few
+microseconds of host work."""
 
 from __future__ import annotations
 
