@@ -22,8 +22,8 @@ from executor_svc.models.rope import default_inv_freq, hf_rope, rope_tables
 from executor_svc.stage import Stage
 
 # A CPU prefill of up to this many tokens runs in the C decode step, MAX_ROWS tokens a call (each call reads the
-# weights once): SmolLM2 Q4_1 on two threads, 28 tokens 63 ms against torch's 148 (matmuls over de-quantized
-# tiles), 64 tokens 129 / 199, 128 tokens 300 / 322; torch's GEMM gains on it as the prompt grows.
+# weights once). bench/cpu_prefill.py, SmolLM2 Q4_1, two threads, C step / torch layers ms: 28 tokens 63-83 /
+# 127-148, 64 tokens 129-175 / 199-393, 128 tokens 300-409 / 322-350: about the crossover, torch's GEMM ahead above.
 CPU_PREFILL_TOKENS = 128
 
 if TYPE_CHECKING:
