@@ -8,13 +8,13 @@ import concurrent.futures
 from collections import deque
 
 from executor_svc.control_writes import grammar_text
-from executor_svc.step_loop import collect_when_ready, launch_step
+from executor_svc.step_loop import StepLauncher, collect_when_ready
 from planner_svc.link import LinkError
 from protos import executor_pb2
 
 
 class InProcessLink:
-    """Launches plans from this process's event loop as the executor does (`launch_step`) and polls their
+    """Launches plans from this process's event loop as the executor does (`StepLauncher`) and polls their
     outputs there: the executor's own steps without the gRPC hop (the benchmark's baseline for it)."""
 
     def __init__(self, runner):
@@ -23,7 +23,8 @@ class InProcessLink:
         self._compute = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="cpu-steps", initializer=runner.bind_thread
         )
-        self._launched: deque[asyncio.Future] = deque()  # each plan's launch, in order
+        self._launcher = StepLauncher(runner, self._compute)
+        self._launched: deque[asyncio.Task] = deque()  # each plan's launch, in order
 
     async def describe(self) -> executor_pb2.ExecutorDescription:
         return self._runner.describe()
@@ -33,10 +34,10 @@ class InProcessLink:
 
     async def send(self, plan: executor_pb2.StepPlan) -> None:
         # Runs at the loop's next turn, ahead of the stream writes this step releases.
-        self._launched.append(asyncio.ensure_future(launch_step(self._runner, plan, self._compute)))
+        self._launched.append(asyncio.ensure_future(self._launcher.launch(plan)))
 
     async def recv(self) -> executor_pb2.StepOutput:
-        return await collect_when_ready(self._runner, await self._launched.popleft())
+        return await collect_when_ready(self._runner, await (await self._launched.popleft()))
 
     async def until_ended(self) -> str:
         """A runner in this process does not go away: never returns."""

@@ -20,7 +20,7 @@ from executor_svc.plan import PlanError
 from executor_svc.runner import LaunchedStep, StepRunner
 from executor_svc.snapshots import SnapshotRefused, Snapshots
 from executor_svc.stage import StageLost
-from executor_svc.step_loop import collect_when_ready, launch_step
+from executor_svc.step_loop import StepLauncher, collect_when_ready
 from protos import executor_pb2, executor_pb2_grpc
 from protos.rpc import (
     PLANNER_ID_METADATA,
@@ -47,9 +47,9 @@ class StreamReplaced(Exception):
 class _OpenStream:
     planner: str  # the id of the planner that opened it ("": none given)
     task: asyncio.Task  # the call's, cancelled if it does not end once replaced
-    # Its launched steps in order, or the exception that ends it (a failure to launch: nothing behind it
-    # launches; StreamReplaced), or None at the end of its plans.
-    launched: asyncio.Queue[LaunchedStep | Exception | None]
+    # Its plans' launches in order, or the exception that ends it (StreamReplaced; a grammar that failed to
+    # compile: nothing behind it launches), or None at the end of its plans.
+    launched: asyncio.Queue[asyncio.Future[LaunchedStep] | Exception | None]
     closed: asyncio.Event  # set once its cleanup ran
 
 
@@ -59,7 +59,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     On a GPU one thread does the steps: a thread hop costs more (60-110 µs measured on the H200's host) than
     the launch itself, which is Python that a second thread would only contend with for the GIL. On the CPU
-    a step computes as it launches, on a worker thread (`launch_step`). Park and Restore copy pages on a
+    a step computes as it launches, on a worker thread, queued there as soon as its plan is read (`StepLauncher`). Park and Restore copy pages on a
     worker thread of their own (DESIGN §3).
     """
 
@@ -124,7 +124,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def _serve_steps(
         self,
         request_iterator: AsyncIterator[executor_pb2.StepPlan],
-        launched: asyncio.Queue[LaunchedStep | Exception | None],
+        launched: asyncio.Queue[asyncio.Future[LaunchedStep] | Exception | None],
         context: grpc.aio.ServicerContext,
         peer: str,
     ) -> AsyncGenerator[executor_pb2.StepOutput, None]:
@@ -133,6 +133,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         # loss or a refused plan) writes every row whole. Behind any step still running from the last one.
         await asyncio.get_running_loop().run_in_executor(self._compute, self._runner.store.rows.zero_)
         in_flight = asyncio.Semaphore(PLANS_IN_FLIGHT)
+        launcher = StepLauncher(self._runner, self._compute)
 
         async def launch_plans() -> None:
             # Launches plan N+1 while step N runs; a plan is read once fewer than two await their output.
@@ -140,7 +141,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 async for plan in request_iterator:
                     await in_flight.acquire()
                     try:
-                        launched.put_nowait(await launch_step(self._runner, plan, self._compute))
+                        launched.put_nowait(await launcher.launch(plan))
                     except Exception as err:
                         launched.put_nowait(err)
                         return
@@ -150,11 +151,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         reader = asyncio.create_task(launch_plans())
         log.info("steps stream opened", peer=peer)
         try:
-            while (step := await launched.get()) is not None:
+            while (launch := await launched.get()) is not None:
                 try:
-                    if isinstance(step, Exception):
-                        raise step
-                    output = await collect_when_ready(self._runner, step)
+                    if isinstance(launch, Exception):
+                        raise launch
+                    output = await collect_when_ready(self._runner, await launch)
                 except PlanError as err:
                     log.warning("plan refused", error=str(err))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -176,7 +177,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         finally:
             # Steps launched and not collected finish on the device; their outputs are dropped.
             reader.cancel()
-            self._runner.forget_launched()
+            launcher.forget_launched()
 
     async def PrepareGrammar(
         self, request: executor_pb2.Grammar, context: grpc.aio.ServicerContext
