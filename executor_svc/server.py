@@ -24,6 +24,7 @@ from executor_svc.step_loop import StepLauncher, collect_when_ready
 from protos import executor_pb2, executor_pb2_grpc
 from protos.rpc import (
     PLANNER_ID_METADATA,
+    REFUSED_SEQ_METADATA,
     ChannelSecurity,
     ServerSecurity,
     StartedServer,
@@ -47,9 +48,8 @@ class StreamReplaced(Exception):
 class _OpenStream:
     planner: str  # the id of the planner that opened it ("": none given)
     task: asyncio.Task  # the call's, cancelled if it does not end once replaced
-    # Its plans' launches in order, or the exception that ends it (StreamReplaced; a grammar that failed to
-    # compile: nothing behind it launches), or None at the end of its plans.
-    launched: asyncio.Queue[asyncio.Future[LaunchedStep] | Exception | None]
+    # Its plans' seqs and launches in order, StreamReplaced, or None at the end of its plans.
+    launched: asyncio.Queue[tuple[int, asyncio.Future[LaunchedStep]] | StreamReplaced | None]
     closed: asyncio.Event  # set once its cleanup ran
 
 
@@ -124,7 +124,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def _serve_steps(
         self,
         request_iterator: AsyncIterator[executor_pb2.StepPlan],
-        launched: asyncio.Queue[asyncio.Future[LaunchedStep] | Exception | None],
+        launched: asyncio.Queue[tuple[int, asyncio.Future[LaunchedStep]] | StreamReplaced | None],
         context: grpc.aio.ServicerContext,
         peer: str,
     ) -> AsyncGenerator[executor_pb2.StepOutput, None]:
@@ -141,9 +141,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 async for plan in request_iterator:
                     await in_flight.acquire()
                     try:
-                        launched.put_nowait(await launcher.launch(plan))
-                    except Exception as err:
-                        launched.put_nowait(err)
+                        launched.put_nowait((plan.seq, await launcher.launch(plan)))
+                    except Exception as err:  # its grammar failed to compile: nothing behind it launches
+                        failed = asyncio.get_running_loop().create_future()
+                        failed.set_exception(err)
+                        launched.put_nowait((plan.seq, failed))
                         return
             finally:
                 launched.put_nowait(None)
@@ -151,14 +153,19 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         reader = asyncio.create_task(launch_plans())
         log.info("steps stream opened", peer=peer)
         try:
-            while (launch := await launched.get()) is not None:
+            while (item := await launched.get()) is not None:
                 try:
-                    if isinstance(launch, Exception):
-                        raise launch
+                    if isinstance(item, StreamReplaced):
+                        raise item
+                    seq, launch = item
                     output = await collect_when_ready(self._runner, await launch)
                 except PlanError as err:
-                    log.warning("plan refused", error=str(err))
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                    log.warning("plan refused", error=str(err), seq=seq)
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        str(err),
+                        trailing_metadata=((REFUSED_SEQ_METADATA, str(seq)),),
+                    )
                 except StreamReplaced:
                     await context.abort(
                         grpc.StatusCode.ABORTED, "a newer Steps stream of the same planner replaced this one"

@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from executor_svc.server import SERVICE_NAME, start_executor_server
-from planner_svc.link import GrpcLink, LinkLost
+from planner_svc.link import GrpcLink, LinkLost, StepRefused
 from protos import executor_pb2, executor_pb2_grpc
 from protos.rpc import PLANNER_ID_METADATA
 from protos.wire import pack_i32
@@ -143,3 +143,27 @@ async def test_a_newer_stream_of_the_same_planner_replaces_a_stale_one(served, m
     finally:
         await stale.close()
         await newer.close()
+
+
+async def test_a_refusal_is_a_refusal_of_its_step_on_a_write_or_a_read(served):
+    """Once the executor refused a plan, the planner's next write finds the call finished (InvalidStateError,
+    which was taken for a lost executor, cutting every request) and a read raises the status at once: both say
+    the plan was refused, and which step."""
+    _, _, address = served
+    plans = scripted_plans([1, 2])
+    bad = executor_pb2.StepPlan(seq=plans[1].seq, bucket=2, slots=pack_i32([1, 11]))
+    link = GrpcLink(address)
+    await link.open()
+    try:
+        await link.send(plans[0])
+        await link.send(bad)
+        assert (await link.recv()).seq == plans[0].seq  # the step before it ran
+        assert "INVALID_ARGUMENT" in await link.until_ended()
+        with pytest.raises(StepRefused) as on_write:
+            await link.send(plans[2])
+        with pytest.raises(StepRefused) as on_read:
+            await link.recv()
+        for refused in (on_write.value, on_read.value):
+            assert refused.seq == bad.seq and "slot 11 is outside" in str(refused)
+    finally:
+        await link.close()
