@@ -59,22 +59,27 @@ def _fuse_layer(layer: DenseLayer) -> FusedLayer:
 
 class Projections:
     """A fused decode step's projections, by its row count: a few rows, each projection one GEMV kernel that
-    also norms its input (and gates gate_up's output); more, cuBLAS GEMMs between the norm and SiLU kernels."""
+    also norms its input (and gates gate_up's output); more, GEMMs between the norm and SiLU kernels: the
+    skinny GEMM kernel where it beats cuBLAS (skinny_gemm.wins), cuBLAS elsewhere."""
 
     def __init__(self, rows: int, eps: float) -> None:
         from executor_svc.kernels import gemv
 
+        self.rows = rows
         self.few = rows <= gemv.MAX_ROWS
         self.eps = eps
 
     def project(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        from executor_svc.kernels import gemv
+        from executor_svc.kernels import gemv, skinny_gemm
 
-        if not self.few:
+        if self.few:
+            out = gemv.gemv(x, weight)[0]
+        elif skinny_gemm.wins(self.rows, weight.shape[0], weight.shape[1], weight.dtype):
+            out = skinny_gemm.skinny_gemm(x, weight)
+        else:
             return F.linear(x, weight, bias)
-        out = gemv.gemv(x, weight)[0]
         return out if bias is None else out + bias
 
     def norm_project(
@@ -98,7 +103,7 @@ class Projections:
             out = out + bias
         else:
             h, residual = rmsnorm_residual(x, residual, norm_weight, self.eps)
-            out = F.linear(h, weight, bias)
+            out = self.project(h, weight, bias)
         return (silu_mul(out) if gated else out), residual
 
 
