@@ -72,6 +72,7 @@ def test_default_config_splits_narrow_projections_to_fill_the_gpu():
 def test_wins_only_where_measured():
     assert wins(16, 1024, 3584, torch.bfloat16) and wins(MAX_ROWS, 1024, 2048, torch.bfloat16)
     assert not wins(16, 8224, 1024, torch.bfloat16)  # wide: cuBLAS
+    assert not wins(16, 576, 1536, torch.bfloat16)  # narrower than measured: cuBLAS
     assert not wins(16, 1024, 3584, torch.float32)
     assert not wins(MIN_ROWS - 1, 1024, 3584, torch.bfloat16) and not wins(
         MAX_ROWS + 1, 1024, 3584, torch.bfloat16
@@ -91,7 +92,7 @@ def test_projections_route_narrow_bfloat16_projections_here_with_their_bias():
     from executor_svc.models.dense_kernels import Projections
 
     gen = torch.Generator().manual_seed(3)
-    rows, hidden, narrow = 8, 64, 32
+    rows, hidden, narrow = 8, 2048, 1024
     assert wins(rows, narrow, hidden, torch.bfloat16)
     x, residual = (
         randn(rows, hidden, gen=gen, dtype=torch.bfloat16),

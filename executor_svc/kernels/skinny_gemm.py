@@ -17,6 +17,7 @@ from executor_svc.kernels import interpreting
 
 MIN_ROWS, MAX_ROWS = 5, 64  # below: the GEMV (gemv.MAX_ROWS); above: one row block would no longer cover M
 _COUNTERS = 8192  # column blocks a split projection may have (Qwen3.5-0.8B's widest: 8,224 / 32 = 257)
+_NARROWEST_MEASURED = 1024  # the narrowest output wins() was measured at
 _TARGET_PROGRAMS = 128  # about one an SM on the H200's 132: two were slower (5.9 against 5.6 us at 32 rows)
 
 
@@ -129,11 +130,14 @@ def default_config(rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> Skin
 
 def wins(rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> bool:
     """Whether the kernel beats F.linear (cuBLAS) at a projection. On the H200 (bench/skinny_gemm.py, Qwen3.5-0.8B's
-    shape, bf16, us a projection, cuBLAS against the best launch): it wins where the output is narrower than the
-    input, which cuBLAS splits along K and reduces in a second kernel (16 rows: 1,024 x 2,048 5.8 against 5.1,
-    1,024 x 3,584 8.1 against 6.2; 64 rows: 8.3 against 7.2), and loses by up to 10% on the wide ones
-    (8,224 x 1,024 at 32 rows: 6.9 against 7.2); float32 (tl.dot in "ieee" runs on FMAs) loses 1.2-5x."""
-    return MIN_ROWS <= rows <= MAX_ROWS and dtype == torch.bfloat16 and n_out < k_in
+    shape, bf16, us a projection, cuBLAS against this kernel): it wins where the output is narrower than the
+    input, which cuBLAS splits along K and reduces in a second kernel (16 rows: 1,024 x 2,048 5.9 against 5.1,
+    1,024 x 3,584 8.1 against 6.4; 64 rows: 8.3 against 7.2, 1,024 x 2,048 within 2%), and loses on the wide
+    ones (up to 1.5x: 5,120 x 1,024 at 64 rows, 5.5 against 8.4); in float32 (tl.dot "ieee", no tensor cores)
+    it lost at most shapes, up to 5x (one exception: 1,024 x 2,048 at 16 rows, 27.5 against 23.2).
+    Outputs narrower than 1,024 (SmolLM2's 576-wide down projection) were not measured and stay with cuBLAS."""
+    narrow = _NARROWEST_MEASURED <= n_out < k_in
+    return MIN_ROWS <= rows <= MAX_ROWS and dtype == torch.bfloat16 and narrow
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
