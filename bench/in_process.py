@@ -30,7 +30,14 @@ class InProcessLink:
         return self._runner.describe()
 
     async def open(self) -> None:
+        """A new stream, as the executor opens one (after a refusal, say): the last one's launches are dropped
+        and none of its state carries over."""
         self._runner.bind_thread()
+        for launch in self._launched:
+            launch.cancel()
+        self._launched.clear()
+        self._launcher.forget_launched()
+        self._launcher = StepLauncher(self._runner, self._compute)
 
     async def send(self, plan: executor_pb2.StepPlan) -> None:
         # Runs at the loop's next turn, ahead of the stream writes this step releases.

@@ -20,11 +20,10 @@ from executor_svc.plan import PlanError
 from executor_svc.runner import LaunchedStep, StepRunner
 from executor_svc.snapshots import SnapshotRefused, Snapshots
 from executor_svc.stage import StageLost
-from executor_svc.step_loop import StepLauncher, collect_when_ready
+from executor_svc.step_loop import StepLauncher, collect_when_ready, failed_launch
 from protos import executor_pb2, executor_pb2_grpc
 from protos.rpc import (
     PLANNER_ID_METADATA,
-    REFUSED_SEQ_METADATA,
     ChannelSecurity,
     ServerSecurity,
     StartedServer,
@@ -36,6 +35,9 @@ log = structlog.get_logger("deltaserve.executor.server")
 EXIT_GROUP_LOST = 3  # the exit status of a stage whose group is lost
 EXIT_DELAY_S = 0.2  # time for the stream's status to reach the planner before the stage exits
 PLANS_IN_FLIGHT = 2  # the step running and the next one (DESIGN §3)
+# A refused plan's stream ends once the planner's next plan is read, or after this long: a write that races the
+# end of the call fails in gRPC's core as INTERNAL, which would read as a lost executor (every request cut).
+REFUSAL_GRACE_S = 1.0
 REPLACE_WAIT_S = 5.0  # how long a replaced stream may take to end before its call is cancelled
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 
@@ -48,8 +50,8 @@ class StreamReplaced(Exception):
 class _OpenStream:
     planner: str  # the id of the planner that opened it ("": none given)
     task: asyncio.Task  # the call's, cancelled if it does not end once replaced
-    # Its plans' seqs and launches in order, StreamReplaced, or None at the end of its plans.
-    launched: asyncio.Queue[tuple[int, asyncio.Future[LaunchedStep]] | StreamReplaced | None]
+    # Its plans' launches in order, StreamReplaced, or None at the end of its plans.
+    launched: asyncio.Queue[asyncio.Future[LaunchedStep] | StreamReplaced | None]
     closed: asyncio.Event  # set once its cleanup ran
 
 
@@ -59,8 +61,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     On a GPU one thread does the steps: a thread hop costs more (60-110 µs measured on the H200's host) than
     the launch itself, which is Python that a second thread would only contend with for the GIL. On the CPU
-    a step computes as it launches, on a worker thread, queued there as soon as its plan is read (`StepLauncher`). Park and Restore copy pages on a
-    worker thread of their own (DESIGN §3).
+    a step computes as it launches, on a worker thread, queued there as soon as its plan is read
+    (`StepLauncher`). Park and Restore copy pages on a worker thread of their own (DESIGN §3).
     """
 
     def __init__(
@@ -124,7 +126,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def _serve_steps(
         self,
         request_iterator: AsyncIterator[executor_pb2.StepPlan],
-        launched: asyncio.Queue[tuple[int, asyncio.Future[LaunchedStep]] | StreamReplaced | None],
+        launched: asyncio.Queue[asyncio.Future[LaunchedStep] | StreamReplaced | None],
         context: grpc.aio.ServicerContext,
         peer: str,
     ) -> AsyncGenerator[executor_pb2.StepOutput, None]:
@@ -141,11 +143,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 async for plan in request_iterator:
                     await in_flight.acquire()
                     try:
-                        launched.put_nowait((plan.seq, await launcher.launch(plan)))
+                        launched.put_nowait(await launcher.launch(plan))
                     except Exception as err:  # its grammar failed to compile: nothing behind it launches
-                        failed = asyncio.get_running_loop().create_future()
-                        failed.set_exception(err)
-                        launched.put_nowait((plan.seq, failed))
+                        launched.put_nowait(failed_launch(err))
                         return
             finally:
                 launched.put_nowait(None)
@@ -153,19 +153,17 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         reader = asyncio.create_task(launch_plans())
         log.info("steps stream opened", peer=peer)
         try:
-            while (item := await launched.get()) is not None:
+            while (launch := await launched.get()) is not None:
                 try:
-                    if isinstance(item, StreamReplaced):
-                        raise item
-                    seq, launch = item
+                    if isinstance(launch, StreamReplaced):
+                        raise launch
                     output = await collect_when_ready(self._runner, await launch)
                 except PlanError as err:
-                    log.warning("plan refused", error=str(err), seq=seq)
-                    await context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        str(err),
-                        trailing_metadata=((REFUSED_SEQ_METADATA, str(seq)),),
-                    )
+                    log.warning("plan refused", error=str(err))
+                    # With two plans in flight the planner writes no more once this one is read: it reads.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(launched.get(), REFUSAL_GRACE_S)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
                 except StreamReplaced:
                     await context.abort(
                         grpc.StatusCode.ABORTED, "a newer Steps stream of the same planner replaced this one"

@@ -31,23 +31,27 @@ class StepLauncher:
         self._inline = runner.device.type == "cuda" and not runner.model.stage.split
         self._order = asyncio.Lock()  # launches queue in the order launch() is called, grammar waits or not
         self._failed = False  # on the thread that launches
+        self._stopped = False  # on the loop: a grammar failed to compile, nothing behind it launches
 
     async def launch(self, plan: executor_pb2.StepPlan) -> asyncio.Future[LaunchedStep]:
         """The plan's launch: its step, or the exception its launch raised, once it has launched."""
         async with self._order:
+            if self._stopped:
+                return failed_launch(StepSkipped(f"step {plan.seq} not run: a grammar before it failed"))
             if plan.control_grammar:
-                await self._runner.grammars.before_launch(plan)
-            loop = asyncio.get_running_loop()
+                try:
+                    await self._runner.grammars.before_launch(plan)
+                except BaseException:
+                    self._stopped = True
+                    raise
             if not self._inline:
-                queued = loop.run_in_executor(self._compute, self._launch, plan)
+                queued = asyncio.get_running_loop().run_in_executor(self._compute, self._launch, plan)
                 queued.add_done_callback(_retrieved)
                 return queued
-            launched: asyncio.Future[LaunchedStep] = loop.create_future()
             try:
-                launched.set_result(self._launch(plan))
+                return _succeeded_launch(self._launch(plan))
             except Exception as err:
-                launched.set_exception(err)
-            return launched
+                return failed_launch(err)
 
     def forget_launched(self) -> None:
         """The stream ended: its launched steps will never be collected. Behind the CPU steps still queued."""
@@ -64,6 +68,20 @@ class StepLauncher:
         except BaseException:
             self._failed = True
             raise
+
+
+def _succeeded_launch(step: LaunchedStep) -> asyncio.Future[LaunchedStep]:
+    launched: asyncio.Future[LaunchedStep] = asyncio.get_running_loop().create_future()
+    launched.set_result(step)
+    return launched
+
+
+def failed_launch(error: BaseException) -> asyncio.Future[LaunchedStep]:
+    """A launch that raised `error`, as a future; seen or not, it logs nothing when dropped."""
+    launched: asyncio.Future[LaunchedStep] = asyncio.get_running_loop().create_future()
+    launched.set_exception(error)
+    launched.add_done_callback(_retrieved)
+    return launched
 
 
 def _retrieved(launch: asyncio.Future[LaunchedStep]) -> None:

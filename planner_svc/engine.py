@@ -176,7 +176,7 @@ class Engine:
         while True:
             try:
                 if isinstance(error, StepRefused):
-                    await self._refused(error)
+                    await self._refused(str(error))
                 else:
                     await self._lost(error)
                 return
@@ -292,11 +292,10 @@ class Engine:
 
     # ---- an executor lost, or a plan refused (DESIGN §7 invariant 7) ----
 
-    async def _refused(self, refusal: StepRefused) -> None:
+    async def _refused(self, error: str) -> None:
         """A planner defect: the refused step's requests end with INTERNAL, the others go on over a new
         stream with their rows written whole."""
-        error = str(refusal)
-        seq = refusal.seq if refusal.seq is not None else self._inflight[0][0] if self._inflight else -1
+        seq = self._inflight[0][0] if self._inflight else -1
         plan = next((p for p in self._recent if p.seq == seq), None)
         log.error(
             "executor refused a plan (a planner defect); its requests fail, the rest go on",

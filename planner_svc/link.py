@@ -9,7 +9,7 @@ from typing import Protocol
 import grpc
 
 from protos import executor_pb2, executor_pb2_grpc
-from protos.rpc import PLANNER_ID_METADATA, REFUSED_SEQ_METADATA, ChannelSecurity, open_channel
+from protos.rpc import PLANNER_ID_METADATA, ChannelSecurity, open_channel
 
 PLANNER_ID = uuid.uuid4().hex  # this planner process's, sent with each Steps stream it opens
 
@@ -19,21 +19,12 @@ class LinkError(Exception):
 
 
 class StepRefused(Exception):
-    """The executor refused a plan (INVALID_ARGUMENT): a planner defect; the executor lives. seq: the refused
-    plan's, where the executor said (None: the oldest step in flight)."""
-
-    def __init__(self, message: str, seq: int | None = None) -> None:
-        super().__init__(message)
-        self.seq = seq
+    """The executor refused a plan (INVALID_ARGUMENT): a planner defect; the executor lives. The refused plan is
+    the oldest in flight: the call's status comes only after every output before it was read."""
 
 
 class LinkLost(ConnectionError):
     """The step stream ended or broke: the executor is gone (or hung), with the reason in words."""
-
-
-def _refused_seq(metadata: grpc.aio.Metadata | None) -> int | None:
-    value = dict(metadata or ()).get(REFUSED_SEQ_METADATA)
-    return int(value) if isinstance(value, str) and value.isdigit() else None
 
 
 def _reason(error: grpc.aio.AioRpcError) -> str:
@@ -92,16 +83,12 @@ class GrpcLink:
             await self._stream().write(plan)
         except grpc.aio.AioRpcError as error:
             raise self._ended(error) from None
-        except (
-            asyncio.InvalidStateError,
-            grpc.aio.UsageError,
-        ):  # written after the stream ended: its status says why
+        except (asyncio.InvalidStateError, grpc.aio.UsageError):
+            # Written after the call finished: its status says why.
             call = self._stream()
             code, details = await call.code(), await call.details()
             if code is grpc.StatusCode.INVALID_ARGUMENT:
-                raise StepRefused(
-                    details or "plan refused", _refused_seq(await call.trailing_metadata())
-                ) from None
+                raise StepRefused(details or "plan refused") from None
             raise LinkLost(f"stream ended: {code.name}: {details}") from None
 
     async def recv(self) -> executor_pb2.StepOutput:
@@ -122,7 +109,7 @@ class GrpcLink:
     @staticmethod
     def _ended(error: grpc.aio.AioRpcError) -> Exception:
         if error.code() is grpc.StatusCode.INVALID_ARGUMENT:
-            return StepRefused(error.details() or "plan refused", _refused_seq(error.trailing_metadata()))
+            return StepRefused(error.details() or "plan refused")
         return LinkLost(f"stream ended: {_reason(error)}")
 
     async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:

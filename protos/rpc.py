@@ -33,14 +33,10 @@ CHANNEL_OPTIONS = [
 # connections between them.
 SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
+# Statuses that mean "not up yet": keep polling.
 # Metadata of a Steps stream: the opening planner's id (one per planner process), so that a newer stream of the
 # same planner replaces one the planner gave up on, and another planner's is refused.
 PLANNER_ID_METADATA = "deltaserve-planner-id"
-# Trailing metadata of a Steps stream ended INVALID_ARGUMENT: the refused plan's seq. The planner may learn of
-# the refusal before it reads the outputs of the steps ahead of it (a write after the end; a read once the call
-# is done raises its status at once), so the oldest step in flight need not be the one refused.
-REFUSED_SEQ_METADATA = "deltaserve-refused-seq"
-# Statuses that mean "not up yet": keep polling.
 _NOT_YET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 Servicer = TypeVar("Servicer")
