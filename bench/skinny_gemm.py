@@ -21,7 +21,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import commit_hash, write_json
+from bench.common import commit_hash, replay_us, write_json
 from executor_svc.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_gemm
 
 HIDDEN = 1024
@@ -51,14 +51,7 @@ def graph_us(call, copies: int) -> float:
     with torch.cuda.graph(graph):
         for i in range(copies):
             call(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(_REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (_REPLAYS * copies)
+    return replay_us(graph, _REPLAYS) / copies
 
 
 def candidates(rows: int, n: int, k: int, dtype: torch.dtype) -> list[SkinnyConfig]:
