@@ -72,6 +72,9 @@ class Grammars:
         self._matchers: dict[int, Any] = {}  # slot -> GrammarMatcher
         self._last = np.zeros(len(controls.on), dtype=np.int64)  # by slot: the last token read back
         self._unfed: list[tuple[LaunchedStep, np.ndarray]] = []  # launched steps and the slots they sampled
+        # On the CPU, feed runs on the event loop (a step collected) and on the compute thread (a constrained
+        # step launching behind it) at once: one at a time, or a step could be fed twice or out of order.
+        self._feeding = threading.Lock()
 
     def before(self, plan: CheckedPlan, store: SlotStore) -> bool:
         """Before a plan is applied: whether its step involves a grammar (it writes one or samples a
@@ -96,22 +99,24 @@ class Grammars:
     def feed(self, through: LaunchedStep | None) -> None:
         """Let the matchers accept the tokens of the launched steps, in launch order, up to `through` (None:
         all of them, waiting for those still running)."""
-        while self._unfed and (through is None or self._unfed[0][0].seq <= through.seq):
-            step, slots = self._unfed.pop(0)
-            step.wait()
-            tokens = step.host_tokens.numpy()[: len(slots)]
-            self._last[slots] = tokens
-            for slot, token in zip(slots.tolist(), tokens.tolist()):
-                matcher = self._matchers.get(slot)
-                if matcher is None:
-                    continue
-                if not matcher.accept_token(token):
-                    self._end_row(slot, token)
-                elif (
-                    matcher.is_terminated()
-                ):  # its end-of-sequence: the request stops, the slot is free of it
-                    del self._matchers[slot]
-                    self._controls.grammar_mask[slot] = -1
+        with self._feeding:
+            while self._unfed and (through is None or self._unfed[0][0].seq <= through.seq):
+                step, slots = self._unfed[0]
+                step.wait()
+                self._unfed.pop(0)
+                self._accept(slots, step.host_tokens.numpy()[: len(slots)])
+
+    def _accept(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        self._last[slots] = tokens
+        for slot, token in zip(slots.tolist(), tokens.tolist()):
+            matcher = self._matchers.get(slot)
+            if matcher is None:
+                continue
+            if not matcher.accept_token(token):
+                self._end_row(slot, token)
+            elif matcher.is_terminated():  # its end-of-sequence: the request stops, the slot is free of it
+                del self._matchers[slot]
+                self._controls.grammar_mask[slot] = -1
 
     def _end_row(self, slot: int, token: int) -> None:
         """A token the slot's grammar refused was sampled (a defect: its mask forbade it). The row's matcher

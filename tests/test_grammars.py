@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -72,3 +73,37 @@ def test_a_refused_token_ends_only_its_row(grammars):
     allowed = [w * 32 + b for w in range(len(words)) for b in range(32) if words[w] >> b & 1]
     assert allowed == [EOS]
     assert (grammars._controls.grammar_mask[2] == -1).all()  # another slot untouched
+
+
+class _ReadBackHeld:
+    """A launched step's `done` whose read-back holds its reader until released: a step still running."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.entered.set()
+        self.release.wait(10)
+
+
+def test_steps_are_fed_once_and_in_order_from_two_threads(grammars):
+    """On the CPU the loop feeds a collected step while the compute thread, launching a constrained step,
+    feeds every step launched: the second waits for the first, and no step is fed twice or out of order."""
+    held = _ReadBackHeld()
+    first = LaunchedStep(1, None, [], torch.tensor([11]), held, 0)  # type: ignore[arg-type]
+    second = LaunchedStep(2, None, [], torch.tensor([12]), None, 0)
+    grammars._unfed += [(first, np.array([2])), (second, np.array([2]))]
+    collecting = threading.Thread(target=grammars.feed, args=(first,))
+    collecting.start()
+    assert held.entered.wait(10)
+    launching = threading.Thread(target=grammars.feed, args=(None,))
+    launching.start()
+    launching.join(0.2)
+    assert launching.is_alive() and held.waits == 1  # it waits for the feed under way, not on its step
+    held.release.set()
+    collecting.join(10)
+    launching.join(10)
+    assert held.waits == 1 and not grammars._unfed
+    assert grammars._last[2] == 12  # the second step's token came last
