@@ -35,8 +35,8 @@ log = structlog.get_logger("deltaserve.executor.server")
 EXIT_GROUP_LOST = 3  # the exit status of a stage whose group is lost
 EXIT_DELAY_S = 0.2  # time for the stream's status to reach the planner before the stage exits
 PLANS_IN_FLIGHT = 2  # the step running and the next one (DESIGN §3)
-# A refused plan's stream ends once the planner's next plan is read, or after this long: a write that races the
-# end of the call fails in gRPC's core as INTERNAL, which would read as a lost executor (every request cut).
+# A refused plan's stream ends once the planner's next plan is read, or after this long: a write that races
+# the end of the call fails in gRPC's core as INTERNAL, which would read as a lost executor (every request cut).
 REFUSAL_GRACE_S = 1.0
 REPLACE_WAIT_S = 5.0  # how long a replaced stream may take to end before its call is cancelled
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name

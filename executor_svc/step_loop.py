@@ -1,5 +1,5 @@
-"""A runner's steps driven from the event loop: launched inline on a GPU or queued on the compute thread on the
-CPU, collected by polling their read-back event between turns of the loop."""
+"""A runner's steps driven from the event loop: launched inline on a GPU or queued on the compute thread on
+the CPU, collected by polling their read-back event between turns of the loop."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class StepLauncher:
     read, behind the step running: the thread goes from one step to the next without waiting for the loop to
     hand it the next plan (that hand-over left the cores idle ~3 ms of a 16 ms token on two cores, measured).
     Once a launch fails, those queued behind it raise StepSkipped: nothing runs after a refused plan. A plan's
-    new grammars are compiled first, on their own thread, the loop collecting the steps before it meanwhile."""
+    new grammars are compiled first, on their own thread, the loop collecting earlier steps meanwhile."""
 
     def __init__(self, runner: StepRunner, compute: Executor) -> None:
         self._runner = runner

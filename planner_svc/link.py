@@ -19,8 +19,8 @@ class LinkError(Exception):
 
 
 class StepRefused(Exception):
-    """The executor refused a plan (INVALID_ARGUMENT): a planner defect; the executor lives. The refused plan is
-    the oldest in flight: the call's status comes only after every output before it was read."""
+    """The executor refused a plan (INVALID_ARGUMENT): a planner defect; the executor lives. The refused plan
+    is the oldest in flight: the call's status comes only after every output before it was read."""
 
 
 class LinkLost(ConnectionError):

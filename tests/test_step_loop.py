@@ -1,5 +1,5 @@
-"""The step launcher on the CPU: a stream's steps queue on the compute thread as their plans are read, in order,
-and nothing runs after a launch that failed."""
+"""The step launcher on the CPU: a stream's steps queue on the compute thread as their plans are read, in
+order, and nothing runs after a launch that failed."""
 
 from __future__ import annotations
 

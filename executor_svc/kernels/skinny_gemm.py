@@ -90,7 +90,7 @@ def _skinny_gemm_kernel(
         if arrived == SPLIT_K - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
-                # .cg: past this SM's L1, which may hold nothing of the other splits' stores but is not coherent
+                # .cg: past this SM's L1, not coherent, where the other splits' stores may be missing
                 total += tl.load(
                     partial_ptr + s * split_stride + partial_tile, mask=tile, other=0.0, cache_modifier=".cg"
                 )
@@ -115,9 +115,9 @@ def block_m(rows: int) -> int:
 
 
 def default_config(rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> SkinnyConfig:
-    """The launch for a projection (chosen on the H200 by bench/skinny_gemm.py --sweep, Qwen3.5-0.8B's narrow
-    projections at 8 to 64 rows): 32-wide column blocks, K in chunks of 256, split until there is about a
-    program an SM, each split with at least two chunks."""
+    """The launch for a projection (chosen on the H200 by bench/skinny_gemm_vs_cublas.py --sweep, Qwen3.5-0.8B's
+    narrow projections at 8 to 64 rows): 32-wide column blocks, K in chunks of 256, split until there is about
+    a program an SM, each split with at least two chunks."""
     block_n = 32
     block_k = 256 if dtype != torch.float32 else 64  # float32's pipeline fits shared memory at 64
     chunks = triton.cdiv(k_in, block_k)
@@ -129,13 +129,14 @@ def default_config(rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> Skin
 
 
 def wins(rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> bool:
-    """Whether the kernel beats F.linear (cuBLAS) at a projection. On the H200 (bench/skinny_gemm.py, Qwen3.5-0.8B's
-    shape, bf16, us a projection, cuBLAS against this kernel): it wins where the output is narrower than the
-    input, which cuBLAS splits along K and reduces in a second kernel (16 rows: 1,024 x 2,048 5.9 against 5.1,
-    1,024 x 3,584 8.1 against 6.4; 64 rows: 8.3 against 7.2, 1,024 x 2,048 within 2%), and loses on the wide
-    ones (up to 1.5x: 5,120 x 1,024 at 64 rows, 5.5 against 8.4); in float32 (tl.dot "ieee", no tensor cores)
-    it lost at most shapes, up to 5x (one exception: 1,024 x 2,048 at 16 rows, 27.5 against 23.2).
-    Outputs narrower than 1,024 (SmolLM2's 576-wide down projection) were not measured and stay with cuBLAS."""
+    """Whether the kernel beats F.linear (cuBLAS) at a projection. On the H200 (bench/skinny_gemm_vs_cublas.py,
+    Qwen3.5-0.8B's shape, bf16, us a projection, cuBLAS against this kernel): it wins where the output is
+    narrower than the input, which cuBLAS splits along K and reduces in a second kernel (16 rows: 1,024 x 2,048
+    5.9 against 5.1, 1,024 x 3,584 8.1 against 6.4; 64 rows: 8.3 against 7.2, 1,024 x 2,048 within 2%), and
+    loses on the wide ones (up to 1.5x: 5,120 x 1,024 at 64 rows, 5.5 against 8.4); in float32 (tl.dot
+    "ieee", no tensor cores) it lost at most shapes, up to 5x (one exception: 1,024 x 2,048 at 16 rows, 27.5
+    against 23.2). Outputs narrower than 1,024 (SmolLM2's 576-wide down projection) were not measured and
+    stay with cuBLAS."""
     narrow = _NARROWEST_MEASURED <= n_out < k_in
     return MIN_ROWS <= rows <= MAX_ROWS and dtype == torch.bfloat16 and narrow
 
@@ -146,7 +147,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
     n_out, weight_k = weight.shape
     if rows > MAX_ROWS or weight_k != k_in:
         raise ValueError(
-            f"skinny_gemm takes x [M <= {MAX_ROWS}, K] and weight [N, K], got {tuple(x.shape)}, {tuple(weight.shape)}"
+            f"skinny_gemm takes x [M <= {MAX_ROWS}, K] and weight [N, K], "
+            f"got {tuple(x.shape)}, {tuple(weight.shape)}"
         )
     if x.stride(1) != 1 or not weight.is_contiguous() or x.dtype != weight.dtype:
         raise ValueError("x and weight must share a dtype, x contiguous along K and weight contiguous")

@@ -5,7 +5,7 @@ come from memory, not the L2 cache, as a decode step finds them; the per-step su
 makes each projection (18 gated delta net layers, 6 attention layers). --sweep also times the launch grid
 (column block, K chunk, K splits) around the default and reports the best.
 
-    python bench/skinny_gemm.py [--rows 8 16 32 64] [--sweep] [--out docs/bench/skinny_gemm.json]
+    python bench/skinny_gemm_vs_cublas.py [--rows 8 16 32 64] [--sweep] [--out docs/bench/skinny_gemm.json]
 """
 
 from __future__ import annotations
