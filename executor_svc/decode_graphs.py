@@ -104,30 +104,34 @@ class DecodeGraphs:
     def launch(
         self, plan: CheckedPlan, timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     ) -> Sampled | None:
-        """The plan's decode step: the attention takes note of the plan (and plans the step, host-planned),
-        then the bucket's graph replays (or the step runs eagerly); its tokens i64[B] and, CONTROLLED, logprob
-        table, still on the device, or None for a plan without a decode step. `timing`: CUDA events to record
-        around the replay."""
+        """The plan's decode steps: the attention takes note of the plan, then per step (and plans it,
+        host-planned) the bucket's graph replays (or the step runs eagerly); their tokens i64[steps * B], step
+        after step, and, CONTROLLED (one step), the logprob table, still on the device, or None for a plan
+        without a decode step. `timing`: CUDA events to record around the replays."""
         attention, bucket = self.attention, plan.bucket
         attention.plan(plan)
         if not bucket:
             return None
-        attention.prepare(bucket)
-        self.planned_at = time.perf_counter()
         variant = (bucket, self.store.variant(bucket))
         graph = self._graphs.get(variant)
-        if timing is not None:
-            timing[0].record(self._stream)
-        if graph is None:
-            with torch.inference_mode():
-                sampled = self._step(*variant)
-        else:
-            graph.replay()
-            sampled = self._outputs[variant]
+        parts: list[torch.Tensor] = []  # each step's tokens i64[B]
+        for _ in range(plan.steps):
+            attention.prepare(bucket)
+            self.planned_at = time.perf_counter()
+            if timing is not None and not parts:
+                timing[0].record(self._stream)
+            if graph is None:
+                with torch.inference_mode():
+                    sampled = self._step(*variant)
+            else:
+                graph.replay()
+                sampled = self._outputs[variant]
+            # A replay refills its graph's output tensors: the next replay would overwrite this step's tokens.
+            parts.append(sampled[0].clone() if graph is not None and plan.steps > 1 else sampled[0])
+            attention.stepped(bucket)
         if timing is not None:
             timing[1].record(self._stream)
-        attention.stepped(bucket)
-        return sampled
+        return (parts[0], sampled[1]) if len(parts) == 1 else (torch.cat(parts), None)
 
     def _step(self, bucket: int, variant: str) -> Sampled:
         """The body of a bucket's graph: nothing here may read the device back or depend on the step."""

@@ -38,7 +38,7 @@ from protos import executor_pb2
 from protos.model_files import TRANSFORMERS_IMPORTS, load_tokenizer
 
 if TYPE_CHECKING:
-    from executor_svc.runner import LaunchedStep
+    from executor_svc.launched_step import LaunchedStep
 
 
 ANY_OBJECT = '{"type": "object"}'

@@ -10,7 +10,7 @@ import numpy as np
 
 from executor_svc.control_writes import ControlError, ControlWrites, check_controls
 from protos import executor_pb2
-from protos.layout import RowLayout
+from protos.layout import MAX_DECODE_STEPS, RowLayout
 from protos.wire import unpack_f32, unpack_i32
 
 RUN_HEADER = 3  # (slot, first_col, n_cells) before a run's cells
@@ -134,6 +134,7 @@ class CheckedPlan:
     mirror: np.ndarray | None  # int32[bucket, C]
     controls: ControlWrites | None = None  # sampling controls of some of sampler_slots
     state_copies: np.ndarray | None = None  # int32[k, 2]: (source, destination) state slots, copied first
+    steps: int = 1  # decode steps over the same rows (more than one: a steady plan)
 
 
 def _ints(data: bytes, field: str) -> np.ndarray:
@@ -286,15 +287,26 @@ _NO_INTS = np.zeros(0, dtype=np.int32)
 NO_ROW_WRITES = RowWrites(_NO_INTS, [])
 _NO_SAMPLER_F32 = np.zeros((0, SAMPLER_F32), dtype=np.float32)
 _NO_SAMPLER_I32 = np.zeros((0, SAMPLER_I32), dtype=np.int32)
-_STEADY_FIELDS = frozenset({"seq", "bucket"})  # all that a steady step's plan sets
-_STEADY: dict[int, CheckedPlan] = {}  # bucket -> its steady plan: nothing to write, nothing to build
+_STEADY_FIELDS = frozenset({"seq", "bucket", "steps"})  # all that a steady step's plan sets
+_STEADY: dict[tuple[int, int], CheckedPlan] = {}  # (bucket, steps) -> its plan: nothing to write or build
 
 
-def _steady(bucket: int) -> CheckedPlan:
-    plan = _STEADY.get(bucket)
+def steady_plan(bucket: int, steps: int = 1) -> CheckedPlan:
+    """The plan of `steps` decode steps over the rows held, writing nothing."""
+    plan = _STEADY.get((bucket, steps))
     if plan is None:
-        plan = _STEADY[bucket] = CheckedPlan(
-            bucket, None, NO_ROW_WRITES, _NO_INTS, _NO_SAMPLER_F32, _NO_SAMPLER_I32, [], [], [], None
+        plan = _STEADY[(bucket, steps)] = CheckedPlan(
+            bucket,
+            None,
+            NO_ROW_WRITES,
+            _NO_INTS,
+            _NO_SAMPLER_F32,
+            _NO_SAMPLER_I32,
+            [],
+            [],
+            [],
+            None,
+            steps=steps,
         )
     return plan
 
@@ -307,9 +319,18 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
     bucket = plan.bucket
     if bucket != 0 and bucket not in limits.buckets:
         raise PlanError(f"bucket {bucket} is not one of the buckets {list(limits.buckets)} (or 0)")
+    steps = max(plan.steps, 1)
+    if steps > MAX_DECODE_STEPS:
+        raise PlanError(f"steps: {plan.steps}, more than {MAX_DECODE_STEPS}")
     # The steady step, most steps: no arrays to decode or check.
-    if bucket == decode_bucket and all(field.name in _STEADY_FIELDS for field, _ in plan.ListFields()):
-        return _steady(bucket)
+    steady = bucket == decode_bucket and all(field.name in _STEADY_FIELDS for field, _ in plan.ListFields())
+    if steps > 1 and not (steady and bucket):
+        raise PlanError(
+            f"steps: {steps} for a plan that is not a steady decode step (more than one step takes the rows "
+            f"held, {decode_bucket or 'none'}, with nothing but seq, bucket and steps set)"
+        )
+    if steady:
+        return steady_plan(bucket, steps)
     slots = None
     if plan.slots:
         slots = _ints(plan.slots, "slots")

@@ -17,17 +17,17 @@ from executor_svc.decode_graphs import DecodeGraphs, Sampled
 from executor_svc.device import resolve_device, resolve_dtype
 from executor_svc.grammars import Grammars
 from executor_svc.kv_pool import KVPool, log_tables
+from executor_svc.launched_step import READ_BACK_RING, LaunchedStep, ReadBack
 from executor_svc.logprob_rows import asking_rows, gathered_table, packed
 from executor_svc.models.family import ExecutorModel
 from executor_svc.models.loader import load_model, model_fingerprint
-from executor_svc.plan import CheckedPlan, PlanLimits, check_plan
+from executor_svc.plan import CheckedPlan, PlanError, PlanLimits, check_plan
 from executor_svc.prefill.graphs import PrefillGraphs
-from executor_svc.sampler_controls import LOGPROB_COLUMNS
-from executor_svc.slot_store import SlotStore
+from executor_svc.slot_store import CONTROLLED, SlotStore
 from executor_svc.stage import stage_of
 from executor_svc.state_pool import StatePool, make_state_pool
 from protos import executor_pb2
-from protos.layout import RowLayout
+from protos.layout import MAX_DECODE_STEPS, RowLayout
 from protos.model_files import resolve_model_path
 from protos.wire import pack_i32
 
@@ -53,43 +53,7 @@ class RunnerTimes:
     steady_period_us: float = 0.0
 
 
-@dataclass(slots=True)
-class LaunchedStep:
-    """A step whose work is queued on the device; its sampled tokens reach `host_tokens` once `done` passes."""
-
-    seq: int
-    plan: CheckedPlan
-    sampled_chunks: list[int]  # the prefill chunks that sampled, in the order of host_tokens
-    host_tokens: torch.Tensor  # int64[n]: those chunks' tokens, then the decode rows'
-    done: torch.cuda.Event | None  # None: the tokens are on the host already (the CPU path)
-    mismatches: int
-    # Graph path only, for RunnerTimes: perf_counter at began, applied, prefilled, planned, launched;
-    # and the CUDA events around the replay.
-    marks: tuple[float, ...] = ()
-    replay: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-    logprobs: tuple[torch.Tensor, np.ndarray] | None = None  # the rows' host table, which rows asked
-
-    def wait(self) -> None:
-        """Block until the tokens are on the host (`run`, and tests that step by hand)."""
-        if self.done is not None:
-            self.done.synchronize()
-
-
 UINT32_MAX = 2**32 - 1  # StepOutput.device_wait_us
-READ_BACK_RING = 4  # read-backs reused round-robin: more than the steps launched ahead of collection (2)
-
-
-class _ReadBack:
-    """What one launched step reads back, reused round-robin so that the step path allocates nothing: pinned
-    host tokens, the event that says they are back, and the timing events around the replay."""
-
-    __slots__ = ("tokens", "tables", "done", "replay")
-
-    def __init__(self, capacity: int) -> None:
-        self.tokens = torch.empty(capacity, dtype=torch.int64, pin_memory=True)  # tokens: [capacity]
-        self.tables = torch.empty(capacity, LOGPROB_COLUMNS, pin_memory=True)  # logprobs: [capacity, L]
-        self.done = torch.cuda.Event()
-        self.replay = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
 class StepRunner:
@@ -164,7 +128,9 @@ class StepRunner:
         # stream costs a record ~20 µs of Python.
         self._stream = torch.cuda.default_stream(self._cuda_index) if cuda else None
         # A step samples at most the widest bucket's prompts and its decode rows (check_plan).
-        self._read_backs = [_ReadBack(2 * widest) for _ in range(READ_BACK_RING)] if cuda else []
+        self._read_backs = (
+            [ReadBack(MAX_DECODE_STEPS * widest, 2 * widest) for _ in range(READ_BACK_RING)] if cuda else []
+        )
         self._launches = 0
         self._uncollected = 0
 
@@ -208,6 +174,10 @@ class StepRunner:
         in order, from one thread."""
         began = time.perf_counter()
         checked = check_plan(plan, self.limits, self.store.bucket)
+        if checked.steps > 1 and self.store.variant(checked.bucket) == CONTROLLED:
+            raise PlanError(
+                f"steps: {checked.steps} over rows with sampling controls or logprobs (one a plan)"
+            )
         grammar = self.grammars.before(checked, self.store)
         self.store.apply(checked)
         if checked.state_copies is not None and self.state_pool is not None:  # before any layer reads them

@@ -16,8 +16,9 @@ from prometheus_client import CollectorRegistry
 from executor_svc.config import DEFAULT_SHARD_LAYERS
 from executor_svc.control_writes import grammar_text
 from executor_svc.executor_metrics import register_executor_metrics
+from executor_svc.launched_step import LaunchedStep
 from executor_svc.plan import PlanError
-from executor_svc.runner import LaunchedStep, StepRunner
+from executor_svc.runner import StepRunner
 from executor_svc.snapshots import SnapshotRefused, Snapshots
 from executor_svc.stage import StageLost
 from executor_svc.step_loop import StepLauncher, collect_when_ready, failed_launch

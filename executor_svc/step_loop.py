@@ -7,7 +7,8 @@ import asyncio
 import sys
 from concurrent.futures import Executor
 
-from executor_svc.runner import LaunchedStep, StepRunner
+from executor_svc.launched_step import LaunchedStep
+from executor_svc.runner import StepRunner
 from protos import executor_pb2
 
 

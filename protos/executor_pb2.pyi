@@ -66,7 +66,7 @@ class PrefillChunk(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., start: _Optional[int] = ..., pages: _Optional[bytes] = ..., sample_slot: _Optional[int] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("seq", "bucket", "slots", "row_runs", "sampler_slots", "sampler_f32", "sampler_i32", "prefill", "mirror", "control_slots", "control_f32", "control_i32", "control_tokens", "control_bias", "control_grammar", "state_copies")
+    __slots__ = ("seq", "bucket", "slots", "row_runs", "sampler_slots", "sampler_f32", "sampler_i32", "prefill", "mirror", "control_slots", "control_f32", "control_i32", "control_tokens", "control_bias", "control_grammar", "state_copies", "steps")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class StepPlan(_message.Message):
     CONTROL_BIAS_FIELD_NUMBER: _ClassVar[int]
     CONTROL_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     STATE_COPIES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     bucket: int
     slots: bytes
@@ -99,7 +100,8 @@ class StepPlan(_message.Message):
     control_bias: bytes
     control_grammar: _containers.RepeatedCompositeFieldContainer[Grammar]
     state_copies: bytes
-    def __init__(self, seq: _Optional[int] = ..., bucket: _Optional[int] = ..., slots: _Optional[bytes] = ..., row_runs: _Optional[bytes] = ..., sampler_slots: _Optional[bytes] = ..., sampler_f32: _Optional[bytes] = ..., sampler_i32: _Optional[bytes] = ..., prefill: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., mirror: _Optional[bytes] = ..., control_slots: _Optional[bytes] = ..., control_f32: _Optional[bytes] = ..., control_i32: _Optional[bytes] = ..., control_tokens: _Optional[bytes] = ..., control_bias: _Optional[bytes] = ..., control_grammar: _Optional[_Iterable[_Union[Grammar, _Mapping]]] = ..., state_copies: _Optional[bytes] = ...) -> None: ...
+    steps: int
+    def __init__(self, seq: _Optional[int] = ..., bucket: _Optional[int] = ..., slots: _Optional[bytes] = ..., row_runs: _Optional[bytes] = ..., sampler_slots: _Optional[bytes] = ..., sampler_f32: _Optional[bytes] = ..., sampler_i32: _Optional[bytes] = ..., prefill: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., mirror: _Optional[bytes] = ..., control_slots: _Optional[bytes] = ..., control_f32: _Optional[bytes] = ..., control_i32: _Optional[bytes] = ..., control_tokens: _Optional[bytes] = ..., control_bias: _Optional[bytes] = ..., control_grammar: _Optional[_Iterable[_Union[Grammar, _Mapping]]] = ..., state_copies: _Optional[bytes] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("json_object", "json_schema")

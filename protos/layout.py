@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+MAX_DECODE_STEPS = 16  # decode steps one plan may run (StepPlan.steps); the executor's read-backs hold them
+
 
 @dataclass(frozen=True, slots=True)
 class RowLayout:

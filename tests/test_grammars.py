@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from executor_svc.grammars import Grammars, plan_grammars
+from executor_svc.launched_step import LaunchedStep
 from executor_svc.plan import PlanError
-from executor_svc.runner import LaunchedStep
 from executor_svc.sampler_controls import SamplerControls
 from protos import executor_pb2
 

@@ -266,6 +266,48 @@ async def test_collecting_a_step_polls_it_and_leaves_the_loop_free(model: DenseM
     assert output.seq == plans[3].seq and len(unpack_i32(output.tokens)) == 2
 
 
+def steady_from_written_rows(runner: StepRunner) -> int:
+    """Prefill A and B, then a decode step writing both rows whole with every page they can write (bucket 2);
+    returns the next seq."""
+    for plan in scripted_plans([1, 2])[:2]:
+        runner.run(plan)
+    lens = {1: len(PROMPT_A), 2: len(PROMPT_B)}
+    rows = ((1, whole_row(lens[1], PAGES_A)), (2, whole_row(lens[2], PAGES_B)))
+    runner.run(executor_pb2.StepPlan(seq=3, bucket=2, slots=pack_i32([1, 2]), row_runs=pack_runs(*rows)))
+    return 4
+
+
+def test_a_plan_of_several_steps_equals_as_many_steady_plans(model: DenseModel):
+    one_each, joined = tiny_runner(model), tiny_runner(model)
+    seq = steady_from_written_rows(one_each)
+    assert steady_from_written_rows(joined) == seq
+    singles = [
+        unpack_i32(one_each.run(executor_pb2.StepPlan(seq=seq + i, bucket=2)).tokens) for i in range(3)
+    ]
+    output = joined.run(executor_pb2.StepPlan(seq=seq, bucket=2, steps=3))
+    assert unpack_i32(output.tokens).tolist() == np.concatenate(singles).tolist()  # step after step
+    assert torch.equal(one_each.store.rows, joined.store.rows)
+    assert torch.equal(one_each.store.last_token, joined.store.last_token)
+    assert torch.equal(one_each.kv_pool.k, joined.kv_pool.k)
+
+
+def test_several_steps_over_rows_with_sampling_controls_are_refused(model: DenseModel):
+    runner = tiny_runner(model)
+    seq = steady_from_written_rows(runner)
+    # min_p on slot 1: its rows run the CONTROLLED sampler, whose logprobs and grammars go one step a plan
+    controls = dict(
+        control_slots=pack_i32([1]),
+        control_f32=pack_f32([(0.05, 1.0, 0.0, 0.0)]),
+        control_i32=pack_i32([(0, 0, -1, 0, 0, 0, 0)]),
+    )
+    runner.run(executor_pb2.StepPlan(seq=seq, bucket=2, **sampler_fields([SAMPLING_A]), **controls))
+    rows = runner.store.rows.clone()
+    with pytest.raises(PlanError, match="steps: 2 over rows with sampling controls"):
+        runner.run(executor_pb2.StepPlan(seq=seq + 1, bucket=2, steps=2))
+    assert torch.equal(runner.store.rows, rows)
+    assert len(unpack_i32(runner.run(executor_pb2.StepPlan(seq=seq + 1, bucket=2)).tokens)) == 2
+
+
 def test_row_check_counts_cells_that_differ_from_the_mirror(model: DenseModel):
     runner = tiny_runner(model)
     plans = scripted_plans([1, 2])
@@ -366,6 +408,8 @@ BAD_PLANS = [
         "prefill: 5 chunks sample, more than the widest bucket (4)",
     ),
     (dict(bucket=1, slots=pack_i32([1]), mirror=pack_i32([0] * 18)), "mirror: 72 bytes, expected 76"),
+    (dict(bucket=2, steps=17), "steps: 17, more than 16"),
+    (dict(bucket=2, steps=2), "steps: 2 for a plan that is not a steady decode step"),
 ]
 
 
