@@ -27,6 +27,7 @@ from executor_svc.config import (
 )
 from planner_svc.config import PlannerConfig
 from planner_svc.retention import POLICIES
+from protos.layout import MAX_DECODE_STEPS
 
 
 def add_global_flags(
@@ -163,6 +164,14 @@ def add_planner_flags(flags: Flags) -> None:
         metavar="N",
         help="prompt tokens read per step (chunked prefill); default by the executor's device: "
         "256 on a CPU (other streams keep moving), 2048 on a GPU",
+    )
+    flags.option(
+        "--decode-steps",
+        type=int_at_least(1, MAX_DECODE_STEPS),
+        default=defaults.scheduling.decode_steps,
+        metavar="N",
+        help="decode steps a plan runs while the rows stay the same; default by the executor's device: "
+        "4 on a CPU (a message each way per 4 tokens), 1 on a GPU",
     )
     flags.option(
         "--max-waiting",

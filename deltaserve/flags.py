@@ -53,14 +53,17 @@ def parse_bool(text: str) -> bool:
     raise BadValue(f"expected one of {sorted(_TRUE | _FALSE - {''})}, got {text!r}")
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
+def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An integer >= low (and <= high, where given)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise BadValue(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise BadValue(f"expected an integer >= {low}, got {value}")
+        if value < low or (high is not None and value > high):
+            bound = f"in {low}..{high}" if high is not None else f">= {low}"
+            raise BadValue(f"expected an integer {bound}, got {value}")
         return value
 
     return parse

@@ -87,6 +87,7 @@ def planner_config(args: argparse.Namespace, *, executors: list[str], cache: str
         cache=cache,
         scheduling=SchedulingConfig(
             prefill_token_budget=args.prefill_token_budget,
+            decode_steps=args.decode_steps,
             row_check=args.row_check,
             prefix_cache=args.prefix_cache,
         ),

@@ -6,12 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from planner_svc.retention import RetentionConfig
+from protos.layout import MAX_DECODE_STEPS
 
 # Prompt tokens read per step by default, by the executor's device. A GPU reads 2,048 in a few ms; a CPU
 # reads a few hundred a second, so 2,048 there held every other stream's next token for tens of seconds
 # (a 6,000-token prompt: up to 42 s a step); 256 keeps a step to about a second.
 CPU_PREFILL_TOKEN_BUDGET = 256
 GPU_PREFILL_TOKEN_BUDGET = 2048
+# Decode steps a steady plan runs by default, by the executor's device. A CPU step of a small model takes
+# ~10 ms, and the planner, the executor's loop and gRPC spend ~1.8 ms of the same two cores on each plan and
+# its output; four steps a plan share that. A GPU step takes less than a message: one a plan, pipelined.
+CPU_DECODE_STEPS = 4
 
 
 @dataclass(slots=True)
@@ -20,6 +25,8 @@ class SchedulingConfig:
 
     # Prompt tokens read per step (chunked prefill); None: by the executor's device (for_device).
     prefill_token_budget: int | None = None
+    # Decode steps a steady plan runs over the same rows; None: by the executor's device (for_device).
+    decode_steps: int | None = None
     row_check: bool = False  # ship the mirror of every row read, for the executor to compare
     prefix_cache: bool = True  # share full prompt pages across requests by a hash chain of their tokens
 
@@ -29,6 +36,8 @@ class SchedulingConfig:
     def __post_init__(self) -> None:
         if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
             raise ValueError(f"prefill_token_budget must be positive, got {self.prefill_token_budget}")
+        if self.decode_steps is not None and not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
+            raise ValueError(f"decode_steps must be in [1, {MAX_DECODE_STEPS}], got {self.decode_steps}")
         if self.admission_skips < 0:
             raise ValueError(f"admission_skips must be >= 0, got {self.admission_skips}")
 
@@ -37,13 +46,20 @@ class SchedulingConfig:
         """The prefill budget in force (a GPU's where none was chosen and no device was named)."""
         return self.prefill_token_budget or GPU_PREFILL_TOKEN_BUDGET
 
+    @property
+    def steps_per_plan(self) -> int:
+        """The decode steps of a steady plan in force (one where none was chosen and no device was named)."""
+        return self.decode_steps or 1
+
     def for_device(self, device: str) -> SchedulingConfig:
-        """These settings with the prefill budget chosen for `device` (the executor's), unless one was given."""
-        if self.prefill_token_budget is not None:
-            return self
+        """These settings with the prefill budget and decode steps chosen for `device` (the executor's),
+        where none was given."""
         cpu = device.split(":")[0] == "cpu"
         return replace(
-            self, prefill_token_budget=CPU_PREFILL_TOKEN_BUDGET if cpu else GPU_PREFILL_TOKEN_BUDGET
+            self,
+            prefill_token_budget=self.prefill_token_budget
+            or (CPU_PREFILL_TOKEN_BUDGET if cpu else GPU_PREFILL_TOKEN_BUDGET),
+            decode_steps=self.decode_steps or (CPU_DECODE_STEPS if cpu else 1),
         )
 
 

@@ -10,6 +10,7 @@ from itertools import compress
 import numpy as np
 
 from planner_svc.requests import Request
+from planner_svc.sampler_state import has_controls
 from protos.layout import RowLayout
 
 
@@ -53,3 +54,12 @@ def repeats_left(ends: np.ndarray, rows: np.ndarray, slots: np.ndarray) -> int:
     `ends` theirs): none may read a row past its end. `rows`: the mirror, int32[S, C], as that step left it."""
     lens = rows[slots[: len(ends)], RowLayout.KV_LEN].astype(np.int64)
     return int((ends - lens).min())
+
+
+def steps_per_repeat(rows: Sequence[Request], steps: int, one_each: bool) -> int:
+    """Decode steps a repeat of a steady step over `rows` runs in one plan: `steps`, but one where a row has
+    sampling controls (the executor runs those one a plan) or `one_each` (row checks; recurrent state, whose
+    checkpoint at a turn's end keeps nothing once it has read a token past the stop)."""
+    if steps == 1 or one_each or any(has_controls(request) for request in rows):
+        return 1
+    return steps

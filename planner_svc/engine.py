@@ -212,7 +212,7 @@ class Engine:
             plan = to_proto(step)
             self._seq += 1  # the step exists from now on, sent or not: a recovery counts it
             encoded = time.perf_counter()
-            allowance = self.executor_timeout
+            allowance = self.executor_timeout * step.steps
             if step.prefill:
                 allowance += PREFILL_S_PER_TOKEN * sum(len(c.token_ids) // 4 for c in step.prefill)
                 log_prefill_progress(step.prefill)

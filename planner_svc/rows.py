@@ -90,9 +90,9 @@ class RowMirror:
         assert self._last_slots is not None, "no decode step encoded yet"
         return self._last_slots
 
-    def advance(self) -> None:
-        """After the step: the device added one token to every real row it read."""
-        self.rows[self._last_real, RowLayout.KV_LEN] += 1
+    def advance(self, steps: int = 1) -> None:
+        """After the step's `steps` decode steps: the device added a token a step to every real row it read."""
+        self.rows[self._last_real, RowLayout.KV_LEN] += steps
 
     def read(self, slots: np.ndarray) -> np.ndarray:
         """The rows a step reads, as the device must hold them (row check)."""

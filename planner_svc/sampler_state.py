@@ -43,8 +43,7 @@ class SamplerWrites:
         stays on the device, all but the last token sent."""
         s = request.sampling
         grammar = request.grammar
-        controlled = s.min_p > 0 or s.penalized or s.logit_bias or s.top_logprobs >= 0 or grammar is not None
-        if not (controlled or request.min_tokens):
+        if not has_controls(request):
             return
         output = request.output_ids if last_token < 0 else request.output_ids[:-1]
         generated = len(output)
@@ -90,6 +89,14 @@ class SamplerWrites:
             if any(g.WhichOneof("kind") for g in self.control_grammars):
                 fields["control_grammar"] = self.control_grammars
         return fields
+
+
+def has_controls(request: Request) -> bool:
+    """The request's rows run the sampler's CONTROLLED variant: min_p, penalties, a logit bias, logprobs, a
+    grammar or min_tokens."""
+    s = request.sampling
+    controlled = s.min_p > 0 or s.penalized or s.logit_bias or s.top_logprobs >= 0
+    return bool(controlled or request.grammar is not None or request.min_tokens)
 
 
 def grammar_message(grammar: str | None) -> executor_pb2.Grammar:

@@ -9,11 +9,11 @@ import numpy as np
 
 from planner_svc.admission import Admission
 from planner_svc.conversations import Conversations
-from planner_svc.decode_rows import in_slot_order, ready_rows, repeats_left, stored_lengths
+from planner_svc.decode_rows import in_slot_order, ready_rows, repeats_left, steps_per_repeat, stored_lengths
 from planner_svc.loans import Loans
 from planner_svc.logprobs import LogprobRow
 from planner_svc.pages import PagePool
-from planner_svc.planned import CapacityError, PlannedStep, PrefillChunk, SchedulerConfig
+from planner_svc.planned import PlannedStep, PrefillChunk, SchedulerConfig, check_request
 from planner_svc.requests import Finish, Phase, Request
 from planner_svc.rows import RowMirror
 from planner_svc.sampler_state import SamplerWrites
@@ -52,6 +52,7 @@ class Scheduler:
         self._steps: dict[int, PlannedStep] = {}  # uncommitted plans
         self._steady: PlannedStep | None = None  # the last decode step, repeatable while nothing changes
         self._steady_left = 0  # steps it can repeat before a row reaches its end
+        self._steady_steps = 1  # decode steps a plan of its repeats runs
         self._steady_slots = np.zeros(0, dtype=I32)  # its slots, padding included
         self._steady_ends = np.zeros(0, dtype=np.int64)  # its real rows' end lengths
         self._dirty = True
@@ -60,28 +61,9 @@ class Scheduler:
     # --- requests in and out -------------------------------------------------------------------
 
     def check(self, request: Request) -> None:
-        """Refuse what could never run (ValueError: bad input, CapacityError: too big), and clamp
-        max_tokens to the context. Changes nothing but the request."""
-        limit = self.config.max_seq_len
-        if request.prompt_len >= limit:
-            raise ValueError(f"the prompt has {request.prompt_len} tokens; the model's context is {limit}")
-        ids = np.asarray(request.prompt_ids)
-        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
-        if bad.size:
-            raise ValueError(
-                f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})"
-            )
-        request.max_tokens = min(request.max_tokens, limit - request.prompt_len + 1)
-        need, have = request.pages_needed(self.config.page_size), self.pages.total
-        if need > have:
-            raise CapacityError(f"the request needs {need} KV pages and the pool has {have}")
-        # Its n choices stream as one answer, side by side: more choices than state slots would wait on each
-        # other's ends, so they are refused as a request larger than the KV pool is. One always fits.
-        if self.states.enabled and request.n > self.states.total:
-            raise CapacityError(
-                f"the request's {request.n} choices need {request.n} recurrent-state slots at once and the "
-                f"pool has {self.states.total} (--state-slots {self.states.num_slots}, slot 0 the sink)"
-            )
+        """Refuse what could never run (ValueError: bad input, CapacityError: too big), and clamp max_tokens
+        to the context. Changes nothing but the request."""
+        check_request(request, self.config, self.pages.total, self.states)
 
     def add(self, request: Request) -> None:
         self.check(request)
@@ -164,6 +146,9 @@ class Scheduler:
         if self._steady is not None:  # its repeats read its slots while none reads a row past its end
             self._steady_slots = self.mirror.last_slots
             self._steady_left = repeats_left(self._steady_ends, self.mirror.rows, self._steady_slots)
+            settings = self.config.settings
+            one_each = settings.row_check or self.states.enabled
+            self._steady_steps = steps_per_repeat(step.rows, settings.steps_per_plan, one_each)
         if self.prefilling or (self.waiting and self._can_admit(self.waiting[0])):
             self._dirty = True
         return step
@@ -171,13 +156,14 @@ class Scheduler:
     def _repeat(self, seq: int) -> PlannedStep:
         """A steady step: the same rows, nothing new. Only the seq and bucket travel (no row ever crosses
         onto a page it lacks: a request holds all its pages from admission)."""
-        self._steady_left -= 1
+        steps = min(self._steady_steps, self._steady_left)
+        self._steady_left -= steps
         last = self._steady
         assert last is not None  # a repeat follows a steady step
-        step = PlannedStep(seq, bucket=last.bucket, rows=last.rows)
+        step = PlannedStep(seq, bucket=last.bucket, rows=last.rows, steps=steps)
         if self.config.settings.row_check:
             step.mirror = self.mirror.read(self._steady_slots).tobytes()
-        self.mirror.advance()
+        self.mirror.advance(steps)
         for request in last.rows:
             request.last_seq = seq
         self._steps[seq] = step
@@ -352,7 +338,8 @@ class Scheduler:
         step = self._steps.pop(seq)
         produced: list[tuple[Request, int, LogprobRow | None]] = []
         sampled = [(chunk.request, int(t)) for chunk, t in zip(step.prefill, prefill) if t >= 0]
-        sampled += zip(step.rows, tokens.tolist())
+        for step_tokens in tokens.reshape(step.steps, -1).tolist():  # step after step
+            sampled += zip(step.rows, step_tokens)
         for request, token in sampled:
             entry = next(logprobs) if logprobs is not None and request.sampling.top_logprobs >= 0 else None
             if request.finish is not None:

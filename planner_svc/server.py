@@ -19,9 +19,10 @@ from planner_svc.intake import Intake, model_eos_ids
 from planner_svc.link import ExecutorLink, GrpcLink
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.parking import ParkError, Parking
+from planner_svc.planned import CapacityError
 from planner_svc.requests import Finish, Request
 from planner_svc.responses import ResponseStreams
-from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
+from planner_svc.scheduler import Scheduler, SchedulerConfig
 from planner_svc.turns import Turns
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.auth import request_tenant

@@ -8,7 +8,7 @@ from protos.wire import pack_i32
 
 
 def to_proto(step: PlannedStep) -> executor_pb2.StepPlan:
-    plan = executor_pb2.StepPlan(seq=step.seq, bucket=step.bucket)
+    plan = executor_pb2.StepPlan(seq=step.seq, bucket=step.bucket, steps=step.steps if step.steps > 1 else 0)
     delta = step.delta
     if delta.slots:
         plan.slots = delta.slots

@@ -77,5 +77,11 @@ def test_prefill_budget_by_device_unless_given():
     assert SchedulingConfig().for_device("cuda:0").prefill_token_budget == 2048
     assert SchedulingConfig(prefill_token_budget=512).for_device("cpu").prefill_token_budget == 512
     assert SchedulingConfig().token_budget == 2048
+    # decode steps a plan: four on a CPU, one on a GPU, unless given
+    assert [SchedulingConfig().for_device(d).steps_per_plan for d in ("cpu", "cuda:0")] == [4, 1]
+    assert SchedulingConfig(decode_steps=2).for_device("cpu").steps_per_plan == 2
+    assert SchedulingConfig().steps_per_plan == 1
+    with pytest.raises(ValueError, match=r"decode_steps must be in \[1, 16\]"):
+        SchedulingConfig(decode_steps=17)
     with pytest.raises(ValueError, match="admission_skips"):
         SchedulingConfig(admission_skips=-1)

@@ -8,22 +8,26 @@ import numpy as np
 import pytest
 
 from planner_svc.config import SchedulingConfig
+from planner_svc.planned import CapacityError
 from planner_svc.requests import Finish, Request, Sampling
-from planner_svc.scheduler import CapacityError, Scheduler, SchedulerConfig
+from planner_svc.scheduler import Scheduler, SchedulerConfig
 from protos.layout import RowLayout
 from protos.wire import unpack_i32
 
 PAGE = 4
 
 
-def make_scheduler(pool_pages=64, buckets=(1, 2, 4), max_seq_len=64, budget=16, row_check=True):
+def make_scheduler(
+    pool_pages=64, buckets=(1, 2, 4), max_seq_len=64, budget=16, row_check=True, decode_steps=None
+):
+    settings = SchedulingConfig(prefill_token_budget=budget, row_check=row_check, decode_steps=decode_steps)
     config = SchedulerConfig(
         page_size=PAGE,
         pool_pages=pool_pages,
         buckets=buckets,
         max_seq_len=max_seq_len,
         vocab_size=100,
-        settings=SchedulingConfig(prefill_token_budget=budget, row_check=row_check),
+        settings=settings,
     )
     return Scheduler(config, RowLayout.build(list(buckets), max_seq_len, PAGE, pool_pages))
 
@@ -49,7 +53,7 @@ class DeviceRows:
         read = self.rows[self.slots].copy() if step.bucket else None
         if step.bucket:
             real = self.slots[self.slots != 0]
-            self.rows[real, RowLayout.KV_LEN] += 1
+            self.rows[real, RowLayout.KV_LEN] += step.steps
         return read
 
 
@@ -132,6 +136,46 @@ def test_steady_step_sends_only_seq_and_bucket():
     assert runs[2] == RowLayout.NARROW + requests[0].pages_needed(PAGE) == RowLayout.NARROW + 6
     assert all(not (s.delta.slots or s.delta.row_runs or s.sampler or s.prefill) for s in steps[2:])
     assert all(s.rows == first.rows for s in steps[2:])
+
+
+def test_steady_repeats_run_several_steps_and_end_each_request_where_it_stops():
+    scheduler = make_scheduler(row_check=False, decode_steps=4)
+    device = DeviceRows(scheduler.layout)
+    long, stopped = req(0, prompt_len=5, max_tokens=10), req(1, prompt_len=5, max_tokens=20, stops={50})
+    for r in (long, stopped):
+        scheduler.add(r)
+    made: dict = {long: 0, stopped: 0}  # decode tokens the device sampled for each, dropped ones included
+    plans, pending, seq = [], [], 0
+
+    def commit_sampled(step):
+        tokens = np.zeros((step.steps, step.bucket), dtype=np.int32)
+        for i in range(step.steps):
+            for row, request in enumerate(step.rows):
+                made[request] += 1
+                tokens[i, row] = 50 if request is stopped and made[request] == 4 else 7
+        prefill = np.array([7 if c.sample_slot else -1 for c in step.prefill], dtype=np.int32)
+        scheduler.commit(step.seq, tokens.reshape(-1), prefill)
+
+    while (step := scheduler.plan(seq)) is not None or pending:
+        if step is None:
+            commit_sampled(pending.pop(0))
+            continue
+        device.apply(step)
+        for request in step.rows:  # no row is stored past its end
+            assert device.rows[scheduler.slots.slot_of(request), RowLayout.KV_LEN] <= request.end_len
+        plans.append(step)
+        pending.append(step)
+        seq += 1
+        if len(pending) == 2:
+            commit_sampled(pending.pop(0))
+    assert (long.finish, len(long.output_ids)) == (Finish.LENGTH, 10)
+    # its prompt's token, then the fourth decode token stops it; the rest of that plan's tokens are dropped
+    assert (stopped.finish, stopped.output_ids[-1], len(stopped.output_ids)) == (Finish.STOP, 50, 5)
+    assert made[stopped] > 4
+    several = [p for p in plans if p.steps > 1]
+    assert several and all(p.steps <= 4 for p in plans)
+    assert all(not (p.delta.slots or p.delta.row_runs or p.sampler or p.prefill) for p in several)
+    assert scheduler.idle
 
 
 def test_new_row_of_one_pool_model_is_one_run():
