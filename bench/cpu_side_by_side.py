@@ -54,9 +54,10 @@ def rss_mib(pid: int) -> float:
 
 
 class Deltaserve:
-    """An executor and a planner process pair; `weights` is the executor's --weights."""
+    """An executor and a planner process pair; `weights` is the executor's --weights, `decode_steps` the
+    planner's --decode-steps (None: its default)."""
 
-    def __init__(self, weights: str, threads: int) -> None:
+    def __init__(self, weights: str, threads: int, decode_steps: int | None = None) -> None:
         self.executor_port, self.planner_port = free_port(), free_port()
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "DELTASERVE_LOG_LEVEL": "warning"}
         cli = [sys.executable, "-m", "deltaserve"]
@@ -75,7 +76,8 @@ class Deltaserve:
                 "--executor",
                 f"127.0.0.1:{self.executor_port}",
             ]
-            + ["--no-prefix-cache"],  # every round reads its prompt, as the other arms do
+            + ["--no-prefix-cache"]  # every round reads its prompt, as the other arms do
+            + ([] if decode_steps is None else ["--decode-steps", str(decode_steps)]),
             env=env,
             cwd=ROOT,
         )
@@ -186,9 +188,14 @@ async def side_by_side(args) -> list[dict]:
     memory = await resident_memory(args.threads)
     cases = [(length, c) for length in (28, 512) for c in args.concurrency]
     prompts = {length: prompt_ids(length) for length, _ in cases}
-    serving = Deltaserve(args.weights, args.threads)
-    await serving.ready()
-    arms: dict = {"deltaserve": serving.run, "transformers": Transformers(args.threads).run}
+    servings = [Deltaserve(args.weights, args.threads)]
+    arms: dict = {"deltaserve": servings[0].run}
+    if args.baseline_decode_steps:  # deltaserve again, its planner at that many decode steps a plan
+        servings.append(Deltaserve(args.weights, args.threads, args.baseline_decode_steps))
+        arms[f"deltaserve, {args.baseline_decode_steps} decode steps a plan"] = servings[1].run
+    for serving in servings:
+        await serving.ready()
+    arms["transformers"] = Transformers(args.threads).run
     llama = None
     if args.llamacpp_python:
         llama = LlamaCpp(args.llamacpp_python, args.threads, max(args.concurrency))
@@ -211,7 +218,8 @@ async def side_by_side(args) -> list[dict]:
                         )
                         progress.advance()
     finally:
-        serving.stop()
+        for serving in servings:
+            serving.stop()
         if llama is not None:
             llama.stop()
     results, commit = [], commit_hash()
@@ -225,7 +233,7 @@ async def side_by_side(args) -> list[dict]:
             "rounds": rates,
             "load_avg_1m": [round(load, 2) for _, load in runs],
             "max_tokens": args.max_tokens,
-            "weights": args.weights if arm == "deltaserve" else "",
+            "weights": args.weights if arm.startswith("deltaserve") else "",
             "threads": args.threads,
             "commit": commit,
         }

@@ -6,6 +6,7 @@ Both arms serve the same model (a runner each), alternated, two rounds each, so 
 is the difference. Greedy, ignore_eos, a short chat prompt per request.
 
     python bench/serve_cpu.py --side-by-side [--concurrency 1,4] [--llamacpp-python PYTHON] [--rounds 2]
+        [--baseline-decode-steps 1]
 
 deltaserve against transformers `generate` and llama.cpp on the same GGUF, 28- and 512-token prompts, and the
 executor's resident memory packed vs de-quantized (bench/cpu_side_by_side.py).
@@ -106,6 +107,11 @@ def main() -> None:
     parser.add_argument("--llamacpp-python", help="side by side: a python with llama-cpp-python installed")
     parser.add_argument("--rounds", type=int, default=2, help="side by side: interleaved rounds")
     parser.add_argument("--weights", default="auto", help="side by side: the executor's --weights")
+    parser.add_argument(
+        "--baseline-decode-steps",
+        type=int,
+        help="side by side: deltaserve again with its planner at this --decode-steps (1: a plan a token)",
+    )
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="side by side: threads per arm"
     )
