@@ -104,7 +104,9 @@ class Grammars:
                 step, slots = self._unfed[0]
                 step.wait()
                 self._unfed.pop(0)
-                self._accept(slots, step.host_tokens.numpy()[: len(slots)])
+                # A plan of several steps reads back steps x rows: the last step's are the rows' last.
+                tokens = step.host_tokens.numpy()
+                self._accept(slots, tokens[len(tokens) - len(slots) :])
 
     def _accept(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         self._last[slots] = tokens

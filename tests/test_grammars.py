@@ -107,3 +107,12 @@ def test_steps_are_fed_once_and_in_order_from_two_threads(grammars):
     launching.join(10)
     assert held.waits == 1 and not grammars._unfed
     assert grammars._last[2] == 12  # the second step's token came last
+
+
+def test_a_plan_of_several_steps_leaves_each_row_its_last_step_token(grammars):
+    """A plan of three decode steps over slots 1 and 2 (no grammar among them: the executor refuses several
+    steps over constrained rows): a grammar written later with the device's loop-back token reads the last."""
+    step = LaunchedStep(3, None, [], torch.tensor([21, 22, 31, 32, 41, 42]), None, 0)  # type: ignore[arg-type]
+    grammars._unfed.append((step, np.array([1, 2])))
+    grammars.feed(None)
+    assert grammars._last[[1, 2]].tolist() == [41, 42]
