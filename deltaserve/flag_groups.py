@@ -185,7 +185,8 @@ def add_planner_flags(flags: Flags) -> None:
         type=float_in(0.1, 3600.0),
         default=defaults.executor_timeout,
         metavar="S",
-        help="seconds a step may go without output (plus 25 ms per prompt token it reads) before its "
+        help="seconds a decode step may go without output (a plan of several: as many times; plus 25 ms "
+        "per prompt token it reads) before its "
         "executor counts as hung: its requests fail (or wait, with no token yet) and it is reconnected",
     )
     flags.option(

@@ -291,7 +291,7 @@ _STEADY_FIELDS = frozenset({"seq", "bucket", "steps"})  # all that a steady step
 _STEADY: dict[tuple[int, int], CheckedPlan] = {}  # (bucket, steps) -> its plan: nothing to write or build
 
 
-def steady_plan(bucket: int, steps: int = 1) -> CheckedPlan:
+def _steady(bucket: int, steps: int) -> CheckedPlan:
     """The plan of `steps` decode steps over the rows held, writing nothing."""
     plan = _STEADY.get((bucket, steps))
     if plan is None:
@@ -330,7 +330,7 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
             f"held, {decode_bucket or 'none'}, with nothing but seq, bucket and steps set)"
         )
     if steady:
-        return steady_plan(bucket, steps)
+        return _steady(bucket, steps)
     slots = None
     if plan.slots:
         slots = _ints(plan.slots, "slots")

@@ -287,7 +287,7 @@ class StepRunner:
         (the host-planned arm's planning, say), which no planner can hurry."""
         began, applied, prefilled, planned, launched = step.marks
         times = self.times
-        times.steps += 1
+        times.steps += step.plan.steps  # decode steps, several in a plan of several
         times.apply_us += (applied - began) * 1e6
         times.prefill_us += (prefilled - applied) * 1e6
         times.plan_us += (planned - prefilled) * 1e6

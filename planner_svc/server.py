@@ -51,7 +51,7 @@ def build_engine(
             max_seq_len=description.max_seq_len,
             vocab_size=description.vocab_size,
             state_slots=description.state_slots,
-            settings=config.scheduling.for_device(description.device),  # the prefill budget by device
+            settings=config.scheduling.for_device(description.device),  # prefill budget, decode steps
         ),
         layout,
         conversations,

@@ -20,9 +20,10 @@
 
 /* exp(x) of 16 lanes of x <= 0: Cephes' expf (a degree-6 polynomial of the remainder after n = round(x log2 e),
  * scaled by 2^n), within 2 ulp of expf. Below -87.3 it gives exp(-87.3) ~ 1e-38 instead of a subnormal or 0:
- * nothing a softmax's sum of at least 1 can tell apart. */
+ * nothing a softmax's sum of at least 1 can tell apart. A NaN stays NaN (max returns its second operand then),
+ * as expf's did, so a broken query or key shows in the output. */
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
