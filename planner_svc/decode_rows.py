@@ -56,10 +56,9 @@ def repeats_left(ends: np.ndarray, rows: np.ndarray, slots: np.ndarray) -> int:
     return int((ends - lens).min())
 
 
-def steps_per_repeat(rows: Sequence[Request], steps: int, one_each: bool) -> int:
+def steps_per_repeat(rows: Sequence[Request], steps: int) -> int:
     """Decode steps a repeat of a steady step over `rows` runs in one plan: `steps`, but one where a row has
-    sampling controls (the executor runs those one a plan) or `one_each` (row checks; recurrent state, whose
-    checkpoint at a turn's end keeps nothing once it has read a token past the stop)."""
-    if steps == 1 or one_each or any(has_controls(request) for request in rows):
+    sampling controls (the executor runs those one a plan)."""
+    if steps == 1 or any(has_controls(request) for request in rows):
         return 1
     return steps

@@ -53,6 +53,10 @@ class Scheduler:
         self._steady: PlannedStep | None = None  # the last decode step, repeatable while nothing changes
         self._steady_left = 0  # steps it can repeat before a row reaches its end
         self._steady_steps = 1  # decode steps a plan of its repeats runs
+        # At most this many, and one with row checks or recurrent state (a turn's checkpoint keeps nothing once
+        # its state has read a token past the stop).
+        settings = config.settings
+        self._plan_steps = 1 if settings.row_check or self.states.enabled else settings.steps_per_plan
         self._steady_slots = np.zeros(0, dtype=I32)  # its slots, padding included
         self._steady_ends = np.zeros(0, dtype=np.int64)  # its real rows' end lengths
         self._dirty = True
@@ -146,9 +150,7 @@ class Scheduler:
         if self._steady is not None:  # its repeats read its slots while none reads a row past its end
             self._steady_slots = self.mirror.last_slots
             self._steady_left = repeats_left(self._steady_ends, self.mirror.rows, self._steady_slots)
-            settings = self.config.settings
-            one_each = settings.row_check or self.states.enabled
-            self._steady_steps = steps_per_repeat(step.rows, settings.steps_per_plan, one_each)
+            self._steady_steps = steps_per_repeat(step.rows, self._plan_steps)
         if self.prefilling or (self.waiting and self._can_admit(self.waiting[0])):
             self._dirty = True
         return step
