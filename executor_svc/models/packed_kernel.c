@@ -133,9 +133,10 @@ static inline __attribute__((always_inline)) void block_fixed(const int BITS, co
     for (int j = 0; j < NB; j++)
         for (int r = 0; r < M; r++) acc[j][r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        /* The rows two blocks on, a cache line at a time: a row is only 288 (4 bits) or 576 bytes of SmolLM2's,
-         * too short for the hardware's stream prefetch to learn before it ends. */
-        if (g * group_bytes % 64 == 0)
+        /* 8 bits: the rows two blocks on, a cache line at a time (the head's 576-byte rows, step 1.7 ms with it, 2.3
+         * without). Not for 4 bits: the hardware's stream prefetch keeps up with the layers' 288-byte rows, and
+         * these instructions in its way cost the 30 layers' matmuls a fifth (bench/cpu_decode_step.py). */
+        if (BITS == 8 && g * group_bytes % 64 == 0)
             for (int j = 0; j < NB; j++) {
                 const int64_t ahead = n0 + j + 2 * NB < w->n ? n0 + j + 2 * NB : w->n - 1; /* inside the array */
                 __builtin_prefetch(w->q + ahead * row_bytes + g * group_bytes);
