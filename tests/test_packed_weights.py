@@ -110,7 +110,7 @@ def test_the_portable_kernel_is_as_exact_as_the_native_one(monkeypatch):
     """The kernel built without AVX-512 or F16C (its scalar loops and software float16 conversion: what machines
     without them run, and the CI machine otherwise never builds) de-quantizes every weight to gguf's value and
     multiplies within float32's reordering bound, as the native build does."""
-    portable = tuple(f for f in packed_kernel._FLAGS if not f.startswith("-march")) + ("-march=x86-64-v2",)
+    portable = tuple(f for f in packed_kernel.FLAGS if not f.startswith("-march")) + ("-march=x86-64-v2",)
     builds = (packed_kernel.library(), packed_kernel.library(portable))
     for type_name in ("Q4_1", "Q4_0", "Q8_0", "Q4_K"):
         weight = pack_gguf(_blocks(type_name, seed=6), type_name, ROWS, COLS)

@@ -18,7 +18,7 @@ import torch
 
 from executor_svc.c_kernels import build_or_none
 from executor_svc.models.packed import PackedLinear, PackedWeight
-from executor_svc.models.packed_kernel import MAX_ROWS
+from executor_svc.models.packed_kernel import FLAGS, MAX_ROWS
 
 if TYPE_CHECKING:
     from executor_svc.attention import StepInputs
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from executor_svc.models.dense import DenseLayer, DenseModel
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "dense_cpu.c")
-# No FMA contraction: the packed weights and the norms and rope round as torch rounds them.
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -84,7 +82,7 @@ _STEP_ARGS = (_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built step, or None (logged once) where it cannot be built: the torch layers serve."""
-    lib = build_or_none(_SOURCE, _FLAGS, "the CPU decode step runs in torch ops")
+    lib = build_or_none(_SOURCE, FLAGS, "the CPU decode step runs in torch ops")
     if lib is None:
         return None
     lib.dense_decode_layers.argtypes = _STEP_ARGS

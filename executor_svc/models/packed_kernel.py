@@ -14,14 +14,15 @@ from executor_svc.c_kernels import KernelUnavailable, build
 log = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "packed_kernel.c")
-# No FMA contraction: each weight is rounded as gguf's de-quantization rounds it (see packed_kernel.c).
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
+# No FMA contraction: each weight is rounded as gguf's de-quantization rounds it (see packed_kernel.c), the
+# norms and rope of the C decode step as torch rounds them (dense_cpu.c).
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 # packed_kernel.c's MAX_ROWS: more rows go through a de-quantized scratch matrix and torch's GEMM
 MAX_ROWS = 8
 
 
 @functools.cache
-def library(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL:
+def library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
     """The kernel built with `flags` (this machine's own by default); KernelUnavailable saying why when it
     cannot be built."""
     lib = build(_SOURCE, flags)
