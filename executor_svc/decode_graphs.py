@@ -139,20 +139,20 @@ class DecodeGraphs:
         inputs = self.attention.inputs(bucket)
         if self.state_pool is not None:
             inputs = inputs._replace(states=StateInputs(self.state_pool, store.state_slots(bucket)))
-        # GREEDY: the argmax that `sample` takes for greedy rows, without the rest (a model may find it without
-        # every logit): tokens [B], else logits [B, V]; None before a split's last stage (the last samples).
-        out = self.model.forward(inputs, self.attention, greedy=variant == GREEDY)
+        logits = self.model.forward(
+            inputs, self.attention
+        )  # logits: [B, V]; None before a split's last stage
         slots, table, tokens = store.step_slots[:bucket], None, None
-        if out is None:
-            pass
-        elif variant == GREEDY:
-            tokens = out
+        if logits is None:
+            pass  # a stage before the last: the last samples
+        elif variant == GREEDY:  # the argmax that `sample` takes for greedy rows, without the rest
+            tokens = logits.argmax(dim=-1)
         elif variant == SAMPLED:
-            tokens = sample(out, *store.sampler_params(slots), inputs.positions + 1)
+            tokens = sample(logits, *store.sampler_params(slots), inputs.positions + 1)
         else:
             store.controls.count_inputs(slots, inputs.tokens)
             params = store.sampler_params(slots)
-            tokens, table = sample_controlled(out, params, store.controls, slots, inputs.positions + 1)
+            tokens, table = sample_controlled(logits, params, store.controls, slots, inputs.positions + 1)
         tokens = self.model.stage.loop_back(tokens, bucket, store.device)  # a split's last stage to its first
         store.store_tokens(bucket, tokens)
         if self._advance_kernel is None:

@@ -3,7 +3,6 @@ writing a paged KV pool. What the families differ in is configuration: biases, q
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections.abc import Sequence
@@ -18,7 +17,6 @@ from executor_svc.attention.torch_ref import TorchDecode
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.dense_cpu import CpuDecodeLayers
 from executor_svc.models.layers import Embedding, GatedMLP, Linear, RMSNorm, apply_rope
-from executor_svc.models.packed_argmax import GreedyHead
 from executor_svc.models.packed_kernel import MAX_ROWS
 from executor_svc.models.rope import default_inv_freq, hf_rope, rope_tables
 from executor_svc.stage import Stage
@@ -241,22 +239,12 @@ class DenseModel(nn.Module):
         assert self.norm is not None and head is not None, "only the last stage holds the norm and head"
         return self.norm, head
 
-    @functools.cached_property
-    def greedy_head(self) -> GreedyHead | None:
-        """A packed 8-bit head's greedy tokens without every logit, made on the first greedy step (the loader
-        has packed the weights by then); None where the head is not such."""
-        return GreedyHead.of(self.head[1])
-
-    def _logits(self, x: torch.Tensor, greedy: bool) -> torch.Tensor:
-        """The rows' float32 logits, or `greedy` their argmax tokens."""
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         norm, head = self.head
         h = norm(x)
-        tokens = self.greedy_head.tokens(h) if greedy and self.greedy_head is not None else None
-        if tokens is not None:
-            return tokens
         # Through the modules, not a weight: a packed head has no float weight.
         logits = head.project(h) if self.lm_head is None else head(h)  # type: ignore[operator]
-        return logits.argmax(dim=-1) if greedy else logits.float()
+        return logits.float()
 
     def _project_qkv(
         self, layer: DenseLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -283,23 +271,17 @@ class DenseModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self,
-        inputs: StepInputs,
-        attention: Attention,
-        select: torch.Tensor | None = None,
-        greedy: bool = False,
+        self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """One position for each of B rows, writing its K/V to (inputs.write_page, inputs.write_offset) of
         attention.kv; `select` the rows that need logits (default all). Returns float32 logits[B or
-        len(select), V] on the last stage, or `greedy` their argmax tokens i64; an earlier stage hands its
-        hidden states on and returns None. Fixed shapes; no host reads (but the CPU attention's trim to the
-        longest row)."""
+        len(select), V] on the last stage; an earlier stage hands its hidden states on and returns None.
+        Fixed shapes; no host reads (but the CPU attention's trim to the longest row)."""
         if attention.fused:
             from executor_svc.models.dense_kernels import forward_kernels
 
-            logits = forward_kernels(self, inputs, attention, select)
-            return logits.argmax(dim=-1) if greedy and logits is not None else logits
-        return self._forward_torch(inputs, attention, select, greedy)
+            return forward_kernels(self, inputs, attention, select)
+        return self._forward_torch(inputs, attention, select)
 
     def _cpu_layers(
         self, attention: Attention, rows: int
@@ -322,7 +304,7 @@ class DenseModel(nn.Module):
         return None if layers is None or paged is None else (layers, paged)
 
     def _forward_torch(
-        self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None, greedy: bool
+        self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
     ) -> torch.Tensor | None:
         """The layers in torch ops (the CPU path and the reference)."""
         kv = attention.kv
@@ -340,4 +322,4 @@ class DenseModel(nn.Module):
         if not self.stage.layers.last:
             self.stage.hand_on(x)
             return None
-        return self._logits(x if select is None else x.index_select(0, select), greedy)
+        return self._logits(x if select is None else x.index_select(0, select))

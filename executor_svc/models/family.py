@@ -75,18 +75,13 @@ class ExecutorModel(Protocol):
     ) -> KVPool: ...
 
     def forward(
-        self,
-        inputs: StepInputs,
-        attention: Attention,
-        select: torch.Tensor | None = None,
-        greedy: bool = False,
+        self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """One position for each of B rows, writing its K/V to (inputs.write_page, inputs.write_offset) of
         attention.kv; `select` the rows that need logits (default all). Returns float32 logits[B or
-        len(select), V] on the last stage, or `greedy` their argmax tokens i64 (as logits.argmax(-1); a
-        model may find them without every logit); an earlier stage of a split enters from the previous
-        stage's hidden states (stage.enter), hands its own on (stage.hand_on) and returns None. Fixed
-        shapes, no host reads: the decode graphs capture it."""
+        len(select), V] on the last stage; an earlier stage of a split enters from the previous stage's
+        hidden states (stage.enter), hands its own on (stage.hand_on) and returns None. Fixed shapes, no
+        host reads: the decode graphs capture it."""
         ...
 
 

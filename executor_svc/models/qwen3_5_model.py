@@ -269,21 +269,11 @@ class Qwen35Model(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self,
-        inputs: StepInputs,
-        attention: Attention,
-        select: torch.Tensor | None = None,
-        greedy: bool = False,
+        self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """Float32 logits[B or len(select), V] of the rows on the last stage, or `greedy` their argmax tokens
-        (an earlier stage hands its hidden states on and returns None); writes each full-attention layer's K/V
-        at (inputs.write_page, inputs.write_offset) and each recurrent layer's state at its slots."""
-        logits = self._logits(inputs, attention, select)
-        return logits.argmax(dim=-1) if greedy and logits is not None else logits
-
-    def _logits(
-        self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
-    ) -> torch.Tensor | None:
+        """Float32 logits[B or len(select), V] of the rows on the last stage (an earlier stage hands its hidden
+        states on and returns None); writes each full-attention layer's K/V at (inputs.write_page,
+        inputs.write_offset) and each recurrent layer's state at its slots."""
         states = inputs.states
         if states is None:
             raise ValueError("a Qwen3.5 step needs its state slots (inputs.states)")

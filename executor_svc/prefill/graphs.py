@@ -60,19 +60,19 @@ def prefill_step(
     nothing back. `states`: the chunks' recurrent-state slots (a model with recurrent layers)."""
     batch = attention.batch
     inputs = batch.inputs if states is None else batch.inputs._replace(states=states)
-    # GREEDY: the argmax that `sample` takes for greedy rows, without the rest (a model may find it without
-    # every logit): tokens [S], else logits [S, V]; None before a split's last stage (the last samples).
-    out = model.forward(inputs, attention, select=batch.sample_index, greedy=variant == GREEDY)
+    logits = model.forward(
+        inputs, attention, select=batch.sample_index
+    )  # [S, V]; None before a split's last stage
     slots, table, tokens = batch.sample_slots, None, None
-    if out is None:
-        pass
-    elif variant == GREEDY:
-        tokens = out
+    if logits is None:
+        pass  # a stage before the last: the last samples
+    elif variant == GREEDY:  # the argmax that `sample` takes for greedy rows, without the rest
+        tokens = logits.argmax(dim=-1)
     elif variant == SAMPLED:
-        tokens = sample(out, *store.sampler_params(slots), batch.sample_counters)
+        tokens = sample(logits, *store.sampler_params(slots), batch.sample_counters)
     else:
         params = store.sampler_params(slots)
-        tokens, table = sample_controlled(out, params, store.controls, slots, batch.sample_counters)
+        tokens, table = sample_controlled(logits, params, store.controls, slots, batch.sample_counters)
     tokens = model.stage.loop_back(tokens, batch.sample_index.shape[0], store.device)  # last stage to first
     store.store_prefill_tokens(slots, tokens)
     return tokens, table
