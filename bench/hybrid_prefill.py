@@ -1,9 +1,9 @@
 """The Qwen3.5 hybrid's eager prefill step on the GPU, the whole model as the executor runs it (PrefillGraphs'
 eager path: the batch packed, the state slots, the forward over the prefill attention kernel): Qwen3.5-0.8B's
 shape with random bf16 weights, N fresh sequences of L tokens a step. Reports the host's time to issue the step
-(no wait at its end), the wall time to its end, the GPU's kernel time and launches, and the argmax of each
-sequence's last logits (to compare two commits' outputs); `--profile` prints where the host's time goes,
-`--graph` adds the step replayed from a prefill graph of its size.
+(no wait at its end), the wall time to its end, the GPU's kernel time and launches, the kernels taking most of
+it, and the argmax of each sequence's last logits (to compare two commits' outputs); `--profile` prints where
+the host's time goes, `--graph` adds the step replayed from a prefill graph of its size.
 
     python bench/hybrid_prefill.py --graph --commit X --out docs/bench/hybrid_prefill.json
 """
@@ -31,6 +31,7 @@ from executor_svc.state_pool import StateInputs
 
 PAGE = 16
 GRAPH_MAX_SEQ_LEN = 1024  # bench/decode.py's MAX_SEQ_LEN
+TOP_KERNELS = 15  # kernel names reported by GPU time
 
 
 def prefill_step(model: Qwen35Model, kv, pool, chunks: list, slots: np.ndarray) -> torch.Tensor | None:
@@ -76,6 +77,17 @@ def replayed(model: Qwen35Model, kv, pool, chunks: list, slots: np.ndarray, roun
     }
 
 
+def top_kernels(kernels: list, count: int) -> list[dict]:
+    """The `count` kernel names taking the most GPU time of a profiled step: total µs and launches each."""
+    by_name: dict[str, list[float]] = {}
+    for event in kernels:
+        by_name.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:count]
+    return [
+        {"kernel": name[:120], "us": round(sum(times), 1), "launches": len(times)} for name, times in ranked
+    ]
+
+
 def measure(model: Qwen35Model, sequences: int, tokens: int, rounds: int, profile: bool, graph: bool) -> dict:
     cfg = model.config
     span = -(-tokens // PAGE)
@@ -112,6 +124,7 @@ def measure(model: Qwen35Model, sequences: int, tokens: int, rounds: int, profil
         "wall_ms": round(float(np.median(wall)), 3),
         "gpu_kernel_ms": round(sum(e.time_range.elapsed_us() for e in kernels) / 1000, 3),
         "gpu_kernels": len(kernels),
+        "gpu_top_kernels": top_kernels(kernels, TOP_KERNELS),
         "argmax": logits.argmax(-1).tolist() if logits is not None else None,
         "fell_back": bool(getattr(model._prefill, "failed", False)),
     }
