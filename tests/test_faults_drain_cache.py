@@ -44,11 +44,11 @@ class Stack:
             "--device",
             "cpu",
             "--pool-pages",
-            "64",
+            "160",
             "--buckets",
             "1,2,4",
             "--max-seq-len",
-            "512",
+            "2048",
         )
         self.executor.wait_listening(180)
         self.planner = self.start_planner()
@@ -157,7 +157,8 @@ async def park_when_reachable(client: PlannerClient, conversation_id: str, timeo
 async def test_planner_sigterm_parks_live_conversations_and_a_restart_resumes_them(stack):
     async with PlannerClient(stack.planner_addr) as client:
         firsts = {c: await client.generate_all(turn(c, PROMPT)) for c in ("drain-a", "drain-b")}
-        long = asyncio.ensure_future(client.generate_all(turn("", PROMPT, max_tokens=400)))
+        # Far past the drain timeout on any CPU (400 tokens once took ~2 s on a fast one and ended before the cut).
+        long = asyncio.ensure_future(client.generate_all(turn("", PROMPT, max_tokens=2000)))
 
         async def running() -> bool:
             return (await client.server_info()).running > 0
