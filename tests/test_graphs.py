@@ -121,6 +121,15 @@ def test_prefill_buckets_are_shaped_for_what_a_step_can_hold():
     assert smallest_holding(shapes, PrefillShape(tokens=10, chunks=1, samples=1, table_width=64)) is None
 
 
+def test_recurrent_prefill_buckets_hold_a_few_sequences_and_sample_no_more():
+    from executor_svc.prefill.graphs import bucket_shapes, smallest_holding
+
+    shapes = bucket_shapes([2048, 64, 512], widest=256, max_seq_len=1000, page_size=16, recurrent=True)
+    assert [(s.tokens, s.chunks, s.samples) for s in shapes] == [(64, 4, 4), (512, 4, 4), (2048, 16, 16)]
+    five = PrefillShape(tokens=300, chunks=5, samples=5, table_width=40)
+    assert smallest_holding(shapes, five).tokens == 2048
+
+
 def test_decode_path_is_checked():
     assert ExecutorConfig().decode_path == "resident"
     with pytest.raises(ValueError, match="decode_path must be resident or host-planned"):

@@ -29,18 +29,26 @@ log = structlog.get_logger("deltaserve.executor.prefill_graphs")
 
 
 def bucket_shapes(
-    token_buckets: Iterable[int], widest: int, max_seq_len: int, page_size: int
+    token_buckets: Iterable[int], widest: int, max_seq_len: int, page_size: int, recurrent: bool = False
 ) -> list[PrefillShape]:
     """The padded shape of each token bucket, smallest first. A step's chunks: every one but the last ends its
     prompt, and at most the widest decode bucket's prompts end (check_plan), so no more chunks than that plus
-    one, nor samples than that, nor pages than a sequence of max_seq_len holds."""
+    one, nor samples than that, nor pages than a sequence of max_seq_len holds.
+
+    A model with recurrent layers (`recurrent`) gets fewer chunks: every sequence a graph holds, real or
+    padding, costs each gated delta net layer a gather, a write and a scatter of a whole state (1 MiB in
+    Qwen3.5-0.8B's), so a bucket holds a few (a step of more runs eager), and as few samples: the head's
+    matmul and the logits are of the samples' rows (256 of Qwen3.5's 248k-wide head were ~0.3 ms a step)."""
     width = -(-max_seq_len // page_size)
-    return [
-        PrefillShape(
-            tokens=tokens, chunks=min(tokens, widest + 1), samples=min(tokens, widest), table_width=width
+    shapes = []
+    for tokens in sorted(set(token_buckets)):
+        chunks = min(tokens, widest + 1)
+        if recurrent:
+            chunks = min(chunks, max(4, tokens // 128))
+        shapes.append(
+            PrefillShape(tokens=tokens, chunks=chunks, samples=min(tokens, widest, chunks), table_width=width)
         )
-        for tokens in sorted(set(token_buckets))
-    ]
+    return shapes
 
 
 def smallest_holding(shapes: Sequence[PrefillShape], batch: PrefillShape) -> PrefillShape | None:
@@ -114,13 +122,19 @@ class PrefillGraphs:
         self.store = store
         self.state_pool = state_pool  # the recurrent-state pool, or None
         self.max_seq_len = max_seq_len
-        self.shapes = bucket_shapes(token_buckets, store.layout.widest_bucket, max_seq_len, kv_pool.page_size)
+        self.shapes = bucket_shapes(
+            token_buckets,
+            store.layout.widest_bucket,
+            max_seq_len,
+            kv_pool.page_size,
+            recurrent=state_pool is not None,
+        )
         self._input = torch.zeros(
             max((s.words for s in self.shapes), default=0), dtype=torch.int64, device=device
         )
         # A recurrent model's sequences (where each starts, its chunks and state slot), where its graphs read them
         self._state_index = torch.zeros(
-            max((Packed.words(s.tokens, self._sequences(s)) for s in self.shapes if state_pool), default=0),
+            max((Packed.words(s.tokens, s.chunks) for s in self.shapes if state_pool), default=0),
             dtype=torch.int64,
             device=device,
         )
@@ -186,10 +200,7 @@ class PrefillGraphs:
         if not self._graphs:
             return None
         own = PrefillBatch.exact_shape(chunks, sum(1 for slot in sample_slots if slot))
-        shapes = [
-            s for s in self.shapes if (s.tokens, variant) in self._graphs and self._sequences(s) >= own.chunks
-        ]
-        shape = smallest_holding(shapes, own)
+        shape = smallest_holding([s for s in self.shapes if (s.tokens, variant) in self._graphs], own)
         if shape is None:
             return None
         page_size = self.kv_pool.page_size
@@ -238,7 +249,7 @@ class PrefillGraphs:
         self.states[shape.tokens] = "captured"
         log.info(
             f"prefill bucket {shape.tokens} tokens: captured",
-            chunks=self._sequences(shape),
+            chunks=shape.chunks,
             samples=shape.samples,
         )
 
@@ -254,13 +265,7 @@ class PrefillGraphs:
             fresh,
             host_slots,
             self.store.device,
-            shape=(shape.tokens, self._sequences(shape)),
+            shape=(shape.tokens, shape.chunks),
             into=self._state_index,
         )
         return StateInputs(self.state_pool, index.slots, batch.seq_starts_host, host_slots, fresh, index)
-
-    def _sequences(self, shape: PrefillShape) -> int:
-        """The chunks a graph of `shape` holds: all of a model without recurrent layers; else a few (a step of
-        more runs eager), since every sequence it holds, real or padding, costs each gated delta net layer a
-        gather, a write and a scatter of a whole state (1 MiB in Qwen3.5-0.8B's)."""
-        return shape.chunks if self.state_pool is None else min(shape.chunks, max(4, shape.tokens // 128))
