@@ -187,6 +187,18 @@ def test_paged_decode_attention_matches_the_reference(page_size: int, head_dim: 
         assert not counters.any()
 
 
+def test_the_combine_reads_the_partitions_in_blocks_where_they_do_not_fit_at_once(monkeypatch):
+    from executor_svc.kernels import attention
+
+    store, slots, q, k_layer, v_layer = attention_case(4, 64, torch.float32, 60)
+    group = 4  # SmolLM2's three query heads a KV head, padded to a power of two
+    monkeypatch.setattr(attention, "_COMBINE_ELEMENTS", 2 * group * 64)  # two partitions a load, of five
+    assert attention._split_block(5, HEADS // KV_HEADS, 64) == 2
+    got = paged_decode_attention(q, k_layer, v_layer, store.rows, slots, BLOCK_TABLE, 4, 0.125, 5)
+    expected = reference_attention(store, q, k_layer, v_layer, 0.125)
+    torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_paged_decode_attention_in_half_precision(dtype: torch.dtype):
     store, slots, q, k_layer, v_layer = attention_case(16, 64, dtype, 11)

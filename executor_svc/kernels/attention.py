@@ -14,6 +14,7 @@ _MIN_TOKENS = 64  # tokens per inner step: several pages in flight when pages ar
 _MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows, so the query heads of a KV head are padded to 16
 _MIN_BLOCKS_PER_SPLIT = 1  # the combine is in the kernel: one inner step per partition is the fastest (H200)
 _MAX_SPLITS = 64
+_COMBINE_ELEMENTS = 8192  # partial outputs the combining program holds at once (64 a thread at 4 warps)
 
 
 def _tokens_per_step(page_size: int) -> int:
@@ -53,6 +54,8 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    GROUP_POW2: tl.constexpr,
     DOT_IN_F32: tl.constexpr,
 ):
     """One program per (row, KV head, split): the KV head's GROUP query heads at once, online softmax. With
@@ -140,40 +143,48 @@ def _paged_decode_kernel(
         # Release our partition, and learn whether it was the last (acquire the others'): no second kernel.
         counter = counters_ptr + row * tl.num_programs(1) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-            s = tl.arange(0, SPLITS_POW2)
-            # lses: [GROUP_ROWS, SPLITS_POW2]; read past L1, which may hold none of the others' writes
+            # the real heads only, SPLIT_BLOCK partitions a load: each load in flight at once, not one a partition
+            h = tl.arange(0, GROUP_POW2)
+            live_h = h < GROUP
+            s = tl.arange(0, SPLIT_BLOCK)
+            parts = (row * tl.num_programs(1) * GROUP + kv_head * GROUP + h) * SPLITS
+            # lses: [GROUP_POW2, SPLITS_POW2]; read past L1, which may hold none of the others' writes
+            all_splits = tl.arange(0, SPLITS_POW2)
             lses = tl.load(
-                part_lse_ptr + first_part[:, None] + s[None, :],
-                mask=real_head[:, None] & (s < SPLITS)[None, :],
+                part_lse_ptr + parts[:, None] + all_splits[None, :],
+                mask=live_h[:, None] & (all_splits < SPLITS)[None, :],
                 other=float("-inf"),
                 cache_modifier=".cg",
             )
             # Partition 0 always holds the row's first block, so a real head's top is finite.
-            top = tl.where(real_head, tl.max(lses, 1), 0.0)
-            mass = tl.zeros([GROUP_ROWS], tl.float32)
-            out = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
-            for part in range(SPLITS):
+            top = tl.where(live_h, tl.max(lses, 1), 0.0)
+            mass = tl.sum(tl.exp2(lses - top[:, None]), 1)
+            out = tl.zeros([GROUP_POW2, HEAD_DIM], tl.float32)
+            for first_split in tl.static_range(0, SPLITS, SPLIT_BLOCK):
+                live = live_h[:, None] & (first_split + s < SPLITS)[None, :]
+                at = parts[:, None] + first_split + s[None, :]  # [GROUP_POW2, SPLIT_BLOCK]
                 weight = tl.exp2(
-                    tl.load(
-                        part_lse_ptr + first_part + part,
-                        mask=real_head,
-                        other=float("-inf"),
-                        cache_modifier=".cg",
-                    )
-                    - top
+                    tl.load(part_lse_ptr + at, mask=live, other=float("-inf"), cache_modifier=".cg")
+                    - top[:, None]
                 )
+                # partial: [GROUP_POW2, SPLIT_BLOCK, HEAD_DIM]
                 partial = tl.load(
-                    part_out_ptr + (first_part + part)[:, None] * HEAD_DIM + d[None, :],
-                    mask=real_head[:, None],
+                    part_out_ptr + at[:, :, None] * HEAD_DIM + d[None, None, :],
+                    mask=live[:, :, None],
                     other=0.0,
                     cache_modifier=".cg",
                 )
-                mass += weight
-                out += weight[:, None] * partial
-            out = out / tl.where(real_head, mass, 1.0)[:, None]
-            out_at = out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :]
-            tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=real_head[:, None])
+                out += tl.sum(weight[:, :, None] * partial, 1)
+            out = out / tl.where(live_h, mass, 1.0)[:, None]
+            out_at = out_ptr + row * stride_ob + (kv_head * GROUP + h)[:, None] * stride_oh + d[None, :]
+            tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=live_h[:, None])
             tl.store(counter, 0)  # rearmed for the next layer's launch
+
+
+def _split_block(splits: int, group: int, head_dim: int) -> int:
+    """Partitions the combine loads at once: all of them where their outputs fit ~64 floats a thread."""
+    fit = max(1, _COMBINE_ELEMENTS // (triton.next_power_of_2(group) * head_dim))
+    return min(triton.next_power_of_2(splits), triton.next_power_of_2(fit + 1) // 2)
 
 
 def check_paged_qkv(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> None:
@@ -279,6 +290,8 @@ def paged_decode_attention(
         BLOCK_N=_tokens_per_step(page_size),
         SPLITS=splits,
         SPLITS_POW2=triton.next_power_of_2(splits),
+        SPLIT_BLOCK=_split_block(splits, group, head_dim),
+        GROUP_POW2=triton.next_power_of_2(group),
         # The interpreter multiplies bfloat16 dot operands as raw bits (triton-lang/triton#11584).
         DOT_IN_F32=q.dtype == torch.bfloat16 and interpreting(),
     )
