@@ -16,6 +16,10 @@ and mean of each segment per arm and bucket, µs:
     launch     the launch call
     chain      tokens of N back -> N+2 launched: the GPU stays busy while this is shorter than a step
     period     tokens of N back -> tokens of N+1 back
+
+and, per arm, the run's timeline by kind of step: the periods (tokens of N-1 back -> tokens of N back) of the
+steps that read prompt tokens and of those that only decode, summed, with the launch call's host time of each
+kind: where a run's wall time goes between prompts and decoding.
 """
 
 from __future__ import annotations
@@ -82,6 +86,34 @@ def chains(
     return out
 
 
+def timeline(arm: str, executor: dict[int, dict[str, int]]) -> dict:
+    """The run's steps by kind (reading prompt tokens or only decoding): count, periods summed and median (ms),
+    the launch call's host time (µs, median), prompt tokens; and the time to the first step's tokens."""
+    seqs = sorted(seq for seq, marks in executor.items() if "done" in marks and "launch0" in marks)
+    kinds: dict[str, dict[str, list]] = {"prefill": {}, "decode": {}}
+    for before, seq in zip(seqs, seqs[1:]):
+        marks = executor[seq]
+        tokens = next((int(name[7:]) for name in marks if name.startswith("prefill")), 0)
+        kind = kinds["prefill" if tokens else "decode"]
+        kind.setdefault("period", []).append((marks["done"] - executor[before]["done"]) / 1e6)
+        kind.setdefault("launch", []).append((marks["launch1"] - marks["launch0"]) / 1e3)
+        kind.setdefault("tokens", []).append(tokens)
+    row: dict = {"arm": arm, "timeline": True}
+    if seqs:
+        first = executor[seqs[0]]
+        start = first.get("read", first["launch0"])  # in-process: the plan is launched as it is sent
+        row["first_step_ms"] = round((first["done"] - start) / 1e6, 2)
+        row["wall_ms"] = round((executor[seqs[-1]]["done"] - start) / 1e6, 1)
+    for name, kind in kinds.items():
+        periods = kind.get("period", [])
+        row[f"{name}_steps"] = len(periods)
+        row[f"{name}_ms_sum"] = round(sum(periods), 1)
+        row[f"{name}_ms_median"] = round(statistics.median(periods), 3) if periods else None
+        row[f"{name}_launch_us_median"] = round(statistics.median(kind["launch"]), 1) if periods else None
+    row["prompt_tokens"] = sum(kinds["prefill"].get("tokens", []))
+    return row
+
+
 def summarize(arm: str, per_bucket: dict[int, dict[str, list]]) -> list[dict]:
     rows = []
     for bucket, segments in sorted(per_bucket.items()):
@@ -102,9 +134,11 @@ def analyse(trace_dir: str, grpc_arm: str | None, inprocess_arm: str | None) -> 
     planner = next((t for t in traces if any(tag == "g" for tag, _, _, _ in t)), None)
     if grpc_arm and executor and planner:
         rows += summarize(grpc_arm, chains(by_seq(executor, "x"), by_seq(planner, "g")))
+        rows.append(timeline(grpc_arm, by_seq(executor, "x")))
     local = next((t for t in traces if any(tag == "i" for tag, _, _, _ in t)), None)
     if inprocess_arm and local:
         rows += summarize(inprocess_arm, chains(by_seq(local, "x"), by_seq(local, "i")))
+        rows.append(timeline(inprocess_arm, by_seq(local, "x")))
     return rows
 
 
@@ -117,6 +151,10 @@ def main() -> None:
     parser.add_argument("--arms", type=arm_list, default=("resident", "resident-inprocess"))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model-shape", default=None, help="as bench/decode.py's (default: SmolLM2's)")
+    parser.add_argument(
+        "--decode-args", default="", help="more of bench/decode.py's arguments, as one string"
+    )
     parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     parser.add_argument("--out", default="docs/bench/chain.json")
     args = parser.parse_args()
@@ -147,6 +185,8 @@ def main() -> None:
             "--plot",
             os.path.join(scratch, "decode.png"),
             *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
+            *(["--model-shape", args.model_shape] if args.model_shape else []),
+            *args.decode_args.split(),
         ]
         subprocess.run(command, env=env, check=True)
         inprocess_arms = [arm for arm in args.arms if in_process(arm)]
@@ -156,6 +196,9 @@ def main() -> None:
     commit = args.commit or commit_hash()
     for row in rows:
         row["commit"] = commit
+        if row.get("timeline"):
+            print(json.dumps(row), flush=True)
+            continue
         print(
             f"{row['arm']:19s} bucket {row['bucket']:4d} ({row['steps']} steps)  "
             + "  ".join(

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deltaserve.aio
 from bench.common import commit_hash, qwen3_5_0_8b_config, smollm2_config, write_json
 from bench.in_process import InProcessLink
-from executor_svc.config import DEFAULT_BUCKETS, ExecutorConfig
+from executor_svc.config import DEFAULT_BUCKETS, DEFAULT_PREFILL_BUCKETS, ExecutorConfig
 from executor_svc.models.dense import DenseModel
 from executor_svc.models.family import ExecutorModel
 from executor_svc.models.qwen3_5_model import Qwen35Model
@@ -107,6 +107,10 @@ def model_fingerprint(shape: str) -> str:
     return f"random-{shape}"
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 def arm_list(text: str) -> tuple[str, ...]:
     """--arms: names from ARMS, in ARMS' order."""
     names = {name.strip() for name in text.split(",") if name.strip()}
@@ -124,9 +128,16 @@ def executor_process(arm: str) -> str:
     return "same" if in_process(arm) else "child"
 
 
-def executor_config(device: str, pool_pages: int, buckets: tuple[int, ...], arm: str) -> ExecutorConfig:
+def executor_config(
+    device: str,
+    pool_pages: int,
+    buckets: tuple[int, ...],
+    arm: str,
+    prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS,
+) -> ExecutorConfig:
     return ExecutorConfig(
         device=device,
+        prefill_buckets=prefill_buckets,
         dtype="bfloat16",
         page_size=PAGE_SIZE,
         pool_pages=pool_pages,
@@ -501,7 +512,9 @@ async def serve_executor(args: argparse.Namespace, stop: asyncio.Event) -> None:
     closes."""
     protocol = protocol_stdout()
     buckets = tuple(int(b) for b in args.buckets.split(","))
-    config = executor_config(args.device, args.pool_pages, buckets, args.serve_executor)
+    config = executor_config(
+        args.device, args.pool_pages, buckets, args.serve_executor, int_list(args.prefill_buckets)
+    )
     runner, states = build_runner(
         random_model(torch.device(args.device), args.model_shape), config, args.model_shape
     )
@@ -556,7 +569,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
     pages_per_request = -(-(args.prompt_tokens + args.output_tokens + 1) // PAGE_SIZE)
     pool_pages = widest * pages_per_request + 64
     buckets = tuple(b for b in DEFAULT_BUCKETS if b < widest) + (widest,)
-    planner_config = PlannerConfig(model=args.tokenizer, scheduling=SchedulingConfig(prefix_cache=False))
+    scheduling = SchedulingConfig(prefix_cache=False, prefill_token_budget=args.prefill_token_budget)
+    planner_config = PlannerConfig(model=args.tokenizer, scheduling=scheduling)
     runners: dict[str, StepRunner] = {}
     children: dict[str, ExecutorChild] = {}
     capture: dict[str, dict] = {}
@@ -569,7 +583,9 @@ async def run(args: argparse.Namespace) -> list[dict]:
         for name in sorted(args.arms, key=in_process):
             began = time.perf_counter()
             if in_process(name):
-                config = executor_config(args.device, pool_pages, buckets, name)
+                config = executor_config(
+                    args.device, pool_pages, buckets, name, int_list(args.prefill_buckets)
+                )
                 runner, states = build_runner(
                     random_model(device, args.model_shape), config, args.model_shape
                 )
@@ -586,6 +602,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
                     ",".join(map(str, buckets)),
                     "--model-shape",
                     args.model_shape,
+                    "--prefill-buckets",
+                    args.prefill_buckets,
                     *(
                         ["--tls-cert", certs["cert"], "--tls-key", certs["key"]]
                         if name == TLS_ARM and certs
@@ -676,6 +694,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
             "model_shape": args.model_shape,
             "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens,
+            "prefill_token_budget": scheduling.token_budget,
+            "prefill_buckets": args.prefill_buckets,
             "rounds": rounds,
             "capture": capture[name],
             "commit": args.commit or commit_hash(),
@@ -752,6 +772,14 @@ def main() -> None:
         "planner's link to the executor): their cost against resident",
     )
     parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument(
+        "--prefill-token-budget", type=int, default=None, help="prompt tokens a step (default: the planner's)"
+    )
+    parser.add_argument(
+        "--prefill-buckets",
+        default=",".join(map(str, DEFAULT_PREFILL_BUCKETS)),
+        help="prefill graphs' token buckets (default: the executor's)",
+    )
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--out", default="docs/bench/decode.json")
     parser.add_argument("--plot", default="docs/decode.png")
