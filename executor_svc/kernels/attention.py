@@ -157,27 +157,27 @@ def _paged_decode_kernel(
                 cache_modifier=".cg",
             )
             # Partition 0 always holds the row's first block, so a real head's top is finite.
-            top = tl.where(live_h, tl.max(lses, 1), 0.0)
-            mass = tl.sum(tl.exp2(lses - top[:, None]), 1)
-            out = tl.zeros([GROUP_POW2, HEAD_DIM], tl.float32)
+            peak = tl.where(live_h, tl.max(lses, 1), 0.0)
+            mass = tl.sum(tl.exp2(lses - peak[:, None]), 1)
+            combined = tl.zeros([GROUP_POW2, HEAD_DIM], tl.float32)
             for first_split in tl.static_range(0, SPLITS, SPLIT_BLOCK):
-                live = live_h[:, None] & (first_split + s < SPLITS)[None, :]
+                held = live_h[:, None] & (first_split + s < SPLITS)[None, :]
                 at = parts[:, None] + first_split + s[None, :]  # [GROUP_POW2, SPLIT_BLOCK]
                 weight = tl.exp2(
-                    tl.load(part_lse_ptr + at, mask=live, other=float("-inf"), cache_modifier=".cg")
-                    - top[:, None]
+                    tl.load(part_lse_ptr + at, mask=held, other=float("-inf"), cache_modifier=".cg")
+                    - peak[:, None]
                 )
                 # partial: [GROUP_POW2, SPLIT_BLOCK, HEAD_DIM]
                 partial = tl.load(
                     part_out_ptr + at[:, :, None] * HEAD_DIM + d[None, None, :],
-                    mask=live[:, :, None],
+                    mask=held[:, :, None],
                     other=0.0,
                     cache_modifier=".cg",
                 )
-                out += tl.sum(weight[:, :, None] * partial, 1)
-            out = out / tl.where(live_h, mass, 1.0)[:, None]
-            out_at = out_ptr + row * stride_ob + (kv_head * GROUP + h)[:, None] * stride_oh + d[None, :]
-            tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=live_h[:, None])
+                combined += tl.sum(weight[:, :, None] * partial, 1)
+            combined = combined / tl.where(live_h, mass, 1.0)[:, None]
+            combined_at = out_ptr + row * stride_ob + (kv_head * GROUP + h)[:, None] * stride_oh + d[None, :]
+            tl.store(combined_at, combined.to(out_ptr.dtype.element_ty), mask=live_h[:, None])
             tl.store(counter, 0)  # rearmed for the next layer's launch
 
 
