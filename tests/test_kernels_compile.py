@@ -1,0 +1,110 @@
+"""The decode step's Triton kernels compiled for the H200 (sm90) on this machine, GPU or not: Triton's front end
+and ptxas check what the CPU interpreter does not (a variable rebound with another shape inside a branch
+compiles nowhere but runs interpreted). Each variant a launch can take is compiled in a process without
+TRITON_INTERPRET (with it, @triton.jit gives interpreted functions, which do not compile)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_POINTERS_F32 = ("part_out_ptr", "part_lse_ptr", "partial_ptr", "norm_weight_ptr")
+_POINTERS_I32 = ("counters_ptr", "counter_ptr", "rows_ptr")
+
+
+def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None) -> None:
+    """triton.compile of `kernel` for sm90 with these constexprs; pointers bf16 unless named above or in
+    `types`, other arguments int32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    types = types or {}
+
+    def type_of(name: str) -> str:
+        if name in constexprs:
+            return "constexpr"
+        if name in types:
+            return types[name]
+        if name in _POINTERS_F32:
+            return "*fp32"
+        if name in _POINTERS_I32:
+            return "*i32"
+        return "*bf16" if name.endswith("_ptr") else "i32"
+
+    source = ASTSource(
+        fn=kernel,
+        signature={name: type_of(name) for name in names},
+        constexprs={(names.index(name),): value for name, value in constexprs.items()},
+    )
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+
+
+def _compile_all() -> None:
+    from executor_svc.kernels.attention import _paged_decode_kernel
+    from executor_svc.kernels.skinny_gemm import _skinny_gemm_kernel
+
+    for splits, block in ((1, 1), (8, 8), (5, 2)):  # one partition; all combined at once; in blocks
+        compile_for_sm90(
+            _paged_decode_kernel,
+            dict(
+                KV_LEN=1,
+                GROUP=4,
+                GROUP_ROWS=16,
+                HEAD_DIM=256,
+                PAGE=16,
+                BLOCK_N=64,
+                SPLITS=splits,
+                SPLITS_POW2=triton_pow2(splits),
+                SPLIT_BLOCK=block,
+                GROUP_POW2=4,
+                DOT_IN_F32=False,
+            ),
+            {"slots_ptr": "*i64", "qk_scale": "fp32"},
+        )
+    for norm, residual, gated in (
+        (True, True, False),
+        (True, False, False),
+        (False, False, True),
+        (False,) * 3,
+    ):
+        for split_k in (1, 4):
+            compile_for_sm90(
+                _skinny_gemm_kernel,
+                dict(
+                    SPLIT_K=split_k,
+                    BLOCK_M=32,
+                    BLOCK_N=32,
+                    BLOCK_K=256,
+                    NORM=norm,
+                    HAS_RESIDUAL=residual,
+                    GATED=gated,
+                    DOT_IN_F32=False,
+                ),
+                {"eps": "fp32"},
+            )
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def test_the_decode_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([REPO, *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+if __name__ == "__main__":
+    _compile_all()
