@@ -40,7 +40,7 @@ from bench.common import commit_hash, write_json  # noqa: E402
 from bench.decode import arm_list, in_process  # noqa: E402
 
 SEGMENTS = ("exec_out", "grpc_out", "planner", "grpc_in", "to_launch", "launch", "chain", "period")
-MIN_SAMPLES = 20  # buckets with fewer chains (warm-up, ramps) are not reported
+MIN_SAMPLES = 20  # buckets with fewer chains (warm-up, ramps), and batches with fewer steps, are not reported
 
 
 def by_seq(records: list, tag: str) -> dict[int, dict[str, int]]:
@@ -86,10 +86,26 @@ def chains(
     return out
 
 
-def timeline(arm: str, executor: dict[int, dict[str, int]]) -> dict:
-    """The run's steps by kind (reading prompt tokens or only decoding): count, periods summed and median (ms),
-    the launch call's host time (µs, median), prompt tokens; and the time to the first step's tokens."""
+def runs(executor: dict[int, dict[str, int]]) -> list[list[int]]:
+    """The steps (seqs) of each batch of requests the run sent, in order: decode.py sends a batch's prompts at
+    once, so a step reading prompt tokens after one that only decoded begins another batch (its warm-ups and
+    rounds, each concurrency in turn)."""
     seqs = sorted(seq for seq, marks in executor.items() if "done" in marks and "launch0" in marks)
+    out: list[list[int]] = []
+    decoding = True
+    for seq in seqs:
+        prefill = any(name.startswith("prefill") for name in executor[seq])
+        if prefill and decoding:
+            out.append([])
+        decoding = not prefill
+        if out:
+            out[-1].append(seq)
+    return out
+
+
+def timeline(arm: str, executor: dict[int, dict[str, int]], seqs: list[int]) -> dict:
+    """One batch's steps by kind (reading prompt tokens or only decoding): count, periods summed and median
+    (ms), the launch call's host time (µs, median), prompt tokens; and the time to the first step's tokens."""
     kinds: dict[str, dict[str, list]] = {"prefill": {}, "decode": {}}
     for before, seq in zip(seqs, seqs[1:]):
         marks = executor[seq]
@@ -98,12 +114,14 @@ def timeline(arm: str, executor: dict[int, dict[str, int]]) -> dict:
         kind.setdefault("period", []).append((marks["done"] - executor[before]["done"]) / 1e6)
         kind.setdefault("launch", []).append((marks["launch1"] - marks["launch0"]) / 1e3)
         kind.setdefault("tokens", []).append(tokens)
-    row: dict = {"arm": arm, "timeline": True}
-    if seqs:
-        first = executor[seqs[0]]
-        start = first.get("read", first["launch0"])  # in-process: the plan is launched as it is sent
-        row["first_step_ms"] = round((first["done"] - start) / 1e6, 2)
-        row["wall_ms"] = round((executor[seqs[-1]]["done"] - start) / 1e6, 1)
+    first = executor[seqs[0]]
+    start = first.get("read", first["launch0"])
+    row: dict = {
+        "arm": arm,
+        "timeline": True,
+        "first_step_ms": round((first["done"] - start) / 1e6, 2),
+        "wall_ms": round((executor[seqs[-1]]["done"] - start) / 1e6, 1),
+    }
     for name, kind in kinds.items():
         periods = kind.get("period", [])
         row[f"{name}_steps"] = len(periods)
@@ -134,11 +152,13 @@ def analyse(trace_dir: str, grpc_arm: str | None, inprocess_arm: str | None) -> 
     planner = next((t for t in traces if any(tag == "g" for tag, _, _, _ in t)), None)
     if grpc_arm and executor and planner:
         rows += summarize(grpc_arm, chains(by_seq(executor, "x"), by_seq(planner, "g")))
-        rows.append(timeline(grpc_arm, by_seq(executor, "x")))
+        marks = by_seq(executor, "x")
+        rows += [timeline(grpc_arm, marks, seqs) for seqs in runs(marks) if len(seqs) >= MIN_SAMPLES]
     local = next((t for t in traces if any(tag == "i" for tag, _, _, _ in t)), None)
     if inprocess_arm and local:
         rows += summarize(inprocess_arm, chains(by_seq(local, "x"), by_seq(local, "i")))
-        rows.append(timeline(inprocess_arm, by_seq(local, "x")))
+        marks = by_seq(local, "x")
+        rows += [timeline(inprocess_arm, marks, seqs) for seqs in runs(marks) if len(seqs) >= MIN_SAMPLES]
     return rows
 
 
