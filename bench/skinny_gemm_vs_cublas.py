@@ -3,12 +3,9 @@ Qwen3.5-0.8B shape's decode projections (those a step makes through Projections;
 a few row counts: each timed as a CUDA graph of one call a weight copy over enough copies that the weights
 come from memory, not the L2 cache, as a decode step finds them; the per-step sum weighted by how often a step
 makes each projection (18 gated delta net layers, 6 attention layers). --sweep also times the launch grid
-(column block, K chunk, K splits) around the default and reports the best. --fused times what the kernel
-takes in instead of a neighbour's launch: the RMSNorm before a wide projection (rmsnorm_residual then F.linear
-against skinny_norm_gemm) and SiLU(gate) * up before the down projection (silu_mul then the kernel against the
-kernel reading the gate_up output).
+(column block, K chunk, K splits) around the default and reports the best.
 
-    python bench/skinny_gemm_vs_cublas.py [--rows 8 16 32 64] [--sweep | --fused] [--out docs/bench/skinny_gemm.json]
+    python bench/skinny_gemm_vs_cublas.py [--rows 8 16 32 64] [--sweep] [--out docs/bench/skinny_gemm.json]
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import commit_hash, replay_us, write_json
-from executor_svc.kernels.fused import rmsnorm_residual, silu_mul
-from executor_svc.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_gemm, skinny_norm_gemm
+from executor_svc.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_gemm
 
 HIDDEN = 1024
 # (projection, weight rows, K, projections of this shape a decode step); the gated gate_up is one projection
@@ -93,26 +89,6 @@ def measure(rows: int, n: int, k: int, dtype: torch.dtype, sweep: bool) -> dict:
     return result
 
 
-def measure_fused(rows: int, n: int, k: int, dtype: torch.dtype) -> dict:
-    """The projection with its neighbour's work in the kernel against the two launches: the norm where the
-    output is at least as wide as the input, else the SiLU(gate) * up of a gate_up output."""
-    copies = max(2, min(128, _COLD_BYTES // (n * k * torch.tensor([], dtype=dtype).element_size())))
-    weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.05 for _ in range(copies)]
-    if n >= k:
-        x, residual = (torch.randn(rows, k, device="cuda", dtype=dtype) for _ in range(2))
-        norm_weight = torch.rand(k, device="cuda") + 0.5
-        fused = lambda i: skinny_norm_gemm(x, residual, norm_weight, 1e-6, weights[i])  # noqa: E731
-        unfused = lambda i: F.linear(rmsnorm_residual(x, residual, norm_weight, 1e-6)[0], weights[i])  # noqa: E731
-        what = "norm"
-    else:
-        gate_up = torch.randn(rows, 2 * k, device="cuda", dtype=dtype)
-        fused = lambda i: skinny_gemm(gate_up, weights[i], gated_input=True)  # noqa: E731
-        unfused = lambda i: skinny_gemm(silu_mul(gate_up), weights[i])  # noqa: E731
-        what = "silu_mul"
-    torch.testing.assert_close(fused(0), unfused(0), atol=5e-2, rtol=2e-2)
-    return {"takes_in": what, "unfused_us": graph_us(unfused, copies), "fused_us": graph_us(fused, copies)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -120,9 +96,6 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--sweep", action="store_true", help="also time the launch grid around the default")
-    parser.add_argument(
-        "--fused", action="store_true", help="the norm and SiLU taken in, against two launches"
-    )
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     parser.add_argument("--out", default="docs/bench/skinny_gemm.json")
     args = parser.parse_args()
@@ -131,17 +104,12 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         each = {}
         for name, n, k, _count in PROJECTIONS:
-            if args.fused:
-                if name in ("delta net out", "attention out"):
-                    continue  # a plain projection either way
-                each[name] = measure_fused(rows, n, k, dtype)
-            else:
-                each[name] = measure(rows, n, k, dtype, args.sweep and dtype == torch.bfloat16)
+            each[name] = measure(rows, n, k, dtype, args.sweep and dtype == torch.bfloat16)
             print(dtype_name, rows, name, each[name], flush=True)
         step = {
-            key: round(sum(each[name][key] * count for name, _, _, count in PROJECTIONS if name in each), 1)
-            for key in ("linear_us", "skinny_us", "best_us", "unfused_us", "fused_us")
-            if all(key in result for result in each.values())
+            key: round(sum(each[name][key] * count for name, _, _, count in PROJECTIONS), 1)
+            for key in ("linear_us", "skinny_us", "best_us")
+            if all(key in each[name] for name, *_ in PROJECTIONS)
         }
         results.append({"dtype": dtype_name, "rows": rows, "step_us": step, "projections": each})
         print(dtype_name, rows, "a step:", step, flush=True)

@@ -22,12 +22,9 @@ if not triton_available():
 from executor_svc.kernels.skinny_gemm import (
     MAX_ROWS,
     MIN_ROWS,
-    NORM_MAX_ROWS,
     SkinnyConfig,
     default_config,
-    norm_wins,
     skinny_gemm,
-    skinny_norm_gemm,
     wins,
 )
 from tests.test_kernels import tolerance
@@ -82,52 +79,6 @@ def test_wins_only_where_measured():
     )
 
 
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_a_gated_input_is_silu_mul_read_as_it_goes(split_k: int):
-    from executor_svc.kernels.fused import silu_mul
-
-    gen = torch.Generator().manual_seed(split_k)
-    gate_up = randn(9, 2 * 40, gen=gen, dtype=torch.bfloat16, scale=2.0)
-    weight = randn(24, 40, gen=gen, dtype=torch.bfloat16, scale=0.1)
-    config = SkinnyConfig(block_n=16, block_k=16, split_k=split_k, warps=4, stages=2)
-    out = skinny_gemm(gate_up, weight, config, gated_input=True)
-    torch.testing.assert_close(out, skinny_gemm(silu_mul(gate_up), weight, config), atol=0.0, rtol=0.0)
-    with pytest.raises(ValueError, match="a gated input is"):
-        skinny_gemm(gate_up[:, :79], weight, config, gated_input=True)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_residual", [True, False])
-def test_the_norm_in_the_kernel_is_rmsnorm_residual_then_the_projection(
-    dtype: torch.dtype, with_residual: bool
-):
-    from executor_svc.kernels.fused import rmsnorm_residual
-
-    gen = torch.Generator().manual_seed(7)
-    rows, k_in, n_out = 11, 72, 40
-    x = randn(rows, k_in, gen=gen, dtype=dtype)
-    residual = randn(rows, k_in, gen=gen, dtype=dtype) if with_residual else None
-    norm_weight = randn(k_in, gen=gen, dtype=torch.float32)
-    weight = randn(n_out, k_in, gen=gen, dtype=dtype, scale=0.1)
-    config = SkinnyConfig(block_n=16, block_k=16, split_k=1, warps=4, stages=2)
-    out, new_residual = skinny_norm_gemm(x, residual, norm_weight, EPS, weight, config)
-    h, expected_residual = rmsnorm_residual(x, residual, norm_weight, EPS)
-    torch.testing.assert_close(new_residual, expected_residual, atol=0.0, rtol=0.0)
-    assert (new_residual is x) == (residual is None)
-    # the squares are summed in chunks here, whole rows there: equal up to that order
-    torch.testing.assert_close(out, skinny_gemm(h, weight, config), **tolerance(dtype))
-    with pytest.raises(ValueError, match="norm weight must be"):
-        skinny_norm_gemm(x, residual, norm_weight[:-1], EPS, weight, config)
-
-
-def test_norm_wins_takes_wide_bfloat16_projections_of_a_few_rows():
-    assert norm_wins(16, 8224, 1024, torch.bfloat16) and norm_wins(NORM_MAX_ROWS, 7168, 1024, torch.bfloat16)
-    assert not norm_wins(NORM_MAX_ROWS + 1, 8224, 1024, torch.bfloat16)
-    assert not norm_wins(16, 1024, 3584, torch.bfloat16)  # narrow
-    assert not norm_wins(16, 8224, 1024, torch.float32)
-    assert not norm_wins(16, 1536, 576, torch.bfloat16)  # narrower inputs than measured
-
-
 def test_skinny_gemm_refuses_what_it_does_not_take():
     x = torch.zeros(MAX_ROWS + 1, 32, device=DEVICE)
     with pytest.raises(ValueError, match="skinny_gemm takes"):
@@ -159,26 +110,3 @@ def test_projections_route_narrow_bfloat16_projections_here_with_their_bias():
     h, expected_residual = rmsnorm_residual(x, residual, norm_weight, EPS)
     torch.testing.assert_close(new_residual, expected_residual, atol=0.0, rtol=0.0)
     torch.testing.assert_close(out, F.linear(h, weight, bias), **tol)
-
-
-def test_projections_mlp_gates_and_norms_in_the_skinny_kernel():
-    from executor_svc.kernels.fused import rmsnorm_residual, silu_mul
-    from executor_svc.models.dense_kernels import Projections
-
-    gen = torch.Generator().manual_seed(5)
-    rows, hidden, intermediate = 8, 1024, 1536
-    assert norm_wins(rows, 2 * intermediate, hidden, torch.bfloat16)
-    assert wins(rows, hidden, intermediate, torch.bfloat16)
-    x, residual = (randn(rows, hidden, gen=gen, dtype=torch.bfloat16) for _ in range(2))
-    norm_weight = randn(hidden, gen=gen, dtype=torch.float32)
-    gate_up = randn(2 * intermediate, hidden, gen=gen, dtype=torch.bfloat16, scale=0.05)
-    down = randn(hidden, intermediate, gen=gen, dtype=torch.bfloat16, scale=0.05)
-    out, new_residual = Projections(rows, EPS).mlp(x, residual, norm_weight, gate_up, down)
-    h, expected_residual = rmsnorm_residual(x, residual, norm_weight, EPS)
-    torch.testing.assert_close(new_residual, expected_residual, atol=0.0, rtol=0.0)
-    # the routes taken: the norm in the gate_up projection, SiLU(gate) * up read by the down projection
-    fused_gate_up, _ = skinny_norm_gemm(x, residual, norm_weight, EPS, gate_up)
-    torch.testing.assert_close(out, skinny_gemm(silu_mul(fused_gate_up), down), atol=0.0, rtol=0.0)
-    # and the unfused step's result, up to bfloat16 rounding of sums in another order
-    expected = F.linear(silu_mul(F.linear(h, gate_up)), down)
-    torch.testing.assert_close(out, expected, atol=0.1, rtol=0.05)

@@ -18,7 +18,6 @@ from executor_svc.kernels import interpreting
 MIN_ROWS, MAX_ROWS = 5, 64  # below: the GEMV (gemv.MAX_ROWS); above: one row block would no longer cover M
 _COUNTERS = 8192  # column blocks a split projection may have (Qwen3.5-0.8B's widest: 8,224 / 32 = 257)
 _NARROWEST_MEASURED = 1024  # the narrowest output wins() was measured at
-NORM_MAX_ROWS = 32  # the widest bucket skinny_norm_gemm takes a wide projection at (norm_wins)
 _TARGET_PROGRAMS = 128  # about one an SM on the H200's 132: two were slower (5.9 against 5.6 us at 32 rows)
 
 
@@ -33,95 +32,32 @@ class SkinnyConfig(NamedTuple):
 
 
 @triton.jit
-def _input_chunk(
-    x_ptr,
-    residual_ptr,
-    norm_weight_ptr,
-    new_residual_ptr,
-    m,
-    k,
-    live,
-    k_in,
-    stride_x,
-    stride_residual,
-    inv_rms,
-    store_residual,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    GATED: tl.constexpr,
-):
-    """The input's [M, K chunk] as the unfused step would have made it, rounded where eager torch rounds: x; or
-    SiLU(gate) * up of a gate_up output (GATED); or rmsnorm(x + residual) * norm_weight (NORM, inv_rms the rows'
-    1 / rms), whose sum `store_residual` programs store as the new residual."""
-    x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=live, other=0.0)
-    dtype = x.dtype
-    if GATED:
-        up = tl.load(x_ptr + m[:, None] * stride_x + (k_in + k)[None, :], mask=live, other=0.0)
-        gate = x.to(tl.float32)
-        silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        x = (silu * up.to(tl.float32)).to(dtype)
-    if NORM:
-        if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + m[:, None] * stride_residual + k[None, :], mask=live, other=0.0)
-            x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-            if store_residual:
-                tl.store(new_residual_ptr + m[:, None] * k_in + k[None, :], x, mask=live)
-        weight = tl.load(norm_weight_ptr + k, mask=k < k_in, other=0.0).to(tl.float32)
-        x = ((x.to(tl.float32) * inv_rms[:, None]).to(dtype).to(tl.float32) * weight[None, :]).to(dtype)
-    return x
-
-
-@triton.jit
 def _skinny_gemm_kernel(
     x_ptr,
-    residual_ptr,
-    norm_weight_ptr,
     weight_ptr,
     out_ptr,
-    new_residual_ptr,
     partial_ptr,
     counter_ptr,
     rows,
     n_out,
     k_in,
     stride_x,
-    stride_residual,
     stride_out,
     k_per_split,
-    eps,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    GATED: tl.constexpr,
     DOT_IN_F32: tl.constexpr,
 ):
-    """out[m, n] = sum_k in[m, k] * weight[n, k] for outputs [pid0 * BLOCK_N, +BLOCK_N), every row m, over the
+    """out[m, n] = sum_k x[m, k] * weight[n, k] for outputs [pid0 * BLOCK_N, +BLOCK_N), every row m, over the
     K range [pid1 * k_per_split, +k_per_split); with SPLIT_K > 1, the partial goes to partial[pid1] and the
-    column block's last split sums partial[0..SPLIT_K) in order into out and resets its counter. `in` is x, or
-    what _input_chunk makes of it (NORM: each program first sums the squares of its rows, all of K)."""
+    column block's last split sums partial[0..SPLIT_K) in order into out and resets its counter."""
     column_block, split = tl.program_id(0), tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
     n = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
     live_m = m < rows
     live_n = n < n_out
-    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM:
-        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, k_in, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            live = live_m[:, None] & (k < k_in)[None, :]
-            x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=live, other=0.0)
-            if HAS_RESIDUAL:
-                residual = tl.load(
-                    residual_ptr + m[:, None] * stride_residual + k[None, :], mask=live, other=0.0
-                )
-                x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
-            x32 = x.to(tl.float32)
-            squares += tl.sum(x32 * x32, 1)
-        inv_rms = tl.rsqrt(squares / k_in + eps)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, k_in)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -129,22 +65,8 @@ def _skinny_gemm_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         live_k = k < k_end
         # x: [BLOCK_M, BLOCK_K]; w: [BLOCK_K, BLOCK_N], weight's rows as columns
-        x = _input_chunk(
-            x_ptr,
-            residual_ptr,
-            norm_weight_ptr,
-            new_residual_ptr,
-            m,
-            k,
-            live_m[:, None] & live_k[None, :],
-            k_in,
-            stride_x,
-            stride_residual,
-            inv_rms,
-            column_block == 0,
-            NORM,
-            HAS_RESIDUAL,
-            GATED,
+        x = tl.load(
+            x_ptr + m[:, None] * stride_x + k[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0
         )
         w = tl.load(
             weight_ptr + n[None, :] * k_in + k[:, None], mask=live_k[:, None] & live_n[None, :], other=0.0
@@ -219,57 +141,9 @@ def wins(rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> bool:
     return MIN_ROWS <= rows <= MAX_ROWS and dtype == torch.bfloat16 and narrow
 
 
-def norm_wins(rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> bool:
-    """Whether the kernel with the RMSNorm in it (skinny_norm_gemm) beats rmsnorm_residual then F.linear at a
-    wide projection (output at least as wide as the input: cuBLAS reduces in one kernel there, and the kernel
-    ties it up to NORM_MAX_ROWS rows, so the norm's launch is what it saves)."""
-    return (
-        MIN_ROWS <= rows <= NORM_MAX_ROWS and dtype == torch.bfloat16 and n_out >= k_in >= _NARROWEST_MEASURED
-    )
-
-
-def skinny_gemm(
-    x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None, *, gated_input: bool = False
-) -> torch.Tensor:
-    """x[M, K] @ weight[N, K].T -> out[M, N] in x's dtype (float32 accumulation), for M <= MAX_ROWS.
-    gated_input: x is a gate_up projection's output [M, 2K], gate then up, and the input is SiLU(gate) * up
-    (silu_mul's, made as each chunk is read)."""
-    k_in = x.shape[1] // 2 if gated_input else x.shape[1]
-    if gated_input and x.shape[1] % 2:
-        raise ValueError(f"a gated input is [M, 2K], got {tuple(x.shape)}")
-    out, _ = _launch(x, weight, config, k_in, gated=gated_input)
-    return out
-
-
-def skinny_norm_gemm(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    config: SkinnyConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """rmsnorm(x + residual) * norm_weight @ weight[N, K].T -> (out[M, N], the sum x + residual, or x where
-    residual is None): rmsnorm_residual and the projection in one kernel, rounded where they round (the sum of
-    squares taken in chunks: equal up to summation order)."""
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """x[M, K] @ weight[N, K].T -> out[M, N] in x's dtype (float32 accumulation), for M <= MAX_ROWS."""
     rows, k_in = x.shape
-    if norm_weight.shape != (k_in,) or (residual is not None and residual.shape != x.shape):
-        raise ValueError(f"norm weight must be [{k_in}] and residual [{rows}, {k_in}]")
-    if residual is not None and residual.stride(1) != 1:
-        raise ValueError("residual must be contiguous along K")
-    return _launch(x, weight, config, k_in, norm=(residual, norm_weight, eps))
-
-
-def _launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    config: SkinnyConfig | None,
-    k_in: int,
-    *,
-    gated: bool = False,
-    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = x.shape[0]
     n_out, weight_k = weight.shape
     if rows > MAX_ROWS or weight_k != k_in:
         raise ValueError(
@@ -282,39 +156,29 @@ def _launch(
     columns = triton.cdiv(n_out, config.block_n)
     if config.split_k > 1 and columns > _COUNTERS:
         raise ValueError(f"a split projection has at most {_COUNTERS} column blocks, got {columns}")
-    residual, norm_weight, eps = norm if norm is not None else (None, weight, 0.0)
     out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
-    new_residual = x if residual is None else torch.empty(rows, k_in, dtype=x.dtype, device=x.device)
     # partial: [split_k, M, N] float32 sums, each split's K range (unused with one split)
     partial = out if config.split_k == 1 else torch.empty(config.split_k, rows, n_out, device=x.device)
     counters = _counters_on(x.device) if config.split_k > 1 else out
     k_per_split = triton.cdiv(triton.cdiv(k_in, config.split_k), config.block_k) * config.block_k
     _skinny_gemm_kernel[(columns, config.split_k)](
         x,
-        x if residual is None else residual,
-        norm_weight,
         weight,
         out,
-        new_residual,
         partial,
         counters,
         rows,
         n_out,
         k_in,
         x.stride(0),
-        x.stride(0) if residual is None else residual.stride(0),
         out.stride(0),
         k_per_split,
-        eps,
         SPLIT_K=config.split_k,
         BLOCK_M=block_m(rows),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None,
-        GATED=gated,
         DOT_IN_F32=x.dtype == torch.bfloat16 and interpreting(),
         num_warps=config.warps,
         num_stages=config.stages,
     )
-    return out, new_residual
+    return out

@@ -59,10 +59,8 @@ def _fuse_layer(layer: DenseLayer) -> FusedLayer:
 
 class Projections:
     """A fused decode step's projections, by its row count: a few rows, each projection one GEMV kernel that
-    also norms its input (and gates gate_up's output); more, the skinny GEMM kernel where it beats cuBLAS
-    (skinny_gemm.wins: the narrow projections, reading the MLP's SiLU(gate) * up as it goes;
-    skinny_gemm.norm_wins: the wide ones, with their RMSNorm in it), else the norm, cuBLAS and the SiLU kernels
-    one after another."""
+    also norms its input (and gates gate_up's output); more, GEMMs between the norm and SiLU kernels: the
+    skinny GEMM kernel where it beats cuBLAS (skinny_gemm.wins), cuBLAS elsewhere."""
 
     def __init__(self, rows: int, eps: float) -> None:
         from executor_svc.kernels import gemv
@@ -71,11 +69,6 @@ class Projections:
         self.few = rows <= gemv.MAX_ROWS
         self.eps = eps
 
-    def _skinny(self, weight: torch.Tensor) -> bool:
-        from executor_svc.kernels import skinny_gemm
-
-        return skinny_gemm.wins(self.rows, weight.shape[0], weight.shape[1], weight.dtype)
-
     def project(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -83,7 +76,7 @@ class Projections:
 
         if self.few:
             out = gemv.gemv(x, weight)[0]
-        elif self._skinny(weight):
+        elif skinny_gemm.wins(self.rows, weight.shape[0], weight.shape[1], weight.dtype):
             out = skinny_gemm.skinny_gemm(x, weight)
         else:
             return F.linear(x, weight, bias)
@@ -96,41 +89,22 @@ class Projections:
         norm_weight: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
+        gated: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """rmsnorm(x + residual) * norm_weight projected, and the new residual."""
-        from executor_svc.kernels import gemv, skinny_gemm
-        from executor_svc.kernels.fused import rmsnorm_residual
+        """rmsnorm(x + residual) * norm_weight projected (SiLU(gate) * up when gated), and the new residual."""
+        from executor_svc.kernels import gemv
+        from executor_svc.kernels.fused import rmsnorm_residual, silu_mul
 
         if self.few:
+            if bias is None:
+                return gemv.gemv(x, weight, norm=(residual, norm_weight, self.eps), gated=gated)
+            # the bias goes in before the gate: the GEMV's own gating cannot take it
             out, residual = gemv.gemv(x, weight, norm=(residual, norm_weight, self.eps))
-            return (out if bias is None else out + bias), residual
-        if bias is None and skinny_gemm.norm_wins(self.rows, weight.shape[0], weight.shape[1], weight.dtype):
-            return skinny_gemm.skinny_norm_gemm(x, residual, norm_weight, self.eps, weight)
-        h, residual = rmsnorm_residual(x, residual, norm_weight, self.eps)
-        return self.project(h, weight, bias), residual
-
-    def mlp(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        gate_up_weight: torch.Tensor,
-        down_weight: torch.Tensor,
-        gate_up_bias: torch.Tensor | None = None,
-        down_bias: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """down(SiLU(gate) * up) of rmsnorm(x + residual) * norm_weight, and the new residual."""
-        from executor_svc.kernels import gemv, skinny_gemm
-        from executor_svc.kernels.fused import silu_mul
-
-        if self.few and gate_up_bias is None:  # the GEMV gates its own output
-            act, residual = gemv.gemv(x, gate_up_weight, norm=(residual, norm_weight, self.eps), gated=True)
-            return self.project(act, down_weight, down_bias), residual
-        # the bias goes in before the gate: the GEMV's own gating cannot take it
-        gate_up, residual = self.norm_project(x, residual, norm_weight, gate_up_weight, gate_up_bias)
-        if not self.few and down_bias is None and self._skinny(down_weight):
-            return skinny_gemm.skinny_gemm(gate_up, down_weight, gated_input=True), residual
-        return self.project(silu_mul(gate_up), down_weight, down_bias), residual
+            out = out + bias
+        else:
+            h, residual = rmsnorm_residual(x, residual, norm_weight, self.eps)
+            out = self.project(h, weight, bias)
+        return (silu_mul(out) if gated else out), residual
 
 
 def forward_kernels(
@@ -178,15 +152,11 @@ def forward_kernels(
             inputs.write_offset,
         )
         x = project(attention.forward(index, q).flatten(1), attn.o_proj.weight, attn.o_proj.bias)
-        x, residual = projections.mlp(
-            x,
-            residual,
-            layer.post_attention_layernorm.weight,
-            fused.gate_up_weight,
-            layer.mlp.down_proj.weight,
-            fused.gate_up_bias,
-            layer.mlp.down_proj.bias,
+        # act: [B, I], SiLU(gate) * up
+        act, residual = norm_project(
+            x, residual, layer.post_attention_layernorm.weight, fused.gate_up_weight, fused.gate_up_bias, True
         )
+        x = project(act, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)
     assert residual is not None, "no layer ran: a stage holds at least one layer"
     if not model.stage.layers.last:  # the next stage starts from the sum, as a first stage from its embedding
         model.stage.hand_on(x + residual)

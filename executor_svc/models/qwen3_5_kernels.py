@@ -104,9 +104,8 @@ def forward_kernels(
         else:
             gated = _attention_core(model, fused, mixed, inputs, attention, pool_index)
             x = project(gated, layer.self_attn.o_proj.weight)
-        x, residual = projections.mlp(
-            x, residual, fused.post_norm, fused.gate_up_weight, layer.mlp.down_proj.weight
-        )
+        act, residual = norm_project(x, residual, fused.post_norm, fused.gate_up_weight, gated=True)
+        x = project(act, layer.mlp.down_proj.weight)
     assert residual is not None, "no layer ran: a stage holds at least one layer"
     if not model.stage.layers.last:  # the next stage starts from the sum, as a first stage from its embedding
         model.stage.hand_on(x + residual)
