@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_SHARD_LAYERS = 8
 # CUDA prefill: a step's prompt tokens padded to the smallest of these and replayed as a graph; more run eager.
-DEFAULT_PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
+# Up to a GPU planner's default prefill budget (planner_svc.config.GPU_PREFILL_TOKEN_BUDGET): a step of more
+# prompt tokens than the widest bucket runs eagerly.
+DEFAULT_PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 # Compiled JSON grammars (structured output) an executor keeps, least recently used dropped first.
 DEFAULT_GRAMMAR_CACHE = 64

@@ -74,9 +74,9 @@ def test_a_small_request_is_not_held_behind_requests_waiting_for_pages():
 
 def test_prefill_budget_by_device_unless_given():
     assert SchedulingConfig().for_device("cpu").prefill_token_budget == 256
-    assert SchedulingConfig().for_device("cuda:0").prefill_token_budget == 2048
+    assert SchedulingConfig().for_device("cuda:0").prefill_token_budget == 8192
     assert SchedulingConfig(prefill_token_budget=512).for_device("cpu").prefill_token_budget == 512
-    assert SchedulingConfig().token_budget == 2048
+    assert SchedulingConfig().token_budget == 8192
     # decode steps a plan: four on a CPU, one on a GPU, unless given
     assert [SchedulingConfig().for_device(d).steps_per_plan for d in ("cpu", "cuda:0")] == [4, 1]
     assert SchedulingConfig(decode_steps=2).for_device("cpu").steps_per_plan == 2
