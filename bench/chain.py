@@ -40,6 +40,7 @@ from bench.common import commit_hash, write_json  # noqa: E402
 from bench.decode import arm_list, in_process  # noqa: E402
 
 SEGMENTS = ("exec_out", "grpc_out", "planner", "grpc_in", "to_launch", "launch", "chain", "period")
+BATCH_GAP = 5  # decode-only steps between two batches of requests (a warm-up's 8 tokens make 7)
 MIN_SAMPLES = 20  # buckets with fewer chains (warm-up, ramps), and batches with fewer steps, are not reported
 
 
@@ -88,16 +89,17 @@ def chains(
 
 def runs(executor: dict[int, dict[str, int]]) -> list[list[int]]:
     """The steps (seqs) of each batch of requests the run sent, in order: decode.py sends a batch's prompts at
-    once, so a step reading prompt tokens after one that only decoded begins another batch (its warm-ups and
-    rounds, each concurrency in turn)."""
+    once and reads them before its rows decode on, so a step reading prompt tokens after BATCH_GAP steps that
+    only decoded begins another batch (its warm-ups and rounds, each concurrency in turn); fewer are prompts
+    arriving late within the batch."""
     seqs = sorted(seq for seq, marks in executor.items() if "done" in marks and "launch0" in marks)
     out: list[list[int]] = []
-    decoding = True
+    decoded = BATCH_GAP  # decode-only steps since the last that read prompt tokens
     for seq in seqs:
         prefill = any(name.startswith("prefill") for name in executor[seq])
-        if prefill and decoding:
+        if prefill and decoded >= BATCH_GAP:
             out.append([])
-        decoding = not prefill
+        decoded = 0 if prefill else decoded + 1
         if out:
             out[-1].append(seq)
     return out
