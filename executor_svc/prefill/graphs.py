@@ -38,7 +38,7 @@ def bucket_shapes(
     A model with recurrent layers (`recurrent`) gets fewer chunks: every sequence a graph holds, real or
     padding, costs each gated delta net layer a gather, a write and a scatter of a whole state (1 MiB in
     Qwen3.5-0.8B's), so a bucket holds a few (a step of more runs eager), and as few samples: the head's
-    matmul and the logits are of the samples' rows (256 of Qwen3.5's 248k-wide head were ~0.3 ms a step)."""
+    matmul and its argmax run over the samples' rows, whether a chunk fills them or not."""
     width = -(-max_seq_len // page_size)
     shapes = []
     for tokens in sorted(set(token_buckets)):
