@@ -511,7 +511,7 @@ async def serve_executor(args: argparse.Namespace, stop: asyncio.Event) -> None:
     """The child's side of ExecutorChild: builds the arm's runner, serves it, answers `times` until stdin
     closes."""
     protocol = protocol_stdout()
-    buckets = tuple(int(b) for b in args.buckets.split(","))
+    buckets = int_list(args.buckets)
     config = executor_config(
         args.device, args.pool_pages, buckets, args.serve_executor, int_list(args.prefill_buckets)
     )
@@ -694,7 +694,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
             "model_shape": args.model_shape,
             "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens,
-            "prefill_token_budget": scheduling.token_budget,
+            "prefill_token_budget": scheduling.for_device(args.device).token_budget,
             "prefill_buckets": args.prefill_buckets,
             "rounds": rounds,
             "capture": capture[name],

@@ -4,8 +4,9 @@ the step path's entry points and, at exit, writes (tag, seq, mark, perf_counter_
 trace-<pid>.json there; perf_counter is CLOCK_MONOTONIC, the same clock in every process of the host.
 
 Marks: executor ("x"): read (plan off the stream), launch0/launch1 (around runner.launch), bucket<B>,
-prefill<T> (T prompt tokens in the step's chunks, when it has any), done (the step's tokens back: collect begins), yield (output handed to the stream). Planner links ("g" gRPC,
-"i" in-process): send0/send1 (around send), recv (output received)."""
+prefill<T> (T prompt tokens in the step's chunks, when it has any), done (the step's tokens back: collect
+begins), yield (output handed to the stream). Planner links ("g" gRPC, "i" in-process): send0/send1 (around
+send), recv (output received)."""
 
 import atexit
 import json
