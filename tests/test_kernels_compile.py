@@ -1,7 +1,8 @@
-"""The decode step's Triton kernels compiled for the H200 (sm90) on this machine, GPU or not: Triton's front end
-and ptxas check what the CPU interpreter does not (a variable rebound with another shape inside a branch
-compiles nowhere but runs interpreted). Each variant a launch can take is compiled in a process without
-TRITON_INTERPRET (with it, @triton.jit gives interpreted functions, which do not compile)."""
+"""Decode-step Triton kernels compiled for the H200 (sm90) on this machine, GPU or not: Triton's front end and
+ptxas check what the CPU interpreter does not (a variable rebound with another shape inside a branch compiles
+nowhere but runs interpreted). For now the paged decode attention and the skinny GEMM, each variant a launch
+can take, compiled in a process without TRITON_INTERPRET (with it, @triton.jit gives interpreted functions,
+which do not compile)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None) -> Non
 
 
 def _compile_all() -> None:
+    import triton
+
     from executor_svc.kernels.attention import _paged_decode_kernel
     from executor_svc.kernels.skinny_gemm import _skinny_gemm_kernel
 
@@ -63,7 +66,7 @@ def _compile_all() -> None:
                 PAGE=16,
                 BLOCK_N=64,
                 SPLITS=splits,
-                SPLITS_POW2=triton_pow2(splits),
+                SPLITS_POW2=triton.next_power_of_2(splits),
                 SPLIT_BLOCK=block,
                 GROUP_POW2=4,
                 DOT_IN_F32=False,
@@ -75,10 +78,6 @@ def _compile_all() -> None:
             _skinny_gemm_kernel,
             dict(SPLIT_K=split_k, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, DOT_IN_F32=False),
         )
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def test_the_decode_kernels_compile_for_sm90():
