@@ -40,7 +40,7 @@ from bench.common import commit_hash, write_json  # noqa: E402
 from bench.decode import arm_list, in_process  # noqa: E402
 
 SEGMENTS = ("exec_out", "grpc_out", "planner", "grpc_in", "to_launch", "launch", "chain", "period")
-BATCH_GAP = 5  # decode-only steps between two batches of requests (a warm-up's 8 tokens make 7)
+BATCH_IDLE_MS = 1.0  # the executor idle this long before a step that reads prompts: a new batch of requests
 MIN_SAMPLES = 20  # buckets with fewer chains (warm-up, ramps), and batches with fewer steps, are not reported
 
 
@@ -88,18 +88,18 @@ def chains(
 
 
 def runs(executor: dict[int, dict[str, int]]) -> list[list[int]]:
-    """The steps (seqs) of each batch of requests the run sent, in order: decode.py sends a batch's prompts at
-    once and reads them before its rows decode on, so a step reading prompt tokens after BATCH_GAP steps that
-    only decoded begins another batch (its warm-ups and rounds, each concurrency in turn); fewer are prompts
-    arriving late within the batch."""
+    """The steps (seqs) of each batch of requests the run sent, in order: decode.py sends a batch once the last
+    has ended, so a step reading prompt tokens whose plan came after the executor had been idle for BATCH_IDLE_MS
+    begins another batch (its warm-ups and rounds, each concurrency in turn). Within a batch the next plan is
+    there before a step ends (two in flight), prompts arriving late included."""
     seqs = sorted(seq for seq, marks in executor.items() if "done" in marks and "launch0" in marks)
     out: list[list[int]] = []
-    decoded = BATCH_GAP  # decode-only steps since the last that read prompt tokens
-    for seq in seqs:
-        prefill = any(name.startswith("prefill") for name in executor[seq])
-        if prefill and decoded >= BATCH_GAP:
+    for before, seq in zip([None, *seqs], seqs):
+        marks = executor[seq]
+        start = marks.get("read", marks["launch0"])  # in-process: the plan is launched as it is sent
+        idle_ms = float("inf") if before is None else (start - executor[before]["done"]) / 1e6
+        if idle_ms > BATCH_IDLE_MS and any(name.startswith("prefill") for name in marks):
             out.append([])
-        decoded = 0 if prefill else decoded + 1
         if out:
             out[-1].append(seq)
     return out
@@ -131,6 +131,10 @@ def timeline(arm: str, executor: dict[int, dict[str, int]], seqs: list[int]) -> 
         row[f"{name}_ms_median"] = round(statistics.median(periods), 3) if periods else None
         row[f"{name}_launch_us_median"] = round(statistics.median(kind["launch"]), 1) if periods else None
     row["prompt_tokens"] = sum(kinds["prefill"].get("tokens", []))
+    # the widest decode bucket the batch ran: its concurrency, rounded up to a bucket
+    row["widest_bucket"] = max(
+        (int(name[6:]) for seq in seqs for name in executor[seq] if name.startswith("bucket")), default=0
+    )
     return row
 
 
