@@ -32,3 +32,30 @@ def test_chain_segments_add_up_from_the_stamps():
     assert segments["launch"] == [8.0, 8.0]
     assert segments["chain"] == [1320.0, 1320.0]  # done of N (700) -> launch1 of N+2 (2020)
     assert segments["period"] == [1000.0, 1000.0]
+
+
+def test_batches_begin_where_the_executor_idled_and_the_timeline_sums_them_by_kind():
+    from bench.chain import runs, timeline
+
+    # (start, done, prompt tokens, bucket) in ms: batch one reads prompts in steps 0, 1 and 3 (a late arrival
+    # after a decode-only step), then decodes; the executor idles 5 ms; batch two reads its prompt and decodes.
+    steps = [
+        (0, 10, 2048, 2),
+        (9, 20, 2048, 4),
+        (19, 22, 0, 4),
+        (21, 33, 512, 4),
+        (32, 35, 0, 4),
+        (34, 37, 0, 4),
+    ]
+    steps += [(42, 50, 1024, 1), (49, 52, 0, 1), (51, 54, 0, 1)]
+    executor = {}
+    for seq, (start, done, tokens, bucket) in enumerate(steps):
+        marks = {"read": start, "launch0": start, "launch1": start + 0.1, f"bucket{bucket}": 0, "done": done}
+        if tokens:
+            marks[f"prefill{tokens}"] = 0
+        executor[seq] = {name: int(ms * 1e6) for name, ms in marks.items()}
+    assert runs(executor) == [[0, 1, 2, 3, 4, 5], [6, 7, 8]]
+    row = timeline("resident", executor, [0, 1, 2, 3, 4, 5])
+    assert row["first_step_ms"] == 10.0 and row["wall_ms"] == 37.0 and row["widest_bucket"] == 4
+    assert (row["prefill_steps"], row["prefill_ms_sum"], row["prompt_tokens"]) == (2, 21.0, 2560)
+    assert (row["decode_steps"], row["decode_ms_sum"]) == (3, 6.0)
