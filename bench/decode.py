@@ -133,7 +133,7 @@ def executor_config(
     pool_pages: int,
     buckets: tuple[int, ...],
     arm: str,
-    prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS,
+    prefill_buckets: tuple[int, ...],
 ) -> ExecutorConfig:
     return ExecutorConfig(
         device=device,
