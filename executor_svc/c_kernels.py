@@ -44,9 +44,13 @@ _INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)
 
 def _source_with_includes(path: str) -> bytes:
     """The file's bytes and those of every file it includes by a quoted path, recursively: what a build's
-    cache key must cover (a kernel file may include another)."""
-    with open(path, "rb") as f:
-        source = f.read()
+    cache key must cover (a kernel file may include another). KernelUnavailable where one is missing (an install
+    that left it out)."""
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError as e:
+        raise KernelUnavailable(f"reading the kernel source {path} failed: {e}") from None
     for name in _INCLUDE.findall(source):
         source += _source_with_includes(os.path.join(os.path.dirname(path), name.decode()))
     return source
@@ -69,7 +73,11 @@ def build(source_path: str, flags: tuple[str, ...]) -> ctypes.CDLL:
         # Built under a temporary name and renamed: executors starting together never load a half-written file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
         os.close(fd)
-        result = subprocess.run([*command, "-o", tmp, source_path, "-lm"], capture_output=True, text=True)
+        try:
+            result = subprocess.run([*command, "-o", tmp, source_path, "-lm"], capture_output=True, text=True)
+        except OSError as e:  # $CC naming no program, or one that cannot run
+            os.unlink(tmp)
+            raise KernelUnavailable(f"running the C compiler {compiler} failed: {e}") from None
         if result.returncode:
             os.unlink(tmp)
             raise KernelUnavailable(f"building the {name} kernel failed: {result.stderr.strip()[:500]}")

@@ -71,3 +71,23 @@ def test_no_two_modules_share_a_name():
             by_name[path.name].append(str(path.relative_to(ROOT)))
     shared = {name: sorted(paths) for name, paths in by_name.items() if len(paths) > 1}
     assert not shared, f"modules sharing a file name: {shared}"
+
+
+def test_package_data_holds_every_kernel_source_and_proto():
+    """An install from a wheel (the Dockerfile's `pip install /src`) holds only what package-data names: every C
+    kernel source the executor builds at load and every .proto must be among it."""
+    import glob
+    import tomllib
+
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    missing = []
+    for package in SERVICE_PACKAGES:
+        shipped = {
+            path
+            for pattern in package_data.get(package, [])
+            for path in glob.glob(pattern, root_dir=ROOT / package)
+        }
+        for path in (ROOT / package).rglob("*"):
+            if path.suffix in (".c", ".proto") and str(path.relative_to(ROOT / package)) not in shipped:
+                missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"not in pyproject.toml's package-data, so missing from a wheel: {missing}"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from executor_svc import c_kernels
 from executor_svc.models import packed_kernel
 from executor_svc.models.gguf_packing import PACKABLE, pack_gguf
 from executor_svc.models.packed import PackedEmbedding, PackedLinear, PackedWeight
@@ -103,6 +104,21 @@ def test_no_rows_give_no_rows():
     linear = PackedLinear(pack_gguf(_blocks("Q4_1", seed=5), "Q4_1", ROWS, COLS))
     assert linear(torch.randn(0, COLS)).shape == (0, ROWS)
     assert linear(torch.randn(2, 0, COLS)).shape == (2, 0, ROWS)
+
+
+def test_a_missing_kernel_source_leaves_the_torch_path_serving(tmp_path):
+    """A kernel source an install left out is the kernel being unavailable (a warning, the torch path serves),
+    never an exception out of the model's load."""
+    assert c_kernels.build_or_none(str(tmp_path / "absent.c"), (), "torch") is None
+
+
+def test_a_compiler_that_cannot_run_leaves_the_torch_path_serving(tmp_path, monkeypatch):
+    source = tmp_path / "tiny.c"
+    source.write_text("int one(void) { return 1; }\n")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert c_kernels.build_or_none(str(source), (), "torch") is None
+    assert not list((tmp_path / "cache").rglob("*.so")), "no half-made build left behind"
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for x86-64-v2")
