@@ -206,11 +206,15 @@ async def serve_up(
             executor_cfg.cache = planner_cfg.cache = cache_addr
             cache_fields = {"cache": cache_addr, "snapshots": cache_cfg.root_dir}
         if getattr(args, "layer_split", None):  # the stages as processes, one executor group to the planner
-            stages = servers.enter_context(stage_processes(executor_cfg, args.layer_split, args.trust))
-            for addr in stages:
+            stages = servers.enter_context(
+                stage_processes(executor_cfg, args.layer_split, args.trust, metrics=registry is not None)
+            )
+            for addr in stages.executors:
                 if not await wait_for_executor(addr, stop, args.trust.self_link):
                     return 0
-            planner_cfg.executor_groups, executor_addr = [stages], stages[-1]
+            planner_cfg.executor_groups, executor_addr = [stages.executors], stages.executors[-1]
+            if stages.metrics:
+                metrics_fields["stage_metrics"] = ",".join(stages.metrics)
         else:
             runner = await _load_runner(executor_cfg)
             if stop.is_set():

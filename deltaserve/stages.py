@@ -52,11 +52,18 @@ def _free_port() -> int:
 
 
 def stage_argv(
-    config: ExecutorConfig, stage: StagePlan, stages: int, port: int, rendezvous: str
+    config: ExecutorConfig,
+    stage: StagePlan,
+    stages: int,
+    port: int,
+    rendezvous: str,
+    metrics_port: int | None = None,
 ) -> list[str]:
-    """`deltaserve executor` for one stage, with `up`'s model and serving settings."""
+    """`deltaserve executor` for one stage, with `up`'s model and serving settings (its metrics on loopback's
+    `metrics_port` where given)."""
     argv = [sys.executable, "-m", "deltaserve", "executor", "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--device", stage.device, "--dtype", config.dtype, "--page-size", str(config.page_size)]
+    argv += ["--device", stage.device, "--dtype", config.dtype, "--weights", config.weights]
+    argv += ["--page-size", str(config.page_size)]
     argv += ["--pool-pages", str(config.pool_pages), "--buckets", ",".join(map(str, config.buckets))]
     argv += ["--prefill-buckets", ",".join(map(str, config.prefill_buckets)) or "none"]
     argv += ["--decode-path", config.decode_path, "--shard-layers", str(config.shard_layers)]
@@ -73,13 +80,23 @@ def stage_argv(
         argv.append("--row-check")
     if config.cache:
         argv += ["--cache", config.cache]
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
     return argv
 
 
+@dataclass(frozen=True, slots=True)
+class StageAddresses:
+    """Where the stages listen, in rank order: their step API, and their metrics where asked for."""
+
+    executors: list[str]
+    metrics: list[str]
+
+
 @contextlib.contextmanager
-def stage_processes(config: ExecutorConfig, split: str, trust: Trust):
-    """Starts the stages (their logs on this process's stderr) and yields their addresses in rank order; stops
-    them on exit."""
+def stage_processes(config: ExecutorConfig, split: str, trust: Trust, metrics: bool = False):
+    """Starts the stages (their logs on this process's stderr) and yields their StageAddresses; stops them on
+    exit. Each stage is a process of its own, so its metrics have a port of their own (on loopback)."""
     import torch
 
     from executor_svc.models.loader import layer_count
@@ -93,12 +110,13 @@ def stage_processes(config: ExecutorConfig, split: str, trust: Trust):
     plans = plan_stages(layer_count(resolve_model_path(config.model)), split, config.device, gpus)
     rendezvous = f"127.0.0.1:{_free_port()}"
     ports = [_free_port() for _ in plans]
+    metrics_ports = [_free_port() for _ in plans] if metrics else [None] * len(plans)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DELTASERVE_")}
     if trust.cache_link.api_key:  # up's own service key for its cache, never on a command line
         env[env_name("--cache-api-key")] = trust.cache_link.api_key
     processes = []
     try:
-        for stage, port in zip(plans, ports, strict=True):
+        for stage, port, metrics_port in zip(plans, ports, metrics_ports, strict=True):
             log.info(
                 "starting stage",
                 rank=stage.rank,
@@ -106,9 +124,14 @@ def stage_processes(config: ExecutorConfig, split: str, trust: Trust):
                 device=stage.device,
             )
             processes.append(
-                subprocess.Popen(stage_argv(config, stage, len(plans), port, rendezvous), env=env)
+                subprocess.Popen(
+                    stage_argv(config, stage, len(plans), port, rendezvous, metrics_port), env=env
+                )
             )
-        yield [f"127.0.0.1:{port}" for port in ports]
+        yield StageAddresses(
+            [f"127.0.0.1:{port}" for port in ports],
+            [f"127.0.0.1:{port}" for port in metrics_ports if port is not None],
+        )
     finally:
         for process in processes:
             process.terminate()

@@ -155,7 +155,10 @@ async def _exited(process) -> bool:
 
 async def test_up_layer_split_runs_the_stages_as_processes(tmp_path):
     """`deltaserve up --layer-split 1,3` on the CPU: three stage processes behind its planner, the same greedy
-    tokens as the whole model in one executor."""
+    tokens as the whole model in one executor; with --metrics-port each stage serves its executor's metrics
+    on a port of its own, named in the listening line."""
+    import urllib.request
+
     from executor_svc.config import ExecutorConfig
     from tests.conftest import start_stack, stop_stack
     from tests.hf_reference import hf_tokenizer
@@ -177,7 +180,17 @@ async def test_up_layer_split_runs_the_stages_as_processes(tmp_path):
     )
     port = free_port()
     up = Serving(
-        tmp_path / "up.log", "up", *common, "--layer-split", "1,3", "--port", str(port), "--cache", "off"
+        tmp_path / "up.log",
+        "up",
+        *common,
+        "--layer-split",
+        "1,3",
+        "--port",
+        str(port),
+        "--cache",
+        "off",
+        "--metrics-port",
+        str(free_port()),
     )
     try:
         await until(lambda: _planner_listening(up, port), 180, "up's planner listening")
@@ -193,6 +206,12 @@ async def test_up_layer_split_runs_the_stages_as_processes(tmp_path):
         split = deltaserve_json("generate", *asked)
         stages = [e for e in up.events() if e["event"] == "starting stage"]
         assert [s["layers"] for s in stages] == ["0:1", "1:3", "3:4"]
+        (listening,) = [e for e in up.events() if e["event"] == "listening" and e.get("executor")]  # up's
+        stage_metrics = listening["stage_metrics"].split(",")
+        assert len(stage_metrics) == 3
+        for addr in stage_metrics:
+            with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as answer:
+                assert b"deltaserve_executor_step_seconds" in answer.read()
     finally:
         assert up.stop() == 0
     stack, servers = await start_stack(

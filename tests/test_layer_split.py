@@ -101,12 +101,14 @@ def test_up_places_stages_on_the_local_devices():
         3,
         5001,
         "127.0.0.1:5000",
+        metrics_port=5002,
     )
     joined = " ".join(argv)
     assert (
         "--layers 10:20 --stage-rank 1 --stages 3 --stage-group 127.0.0.1:5000 --stage-backend gloo" in joined
     )
     assert "--device cuda:0" in joined and "--cache 127.0.0.1:9" in joined and "--state-slots 9" in joined
+    assert "--weights auto" in joined and "--metrics-port 5002" in joined
 
 
 def test_a_stage_keeps_its_layers_renumbered_and_the_ends_it_holds():
