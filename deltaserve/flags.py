@@ -143,6 +143,14 @@ def addresses(text: str) -> list[str]:
     return [address(part) for part in parts]
 
 
+def address_groups(text: str) -> list[list[str]]:
+    """'a:1,b:2;c:3,d:4' -> [['a:1', 'b:2'], ['c:3', 'd:4']]: groups of addresses, separated by semicolons."""
+    groups = [addresses(group) for group in text.split(";") if group.strip()]
+    if not groups:
+        raise BadValue("expected HOST:PORT,HOST:PORT...[;HOST:PORT,...]")
+    return groups
+
+
 def cache_choice(text: str) -> str:
     """`up --cache`: auto (a cache service in this process), off, or the HOST:PORT of a running one."""
     if text in ("auto", "off"):

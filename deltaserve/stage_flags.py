@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from deltaserve.flags import BadValue, Flags, address, addresses, int_at_least
+from deltaserve.flags import BadValue, Flags, address, address_groups, int_at_least
 from executor_svc.stage import BACKENDS
 from protos.layer_split import parse_layers
 
@@ -52,14 +52,13 @@ def add_stage_flags(flags: Flags) -> None:
 
 def add_executor_group_flag(flags: Flags) -> None:
     """`planner`: attach to the stages of a layer split as to one executor."""
-    flags.parser.add_argument(
+    flags.repeated(
         "--executor-group",
-        type=addresses,
-        action="append",
-        default=[],
+        type=address_groups,
         metavar="HOST:PORT,HOST:PORT,...",
         help="the stages of one layer-split executor, in rank order; repeat it for more groups (beside "
-        "whole --executor ones: conversations and load spread over them all)",
+        "whole --executor ones: conversations and load spread over them all; in the variable, groups "
+        "separated by ';')",
     )
 
 

@@ -4,6 +4,7 @@ client's health wait, README/.ci/run agreement, compose, the Dockerfile, and end
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -24,7 +25,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from deltaserve import aio, commands
-from deltaserve.cli import main, parse_args
+from deltaserve.cli import build_parser, main, parse_args
 from deltaserve.flags import default_cache_dir
 from deltaserve.logs import configure_logging, get_logger
 from deltaserve.serve import GIB, cache_config, executor_config, planner_config, wait_for_executor
@@ -166,6 +167,17 @@ def test_planner_executors_repeat_split_and_replace_the_env(capsys):
     assert parse(["planner", "--executor", "[::1]:5"]).executor == ["[::1]:5"]
     assert "--executor" in usage_error(capsys, ["planner"])
     assert "HOST:PORT" in usage_error(capsys, ["planner", "--executor", "nohost"])
+
+
+def test_planner_executor_groups_repeat_and_come_from_the_env(capsys):
+    two = [["a:1", "b:2"], ["c:3", "d:4"]]
+    assert (
+        parse(["planner", "--executor-group", "a:1,b:2", "--executor-group", "c:3,d:4"]).executor_group == two
+    )
+    assert parse(["planner"], DELTASERVE_EXECUTOR_GROUP="a:1,b:2; c:3,d:4").executor_group == two
+    replaced = parse(["planner", "--executor-group", "e:5,f:6"], DELTASERVE_EXECUTOR_GROUP="a:1,b:2")
+    assert replaced.executor_group == [["e:5", "f:6"]]
+    assert "HOST:PORT" in usage_error(capsys, ["planner", "--executor-group", ";"])
 
 
 def test_generate_takes_exactly_one_prompt(capsys, tmp_path):
@@ -619,6 +631,31 @@ def test_readme_holds_the_run_and_test_commands_and_ci_runs_the_test_one():
     ci = (REPO / ".ci" / "run").read_text()
     assert "set -euo pipefail" in ci and "TRITON_INTERPRET=1" in ci and "PYTHONUNBUFFERED=1" in ci
     assert "python3 -m venv .venv" in ci
+
+
+def _flags(parser: argparse.ArgumentParser, path: str = "") -> dict[str, str]:
+    """Every long flag of the parser and its subcommands -> the first command that takes it."""
+    found: dict[str, str] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                for flag, command in _flags(sub, f"{path} {name}".strip()).items():
+                    found.setdefault(flag, command)
+        for option in action.option_strings:
+            if option.startswith("--") and option != "--help" and not option.startswith("--no-"):
+                found.setdefault(option, path)
+    return found
+
+
+def test_the_readme_configuration_table_names_every_flag():
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("## Configuration") :]
+    table = table[: table.index("\n## ")]
+    named = set(re.findall(r"`(--[a-z0-9-]+)", table))
+    missing = {flag: command for flag, command in _flags(build_parser({})).items() if flag not in named}
+    assert not missing, (
+        f"flags missing from README's configuration table (flag: a command taking it): {missing}"
+    )
 
 
 class ComposeLoader(yaml.SafeLoader):
