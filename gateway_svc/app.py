@@ -4,6 +4,7 @@ models, health; FastAPI serves their OpenAPI schema at /openapi.json (and /docs)
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 import uuid
 from typing import Annotated, Any
@@ -25,6 +26,8 @@ from planner_svc.client import PlannerClient
 log = structlog.get_logger("deltaserve.gateway")
 
 VERSION = "0.1.0"
+_PRINTABLE = re.compile(r"[ -~]*")
+_HEADER_VALUE = re.compile(r"[!-~](?:[ -~]*[!-~])?")
 router = APIRouter()
 _bearer = HTTPBearer(auto_error=False, description="an API key of the planner's --api-keys file")
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -51,7 +54,18 @@ def _gateway(request: Request) -> Gateway:
 
 
 def _key(credentials: HTTPAuthorizationCredentials | None) -> str | None:
-    return credentials.credentials if credentials is not None else None
+    """The bearer key; a 401 for one that cannot be a key (gRPC metadata is printable ASCII)."""
+    if credentials is None:
+        return None
+    if not _PRINTABLE.fullmatch(credentials.credentials):
+        raise ApiError(401, "the API key has characters no key has (printable ASCII only)")
+    return credentials.credentials
+
+
+def _conversation_header(conversation: str) -> dict[str, str] | None:
+    """X-Conversation-Id echoing the conversation, where its id can be a header value (printable ASCII, no
+    space at either end); any other id is in the body's `deltaserve` object only."""
+    return {"X-Conversation-Id": conversation} if _HEADER_VALUE.fullmatch(conversation) else None
 
 
 def _plan(make, body: GenerationBody, conversation_header: str | None, request_id: str) -> list[Choice]:
@@ -77,7 +91,7 @@ async def _answer(
     key = _key(credentials)
     model = await gateway.models.check(body.model, key)
     conversation = choices[0].options.conversation_id
-    headers = {"X-Conversation-Id": conversation} if conversation else None
+    headers = _conversation_header(conversation)
     states = {index: ChoiceState(index, c.prompt) for c in choices for index in c.indices()}
     stream = responses(gateway.planner, choices, key)
     created = int(time.time())
@@ -96,7 +110,7 @@ async def _answer(
             model,
             list(states.values()),
             conversation,
-            body.return_token_ids,
+            bool(body.return_token_ids),
             choices[0].options.logprobs,
         )
         return JSONResponse(reply, headers=headers)
@@ -106,7 +120,7 @@ async def _answer(
         created,
         model,
         conversation,
-        token_ids=body.return_token_ids,
+        token_ids=bool(body.return_token_ids),
         include_usage=body.stream_options is not None and body.stream_options.include_usage,
         with_logprobs=choices[0].options.logprobs,
     )
@@ -165,7 +179,7 @@ async def completions(
 @router.get("/v1/models", summary="the model this server serves")
 async def models(request: Request, credentials: Bearer):
     gateway = _gateway(request)
-    info = await gateway.models.info(_key(credentials))
+    info = await gateway.models.ask(_key(credentials))
     return {
         "object": "list",
         "data": [

@@ -29,6 +29,7 @@ ERROR_TYPE = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",  # a method the path does not take
     409: "conflict_error",
     429: "rate_limit_error",
     501: "not_implemented_error",
@@ -81,6 +82,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def invalid_body(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError)
         first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":  # its loc is ("body", character offset): no field to name
+            at = first.get("loc", ("body", "?"))[-1]
+            return ApiError(400, f"the body is not valid JSON (at character {at})").response()
         where = _location(tuple(first.get("loc", ())))
         return ApiError(400, f"{where}: {first.get('msg', 'invalid')}", param=where).response()
 

@@ -3,6 +3,7 @@ extension object. Pure: dicts from the planner's responses, no I/O."""
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,20 @@ class ChoiceState:
     prompt_tokens: int = 0
     last: client_pb2.GenerateResponse | None = None  # the one with the finish reason
     logprobs: list[client_pb2.TokenLogprobs] = field(default_factory=list)  # one per token, when asked
-    text_chars: int = 0  # characters of text streamed so far (a completion's text_offset)
+    # A completion's text_offset: the characters the tokens' bytes made so far (a token that ends inside a
+    # character adds nothing; the next begins at that character), the same streamed or whole.
+    offset_chars: int = 0
+    offset_decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
+
+    def text_offsets(self, entries: Sequence[client_pb2.TokenLogprobs]) -> list[int]:
+        """The text_offset of each of these tokens, the choice's next ones."""
+        offsets = []
+        for entry in entries:
+            offsets.append(self.offset_chars)
+            self.offset_chars += len(self.offset_decoder.decode(entry.chosen.token_bytes))
+        return offsets
 
     def add(self, response: client_pb2.GenerateResponse) -> list[int]:
         """Takes one response in; returns its token ids."""
@@ -57,18 +71,15 @@ def _alternative(entry: client_pb2.TokenLogprob) -> dict[str, Any]:
     return {"token": entry.token, "logprob": entry.logprob, "bytes": list(entry.token_bytes)}
 
 
-def logprobs(kind: Kind, entries: Sequence[client_pb2.TokenLogprobs], offset: int = 0) -> dict[str, Any]:
-    """OpenAI's logprobs object of some tokens: chat's `content` list, or a completion's parallel lists
-    (`text_offset` counted from `offset`, the characters before these tokens)."""
+def logprobs(kind: Kind, entries: Sequence[client_pb2.TokenLogprobs], state: ChoiceState) -> dict[str, Any]:
+    """OpenAI's logprobs object of a choice's next tokens: chat's `content` list, or a completion's parallel
+    lists."""
     if kind == "chat":
         content = [
             {**_alternative(e.chosen), "top_logprobs": [_alternative(t) for t in e.top]} for e in entries
         ]
         return {"content": content}
-    offsets = []
-    for entry in entries:
-        offsets.append(offset)
-        offset += len(entry.chosen.token)
+    offsets = state.text_offsets(entries)
     return {
         "tokens": [e.chosen.token for e in entries],
         "token_logprobs": [e.chosen.logprob for e in entries],
@@ -133,7 +144,7 @@ def completion(
             "index": state.index,
             "finish_reason": state.finish_reason,
             "stop_reason": state.stop_reason,
-            "logprobs": logprobs(kind, state.logprobs) if with_logprobs else None,
+            "logprobs": logprobs(kind, state.logprobs, state) if with_logprobs else None,
         }
         text = "".join(state.text)
         if kind == "chat":
@@ -184,8 +195,6 @@ class ChunkWriter:
         held back until a character is whole)."""
         finish = state.finish_reason if state.last is response else None
         first = state.index not in self._started
-        offset = state.text_chars
-        state.text_chars += len(response.text)
         if not (response.text or finish or first or ((self.token_ids or self.with_logprobs) and ids)):
             return None
         if not (first or finish or self.with_logprobs):  # most events: their bytes written directly
@@ -193,7 +202,7 @@ class ChunkWriter:
         self._started.add(state.index)
         choice: dict[str, Any] = {"index": state.index, "finish_reason": finish, "logprobs": None}
         if self.with_logprobs:
-            choice["logprobs"] = logprobs(self.kind, response.logprobs, offset)
+            choice["logprobs"] = logprobs(self.kind, response.logprobs, state)
         if finish is not None:
             choice["stop_reason"] = state.stop_reason
         if self.kind == "chat":

@@ -11,6 +11,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
+# The planner's wire types: a larger value is a 400 naming its field, not the protobuf encoder's error.
+Int32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Uint64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
+
 
 class ContentPart(BaseModel):
     """One part of a message's content; only text parts are served (translate.py refuses the others)."""
@@ -52,18 +56,19 @@ class GenerationBody(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    # OpenAI's nullable fields: null is the default, as if the field were not sent
+    max_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: NonNegativeInt | None = None  # not OpenAI's, as vLLM and SGLang take it
-    seed: NonNegativeInt | None = None
-    n: Annotated[int, Field(ge=1, le=16)] = 1
-    stream: bool = False
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # not OpenAI's; as vLLM's, -1 or 0 is off
+    seed: Uint64 | None = None
+    n: Annotated[int, Field(ge=1, le=16)] | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    ignore_eos: bool = False  # vLLM's extension: do not stop at the model's end-of-sequence token
-    stop_token_ids: list[NonNegativeInt] | None = None  # vLLM's extension
-    return_token_ids: bool = False  # vLLM's extension: each choice (and delta) carries its token ids
+    ignore_eos: bool | None = None  # vLLM's extension: do not stop at the model's end-of-sequence token
+    stop_token_ids: list[Int32] | None = None  # vLLM's extension
+    return_token_ids: bool | None = None  # vLLM's extension: each choice (and delta) carries its token ids
     # deltaserve: continue a conversation (the prompt carries the whole history), and pin its shared start
     conversation_id: Annotated[str, Field(max_length=256)] | None = None
     # deltaserve: the tenant the request acts for, as GenerateRequest.tenant (only a service key may name another
@@ -76,7 +81,8 @@ class GenerationBody(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's) -> bias
     min_p: float | None = None  # vLLM's extension
     repetition_penalty: float | None = None  # vLLM's extension
-    min_tokens: NonNegativeInt | None = None  # vLLM's extension
+    min_tokens: Int32 | None = None  # vLLM's extension
+    response_format: dict[str, Any] | None = None  # structured output: json_object, or json_schema
     # Declared to be refused by name (translate.UNSUPPORTED), never silently dropped.
     best_of: int | None = None
 
@@ -85,8 +91,7 @@ class ChatCompletionBody(GenerationBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
-    top_logprobs: NonNegativeInt | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: Int32 | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -96,11 +101,11 @@ class ChatCompletionBody(GenerationBody):
     prediction: Any = None
 
 
-Prompt = str | Annotated[list[NonNegativeInt], Field(min_length=1)] | list[str] | list[list[NonNegativeInt]]
+Prompt = str | Annotated[list[Int32], Field(min_length=1)] | list[str] | list[list[Int32]]
 
 
 class CompletionBody(GenerationBody):
     prompt: Prompt
-    logprobs: NonNegativeInt | None = None  # the chosen token's logprob and this many alternatives
-    echo: bool = False
+    logprobs: Int32 | None = None  # the chosen token's logprob and this many alternatives
+    echo: bool | None = None
     suffix: str | None = None

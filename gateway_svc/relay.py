@@ -22,25 +22,25 @@ CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection: l
 
 
 class ModelCatalog:
-    """The planner's model, asked once (with the first caller's key) and kept: it does not change while the
-    planner runs, and a request's `model` is checked against it."""
+    """The planner's model, kept from its last answer: it does not change while the planner runs, and a
+    request's `model` is checked against it (the request's own call then checks the caller's key)."""
 
     def __init__(self, planner: PlannerClient) -> None:
         self.planner = planner
         self._info: client_pb2.ModelInfo | None = None
 
-    async def info(self, key: str | None) -> client_pb2.ModelInfo:
-        if self._info is None:
-            self._info = await rpc(self.planner.model_info(key))
+    async def ask(self, key: str | None) -> client_pb2.ModelInfo:
+        """The planner's answer to this caller (it checks the key: an answer kept from another caller's
+        would let anyone list the model), kept for check()."""
+        self._info = await rpc(self.planner.model_info(key))
         return self._info
 
     async def check(self, model: str, key: str | None) -> str:
         """The served model's name; 404 when the request names another (asked again first: a planner
         restarted with another model answers for it)."""
-        info = await self.info(key)
+        info = self._info or await self.ask(key)
         if model != info.name:
-            self._info = None
-            info = await self.info(key)
+            info = await self.ask(key)
         if model != info.name:
             raise ApiError(
                 404,

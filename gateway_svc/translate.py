@@ -29,7 +29,9 @@ UNSUPPORTED = {
 # values that mean "not asked for" even when a client sends them explicitly
 _HARMLESS = {
     "best_of": (None, 1),
-    "echo": (False,),
+    "echo": (None, False),
+    "tools": (None, []),  # an empty list asks for no tools
+    "functions": (None, []),
     "modalities": (None, ["text"]),
     "tool_choice": (None, "none"),
 }
@@ -112,9 +114,10 @@ def _base_options(body: GenerationBody, conversation: str, max_tokens: int | Non
         logit_bias=_logit_bias(body.logit_bias),
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
+        top_k=max(body.top_k or 0, 0),
         stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
+        ignore_eos=bool(body.ignore_eos),
+        response_format=None if body.response_format in (None, {"type": "text"}) else body.response_format,
         conversation_id=conversation,
         tenant=body.tenant or "",
         shared_prefix=body.shared_prefix.as_mapping() if body.shared_prefix is not None else None,
@@ -134,7 +137,13 @@ def _fan_out(prompts: list[GenerateOptions], n: int, seed: int | None, request_i
 
 
 def message_text(message: ChatMessage, index: int) -> str:
-    """A message's content as one string: the string, its text parts joined, or "" for none."""
+    """A message's content as one string: the string, its text parts joined, or "" for none. A message
+    carrying tool calls is refused: the prompt would lose them."""
+    for name in ("tool_calls", "function_call"):
+        if (message.model_extra or {}).get(name):
+            raise UnsupportedField(
+                f"messages.{index}.{name}", f"messages[{index}]: tools and function calling are not supported"
+            )
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     texts = []
@@ -158,10 +167,9 @@ def chat_choices(body: ChatCompletionBody, conversation_header: str | None, requ
         base,
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
-        response_format=None if body.response_format in (None, {"type": "text"}) else body.response_format,
     )
     chat = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
-    return _fan_out([replace(base, chat=chat)], body.n, body.seed, request_id)
+    return _fan_out([replace(base, chat=chat)], body.n or 1, body.seed, request_id)
 
 
 def _prompts(prompt) -> list[str | list[int]]:
@@ -189,4 +197,4 @@ def completion_choices(
     options = [
         replace(base, text=p) if isinstance(p, str) else replace(base, token_ids=tuple(p)) for p in prompts
     ]
-    return _fan_out(options, body.n, body.seed, request_id)
+    return _fan_out(options, body.n or 1, body.seed, request_id)

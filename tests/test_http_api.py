@@ -175,6 +175,36 @@ async def test_conversation_header_and_body_must_agree_and_unknown_paths_are_404
     assert (status, error["type"]) == (404, "not_found_error")
 
 
+async def test_a_body_that_is_not_json_is_a_400_and_a_wrong_method_a_405(http):
+    async with httpx.AsyncClient(base_url=http.base) as client:
+        reply = await client.post(
+            "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+        )
+        error = reply.json()["error"]
+        assert (reply.status_code, error["param"]) == (400, None), error
+        assert "not valid JSON (at character 10)" in error["message"]
+        reply = await client.get("/v1/chat/completions")
+        assert (reply.status_code, reply.json()["error"]["type"]) == (405, "invalid_request_error")
+
+
+async def test_a_conversation_id_no_header_can_carry_is_answered_in_the_body_alone(http):
+    """X-Conversation-Id echoes an id only where it can be a header value; any other (spaces at an end, a
+    newline, non-ASCII) is answered in the body's deltaserve object, streamed or not, never a broken reply."""
+    for conversation in (" c1 ", "a\nb", "naïve-日本"):
+        body = {"model": http.model, "messages": QUESTION, "max_tokens": 2, "conversation_id": conversation}
+        async with httpx.AsyncClient(base_url=http.base) as client:
+            reply = await client.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            assert "x-conversation-id" not in reply.headers
+            assert reply.json()["deltaserve"]["conversation_id"] == conversation
+            async with client.stream(
+                "POST", "/v1/chat/completions", json={**body, "stream": True}
+            ) as streamed:
+                assert streamed.status_code == 200 and "x-conversation-id" not in streamed.headers
+                assert (await streamed.aread()).endswith(b"data: [DONE]\n\n")
+    await http.stack.wait_idle()
+
+
 async def test_a_client_that_disconnects_mid_stream_frees_its_pages(http):
     scheduler = http.stack.scheduler
     await http.stack.wait_idle()

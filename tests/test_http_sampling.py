@@ -102,6 +102,14 @@ async def test_response_format_json_and_an_unsupported_schema_feature(http):
         response_format={"type": "json_object"},
     )
     assert answer.choices[0].message.content.lstrip().startswith("{")
+    text = await http.client.completions.create(  # a text completion takes it too (the SDK: extra_body)
+        model=http.model,
+        prompt="The capital of France is",
+        max_tokens=24,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    assert text.choices[0].text.lstrip().startswith("{")
     schema = {"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 3}}}
     with pytest.raises(openai.APIStatusError) as refused:
         await http.client.chat.completions.create(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx2 as httpx
 import openai
 import pytest
 import pytest_asyncio
@@ -81,3 +82,26 @@ async def test_a_tenant_key_naming_another_tenant_is_403(keyed):
     assert (await client.chat.completions.create(**fields, extra_body={"tenant": "alice"})).choices
     service = openai.AsyncOpenAI(api_key=SERVICE, base_url=base, max_retries=0)
     assert (await service.chat.completions.create(**fields, extra_body={"tenant": "bob"})).choices
+
+
+async def test_the_model_list_asks_for_a_key_every_time(keyed):
+    """/v1/models checks each caller's key: one allowed caller does not open it to everyone after."""
+    _, client, base, _ = keyed
+    assert (await client.models.list()).data
+    for key in (None, "wrong-key-0123456789"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with httpx.AsyncClient() as http:
+            reply = await http.get(f"{base}/models", headers=headers)
+        assert (reply.status_code, reply.json()["error"]["type"]) == (401, "authentication_error")
+
+
+async def test_a_key_no_key_can_be_is_401(keyed):
+    _, _, base, model = keyed
+    body = {"model": model, "messages": QUESTION, "max_tokens": 1}
+    async with httpx.AsyncClient() as http:
+        for key in ("k\u00e9y".encode(), f"{ALICE}\x7f".encode()):
+            reply = await http.post(
+                f"{base}/chat/completions", json=body, headers={b"Authorization": b"Bearer " + key}
+            )
+            assert reply.status_code == 401, reply.text
+            assert "printable ASCII" in reply.json()["error"]["message"]

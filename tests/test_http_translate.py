@@ -95,8 +95,43 @@ def test_what_cannot_be_honoured_is_refused_by_name(fields, param):
 
 def test_values_that_ask_for_nothing_pass():
     chat_choices(
-        chat(logprobs=False, response_format={"type": "text"}, tool_choice="none", stop=[]), None, "r"
+        chat(logprobs=False, response_format={"type": "text"}, tool_choice="none", stop=[], tools=[]),
+        None,
+        "r",
     )
+    completion_choices(CompletionBody(model="m", prompt="x", echo=None), None, "r")
+
+
+def test_null_is_the_default_for_openais_nullable_fields():
+    [choice] = chat_choices(chat(n=None, stream=None, ignore_eos=None, return_token_ids=None), None, "r")
+    assert (choice.options.n, choice.options.ignore_eos) == (1, False)
+    [text] = completion_choices(CompletionBody(model="m", prompt="x", n=None, echo=None), None, "r")
+    assert text.options.n == 1
+
+
+def test_top_k_minus_one_is_off_as_vllms():
+    assert chat_choices(chat(top_k=-1), None, "r")[0].options.top_k == 0
+
+
+def test_values_past_the_wire_types_are_refused_by_field():
+    import pydantic
+
+    for field, value in (("max_tokens", 2**31), ("seed", 2**64), ("stop_token_ids", [2**31])):
+        with pytest.raises(pydantic.ValidationError, match=field):
+            chat(**{field: value})
+
+
+def test_a_message_with_tool_calls_is_refused_not_dropped():
+    calls = {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}
+    with pytest.raises(UnsupportedField) as refused:
+        chat_choices(chat(messages=[USER, calls]), None, "r")
+    assert refused.value.param == "messages.1.tool_calls"
+
+
+def test_a_completion_takes_response_format():
+    schema = {"type": "json_object"}
+    [text] = completion_choices(CompletionBody(model="m", prompt="x", response_format=schema), None, "r")
+    assert text.options.response_format == schema
 
 
 def test_grpc_statuses_map_to_http_statuses():
@@ -202,3 +237,19 @@ async def test_responses_that_arrived_together_go_out_as_one_group():
     await anext(groups)
     await groups.aclose()
     assert closed == [True, False]
+
+
+def test_text_offsets_are_the_same_streamed_or_whole_across_split_characters():
+    """A completion's text_offset counts the characters the tokens' bytes made: tokens inside one emoji
+    start where it starts, whether the tokens come one response at a time or in one whole answer."""
+    from gateway_svc.openai_replies import logprobs
+
+    parts = [b"\xf0\x9f", b"\x98\x83", b"a", b"\xf0\x9f\x98", b"\x8e", b"!"]
+    entries = [
+        client_pb2.TokenLogprobs(chosen=client_pb2.TokenLogprob(token_id=i, token="?", token_bytes=part))
+        for i, part in enumerate(parts)
+    ]
+    whole = logprobs("text", entries, ChoiceState(0, 0))["text_offset"]
+    streamed_state = ChoiceState(0, 0)
+    streamed = [logprobs("text", [entry], streamed_state)["text_offset"][0] for entry in entries]
+    assert whole == streamed == [0, 0, 1, 2, 2, 3]
