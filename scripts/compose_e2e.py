@@ -295,7 +295,8 @@ def down_within_grace(stack: Stack, *, volumes: bool) -> float:
 
 def ready_order(stack: Stack) -> None:
     """depends_on gates on health: the executor says it listens (its model loaded) before the planner's
-    container starts; every line of every service is JSON with the service's name."""
+    container starts; every line of every service is JSON with the service's name; the CPU executor built its
+    C kernels in the container (the image has a compiler), so the default model's weights stay packed."""
     for service in ("cache", "executor", "planner"):
         lines = stack.logs(service)
         check(
@@ -308,6 +309,11 @@ def ready_order(stack: Stack) -> None:
         bool(listening) and instant(listening[0]["timestamp"]) < instant(planner_started),
         f"the planner's container started ({planner_started}) after the executor was ready "
         f"({listening[0]['timestamp'] if listening else 'never'})",
+    )
+    loaded = [line["event"] for line in stack.logs("executor") if line["event"].startswith("model loaded")]
+    check(
+        bool(loaded) and "weights packed" in loaded[0],
+        f"the executor serves packed weights through its C kernels: {loaded[0] if loaded else 'no load line'}",
     )
 
 
