@@ -256,7 +256,7 @@ def _serving(args: argparse.Namespace):
         return functools.partial(serve.serve_executor, args, serve.executor_config(args, cache=args.cache))
     if args.command == "planner":
         config = serve.planner_config(args, executors=args.executor or [], cache=args.cache)
-        config.executor_groups = args.executor_group
+        config.executor_groups = args.executor_group or []
         return functools.partial(serve.serve_planner, args, config)
     if args.command == "http":
         return functools.partial(serve.serve_http, args)

@@ -170,6 +170,7 @@ def test_planner_executors_repeat_split_and_replace_the_env(capsys):
 
 
 def test_planner_executor_groups_repeat_and_come_from_the_env(capsys):
+    assert parse(["planner", "--executor", "a:1"]).executor_group is None  # serve.py takes None as none
     two = [["a:1", "b:2"], ["c:3", "d:4"]]
     assert (
         parse(["planner", "--executor-group", "a:1,b:2", "--executor-group", "c:3,d:4"]).executor_group == two
