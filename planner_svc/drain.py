@@ -21,7 +21,7 @@ log = structlog.get_logger("deltaserve.planner.drain")
 
 DRAINING = "draining: the planner is shutting down; retry after its restart or on another planner"
 POLL_S = 0.02
-CUT_SETTLE_S = 5.0  # how long cut requests get to end their streams before parking starts
+CUT_SETTLE_S = 5.0  # how long requests get to end their streams and turns before parking starts
 
 
 def cut_message(timeout_s: float) -> str:
@@ -63,7 +63,14 @@ async def drain(started: StartedServer[PlannerServicer], timeout_s: float) -> Dr
             servicer.cut[(req.tenant, req.request_id)] = cut_message(timeout_s)
             if engine.abort(req):
                 report.cut += 1
-        await _until(lambda: not servicer.running_requests, time.monotonic() + CUT_SETTLE_S)
+
+    def settled() -> bool:
+        # A turn gives its pages back to its conversation when its last step commits, after its stream
+        # ended: parking before that would find the conversation busy, with no pages, and skip it.
+        busy = any(c.busy for engine in servicer.engines for c in engine.conversations.every())
+        return not servicer.running_requests and not busy
+
+    await _until(settled, time.monotonic() + CUT_SETTLE_S)
     report.finished = running - report.cut
     turns = servicer.turns
     for engine in servicer.engines:

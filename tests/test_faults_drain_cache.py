@@ -156,9 +156,12 @@ async def park_when_reachable(client: PlannerClient, conversation_id: str, timeo
 
 async def test_planner_sigterm_parks_live_conversations_and_a_restart_resumes_them(stack):
     async with PlannerClient(stack.planner_addr) as client:
-        firsts = {c: await client.generate_all(turn(c, PROMPT)) for c in ("drain-a", "drain-b")}
+        firsts = {c: await client.generate_all(turn(c, PROMPT)) for c in ("drain-a", "drain-b", "drain-c")}
         # Far past the drain timeout on any CPU (400 tokens once took ~2 s on a fast one and ended before the cut).
-        long = asyncio.ensure_future(client.generate_all(turn("", PROMPT, max_tokens=2000)))
+        # A conversation's turn: the cut gives its pages back only when its last step commits, and the drain
+        # must still park it.
+        cut_prompt = PROMPT + firsts["drain-c"].token_ids + [30, 504]
+        long = asyncio.ensure_future(client.generate_all(turn("drain-c", cut_prompt, max_tokens=2000)))
 
         async def running() -> bool:
             return (await client.server_info()).running > 0
@@ -176,7 +179,7 @@ async def test_planner_sigterm_parks_live_conversations_and_a_restart_resumes_th
     assert code == 0, stack.planner.log_path.read_text()
     assert drain_s < DRAIN_TIMEOUT_S + 10, drain_s
     [drained] = [e for e in stack.planner.events() if e["event"] == "drained"]
-    assert (drained["cut"], drained["parked"], drained["not_parked"]) == (1, 2, [])
+    assert (drained["cut"], drained["parked"], drained["not_parked"]) == (1, 3, []), drained
     print(f"drain took {drain_s:.2f} s (drained in {drained['seconds']} s)")
 
     restarted = time.monotonic()
@@ -187,7 +190,13 @@ async def test_planner_sigterm_parks_live_conversations_and_a_restart_resumes_th
             second = await client.generate_all(turn(c, prompt))
             if c == "drain-a":
                 print(f"planner restart to the first resumed answer: {time.monotonic() - restarted:.2f} s")
-            assert second.checkpoint == f"snapshot@{len(PROMPT)}", second.checkpoint
+            cut = c == "drain-c"  # its snapshot holds the cut turn's committed tokens, past its prompt
+            assert (
+                second.checkpoint.startswith("snapshot@")
+                if cut
+                else second.checkpoint == f"snapshot@{len(PROMPT)}"
+            )
+            assert int(second.checkpoint.removeprefix("snapshot@")) >= len(PROMPT), second.checkpoint
             assert second.token_ids == await reference(client, prompt)
         await assert_nothing_leaked(client)
 
