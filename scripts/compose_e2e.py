@@ -118,7 +118,11 @@ def start_daemon(work: Path, cleanup: contextlib.ExitStack) -> dict:
 
 
 def compose_command(env: dict) -> list[str]:
-    for command in (["docker", "compose"], ["docker-compose"]):
+    # The pip wheel's CLI sits beside this interpreter, on PATH only where its venv is activated.
+    beside = str(Path(sys.executable).parent / "docker-compose")
+    for command in (["docker", "compose"], ["docker-compose"], [beside]):
+        if shutil.which(command[0]) is None:
+            continue
         done = subprocess.run([*command, "version", "--short"], capture_output=True, text=True, env=env)
         if done.returncode == 0 and not done.stdout.startswith("1."):
             log(f"compose: {' '.join(command)} {done.stdout.strip()}")
