@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -165,6 +166,14 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 pending.abort()
             await _drain(request_iterator)
             await _abort(context, err)
+        except OSError as err:  # the disk under the cache: full, read-only, failing
+            if pending is not None:
+                pending.abort()
+            await _drain(request_iterator)
+            full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.UNAVAILABLE
+            log.warning("snapshot not stored", code=code.name, error=str(err))
+            await context.abort(code, f"the cache could not store the snapshot: {err}")
         finally:
             if pending is not None:
                 pending.abort()  # removes what an unfinished put wrote; a no-op after the commit

@@ -369,3 +369,37 @@ async def test_a_put_over_the_whole_budget_is_resource_exhausted_with_sizes_mid_
         f"a snapshot of {80 * MiB} bytes exceeds the cache budget of {64 * MiB} bytes",
     )
     assert await client.list("default") == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root)")
+async def test_a_full_disk_is_resource_exhausted_and_the_cache_serves_on(tmp_path):
+    """A disk too small for a snapshot: RESOURCE_EXHAUSTED naming the error (was UNKNOWN with a traceback),
+    no partial blob left, and what fits is still stored and read back."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        server = await start_cache_server(str(disk), budget_bytes=64 * MiB)
+        try:
+            async with CacheClient(f"127.0.0.1:{server.port}") as client:
+                await expect_status(
+                    client.put(*snapshot("big", (2 * MiB,))),
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "could not store the snapshot",
+                    "No space left on device",
+                )
+                leftovers = [p for p in (disk / "snapshots").rglob("*") if p.is_file()]
+                assert not leftovers, leftovers
+                manifest, blobs = snapshot("small", (1000,))
+                await client.put(manifest, blobs)
+                assert (await client.get("default", "small"))[1] == blobs
+        finally:
+            await server.stop(None)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
