@@ -36,6 +36,7 @@ from deltaserve.logs import configure_logging, get_logger
 from deltaserve.serve import CACHE_PORT, EXECUTOR_PORT, HTTP_PORT, PLANNER_PORT
 from deltaserve.stage_flags import add_executor_group_flag, add_layer_split_flag, add_stage_flags
 from deltaserve.trust import trust_from_args
+from executor_svc.c_kernels import KernelUnavailable
 
 log = get_logger("deltaserve.cli")
 
@@ -274,6 +275,12 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         return aio.run(serving)
+    except (OSError, ValueError, KernelUnavailable) as error:
+        # What a user mends (a model path, a port taken, a cache directory, a limit): the message, not a
+        # traceback; --log-level debug still shows where it came from.
+        log.debug("failed", command=name, exc_info=True)
+        print(f"deltaserve {name}: error: {error}", file=sys.stderr)
+        return 1
     except Exception:
         log.exception("failed", command=name)
         return 1

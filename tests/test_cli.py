@@ -441,6 +441,36 @@ def test_generate_conversation_tenant_and_shared_prefix(capsys):
     assert "give --conversation" in usage_error(capsys, [*base, "--shared-prefix", "tokens:3"])
 
 
+def test_a_users_mistake_at_start_is_one_line_not_a_traceback(tmp_path):
+    """A model path that is not one, a cache directory that is a file, a port taken: `deltaserve up: error:`
+    and the reason, exit 1, no traceback (kept for --log-level debug)."""
+    empty, a_file = tmp_path / "empty", tmp_path / "file"
+    empty.mkdir()
+    a_file.write_text("")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for argv, says in (
+            (["up", "--model", str(tmp_path / "nothing")], "does not exist"),
+            (["up", "--model", str(empty)], "config.json"),
+            (["cache", "serve", "--cache-dir", str(a_file)], "File exists"),
+            (["cache", "serve", "--cache-dir", str(tmp_path / "c"), "--port", str(port)], "taken"),
+        ):
+            done = subprocess.run(
+                [sys.executable, "-m", "deltaserve", "--log-json", *argv],
+                capture_output=True,
+                text=True,
+                env=cli_env(),
+                cwd=REPO,
+                timeout=120,
+            )
+            command = " ".join(argv[:2] if argv[0] == "cache" else argv[:1])
+            assert done.returncode == 1, done.stderr
+            assert f"deltaserve {command}: error: " in done.stderr and says in done.stderr, done.stderr
+            assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_a_config_check_fails_the_command_before_loading_anything(capsys, restore_logging):
     assert main(["--log-level", "error", "up", "--page-size", "3"]) == 2
     assert "page_size must be a power of two" in capsys.readouterr().err
