@@ -131,7 +131,10 @@ class Conversations:
         diverged = common if common < len(conversation.tokens) else -1
         if diverged >= 0:
             conversation.drop_states(conversation.retention.drop_after(common))
-        position = conversation.retention.best_prefix(min(common, len(prompt_ids) - 1))
+        # A state is at its checkpoint exactly, so a recurrent model needs one short of the prompt's end; pages
+        # are kept whole, so a dense model may mount one at the end and read the last page again.
+        limit = min(common, len(prompt_ids) - 1) if self.recurrent else common
+        position = conversation.retention.best_prefix(limit)
         if self.recurrent:
             # The state is at `position` exactly: the turn reads on from there, writing the rest of the tail
             # page in place. Nothing else reads those positions: one branch, one turn at a time, no shared
@@ -141,7 +144,7 @@ class Conversations:
         else:
             # Only whole pages are kept: the turn writes from a page boundary on, never into a kept page
             # (a full page may be indexed for sharing, so its tokens must not change).
-            keep = (position or 0) // self.page_size if conversation.pages else 0
+            keep = min(position or 0, len(prompt_ids) - 1) // self.page_size if conversation.pages else 0
             reused = keep * self.page_size
         if not keep:
             mount = Mount(diverged_at=diverged)

@@ -96,6 +96,26 @@ async def test_second_turn_reuses_the_first(cached):
     assert second == fresh
 
 
+async def test_a_retried_turn_reuses_every_whole_page_of_its_prompt(cached):
+    """The same turn sent again (a client's retry): the checkpoint at its prompt's end is mounted and every
+    whole page before the last prompt token reused (a checkpoint short of the end kept one page before), with
+    the tokens of a fresh read."""
+    stack = cached.stack
+    chat = [SYSTEM, {"role": "user", "content": "Name a fruit."}]
+    async with PlannerClient(stack.addr) as client:
+        first, _ = await turn(client, chat, "retry")
+        chat2 = chat + [
+            {"role": "assistant", "content": reply(stack, first)},
+            {"role": "user", "content": "Name another."},
+        ]
+        await turn(client, chat2, "retry")
+        again, done = await turn(client, chat2, "retry")
+        fresh, _ = await turn(client, chat2)
+    assert done.checkpoint == f"checkpoint@{done.prompt_tokens}", done.checkpoint
+    assert done.reused_tokens == (done.prompt_tokens - 1) // PAGE * PAGE
+    assert again == fresh
+
+
 async def test_park_restart_resume_equals_never_parked(cached, tmp_path):
     stack = cached.stack
     chat = [SYSTEM, {"role": "user", "content": "What is the largest planet?"}]
