@@ -207,7 +207,14 @@ async def serve_up(
             cache_fields = {"cache": cache_addr, "snapshots": cache_cfg.root_dir}
         if getattr(args, "layer_split", None):  # the stages as processes, one executor group to the planner
             stages = servers.enter_context(
-                stage_processes(executor_cfg, args.layer_split, args.trust, metrics=registry is not None)
+                stage_processes(
+                    executor_cfg,
+                    args.layer_split,
+                    args.trust,
+                    metrics=registry is not None,
+                    log_level=args.log_level,
+                    log_json=args.log_json,
+                )
             )
             for addr in stages.executors:
                 if not await wait_for_executor(addr, stop, args.trust.self_link):

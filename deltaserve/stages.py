@@ -94,9 +94,17 @@ class StageAddresses:
 
 
 @contextlib.contextmanager
-def stage_processes(config: ExecutorConfig, split: str, trust: Trust, metrics: bool = False):
-    """Starts the stages (their logs on this process's stderr) and yields their StageAddresses; stops them on
-    exit. Each stage is a process of its own, so its metrics have a port of their own (on loopback)."""
+def stage_processes(
+    config: ExecutorConfig,
+    split: str,
+    trust: Trust,
+    metrics: bool = False,
+    log_level: str = "info",
+    log_json: bool | None = None,
+):
+    """Starts the stages (their logs on this process's stderr, at `up`'s level and format) and yields their
+    StageAddresses; stops them on exit. Each stage is a process of its own, so its metrics have a port of
+    their own (on loopback)."""
     import torch
 
     from executor_svc.models.loader import layer_count
@@ -112,6 +120,9 @@ def stage_processes(config: ExecutorConfig, split: str, trust: Trust, metrics: b
     ports = [_free_port() for _ in plans]
     metrics_ports = [_free_port() for _ in plans] if metrics else [None] * len(plans)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DELTASERVE_")}
+    env[env_name("--log-level")] = log_level
+    if log_json is not None:
+        env[env_name("--log-json")] = "1" if log_json else "0"
     if trust.cache_link.api_key:  # up's own service key for its cache, never on a command line
         env[env_name("--cache-api-key")] = trust.cache_link.api_key
     processes = []
