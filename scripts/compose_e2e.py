@@ -266,7 +266,13 @@ class Stack:
         return run(*self.command, *args, env=self.env, timeout=timeout, quiet=True)
 
     def up(self) -> None:
-        self("up", "--detach", "--no-build", "--wait", "--wait-timeout", "600")
+        try:
+            self("up", "--detach", "--no-build", "--wait", "--wait-timeout", "600")
+        except RuntimeError:  # a service that failed to start says why in its own log
+            for service in ("cache", "executor", "planner"):
+                tail = self("logs", "--no-log-prefix", "--tail", "20", service).strip()
+                log(f"{service}'s last log lines:\n{tail or '(none)'}")
+            raise
 
     def container(self, service: str) -> dict:
         (cid,) = self("ps", "--all", "--quiet", service).split()
