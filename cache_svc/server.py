@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import contextlib
+import errno
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -166,11 +167,13 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 pending.abort()
             await _drain(request_iterator)
             await _abort(context, err)
-        except OSError as err:  # the disk under the cache: full, read-only, failing
+        except (OSError, sqlite3.Error) as err:  # the disk under the cache (and its index): full, failing
             if pending is not None:
                 pending.abort()
             await _drain(request_iterator)
-            full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+            # A snapshot published before its index write failed stays on disk: the index adopts it when it
+            # next opens (index.py's reconcile), and this put is refused, so its pages stay in the pool.
+            full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "full" in str(err)
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.UNAVAILABLE
             log.warning("snapshot not stored", code=code.name, error=str(err))
             await context.abort(code, f"the cache could not store the snapshot: {err}")

@@ -8,6 +8,7 @@ What a manifest holds and how it is checked is manifest.py's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -226,7 +227,9 @@ class PendingSnapshot:
                 return
             self._done = True
             if self._file is not None:
-                self._file.close()
+                # Closing flushes what is buffered, which fails on a full disk: the files go regardless.
+                with contextlib.suppress(OSError):
+                    self._file.close()
                 self._file = None
             for path in self._temporary:
                 _unlink_quietly(path)
