@@ -276,8 +276,13 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return aio.run(serving)
     except (OSError, ValueError, KernelUnavailable) as error:
-        # What a user mends (a model path, a port taken, a cache directory, a limit): the message, not a
-        # traceback; --log-level debug still shows where it came from.
+        if (
+            serve.LISTENED.is_set()
+        ):  # a fault while serving or stopping, not a start-up mistake: its traceback
+            log.exception("failed", command=name)
+            return 1
+        # What a user mends at start (a model path, a port taken, a cache directory, a limit): the message,
+        # not a traceback; --log-level debug still shows where it came from.
         log.debug("failed", command=name, exc_info=True)
         print(f"deltaserve {name}: error: {error}", file=sys.stderr)
         return 1

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import threading
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -32,6 +33,9 @@ GIB = 1 << 30
 SHUTDOWN_GRACE_S = 5.0
 CACHE_SHUTDOWN_GRACE_S = 30.0  # a stopping cache finishes the parks in flight (a drain's among them)
 EXECUTOR_WAIT_LOG_S = 5.0  # how often `planner` says it is still waiting for an executor
+LISTENED = (
+    threading.Event()
+)  # this process's service got to listening: what fails after is no start-up mistake
 
 log = get_logger("deltaserve.serve")
 
@@ -170,6 +174,7 @@ def _metrics(
 
 
 async def _serve_until_stopped(stop: asyncio.Event, **listening) -> None:
+    LISTENED.set()
     frozen = freeze_startup_heap()  # no full collection walks the start-up heap mid-step (protos/heap.py)
     log.info("listening", **listening, frozen_objects=frozen)
     await stop.wait()
