@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field
 
 # The planner's wire types: a larger value is a 400 naming its field, not the protobuf encoder's error.
 Int32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -42,10 +42,10 @@ class SharedPrefixSpec(BaseModel):
     """The read-only start of a conversation's prompt that many requests share (one of the three forms)."""
 
     model_config = ConfigDict(extra="forbid")
-    messages: NonNegativeInt | None = None  # the first K chat messages
-    message: NonNegativeInt | None = None  # with chars: the messages before I and N characters of message I
-    chars: NonNegativeInt | None = None
-    tokens: NonNegativeInt | None = None  # the first N prompt tokens
+    messages: Int32 | None = None  # the first K chat messages
+    message: Int32 | None = None  # with chars: the messages before I and N characters of message I
+    chars: Int32 | None = None
+    tokens: Int32 | None = None  # the first N prompt tokens
 
     def as_mapping(self) -> dict[str, int]:
         return {name: value for name, value in self.model_dump().items() if value is not None}
@@ -89,7 +89,7 @@ class GenerationBody(BaseModel):
 
 class ChatCompletionBody(GenerationBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Int32 | None = None
     tools: list[Any] | None = None

@@ -93,9 +93,12 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
     try:
-        return {int(token): value for token, value in bias.items()}
+        ids = {int(token): value for token, value in bias.items()}
     except ValueError:
         raise BadField("logit_bias", "logit_bias keys must be token ids (integers)") from None
+    if any(not -(2**31) <= token < 2**31 for token in ids):
+        raise BadField("logit_bias", "logit_bias keys must be token ids, within the vocabulary")
+    return ids
 
 
 def _base_options(body: GenerationBody, conversation: str, max_tokens: int | None) -> GenerateOptions:

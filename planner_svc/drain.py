@@ -75,9 +75,12 @@ async def drain(started: StartedServer[PlannerServicer], timeout_s: float) -> Dr
     turns = servicer.turns
     for engine in servicer.engines:
         for conversation in engine.conversations.every():
+            name = f"{conversation.tenant}/{conversation.conversation_id}"
+            if conversation.busy:  # its turn outlived the settling time: said, never skipped in silence
+                report.not_parked.append(f"{name}: its turn did not end within {CUT_SETTLE_S:g} s")
+                continue
             if not conversation.pages:
                 continue
-            name = f"{conversation.tenant}/{conversation.conversation_id}"
             if turns.parking.cache_address is None:
                 report.not_parked.append(f"{name}: no cache service")
                 continue

@@ -116,9 +116,17 @@ def test_top_k_minus_one_is_off_as_vllms():
 def test_values_past_the_wire_types_are_refused_by_field():
     import pydantic
 
-    for field, value in (("max_tokens", 2**31), ("seed", 2**64), ("stop_token_ids", [2**31])):
+    for field, value in (
+        ("max_tokens", 2**31),
+        ("max_completion_tokens", 2**31),
+        ("seed", 2**64),
+        ("stop_token_ids", [2**31]),
+        ("shared_prefix", {"tokens": 2**31}),
+    ):
         with pytest.raises(pydantic.ValidationError, match=field):
             chat(**{field: value})
+    with pytest.raises(BadField, match="logit_bias keys"):
+        chat_choices(chat(logit_bias={str(2**31): 1.0}), None, "r")
 
 
 def test_a_message_with_tool_calls_is_refused_not_dropped():

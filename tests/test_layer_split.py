@@ -96,7 +96,7 @@ def test_up_places_stages_on_the_local_devices():
     with pytest.raises(ValueError, match="one stage"):
         plan_stages(30, "1", "cpu", 0)
     argv = stage_argv(
-        ExecutorConfig(device="cpu", cache="127.0.0.1:9", state_slots=9),
+        ExecutorConfig(device="cpu", cache="127.0.0.1:9", state_slots=9, weights="dequantize"),
         one_gpu[1],
         3,
         5001,
@@ -108,7 +108,7 @@ def test_up_places_stages_on_the_local_devices():
         "--layers 10:20 --stage-rank 1 --stages 3 --stage-group 127.0.0.1:5000 --stage-backend gloo" in joined
     )
     assert "--device cuda:0" in joined and "--cache 127.0.0.1:9" in joined and "--state-slots 9" in joined
-    assert "--weights auto" in joined and "--metrics-port 5002" in joined
+    assert "--weights dequantize" in joined and "--metrics-port 5002" in joined
 
 
 def test_a_stage_keeps_its_layers_renumbered_and_the_ends_it_holds():
