@@ -88,6 +88,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         # Request ids are unique per tenant (its key's): another tenant's ids are none of a caller's business.
         self._requests: dict[tuple[str, str], tuple[Request, Engine]] = {}  # (tenant, request id)
         self._request_ids: set[tuple[str, str]] = set()  # taken from the first await of a Generate to its end
+        # Aborted while still starting (tokenizing, waiting for its conversation, restoring): ended at admission.
+        self._early_aborts: set[tuple[str, str]] = set()
         self.intake = Intake(tokenizer, self.eos_token_ids, described.vocab_size, described.max_seq_len)
         self.running_requests = self._requests  # what a drain waits for (drain.py)
         self.draining: str | None = None  # set by a drain: new requests are refused with it
@@ -113,6 +115,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                         yield response
             finally:
                 self._request_ids.discard(taken)
+                self._early_aborts.discard(taken)
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
 
@@ -148,6 +151,9 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             await context.abort(error.code, str(error))
         self._requests[(req.tenant, request_id)] = (req, engine)
         log.info("request admitted", prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
+        if (req.tenant, request_id) in self._early_aborts:
+            for choice in (req, *req.choices):
+                engine.abort(choice)
         reason = "error"  # a status other than OK; a client gone is an abort
         try:
             if request.n > 1:
@@ -180,9 +186,13 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
 
     async def Abort(self, request: client_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         # Within the caller's tenant only: another tenant's request of the same id is not the caller's.
-        found = self._requests.get((await request_tenant(context, request.tenant), request.request_id))
+        key = (await request_tenant(context, request.tenant), request.request_id)
+        found = self._requests.get(key)
         if found is None:
-            return client_pb2.AbortResponse(aborted=False)
+            starting = key in self._request_ids  # its id taken, not yet admitted: ended when it is
+            if starting:
+                self._early_aborts.add(key)
+            return client_pb2.AbortResponse(aborted=starting)
         req, engine = found
         aborted = [engine.abort(choice) for choice in (req, *req.choices)]
         return client_pb2.AbortResponse(aborted=any(aborted))

@@ -3,6 +3,7 @@ history rewrites, corrupted snapshots, shared prefixes and KV pressure (issue 4)
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import grpc
@@ -114,6 +115,34 @@ async def test_a_retried_turn_reuses_every_whole_page_of_its_prompt(cached):
     assert done.checkpoint == f"checkpoint@{done.prompt_tokens}", done.checkpoint
     assert done.reused_tokens == (done.prompt_tokens - 1) // PAGE * PAGE
     assert again == fresh
+
+
+async def test_an_abort_while_a_turn_waits_to_start_ends_it(cached):
+    """Abort of a request whose id is taken but that is not admitted yet (its turn waits for a park of its
+    conversation to end, then restores): aborted=true, and the turn ends as aborted when it is admitted (it
+    was answered false, and the turn then ran to its end)."""
+    stack = cached.stack
+    planner = stack.planner
+    chat = [SYSTEM, {"role": "user", "content": "Count: " + " ".join(str(i) for i in range(400))}]
+    async with PlannerClient(stack.addr) as client:
+        first, _ = await turn(client, chat, "early-abort", max_tokens=2)
+        chat2 = chat + [
+            {"role": "assistant", "content": reply(stack, first)},
+            {"role": "user", "content": "Go on."},
+        ]
+        parking = asyncio.ensure_future(client.park("early-abort"))
+        await asyncio.sleep(0)  # the park takes the conversation's lock first
+        started = asyncio.ensure_future(
+            turn(client, chat2, "early-abort", max_tokens=200, request_id="early")
+        )
+        while not any(rid == "early" for _, rid in planner._request_ids):
+            await asyncio.sleep(0.001)
+        assert not any(rid == "early" for _, rid in planner.running_requests), "admitted too soon to test"
+        assert await client.abort("early")
+        tokens, last = await started
+        await parking
+    assert last.finish_reason == client_pb2.FINISH_REASON_ABORT and len(tokens) < 200
+    await stack.wait_idle()
 
 
 async def test_park_restart_resume_equals_never_parked(cached, tmp_path):
