@@ -69,9 +69,13 @@ def build(source_path: str, flags: tuple[str, ...]) -> ctypes.CDLL:
     key = hashlib.sha256(source + " ".join(command).encode() + _cpu_flags()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"{name}-{key}.so")
     if not os.path.exists(path):
-        os.makedirs(_cache_dir(), exist_ok=True)
-        # Built under a temporary name and renamed: executors starting together never load a half-written file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+        try:
+            os.makedirs(_cache_dir(), exist_ok=True)
+            # Built under a temporary name and renamed: executors starting together never load a half-written
+            # file.
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+        except OSError as e:  # a home that is not this user's, a read-only disk
+            raise KernelUnavailable(f"no place to build the {name} kernel: {e}") from None
         os.close(fd)
         try:
             result = subprocess.run([*command, "-o", tmp, source_path, "-lm"], capture_output=True, text=True)

@@ -121,6 +121,14 @@ def test_a_compiler_that_cannot_run_leaves_the_torch_path_serving(tmp_path, monk
     assert not list((tmp_path / "cache").rglob("*.so")), "no half-made build left behind"
 
 
+def test_a_kernel_cache_that_cannot_be_written_leaves_the_torch_path_serving(tmp_path, monkeypatch):
+    source = tmp_path / "tiny.c"
+    source.write_text("int one(void) { return 1; }\n")
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file" / "cache"))  # as a home not the user's
+    assert c_kernels.build_or_none(str(source), (), "torch") is None
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for x86-64-v2")
 def test_the_portable_kernel_is_as_exact_as_the_native_one(monkeypatch):
     """The kernel built without AVX-512 or F16C (its scalar loops and software float16 conversion: what machines
