@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,8 @@ class Parking:
     def __init__(self, cache_address: str | None, security: ChannelSecurity | None = None):
         self.cache_address = cache_address
         self._cache = CacheClient(cache_address, security) if cache_address else None
+        # Frees pages for a restore short of them, as KV pressure does (parks idle conversations; turns.py).
+        self.make_room: Callable[[Engine, int], Awaitable[None]] | None = None
 
     async def park(self, engine: Engine, conversation: Conversation) -> executor_pb2.ParkPagesReply:
         """Move its pages to the cache; the caller holds the conversation's turn lock."""
@@ -153,8 +155,11 @@ class Parking:
         )
         if not tokens:
             return NOTHING
-        page_size = engine.scheduler.config.page_size
-        pages = engine.scheduler.take_pages(-(-tokens // page_size))
+        need = -(-tokens // engine.scheduler.config.page_size)
+        pages = engine.scheduler.take_pages(need)
+        if pages is None and self.make_room is not None:
+            await self.make_room(engine, need)
+            pages = engine.scheduler.take_pages(need)
         if pages is None:
             return self._fall_back(conversation, "the pool has no room for the snapshot now")
         states = self._take_state_slots(engine, conversation)

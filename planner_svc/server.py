@@ -24,6 +24,7 @@ from planner_svc.requests import Finish, Request
 from planner_svc.responses import ResponseStreams
 from planner_svc.scheduler import Scheduler, SchedulerConfig
 from planner_svc.turns import Turns
+from planner_svc.validation import InvalidRequest, check_named
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.auth import request_tenant
 from protos.layout import RowLayout
@@ -64,6 +65,13 @@ def build_engine(
     return Engine(
         scheduler, link, inflight_plans=config.inflight_plans, executor_timeout=config.executor_timeout
     )
+
+
+async def _check_named(context: grpc.aio.ServicerContext, field: str, value: str) -> None:
+    try:
+        check_named(field, value)
+    except InvalidRequest as error:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
 
 class PlannerServicer(client_pb2_grpc.PlannerServicer):
@@ -185,6 +193,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         return req.tenant
 
     async def Abort(self, request: client_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+        await _check_named(context, "request_id", request.request_id)
         # Within the caller's tenant only: another tenant's request of the same id is not the caller's.
         key = (await request_tenant(context, request.tenant), request.request_id)
         found = self._requests.get(key)
@@ -198,6 +207,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         return client_pb2.AbortResponse(aborted=any(aborted))
 
     async def Park(self, request: client_pb2.ParkRequest, context: grpc.aio.ServicerContext):
+        await _check_named(context, "conversation_id", request.conversation_id)
         try:
             reply, conversation = await self.turns.park(
                 await request_tenant(context, request.tenant), request.conversation_id
@@ -211,6 +221,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
     async def Resume(self, request: client_pb2.ResumeRequest, context: grpc.aio.ServicerContext):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.draining)
+        await _check_named(context, "conversation_id", request.conversation_id)
         try:
             conversation = await self.turns.resume(
                 await request_tenant(context, request.tenant), request.conversation_id

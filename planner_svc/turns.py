@@ -30,6 +30,7 @@ class Turns:
         self._relieving: set[Engine] = set()
         for engine in engines:
             engine.on_blocked = self.relieve
+        parking.make_room = self.make_room
 
     def lock(self, conversation: Conversation) -> asyncio.Lock:
         """Held while a conversation is mounted, parked or restored, so those never interleave."""
@@ -148,9 +149,10 @@ class Turns:
             outcome = await self.parking.restore(engine, conversation) if not conversation.pages else None
         if outcome is None or outcome.restored:
             return conversation
+        if not conversation.tokens:  # opened by this call, or forgotten by the fall-back: leave no trace
+            engine.conversations.remove(conversation)
+            self._locks.pop(conversation.key, None)
         if outcome.status is Restore.NOTHING or outcome.missing:
-            if not conversation.tokens:  # opened by this call only: leave no trace
-                engine.conversations.remove(conversation)
             raise ParkError(grpc.StatusCode.NOT_FOUND, f"no parked conversation {conversation_id!r}")
         raise ParkError(
             grpc.StatusCode.DATA_LOSS if outcome.data_loss else grpc.StatusCode.UNAVAILABLE,
@@ -171,18 +173,32 @@ class Turns:
 
     async def _relieve(self, engine: Engine, conversation: Conversation) -> None:
         try:
-            async with self.lock(conversation):
-                if conversation.busy or not conversation.pages:
-                    return
-                try:
-                    await self.parking.park(engine, conversation)
-                except ParkError as error:
-                    log.warning(
-                        "KV pressure: dropping a conversation's pages; its next turn reads again",
-                        conversation=conversation.conversation_id,
-                        park_error=str(error),
-                    )
-                    engine.scheduler.return_pages(conversation.forget())
-                    engine.wake()
+            await self._park_or_drop(engine, conversation)
         finally:
             self._relieving.discard(engine)
+
+    async def make_room(self, engine: Engine, pages: int) -> None:
+        """A restore short of `pages`: park the coldest idle conversations, as under KV pressure, until that
+        many are free or none is left idle (the restoring conversation holds no pages: never one of them)."""
+        conversations = engine.scheduler.conversations
+        while conversations is not None and engine.scheduler.pages.free_count < pages:
+            coldest = conversations.coldest_idle()
+            if coldest is None:
+                return
+            await self._park_or_drop(engine, coldest)
+
+    async def _park_or_drop(self, engine: Engine, conversation: Conversation) -> None:
+        """Park an idle conversation's pages, or drop them (its next turn reads again) where it cannot be."""
+        async with self.lock(conversation):
+            if conversation.busy or not conversation.pages:
+                return
+            try:
+                await self.parking.park(engine, conversation)
+            except ParkError as error:
+                log.warning(
+                    "KV pressure: dropping a conversation's pages; its next turn reads again",
+                    conversation=conversation.conversation_id,
+                    park_error=str(error),
+                )
+                engine.scheduler.return_pages(conversation.forget())
+                engine.wake()

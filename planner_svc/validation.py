@@ -177,6 +177,13 @@ def _check_id(field: str, value: str) -> None:
         raise InvalidRequest(f"{field} has {len(value)} characters; at most {MAX_ID_CHARS}")
 
 
+def check_named(field: str, value: str) -> None:
+    """Park, Resume and Abort name what they act on: not empty, not over MAX_ID_CHARS (never echoed whole)."""
+    if not value:
+        raise InvalidRequest(f"{field} is empty")
+    _check_id(field, value)
+
+
 def check_generate(request: client_pb2.GenerateRequest, limits: Limits) -> None:
     """Everything that can be checked before the prompt is tokenized."""
     _check_id("request_id", request.request_id)

@@ -285,6 +285,18 @@ async def test_unknown_conversation_and_busy_park(cached):
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await client._stub.Resume(client_pb2.ResumeRequest(conversation_id="nobody"))
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        assert not any(key[1] == "nobody" for key in cached.stack.planner.turns._locks), "no trace left"
+        # Nothing named, or a name too long: refused as such (an empty id once resumed another's snapshot).
+        for call in (
+            client._stub.Park(client_pb2.ParkRequest(conversation_id="")),
+            client._stub.Resume(client_pb2.ResumeRequest(conversation_id="")),
+            client._stub.Resume(client_pb2.ResumeRequest(conversation_id="x" * 100_000)),
+            client._stub.Abort(client_pb2.AbortRequest(request_id="")),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+            assert len(caught.value.details()) < 100, "the id is not echoed whole"
 
 
 async def test_tenants_do_not_see_each_other(cached):
@@ -321,6 +333,32 @@ async def test_cache_down_generation_works_and_parking_is_refused(tmp_path):
             # nothing changed: the conversation still holds its pages and continues from them
             conversation = stack.stack.scheduler.conversations.get("default", "nocache")
             assert conversation.pages and not conversation.parked
+    finally:
+        await stack.stop()
+
+
+async def test_a_resume_short_of_pages_parks_idle_conversations_first(tmp_path):
+    """A parked conversation resumed while idle ones hold the pages it needs: the coldest idle ones are
+    parked to make room (as KV pressure parks them), and it is restored instead of reading its prompt again."""
+    stack = CachedStack(str(tmp_path), pool_pages=120)
+    await stack.start()
+    try:
+        s = stack.stack
+        async with PlannerClient(s.addr) as client:
+            await turn(client, [SYSTEM, {"role": "user", "content": "Big chat " * 570}], "big", max_tokens=2)
+            await s.wait_idle()
+            await client.park("big")
+            for name in ("idle-1", "idle-2"):
+                await turn(
+                    client, [SYSTEM, {"role": "user", "content": f"{name} " * 150}], name, max_tokens=2
+                )
+            await s.wait_idle()
+            big = s.scheduler.conversations.get("default", "big")
+            need = -(-len(big.tokens) // PAGE)
+            assert s.scheduler.pages.free_count < need, "the test needs a pool short of the snapshot"
+            resumed = await client.resume("big")
+            assert resumed.tokens == len(big.tokens) and big.pages
+            assert s.scheduler.conversations.get("default", "idle-1").parked
     finally:
         await stack.stop()
 
