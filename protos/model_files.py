@@ -51,6 +51,9 @@ def load_tokenizer(model: str | None):
     with TRANSFORMERS_IMPORTS:
         from transformers import AutoTokenizer  # slow import: only when a service needs a tokenizer
 
-        if os.path.isdir(path):
-            return AutoTokenizer.from_pretrained(path)
-        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        try:
+            if os.path.isdir(path):
+                return AutoTokenizer.from_pretrained(path)
+            return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        except Exception as err:  # transformers' own: files missing, GGUF metadata without tokens, ...
+            raise ValueError(f"{path}: cannot load its tokenizer: {err!r}") from None

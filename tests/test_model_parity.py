@@ -208,3 +208,79 @@ def test_unsupported_models_are_refused_clearly(tmp_path):
     empty.mkdir()
     with pytest.raises(ValueError, match="config.json is missing"):
         load_model(str(empty), "cpu", torch.float32)
+
+
+def _tiny_llama_dir(directory, **overrides):
+    """config.json of a tiny Llama (transformers' own class) and its random weights in one safetensors file."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=2,
+        **overrides,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def test_a_checkpoint_a_user_mangled_is_refused_naming_what_is_wrong(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    cases = {}
+    bad_json = _tiny_llama_dir(tmp_path / "bad-json")
+    (bad_json / "config.json").write_text('{"model_type": ')
+    cases["bad-json"] = "config.json is not valid JSON"
+    _tiny_llama_dir(tmp_path / "gelu", hidden_act="gelu")
+    cases["gelu"] = "hidden_act 'gelu' is not supported"
+    no_factor = _tiny_llama_dir(tmp_path / "no-factor")
+    config = json.loads((no_factor / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = {"type": "linear"}  # its factor missing
+    (no_factor / "config.json").write_text(json.dumps(config))
+    cases["no-factor"] = "config.json is incomplete or malformed"
+    truncated = _tiny_llama_dir(tmp_path / "truncated")
+    blob = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(blob[: len(blob) // 2])  # an interrupted download
+    cases["truncated"] = "model.safetensors cannot be read"
+    stale = _tiny_llama_dir(tmp_path / "stale")
+    save_file({"model.norm.weight": torch.ones(16)}, str(stale / "old.safetensors"))
+    cases["stale"] = "model.norm.weight is in more than one"
+    for name, says in cases.items():
+        with pytest.raises(ValueError, match=says):
+            load_model(str(tmp_path / name), "cpu", torch.float32)
+    from protos.model_files import load_tokenizer
+
+    with pytest.raises(ValueError, match="cannot load its tokenizer"):  # the planner's: no tokenizer files
+        load_tokenizer(str(stale))
+
+
+def test_stop_ids_come_from_generation_config_for_every_family(tmp_path):
+    """transformers' generate stops on generation_config.json's eos ids: so does every family (the hybrid
+    read config.json's only), and a null there keeps config.json's."""
+    import json
+
+    from executor_svc.models import qwen3_5
+    from executor_svc.models.dense import dense_config_from_hf
+    from tests.hybrid_model import TEXT_CONFIG
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 427]}))
+    hybrid = qwen3_5.read_hf_config({**TEXT_CONFIG, "model_type": "qwen3_5_text"}, str(tmp_path))
+    assert hybrid.eos_token_ids == (2, 427)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
+    hybrid = qwen3_5.read_hf_config({**TEXT_CONFIG, "model_type": "qwen3_5_text"}, str(tmp_path))
+    assert hybrid.eos_token_ids == (2,)
+    with pytest.raises(ValueError, match="hidden_act 'gelu_pytorch_tanh' is not supported"):
+        qwen3_5.read_hf_config({**TEXT_CONFIG, "hidden_act": "gelu_pytorch_tanh"}, str(tmp_path))
+    from transformers import LlamaConfig
+
+    dense = dense_config_from_hf(
+        {"eos_token_id": 7, "vocab_size": 64}, str(tmp_path), LlamaConfig, qk_norm=False
+    )
+    assert dense.eos_token_ids == (7,)

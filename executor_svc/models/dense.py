@@ -3,7 +3,6 @@ writing a paged KV pool. What the families differ in is configuration: biases, q
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from executor_svc.attention.prefill import PrefillAttention
 from executor_svc.attention.torch_ref import TorchDecode
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.dense_cpu import CpuDecodeLayers
+from executor_svc.models.family import check_activation, stop_ids
 from executor_svc.models.layers import Embedding, GatedMLP, Linear, RMSNorm, apply_rope
 from executor_svc.models.packed_kernel import MAX_ROWS
 from executor_svc.models.rope import default_inv_freq, hf_rope, rope_tables
@@ -93,19 +93,13 @@ def dense_config_from_hf(hf: dict[str, Any], path: str, config_class: Any, *, qk
     """A DenseConfig from config.json's contents, read through transformers' own config class (its defaults and
     rope spellings are the reference's); the stop ids are generation_config.json's where it names them, as
     `generate` uses them."""
+    check_activation(hf, path)
     hfc = config_class.from_dict(hf)
     head_dim = getattr(hfc, "head_dim", None) or hfc.hidden_size // hfc.num_attention_heads
     try:
         rope_type, theta, inv_freq, attention_factor = hf_rope(hfc, head_dim)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
-    eos = hf.get("eos_token_id")
-    generation_path = os.path.join(path, "generation_config.json")
-    if os.path.isfile(generation_path):
-        with open(generation_path) as f:
-            eos = json.load(f).get("eos_token_id", eos)
-    if eos is None:
-        raise ValueError(f"{path}: neither config.json nor generation_config.json names an eos_token_id")
     return DenseConfig(
         vocab_size=hfc.vocab_size,
         hidden_size=hfc.hidden_size,
@@ -118,7 +112,7 @@ def dense_config_from_hf(hf: dict[str, Any], path: str, config_class: Any, *, qk
         rms_eps=float(hfc.rms_norm_eps),
         max_seq_len=hfc.max_position_embeddings,
         tie_embeddings=bool(hfc.tie_word_embeddings),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+        eos_token_ids=stop_ids(hf, path),
         bos_token_id=hfc.bos_token_id,
         name=hf.get("_name_or_path") or os.path.basename(os.path.normpath(path)),
         rope_type=rope_type,

@@ -10,6 +10,8 @@ the supported ones listed.
 from __future__ import annotations
 
 import importlib
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -137,3 +139,32 @@ def family_for_gguf(architecture: str, path: str) -> ModelFamily:
     raise ValueError(
         f"{path}: GGUF architecture {architecture!r} is not supported; supported GGUF architectures: {supported}"
     )
+
+
+def read_json(path: str) -> dict[str, Any]:
+    """A checkpoint's JSON file; ValueError naming the file where it is not JSON."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+
+
+def stop_ids(hf: dict[str, Any], path: str) -> tuple[int, ...]:
+    """The stop ids as transformers' `generate` takes them: generation_config.json's where it names them, else
+    config.json's (`hf`, the text model's part of it); ValueError where neither does."""
+    eos = hf.get("eos_token_id")
+    generation_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(generation_path):
+        named = read_json(generation_path).get("eos_token_id")
+        eos = eos if named is None else named
+    if eos is None:
+        raise ValueError(f"{path}: neither config.json nor generation_config.json names an eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def check_activation(hf: dict[str, Any], path: str) -> None:
+    """The MLPs here are SiLU-gated: a checkpoint asking for another activation would serve wrong tokens."""
+    activation = hf.get("hidden_act", "silu")
+    if activation not in ("silu", "swish"):
+        raise ValueError(f"{path}: hidden_act {activation!r} is not supported (only 'silu')")

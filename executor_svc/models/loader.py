@@ -16,7 +16,7 @@ import torch
 
 from executor_svc.device import resolve_weights
 from executor_svc.models import dense_cpu
-from executor_svc.models.family import ExecutorModel, ModelFamily, family_for_gguf, family_for_hf
+from executor_svc.models.family import ExecutorModel, ModelFamily, family_for_gguf, family_for_hf, read_json
 from executor_svc.models.packed import PackedWeight, fuse_projections, install_packed
 from executor_svc.stage import StageOf
 from protos.layer_split import LayerRange
@@ -161,18 +161,29 @@ def _read_hf_dir(path: str) -> tuple[ModelFamily, Any, dict[str, torch.Tensor]]:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{path}: config.json is missing")
-    with open(config_path) as f:
-        hf = json.load(f)
+    hf = read_json(config_path)
     family = family_for_hf(hf, path)
-    config = family.read_hf_config(hf, path)
+    try:
+        config = family.read_hf_config(hf, path)
+    except (
+        KeyError,
+        TypeError,
+    ) as err:  # a field missing or of the wrong kind (e.g. a rope_scaling's factor)
+        raise ValueError(f"{path}: config.json is incomplete or malformed: {err!r}") from None
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"{path}: no *.safetensors file")
     weights = {}
     for file in files:  # a sharded checkpoint's files hold disjoint tensors
-        for stored, tensor in load_file(file).items():
+        try:
+            tensors = load_file(file)
+        except Exception as err:  # safetensors' own error type: a truncated or corrupt file
+            raise ValueError(f"{file} cannot be read (truncated or corrupt?): {err}") from None
+        for stored, tensor in tensors.items():
             name = family.hf_weight_name(stored)
             if name is None or (config.tie_embeddings and name == "lm_head.weight"):
                 continue  # not this model's (a tied head is the embedding; some checkpoints store a copy anyway)
+            if name in weights:  # two files hold it: a stale file beside the checkpoint's own
+                raise ValueError(f"{path}: {stored} is in more than one *.safetensors file (a stale one?)")
             weights[name] = tensor
     return family, config, weights

@@ -11,7 +11,7 @@ from typing import Any
 
 import structlog
 
-from executor_svc.models.family import ModelFamily
+from executor_svc.models.family import ModelFamily, check_activation, stop_ids
 from executor_svc.models.gguf_qwen3_5 import ARCHITECTURE, read_qwen35_gguf
 from executor_svc.models.qwen3_5_config import Qwen35Config
 from executor_svc.models.qwen3_5_model import Qwen35Model
@@ -56,9 +56,8 @@ def read_hf_config(hf: dict[str, Any], path: str) -> Qwen35Config:
     heads = text["num_attention_heads"]
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
     factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-    eos = text.get("eos_token_id", hf.get("eos_token_id"))
-    if eos is None:
-        raise ValueError(f"{path}: config.json names no eos_token_id")
+    check_activation(text, path)
+    eos = stop_ids({"eos_token_id": text.get("eos_token_id", hf.get("eos_token_id"))}, path)
     tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     return Qwen35Config(
         vocab_size=text["vocab_size"],
@@ -78,7 +77,7 @@ def read_hf_config(hf: dict[str, Any], path: str) -> Qwen35Config:
         rms_eps=float(text.get("rms_norm_eps", 1e-6)),
         max_seq_len=text.get("max_position_embeddings", 32768),
         tie_embeddings=bool(tie),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+        eos_token_ids=eos,
         bos_token_id=text.get("bos_token_id"),
         name=hf.get("_name_or_path") or os.path.basename(os.path.normpath(path)),
     )
