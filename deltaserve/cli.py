@@ -12,6 +12,7 @@ from deltaserve import aio, commands, serve
 from deltaserve.flag_groups import (
     add_cache_store_flags,
     add_client_flags,
+    add_executor_key_flag,
     add_global_flags,
     add_http_flags,
     add_http_port_flag,
@@ -118,7 +119,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add_model_flags(executor)
     add_stage_flags(executor)
     add_serve_flags(executor, port_number=EXECUTOR_PORT)
-    add_server_trust_flags(executor, api_keys=False, links=True)
+    add_server_trust_flags(executor, api_keys=True, links=True)
     executor.switch("--row-check", help="debug: compare every row a step reads with the planner's mirror")
     executor.option(
         "--cache",
@@ -146,6 +147,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     add_planner_flags(planner)
     add_server_trust_flags(planner, api_keys=True, links=True)
+    add_executor_key_flag(planner)
     planner.switch(
         "--row-check", help="debug: ship the mirror of every row read, for the executors to compare"
     )

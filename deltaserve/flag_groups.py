@@ -283,7 +283,8 @@ def add_server_trust_flags(flags: Flags, *, api_keys: bool, links: bool) -> None
             "--api-keys",
             metavar="FILE",
             help="require API keys: lines `<key> <tenant>` (# comments); the tenant * is the service key "
-            "that the planner and executors reach the cache with; unset: the API is open (one local tenant)",
+            "that the planner and executors reach the cache, and the planner its executors, with (an executor "
+            "takes service keys only); unset: the API is open (one local tenant)",
         )
     if links:
         flags.option(
@@ -297,6 +298,15 @@ def add_server_trust_flags(flags: Flags, *, api_keys: bool, links: bool) -> None
             metavar="KEY",
             help="the service key sent to the cache (a `* ` line of the cache's --api-keys)",
         )
+
+
+def add_executor_key_flag(flags: Flags) -> None:
+    """`planner`: the service key its executors require (`up` makes its own)."""
+    flags.option(
+        "--executor-api-key",
+        metavar="KEY",
+        help="the service key sent to the executors (a `* ` line of their --api-keys)",
+    )
 
 
 def add_http_port_flag(flags: Flags) -> None:

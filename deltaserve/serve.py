@@ -222,7 +222,7 @@ async def serve_up(
                 )
             )
             for addr in stages.executors:
-                if not await wait_for_executor(addr, stop, args.trust.self_link):
+                if not await wait_for_executor(addr, stop, args.trust.executor_link):
                     return 0
             planner_cfg.executor_groups, executor_addr = [stages.executors], stages.executors[-1]
             if stages.metrics:
@@ -249,7 +249,7 @@ async def serve_up(
             args.host,
             args.port,
             security=args.trust.server,
-            executor_channel=args.trust.self_link,  # its own executor, on loopback
+            executor_channel=args.trust.executor_link,  # its own executor, on loopback, with its service key
             cache_channel=args.trust.cache_link,
             metrics=registry,
         )
@@ -266,7 +266,7 @@ async def serve_up(
                 processes=args.http_workers if args.http_process else 0,
             )
             http_fields = {"http": f"{args.host}:{http_port}"}
-        described = await _describe_executor(executor_addr, args.trust.self_link)
+        described = await _describe_executor(executor_addr, args.trust.executor_link)
         await _serve_until_stopped(
             stop,
             addr=f"{args.host}:{planner.port}",
@@ -302,7 +302,7 @@ async def serve_executor(args: argparse.Namespace, config: ExecutorConfig, stop:
             metrics=registry,
         )
         servers.push_async_callback(executor.stop, SHUTDOWN_GRACE_S)
-        described = await _describe_executor(dial_address(args.host, executor.port), args.trust.self_link)
+        described = runner.describe()
         await _serve_until_stopped(
             stop,
             addr=f"{args.host}:{executor.port}",

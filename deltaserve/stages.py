@@ -8,12 +8,14 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 from deltaserve.flags import env_name
 from deltaserve.logs import get_logger
 from deltaserve.trust import Trust
 from executor_svc.config import ExecutorConfig
+from protos.auth import SERVICE
 from protos.layer_split import split_layers
 
 log = get_logger("deltaserve.stages")
@@ -125,6 +127,12 @@ def stage_processes(
         env[env_name("--log-json")] = "1" if log_json else "0"
     if trust.cache_link.api_key:  # up's own service key for its cache, never on a command line
         env[env_name("--cache-api-key")] = trust.cache_link.api_key
+    keys_file = None
+    if trust.executor_link.api_key:  # the stages take up's own service key alone, from a file only it reads
+        keys_file = tempfile.NamedTemporaryFile("w", prefix="deltaserve-stage-keys-", suffix=".txt")
+        keys_file.write(f"{trust.executor_link.api_key} {SERVICE}\n")
+        keys_file.flush()
+        env[env_name("--api-keys")] = keys_file.name
     processes = []
     try:
         for stage, port, metrics_port in zip(plans, ports, metrics_ports, strict=True):
@@ -151,3 +159,5 @@ def stage_processes(
                 process.wait(30)
             except subprocess.TimeoutExpired:
                 process.kill()
+        if keys_file is not None:
+            keys_file.close()  # deletes it

@@ -18,6 +18,7 @@ class Trust:
     executor_link: ChannelSecurity = field(default_factory=ChannelSecurity)  # the planner's to executors
     cache_link: ChannelSecurity = field(default_factory=ChannelSecurity)  # to the cache: TLS, service key
     self_link: ChannelSecurity = field(default_factory=ChannelSecurity)  # to its own port (its checks)
+    executor_keys: ApiKeys | None = None  # what an executor's port takes: service keys only (None: open)
 
     @property
     def planner_link(self) -> ChannelSecurity:
@@ -27,8 +28,9 @@ class Trust:
 
     @property
     def executor_server(self) -> ServerSecurity:
-        """The executor's port: TLS (mTLS with --tls-client-ca) and no API keys (its callers are planners)."""
-        return ServerSecurity(tls=self.server.tls)
+        """The executor's port: TLS (mTLS with --tls-client-ca) and, where keys are set, the service keys alone:
+        its callers are planners, and a tenant reaching it directly could read any tenant's snapshot."""
+        return ServerSecurity(tls=self.server.tls, keys=self.executor_keys)
 
 
 def with_service_key(keys: ApiKeys, key: str) -> ApiKeys:
@@ -49,9 +51,13 @@ def trust_from_args(args: argparse.Namespace) -> Trust:
         tls.credentials()  # read the files now: a missing one fails the start, naming it
     ca = getattr(args, "tls_ca", None)
     cache_key = getattr(args, "cache_api_key", None)
-    if args.command == "up" and keys is not None and cache_key is None and args.cache == "auto":
-        cache_key = secrets.token_urlsafe(32)  # known to this process only
-        keys = with_service_key(keys, cache_key)
+    executor_key = getattr(args, "executor_api_key", None)
+    if args.command == "up" and keys is not None:
+        # Its planner's key to its own executor (and stages), and to the cache it starts: this process's alone.
+        executor_key = secrets.token_urlsafe(32)
+        keys = with_service_key(keys, executor_key)
+        if cache_key is None and args.cache == "auto":
+            cache_key = executor_key
     if args.command == "up" and tls is not None and ca is None:
         ca = tls.cert  # its own services: a self-signed --tls-cert is its own root
     link_tls = None
@@ -63,9 +69,10 @@ def trust_from_args(args: argparse.Namespace) -> Trust:
         self_tls = ClientTLS(ca=ca or tls.cert, cert=tls.cert, key=tls.key)
     return Trust(
         server=ServerSecurity(tls=tls, keys=keys),
-        executor_link=ChannelSecurity(tls=link_tls),
+        executor_link=ChannelSecurity(tls=link_tls, api_key=executor_key),
         cache_link=ChannelSecurity(tls=link_tls, api_key=cache_key),
         self_link=ChannelSecurity(tls=self_tls),
+        executor_keys=keys.services() if keys is not None else None,
     )
 
 

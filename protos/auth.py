@@ -66,6 +66,10 @@ class ApiKeys:
     def caller(self, key: str) -> Caller | None:
         return self._callers.get(_digest(key))
 
+    def services(self) -> ApiKeys:
+        """The service keys alone: what an executor takes (its callers are planners, never tenants)."""
+        return ApiKeys({d: c for d, c in self._callers.items() if c.service}, self.source)
+
 
 def parse_keys(text: str, source: str = "the key file") -> ApiKeys:
     """The keys of a key file's text; KeyFileError naming the first malformed line."""

@@ -979,6 +979,15 @@ def test_trust_flags_and_a_bad_key_file_fail_the_start_naming_the_line(tmp_path)
     assert trust.server.keys is not None and len(trust.server.keys) == 2  # and up's own service key
     assert trust.cache_link.api_key and trust.server.keys.caller(trust.cache_link.api_key).service
     assert cache_config(up).tenant_budget_bytes == GIB // 4
+    # Its executor takes service keys alone (its own planner's among them), never a tenant's.
+    assert trust.executor_server.keys is not None and trust.executor_link.api_key
+    assert trust.executor_server.keys.caller(trust.executor_link.api_key).service
+    assert trust.executor_server.keys.caller("alice-key-0123456789") is None
+    keys.write_text("alice-key-0123456789 alice\nservice-key-0123456789 *\n")
+    executor = trust_from_args(parse(["executor", "--api-keys", str(keys)]))
+    assert executor.executor_server.keys is not None and len(executor.executor_server.keys) == 1
+    planner = parse(["planner", "--executor", "h:1", "--executor-api-key", "service-key-0123456789"])
+    assert trust_from_args(planner).executor_link.api_key == "service-key-0123456789"
     client = parse(
         ["generate", "--max-tokens", "1", "--text", "x"], DELTASERVE_API_KEY="k-1", DELTASERVE_TLS_CA="ca"
     )

@@ -178,6 +178,8 @@ async def test_up_layer_split_runs_the_stages_as_processes(tmp_path):
         "--buckets",
         "1,2",
     )
+    keys = tmp_path / "keys.txt"
+    keys.write_text("split-key-0123456789 alice\n")
     port = free_port()
     up = Serving(
         tmp_path / "up.log",
@@ -191,6 +193,8 @@ async def test_up_layer_split_runs_the_stages_as_processes(tmp_path):
         "off",
         "--metrics-port",
         str(free_port()),
+        "--api-keys",  # the stages take up's own service key alone (a file only up and they read)
+        str(keys),
     )
     try:
         await until(lambda: _planner_listening(up, port), 180, "up's planner listening")
@@ -202,6 +206,8 @@ async def test_up_layer_split_runs_the_stages_as_processes(tmp_path):
             "--ignore-eos",
             "--addr",
             f"127.0.0.1:{port}",
+            "--api-key",
+            "split-key-0123456789",
         )
         split = deltaserve_json("generate", *asked)
         stages = [e for e in up.events() if e["event"] == "starting stage"]

@@ -82,6 +82,7 @@ def test_up_serves_http_beside_grpc_and_http_runs_alone_with_the_same_keys(tmp_p
             )
             answers.append(reply.choices[0].message.content)
         assert answers[0] == answers[1] and answers[0]
+        asyncio.run(executor_takes_only_the_service_key(listening["executor"]))
         check_metrics(f"http://127.0.0.1:{http_port}/v1", f"127.0.0.1:{port}", metrics_port)
     finally:
         codes = [alone.stop() if alone is not None else 0, up.stop()]
@@ -145,3 +146,20 @@ def check_metrics(base: str, planner: str, metrics_port: int) -> None:
         "deltaserve_cache_evictions_total",
         (),
     ) in after
+
+
+async def executor_takes_only_the_service_key(executor: str) -> None:
+    """`up --api-keys`' executor answers its own planner alone: no key, and a tenant's, are UNAUTHENTICATED (its
+    Restore would hand any tenant's parked conversation to whoever dialled its port)."""
+    import grpc
+
+    from protos import executor_pb2, executor_pb2_grpc
+    from protos.rpc import open_channel
+
+    for key in (None, ALICE):
+        async with open_channel(executor, ChannelSecurity(api_key=key)) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await executor_pb2_grpc.ExecutorStub(channel).Describe(
+                    executor_pb2.DescribeRequest(), timeout=10
+                )
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value.details()
