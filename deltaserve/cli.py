@@ -38,6 +38,7 @@ from deltaserve.serve import CACHE_PORT, EXECUTOR_PORT, HTTP_PORT, PLANNER_PORT
 from deltaserve.stage_flags import add_executor_group_flag, add_layer_split_flag, add_stage_flags
 from deltaserve.trust import trust_from_args
 from executor_svc.c_kernels import KernelUnavailable
+from protos.tls import TLSConfigError
 
 log = get_logger("deltaserve.cli")
 
@@ -269,7 +270,11 @@ def _serving(args: argparse.Namespace):
 def _run(args: argparse.Namespace) -> int:
     name = command_name(args)
     if name in _CLIENT_COMMANDS:
-        return aio.run(functools.partial(_CLIENT_COMMANDS[name], args))
+        try:
+            return aio.run(functools.partial(_CLIENT_COMMANDS[name], args))
+        except TLSConfigError as error:  # e.g. --tls-ca naming no file, --tls-cert without --tls-key
+            print(f"deltaserve {name}: error: {error}", file=sys.stderr)
+            return 2
     try:
         serving = _serving(args)
     except ValueError as error:  # a config's own check, e.g. a page size that is not a power of two

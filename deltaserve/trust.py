@@ -7,7 +7,7 @@ import argparse
 import secrets
 from dataclasses import dataclass, field
 
-from protos.auth import SERVICE, ApiKeys, Caller, load_keys, parse_keys
+from protos.auth import SERVICE, ApiKeys, Caller, KeyFileError, load_keys, parse_keys
 from protos.rpc import ChannelSecurity, ServerSecurity
 from protos.tls import ClientTLS, server_tls
 
@@ -49,9 +49,14 @@ def trust_from_args(args: argparse.Namespace) -> Trust:
     keys = load_keys(args.api_keys) if getattr(args, "api_keys", None) else None
     if tls is not None:
         tls.credentials()  # read the files now: a missing one fails the start, naming it
+        tls.check()
     ca = getattr(args, "tls_ca", None)
     cache_key = getattr(args, "cache_api_key", None)
     executor_key = getattr(args, "executor_api_key", None)
+    if args.command == "up" and keys is not None and cache_key is not None and args.cache == "auto":
+        caller = keys.caller(cache_key)
+        if caller is None or not caller.service:  # the cache up starts takes --api-keys' service keys
+            raise KeyFileError(f"--cache-api-key is not a service key (a `* ` line) of {keys.source}")
     if args.command == "up" and keys is not None:
         # Its planner's key to its own executor (and stages), and to the cache it starts: this process's alone.
         executor_key = secrets.token_urlsafe(32)

@@ -119,7 +119,14 @@ class Parking:
         try:
             reply = await asyncio.shield(rpc)
         except grpc.aio.AioRpcError as error:
-            raise ParkError(error.code(), f"parking failed: {error.details()}") from error
+            code = error.code()
+            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                # The services' own key was refused (a --cache-api-key the cache does not hold): not the caller's
+                raise ParkError(
+                    grpc.StatusCode.INTERNAL,
+                    f"parking failed: the cache refused the service's key (--cache-api-key): {error.details()}",
+                ) from error
+            raise ParkError(code, f"parking failed: {error.details()}") from error
         except LinkError as error:
             raise ParkError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from error
         finally:

@@ -84,6 +84,8 @@ def parse_keys(text: str, source: str = "the key file") -> ApiKeys:
         key, tenant = fields
         if len(key) < 16:
             raise KeyFileError(f"{where}: the key is shorter than 16 characters")
+        if not key.isascii() or not key.isprintable():  # gRPC metadata and HTTP headers carry no other
+            raise KeyFileError(f"{where}: the key has characters a key cannot send (printable ASCII only)")
         if tenant != SERVICE and not _TENANT_NAME.fullmatch(tenant):
             raise KeyFileError(
                 f"{where}: tenant {tenant[:64]!r} is not a name (letters, digits, . _ @ -) or {SERVICE}"
@@ -99,7 +101,7 @@ def parse_keys(text: str, source: str = "the key file") -> ApiKeys:
 
 def load_keys(path: str) -> ApiKeys:
     try:
-        with open(path, encoding="utf-8") as file:
+        with open(path, encoding="utf-8-sig") as file:  # an editor's byte-order mark is not the first key's
             text = file.read()
     except (OSError, UnicodeDecodeError) as error:
         raise KeyFileError(f"cannot read the key file {path}: {error}") from error

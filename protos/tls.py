@@ -29,6 +29,18 @@ class ServerTLS:
     key: str  # PEM private key
     client_ca: str | None = None  # PEM roots a client certificate must chain to (mTLS); None: no client cert
 
+    def check(self) -> None:
+        """TLSConfigError naming the files where the key is not the certificate's (gRPC would only fail to
+        listen, which reads as a port taken)."""
+        import ssl
+
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)
+        except (ssl.SSLError, OSError) as error:
+            raise TLSConfigError(
+                f"--tls-cert {self.cert} and --tls-key {self.key} are not a certificate and its key: {error}"
+            ) from None
+
     def credentials(self) -> grpc.ServerCredentials:
         pair = (_read(self.key, "TLS key"), _read(self.cert, "TLS certificate"))
         roots = _read(self.client_ca, "client CA") if self.client_ca else None

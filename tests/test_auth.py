@@ -45,6 +45,7 @@ def test_a_key_file_maps_keys_to_tenants_and_the_service():
         ("alice-key-0123456789 al/ice\n", "line 1: tenant 'al/ice' is not a name"),
         ("alice-key-0123456789 a\nalice-key-0123456789 b\n", "line 2: the key is listed twice"),
         ("# nothing\n\n", "no keys"),
+        ("alice-kéy-0123456789 alice\n", "line 1: the key has characters a key cannot send"),
     ],
 )
 def test_a_malformed_key_file_names_its_line_and_never_the_key(text, words):
@@ -60,6 +61,16 @@ def test_load_keys_reads_a_file_and_names_one_it_cannot_read(tmp_path):
     assert len(load_keys(str(path))) == 3
     with pytest.raises(KeyFileError, match="cannot read the key file"):
         load_keys(str(tmp_path / "missing"))
+    path.write_bytes(f"\ufeff{ALICE} alice\n".encode())  # an editor's byte-order mark before the first key
+    assert load_keys(str(path)).caller(ALICE) is not None
+
+
+def test_a_certificate_with_another_certificates_key_is_refused_naming_both(tmp_path):
+    pki = make_pki(str(tmp_path))
+    ServerTLS(pki.server.cert, pki.server.key).check()
+    with pytest.raises(TLSConfigError, match="are not a certificate and its key") as error:
+        ServerTLS(pki.server.cert, pki.client.key).check()
+    assert pki.server.cert in str(error.value) and pki.client.key in str(error.value)
 
 
 def test_bearer_key_reads_the_authorization_entry():

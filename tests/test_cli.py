@@ -471,6 +471,20 @@ def test_a_users_mistake_at_start_is_one_line_not_a_traceback(tmp_path):
             assert "Traceback" not in done.stderr, done.stderr
 
 
+def test_a_client_commands_bad_tls_option_is_one_line(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "deltaserve", "generate", "--text", "a", "--max-tokens", "1"]
+        + ["--tls-ca", str(tmp_path / "nope.pem"), "--addr", "127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=REPO,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "deltaserve generate: error: cannot read the TLS CA" in done.stderr
+
+
 def test_a_config_check_fails_the_command_before_loading_anything(capsys, restore_logging):
     assert main(["--log-level", "error", "up", "--page-size", "3"]) == 2
     assert "page_size must be a power of two" in capsys.readouterr().err
@@ -983,6 +997,8 @@ def test_trust_flags_and_a_bad_key_file_fail_the_start_naming_the_line(tmp_path)
     assert trust.executor_server.keys is not None and trust.executor_link.api_key
     assert trust.executor_server.keys.caller(trust.executor_link.api_key).service
     assert trust.executor_server.keys.caller("alice-key-0123456789") is None
+    with pytest.raises(KeyFileError, match="--cache-api-key is not a service key"):  # its own cache's
+        trust_from_args(parse(["up", "--api-keys", str(keys), "--cache-api-key", "alice-key-0123456789"]))
     keys.write_text("alice-key-0123456789 alice\nservice-key-0123456789 *\n")
     executor = trust_from_args(parse(["executor", "--api-keys", str(keys)]))
     assert executor.executor_server.keys is not None and len(executor.executor_server.keys) == 1

@@ -39,7 +39,9 @@ class Trusted:
         security = ChannelSecurity(tls=ClientTLS(ca=self.pki.ca.cert) if tls else None, api_key=key)
         return PlannerClient(self.addr, security)
 
-    async def start(self) -> None:
+    async def start(self, service_key: str = SERVICE) -> None:
+        """The stack, its executor reaching the cache with `service_key` (another than the cache's: a stack
+        misconfigured by its operator)."""
         from executor_svc.runner import build_runner
         from executor_svc.server import start_executor_server
         from planner_svc.server import start_planner_server
@@ -52,7 +54,7 @@ class Trusted:
         )
         self.servers.append(cache)
         cache_addr = f"127.0.0.1:{cache.port}"
-        to_cache = ChannelSecurity(tls=as_service, api_key=SERVICE)
+        to_cache = ChannelSecurity(tls=as_service, api_key=service_key)
         config = ExecutorConfig(device="cpu", dtype="float32", pool_pages=200, buckets=SMOL_BUCKETS)
         runner = await asyncio.to_thread(build_runner, config)
         executor = await start_executor_server(
@@ -138,6 +140,19 @@ async def test_prefix_pages_are_shared_within_a_tenant_only(trusted):
         other = await generate(bob)
     assert first.reused_tokens == 0 and again.reused_tokens == 32  # two full pages, one token left to read
     assert other.reused_tokens == 0  # B's identical prompt: none of A's pages
+
+
+async def test_a_service_key_the_cache_refuses_is_internal_not_the_callers_unauthenticated(tmp_path):
+    """The operator's mistake (an executor's --cache-api-key the cache does not hold) is not the tenant's:
+    the park fails INTERNAL naming the service's key, where it answered the tenant UNAUTHENTICATED."""
+    stack = Trusted(str(tmp_path))
+    await stack.start(service_key="not-the-service-key-0123456789")
+    try:
+        async with stack.client(ALICE) as client:
+            await generate(client, "misconfigured")
+            await expect(client.park("misconfigured"), grpc.StatusCode.INTERNAL, "--cache-api-key")
+    finally:
+        await stack.stop()
 
 
 async def test_a_tenant_cannot_see_park_resume_or_name_anothers_conversation(trusted):
