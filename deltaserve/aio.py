@@ -1,4 +1,5 @@
-"""Runs an async main on uvloop when installed, SIGINT/SIGTERM setting a stop event; races work against it."""
+"""Runs an async main on uvloop when installed, SIGINT/SIGTERM/SIGHUP setting a stop event; races work against
+it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Literal, TypeVar
 
 T = TypeVar("T")
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP too: a closed terminal or a "reload" would otherwise kill the process without its drain (nothing is
+# reloaded: keys, certificates and flags are read at start).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:

@@ -30,6 +30,10 @@ async def start_http_api(
     count = count_into(metrics) if metrics is not None else None
     if processes:
         from deltaserve.http_process import GatewaySpec, start_gateway_process
+        from gateway_svc.http_server import check_free
+
+        if processes > 1 and port:
+            check_free(args.host, port)
 
         for _ in range(processes):
             spec = GatewaySpec(

@@ -6,6 +6,7 @@ answers are still counted in the parent's metrics registry: the child sends (pat
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -73,24 +74,64 @@ async def _serve(spec: GatewaySpec, conn: Connection, stop: asyncio.Event) -> No
 
 @dataclass(slots=True)
 class GatewayProcess:
-    port: int
+    """One child serving the HTTP API; one that dies unasked (killed, crashed) is logged and started again on
+    its port, so the API does not stay down behind a parent that still looks healthy."""
+
+    spec: GatewaySpec  # its port the one it listens on
+    count: Count | None
     process: multiprocessing.process.BaseProcess
     conn: Connection
+    stopping: bool = False
+
+    @property
+    def port(self) -> int:
+        return self.spec.port
+
+    def watch(self) -> None:
+        asyncio.get_running_loop().add_reader(self.conn.fileno(), self._read)
+
+    def _read(self) -> None:  # on the parent's loop: one message per answer, never per token
+        try:
+            while self.conn.poll():
+                path, status = self.conn.recv()
+                if self.count is not None:
+                    self.count(path, status)
+        except EOFError:  # the child is gone
+            loop = asyncio.get_running_loop()
+            loop.remove_reader(self.conn.fileno())
+            if not self.stopping:
+                loop.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
+        log.error("the HTTP API's process exited; starting another", exitcode=self.process.exitcode)
+        self.conn.close()
+        try:
+            self.process, self.conn, _ = await _spawn(self.spec)
+        except OSError as error:
+            log.error("the HTTP API is down: its process could not be started again", error=str(error))
+            return
+        if self.stopping:  # asked to stop while it started
+            self.process.kill()
+            return
+        log.info("the HTTP API's process started again", port=self.port)
+        self.watch()
 
     async def stop(self) -> None:
         """SIGTERM: the child stops listening and gives open streams their grace, then exits."""
+        self.stopping = True
         self.process.terminate()
         await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
         if self.process.is_alive():
             self.process.kill()
             await asyncio.to_thread(self.process.join)
-        asyncio.get_running_loop().remove_reader(self.conn.fileno())
-        self.conn.close()
+        if not self.conn.closed:
+            asyncio.get_running_loop().remove_reader(self.conn.fileno())
+            self.conn.close()
 
 
-async def start_gateway_process(spec: GatewaySpec, count: Count | None) -> GatewayProcess:
-    """The child started and listening (its port known), its answers counted with `count` (with
-    spec.counted); OSError saying why it did not start."""
+async def _spawn(spec: GatewaySpec) -> tuple[multiprocessing.process.BaseProcess, Connection, int]:
+    """A child started and listening, and its port; OSError saying why it did not start."""
     ours, theirs = multiprocessing.Pipe()  # duplex: the child sees the parent go
     process = multiprocessing.get_context("spawn").Process(
         target=_child, args=(spec, theirs), name="deltaserve-http", daemon=True
@@ -102,16 +143,15 @@ async def start_gateway_process(spec: GatewaySpec, count: Count | None) -> Gatew
     if message[0] != "port":
         process.kill()
         process.join()
+        ours.close()
         raise OSError(f"the HTTP API's process did not start: {message[1]}")
+    return process, ours, message[1]
 
-    def counted() -> None:  # on the parent's loop: one message per answer, never per token
-        try:
-            while ours.poll():
-                path, status = ours.recv()
-                if count is not None:
-                    count(path, status)
-        except EOFError:
-            asyncio.get_running_loop().remove_reader(ours.fileno())
 
-    asyncio.get_running_loop().add_reader(ours.fileno(), counted)
-    return GatewayProcess(message[1], process, ours)
+async def start_gateway_process(spec: GatewaySpec, count: Count | None) -> GatewayProcess:
+    """The child started and listening (its port known), its answers counted with `count` (with
+    spec.counted); OSError saying why it did not start."""
+    process, conn, port = await _spawn(spec)
+    started = GatewayProcess(dataclasses.replace(spec, port=port), count, process, conn)
+    started.watch()
+    return started

@@ -70,6 +70,12 @@ def _listen(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
+def check_free(host: str, port: int) -> None:
+    """OSError naming the port where anything listens on it: workers bind it with SO_REUSEPORT, which would
+    share it silently with another group of workers (a second `http --workers`) instead of failing."""
+    _listen(host, port, reuse_port=False).close()
+
+
 async def start_gateway(
     planner_addr: str,
     host: str = "127.0.0.1",

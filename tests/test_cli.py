@@ -871,13 +871,14 @@ class Serving:
             assert time.monotonic() < deadline, f"no listening line within {timeout:g} s"
             time.sleep(0.2)
 
-    def stop(self) -> int:
-        """SIGTERM, then the exit code (a clean stop logs "stopping", then "stopped" last)."""
-        self.process.send_signal(signal.SIGTERM)
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
+        """SIGTERM (or `sig`), then the exit code (a clean stop logs "stopping", then "stopped" last)."""
+        self.process.send_signal(sig)
         return self.process.wait(timeout=60)
 
 
-def test_cache_serve_answers_ls_rm_stat_and_stops_cleanly_on_sigterm(tmp_path):
+def test_cache_serve_answers_ls_rm_stat_and_stops_cleanly_on_sighup(tmp_path):
+    """SIGHUP (a closed terminal, a reload that is not one) stops as SIGTERM does: it used to kill at once."""
     port = free_port()
     cache_dir = tmp_path / "snapshots"
     serving = Serving(
@@ -896,7 +897,7 @@ def test_cache_serve_answers_ls_rm_stat_and_stops_cleanly_on_sigterm(tmp_path):
         assert missing.returncode == 1
         assert missing.stderr.startswith("error: NOT_FOUND: ") and "nobody" in missing.stderr
     finally:
-        code = serving.stop()
+        code = serving.stop(signal.SIGHUP)
     assert code == 0 and serving.events()[-1]["event"] == "stopped", serving.log_path.read_text()
     assert (cache_dir / "index.sqlite3").exists()
     unreachable = deltaserve("cache", "stat", "--addr", f"127.0.0.1:{port}")

@@ -65,6 +65,7 @@ def test_up_serves_http_beside_grpc_and_http_runs_alone_with_the_same_keys(tmp_p
             "2",
         )
         assert alone.wait_listening(60)["addr"] == f"127.0.0.1:{alone_port}"
+        a_second_group_of_workers_on_the_port_is_refused(http_port, port)
         answers = []
         for served in (http_port, alone_port):
             base = f"http://127.0.0.1:{served}"
@@ -84,6 +85,7 @@ def test_up_serves_http_beside_grpc_and_http_runs_alone_with_the_same_keys(tmp_p
         assert answers[0] == answers[1] and answers[0]
         asyncio.run(executor_takes_only_the_service_key(listening["executor"]))
         check_metrics(f"http://127.0.0.1:{http_port}/v1", f"127.0.0.1:{port}", metrics_port)
+        a_worker_killed_is_started_again(up, http_port)
     finally:
         codes = [alone.stop() if alone is not None else 0, up.stop()]
     assert codes == [0, 0], (up.log_path.read_text()[-2000:], alone and alone.log_path.read_text()[-2000:])
@@ -163,3 +165,62 @@ async def executor_takes_only_the_service_key(executor: str) -> None:
                     executor_pb2.DescribeRequest(), timeout=10
                 )
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value.details()
+
+
+def _http_children(parent: int) -> list[int]:
+    """The HTTP API's processes under `parent` (multiprocessing's spawned children, not its resource tracker)."""
+    import os
+
+    found = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if ppid == parent and b"spawn_main" in cmdline:
+            found.append(pid)
+    return found
+
+
+def a_worker_killed_is_started_again(up: Serving, http_port: int) -> None:
+    """SIGKILL of one HTTP process of `up --http-workers 2`: logged, another started on the port, and every
+    request answered again (one in two went nowhere, with the parent still healthy)."""
+    import os
+    import signal
+    import time
+
+    before = _http_children(up.process.pid)
+    assert len(before) == 2, before
+    os.kill(before[0], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    events = ("the HTTP API's process exited; starting another", "the HTTP API's process started again")
+    for event in events:
+        while not any(e["event"] == event for e in up.events()):
+            assert time.monotonic() < deadline, f"no {event!r} line"
+            time.sleep(0.2)
+    assert len(set(_http_children(up.process.pid)) - {before[0]}) == 2
+    for _ in range(6):
+        assert httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=10).status_code == 200
+
+
+def a_second_group_of_workers_on_the_port_is_refused(http_port: int, planner_port: int) -> None:
+    """Workers share their port through SO_REUSEPORT: a second `http --workers` on it would have shared it
+    silently (a third of the answers from the wrong planner); it is refused, naming the port."""
+    import subprocess
+    import sys
+
+    from tests.test_cli import REPO, cli_env
+
+    argv = ["http", "--port", str(http_port), "--workers", "2", "--planner", f"127.0.0.1:{planner_port}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "deltaserve", *argv],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=REPO,
+        timeout=120,
+    )
+    assert done.returncode == 1 and f"port {http_port} is taken" in done.stderr, done.stderr
