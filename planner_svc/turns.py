@@ -143,13 +143,14 @@ class Turns:
         """Restore a parked conversation's pages (ParkError: NOT_FOUND with nothing to restore,
         FAILED_PRECONDITION while a turn runs on it, DATA_LOSS for a snapshot that failed its checks,
         UNAVAILABLE for any other refusal)."""
+        opened = self.find(tenant, conversation_id)[1] is None
         engine, conversation = self.route(tenant, conversation_id)
         async with self.lock(conversation):
             await self._previous_turn_done(engine, conversation)
             outcome = await self.parking.restore(engine, conversation) if not conversation.pages else None
         if outcome is None or outcome.restored:
             return conversation
-        if not conversation.tokens:  # opened by this call, or forgotten by the fall-back: leave no trace
+        if opened and not conversation.tokens:  # opened by this call only: leave no trace, its lock neither
             engine.conversations.remove(conversation)
             self._locks.pop(conversation.key, None)
         if outcome.status is Restore.NOTHING or outcome.missing:
