@@ -457,14 +457,7 @@ def test_a_users_mistake_at_start_is_one_line_not_a_traceback(tmp_path):
             (["cache", "serve", "--cache-dir", str(a_file)], "File exists"),
             (["cache", "serve", "--cache-dir", str(tmp_path / "c"), "--port", str(port)], "taken"),
         ):
-            done = subprocess.run(
-                [sys.executable, "-m", "deltaserve", "--log-json", *argv],
-                capture_output=True,
-                text=True,
-                env=cli_env(),
-                cwd=REPO,
-                timeout=120,
-            )
+            done = deltaserve("--log-json", *argv)
             command = " ".join(argv[:2] if argv[0] == "cache" else argv[:1])
             assert done.returncode == 1, done.stderr
             assert f"deltaserve {command}: error: " in done.stderr and says in done.stderr, done.stderr
@@ -472,14 +465,16 @@ def test_a_users_mistake_at_start_is_one_line_not_a_traceback(tmp_path):
 
 
 def test_a_client_commands_bad_tls_option_is_one_line(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "deltaserve", "generate", "--text", "a", "--max-tokens", "1"]
-        + ["--tls-ca", str(tmp_path / "nope.pem"), "--addr", "127.0.0.1:9"],
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        cwd=REPO,
-        timeout=120,
+    done = deltaserve(
+        "generate",
+        "--text",
+        "a",
+        "--max-tokens",
+        "1",
+        "--tls-ca",
+        str(tmp_path / "nope.pem"),
+        "--addr",
+        "127.0.0.1:9",
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "deltaserve generate: error: cannot read the TLS CA" in done.stderr

@@ -209,18 +209,8 @@ def a_worker_killed_is_started_again(up: Serving, http_port: int) -> None:
 def a_second_group_of_workers_on_the_port_is_refused(http_port: int, planner_port: int) -> None:
     """Workers share their port through SO_REUSEPORT: a second `http --workers` on it would have shared it
     silently (a third of the answers from the wrong planner); it is refused, naming the port."""
-    import subprocess
-    import sys
-
-    from tests.test_cli import REPO, cli_env
+    from tests.test_cli import deltaserve
 
     argv = ["http", "--port", str(http_port), "--workers", "2", "--planner", f"127.0.0.1:{planner_port}"]
-    done = subprocess.run(
-        [sys.executable, "-m", "deltaserve", *argv],
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        cwd=REPO,
-        timeout=120,
-    )
+    done = deltaserve(*argv)
     assert done.returncode == 1 and f"port {http_port} is taken" in done.stderr, done.stderr

@@ -211,20 +211,12 @@ def test_unsupported_models_are_refused_clearly(tmp_path):
 
 
 def _tiny_llama_dir(directory, **overrides):
-    """config.json of a tiny Llama (transformers' own class) and its random weights in one safetensors file."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A tiny random Llama (tests/tiny_families.py's linear-rope variant) saved with save_pretrained."""
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        eos_token_id=2,
-        **overrides,
-    )
-    LlamaForCausalLM(config).save_pretrained(directory)
+    from tests.tiny_families import hf_config
+
+    LlamaForCausalLM(hf_config("linear_biases", **overrides)).save_pretrained(directory)
     return directory
 
 
