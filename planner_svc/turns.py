@@ -4,6 +4,8 @@ snapshot first), one turn at a time under its turn lock, parking and relieving K
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import structlog
@@ -35,6 +37,24 @@ class Turns:
     def lock(self, conversation: Conversation) -> asyncio.Lock:
         """Held while a conversation is mounted, parked or restored, so those never interleave."""
         return self._locks.setdefault(conversation.key, asyncio.Lock())
+
+    @contextlib.asynccontextmanager
+    async def _locked(
+        self, tenant: str, conversation_id: str, *, opens: bool
+    ) -> AsyncIterator[tuple[Engine, Conversation]]:
+        """The conversation's engine and the conversation (opened where `opens` and none is), its lock held;
+        found again where a resume that had opened it removed it while this waited: nothing may run on a
+        conversation no longer registered (its pages would be nobody's)."""
+        while True:
+            engine, conversation = (
+                self.route(tenant, conversation_id) if opens else self.find(tenant, conversation_id)
+            )
+            if engine is None or conversation is None:
+                raise ParkError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
+            async with self.lock(conversation):
+                if engine.conversations.get(tenant, conversation_id) is conversation:
+                    yield engine, conversation
+                    return
 
     # ---- routing ----
 
@@ -81,9 +101,8 @@ class Turns:
 
         Raises ParkError (a turn already running, or the previous one not ending), ValueError and
         CapacityError for a request the scheduler refuses, ConnectionError for a lost executor."""
-        engine, conversation = self.route(tenant, conversation_id)
-        await self.prepare(engine, req)
-        async with self.lock(conversation):
+        await self.prepare(self.route(tenant, conversation_id)[0], req)
+        async with self._locked(tenant, conversation_id, opens=True) as (engine, conversation):
             mount = await self._mount(engine, conversation, req)
             queue = engine.submit(req)
             self._latest[conversation.key] = req
@@ -132,10 +151,7 @@ class Turns:
     ) -> tuple[executor_pb2.ParkPagesReply, Conversation]:
         """Move an idle conversation's pages to the cache (ParkError: NOT_FOUND, FAILED_PRECONDITION,
         the cache's status)."""
-        engine, conversation = self.find(tenant, conversation_id)
-        if engine is None or conversation is None:
-            raise ParkError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
-        async with self.lock(conversation):
+        async with self._locked(tenant, conversation_id, opens=False) as (engine, conversation):
             await self._previous_turn_done(engine, conversation)
             return await self.parking.park(engine, conversation), conversation
 
@@ -144,15 +160,14 @@ class Turns:
         FAILED_PRECONDITION while a turn runs on it, DATA_LOSS for a snapshot that failed its checks,
         UNAVAILABLE for any other refusal)."""
         opened = self.find(tenant, conversation_id)[1] is None
-        engine, conversation = self.route(tenant, conversation_id)
-        async with self.lock(conversation):
+        async with self._locked(tenant, conversation_id, opens=True) as (engine, conversation):
             await self._previous_turn_done(engine, conversation)
             outcome = await self.parking.restore(engine, conversation) if not conversation.pages else None
-        if outcome is None or outcome.restored:
-            return conversation
-        if opened and not conversation.tokens:  # opened by this call only: leave no trace, its lock neither
-            engine.conversations.remove(conversation)
-            self._locks.pop(conversation.key, None)
+            if outcome is None or outcome.restored:
+                return conversation
+            if opened and not conversation.tokens:  # opened by this call only: no trace, its lock neither
+                engine.conversations.remove(conversation)  # a waiter on the lock finds it gone (_locked)
+                self._locks.pop(conversation.key, None)
         if outcome.status is Restore.NOTHING or outcome.missing:
             raise ParkError(grpc.StatusCode.NOT_FOUND, f"no parked conversation {conversation_id!r}")
         raise ParkError(
@@ -182,20 +197,28 @@ class Turns:
         """A restore short of `pages`: park the coldest idle conversations, as under KV pressure, until that
         many are free or none is left idle (the restoring conversation holds no pages: never one of them)."""
         conversations = engine.scheduler.conversations
-        while conversations is not None and engine.scheduler.pages.free_count < pages:
+        if conversations is None:
+            return
+        idle = sum(len(c.pages) for c in conversations.every() if c.pages and c.idle)
+        if engine.scheduler.pages.free_count + idle < pages:
+            return  # parking every idle one would not make room: none is parked for nothing
+        while engine.scheduler.pages.free_count < pages:
             coldest = conversations.coldest_idle()
-            if coldest is None:
+            if coldest is None or not await self._park_or_drop(engine, coldest, drop=False):
                 return
-            await self._park_or_drop(engine, coldest)
 
-    async def _park_or_drop(self, engine: Engine, conversation: Conversation) -> None:
-        """Park an idle conversation's pages, or drop them (its next turn reads again) where it cannot be."""
+    async def _park_or_drop(self, engine: Engine, conversation: Conversation, drop: bool = True) -> bool:
+        """Park an idle conversation's pages, or (`drop`) drop them where it cannot be parked: its next turn
+        reads again. Whether anything was done (a conversation busy or without pages is left alone)."""
         async with self.lock(conversation):
             if conversation.busy or not conversation.pages:
-                return
+                return True  # not this one: the caller picks the next coldest
             try:
                 await self.parking.park(engine, conversation)
             except ParkError as error:
+                if not drop:  # making room for a restore: another's KV is not traded for a failed one
+                    log.warning("could not park a conversation to make room", error=str(error))
+                    return False
                 log.warning(
                     "KV pressure: dropping a conversation's pages; its next turn reads again",
                     conversation=conversation.conversation_id,
@@ -203,3 +226,4 @@ class Turns:
                 )
                 engine.scheduler.return_pages(conversation.forget())
                 engine.wake()
+            return True
