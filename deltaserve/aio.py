@@ -24,10 +24,13 @@ def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     return uvloop.new_event_loop
 
 
-def run(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+def run(
+    main: Callable[[asyncio.Event], Awaitable[T]], signals: tuple[signal.Signals, ...] = STOP_SIGNALS
+) -> T:
     """Runs `main(stop)` to completion and returns its result.
 
-    The first SIGINT or SIGTERM sets `stop`, so `main` can stop its servers with a grace period.
+    The first of `signals` (SIGINT, SIGTERM, SIGHUP) sets `stop`, so `main` can stop its servers with a grace
+    period.
     The handlers are removed at that point, so a second signal acts as usual (Ctrl-C raises
     KeyboardInterrupt, SIGTERM terminates) when a shutdown hangs.
     """
@@ -43,7 +46,9 @@ def run(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
                 loop.remove_signal_handler(sig)
             installed.clear()
 
-        for sig in STOP_SIGNALS:
+        for sig in signals:
+            if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:  # under nohup: left ignored
+                continue
             try:
                 loop.add_signal_handler(sig, on_signal)
             except (NotImplementedError, RuntimeError, ValueError):

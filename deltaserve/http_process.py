@@ -40,11 +40,17 @@ class GatewaySpec:
 
 
 def _child(spec: GatewaySpec, conn: Connection) -> None:
+    import signal
+
     from deltaserve import aio
     from deltaserve.logs import configure_logging
 
+    # A terminal's Ctrl-C or hang-up reaches the whole process group: the parent drains and stops this one
+    # (SIGTERM, or its pipe closing); a child exiting on its own would read as one that died.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     configure_logging(spec.log_level, spec.log_json, route_transformers=False, service="up")
-    aio.run(lambda stop: _serve(spec, conn, stop))  # uvloop, as every deltaserve process
+    aio.run(lambda stop: _serve(spec, conn, stop), signals=(signal.SIGTERM,))  # uvloop, as every process
 
 
 async def _serve(spec: GatewaySpec, conn: Connection, stop: asyncio.Event) -> None:
@@ -82,6 +88,7 @@ class GatewayProcess:
     process: multiprocessing.process.BaseProcess
     conn: Connection
     stopping: bool = False
+    restarting: asyncio.Task | None = None
 
     @property
     def port(self) -> int:
@@ -100,19 +107,21 @@ class GatewayProcess:
             loop = asyncio.get_running_loop()
             loop.remove_reader(self.conn.fileno())
             if not self.stopping:
-                loop.create_task(self._restart())
+                self.restarting = loop.create_task(self._restart())
 
     async def _restart(self) -> None:
         await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
-        log.error("the HTTP API's process exited; starting another", exitcode=self.process.exitcode)
         self.conn.close()
+        if self.stopping:
+            return
+        if self.process.exitcode == 0:  # stopped, not died: a SIGTERM to the whole group, the parent's next
+            log.warning("the HTTP API's process stopped (exit 0); not started again", port=self.port)
+            return
+        log.error("the HTTP API's process exited; starting another", exitcode=self.process.exitcode)
         try:
             self.process, self.conn, _ = await _spawn(self.spec)
         except OSError as error:
             log.error("the HTTP API is down: its process could not be started again", error=str(error))
-            return
-        if self.stopping:  # asked to stop while it started
-            self.process.kill()
             return
         log.info("the HTTP API's process started again", port=self.port)
         self.watch()
@@ -120,6 +129,8 @@ class GatewayProcess:
     async def stop(self) -> None:
         """SIGTERM: the child stops listening and gives open streams their grace, then exits."""
         self.stopping = True
+        if self.restarting is not None:  # let a restart under way finish: then there is one process to stop
+            await self.restarting
         self.process.terminate()
         await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
         if self.process.is_alive():
