@@ -213,7 +213,7 @@ def add_planner_flags(flags: Flags) -> None:
         type=float_in(0.0, 86400.0),
         default=30.0,
         metavar="S",
-        help="on SIGTERM or Ctrl-C: seconds running requests get to finish before they are cut; then "
+        help="on SIGTERM, SIGHUP or Ctrl-C: seconds running requests get to finish before they are cut; then "
         "every conversation in the KV pool is parked to the cache and the process exits",
     )
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import threading
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from cache_svc.config import CacheServiceConfig
 from deltaserve.aio import until_stopped
 from deltaserve.http_launch import start_http_api
 from deltaserve.logs import get_logger
@@ -38,20 +37,6 @@ LISTENED = (
 )  # this process's service got to listening: what fails after is no start-up mistake
 
 log = get_logger("deltaserve.serve")
-
-
-@dataclass(slots=True)
-class CacheServiceConfig:
-    root_dir: str  # where snapshots live (created when missing)
-    budget_bytes: int  # least recently used unpinned snapshots are evicted beyond it
-    tenant_budget_bytes: int | None = None  # each tenant's share (a put evicts its own tenant's only)
-
-    def __post_init__(self) -> None:
-        if not self.root_dir:
-            raise ValueError("the cache directory must not be empty")
-        self.root_dir = os.path.abspath(os.path.expanduser(self.root_dir))
-        if self.budget_bytes < 1:
-            raise ValueError(f"the cache budget must be at least one byte, got {self.budget_bytes}")
 
 
 # ---- configs from flags ----
@@ -286,6 +271,11 @@ async def serve_up(
 async def serve_executor(args: argparse.Namespace, config: ExecutorConfig, stop: asyncio.Event) -> int:
     from executor_svc.server import start_executor_server
 
+    if args.trust.executor_keys is None and args.trust.cache_link.api_key:
+        log.warning(  # its Restore reads any tenant's snapshot with that key, for whoever reaches the port
+            "this executor holds a service key for the cache but takes callers without keys: start it with "
+            "--api-keys (service keys only), or let only its planner reach the port (--tls-client-ca)"
+        )
     runner = await _load_runner(config)
     if stop.is_set():
         return 0

@@ -72,6 +72,8 @@ def trust_from_args(args: argparse.Namespace) -> Trust:
     self_tls = None
     if tls is not None:
         self_tls = ClientTLS(ca=ca or tls.cert, cert=tls.cert, key=tls.key)
+    if args.command == "executor" and keys is not None and not len(keys.services()):
+        raise KeyFileError(f"{keys.source} has no service key (a `* ` line): an executor takes no other")
     return Trust(
         server=ServerSecurity(tls=tls, keys=keys),
         executor_link=ChannelSecurity(tls=link_tls, api_key=executor_key),

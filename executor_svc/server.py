@@ -241,8 +241,8 @@ async def start_executor_server(
     """Serve Executor, grpc.health.v1 (SERVING) and reflection on host:port (0 = any free port).
 
     `cache` and `shard_layers` are ExecutorConfig's: the cache service Park and Restore use (None
-    refuses them) and the layers per snapshot shard. `security`: TLS on its port (the executor takes no
-    API keys: its callers are the planners, checked by mTLS where --tls-client-ca is given);
+    refuses them) and the layers per snapshot shard. `security`: TLS on its port and the keys it takes (the
+    service keys alone: its callers are the planners; mTLS checks them too where --tls-client-ca is given);
     `cache_channel`: how it reaches the cache (TLS, the service key); `metrics`: the registry its step times
     are read into when scraped (executor_metrics.py).
     """

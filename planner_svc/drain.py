@@ -1,4 +1,4 @@
-"""Draining a planner before it exits (SIGTERM, Ctrl-C): nothing new is taken, running requests get the
+"""Draining a planner before it exits (SIGTERM, SIGHUP, Ctrl-C): nothing new is taken, running requests get the
 drain timeout to finish and are then cut with UNAVAILABLE, every conversation still holding KV pages is
 parked to the cache; only then may the server stop (DESIGN §7, invariant 9)."""
 

@@ -121,10 +121,11 @@ class Parking:
         except grpc.aio.AioRpcError as error:
             code = error.code()
             if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                # The services' own key was refused (a --cache-api-key the cache does not hold): not the caller's
+                # The services' own key was refused (by the executor or the cache): the operator's, not the caller's
                 raise ParkError(
                     grpc.StatusCode.INTERNAL,
-                    f"parking failed: the cache refused the service's key (--cache-api-key): {error.details()}",
+                    "parking failed: a service key was refused (the planner's --executor-api-key or the "
+                    f"executor's --cache-api-key): {error.details()}",
                 ) from error
             raise ParkError(code, f"parking failed: {error.details()}") from error
         except LinkError as error:

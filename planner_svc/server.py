@@ -321,7 +321,15 @@ async def start_planner_server(
     descriptions = []
     for link in links:
         log.info("waiting for executor", executor=link.address)
-        descriptions.append(await link.describe())
+        try:
+            descriptions.append(await link.describe())
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.UNAUTHENTICATED:
+                raise
+            raise ValueError(  # a start-up mistake, said in one line (the CLI's)
+                f"executor {link.address} refused this planner: {error.details()}; give --executor-api-key, a "
+                "service key (a `* ` line) of the executor's --api-keys"
+            ) from None
     fingerprints = {d.model_fingerprint for d in descriptions}
     if len(fingerprints) > 1:
         raise ValueError(f"the executors serve different models: {sorted(fingerprints)}")

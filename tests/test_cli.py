@@ -998,6 +998,9 @@ def test_trust_flags_and_a_bad_key_file_fail_the_start_naming_the_line(tmp_path)
     keys.write_text("alice-key-0123456789 alice\nservice-key-0123456789 *\n")
     executor = trust_from_args(parse(["executor", "--api-keys", str(keys)]))
     assert executor.executor_server.keys is not None and len(executor.executor_server.keys) == 1
+    keys.write_text("alice-key-0123456789 alice\n")
+    with pytest.raises(KeyFileError, match="has no service key"):  # it would refuse its own planner
+        trust_from_args(parse(["executor", "--api-keys", str(keys)]))
     planner = parse(["planner", "--executor", "h:1", "--executor-api-key", "service-key-0123456789"])
     assert trust_from_args(planner).executor_link.api_key == "service-key-0123456789"
     client = parse(
@@ -1006,6 +1009,24 @@ def test_trust_flags_and_a_bad_key_file_fail_the_start_naming_the_line(tmp_path)
     security = client_security(client)
     assert security.api_key == "k-1" and security.tls is not None and security.tls.ca == "ca"
     assert client_security(parse(["cache", "stat"])).tls is None
+
+
+def test_a_keyed_executor_refuses_a_planner_without_its_service_key_in_one_line(tmp_path):
+    """`executor --api-keys` takes service keys only: a planner without --executor-api-key fails its start
+    saying which flag it lacks (it died with a traceback)."""
+    keys = tmp_path / "keys"
+    keys.write_text("alice-key-0123456789 alice\nservice-key-0123456789 *\n")
+    port = free_port()
+    executor = Serving(
+        tmp_path / "executor.log", "executor", "--port", str(port), "--api-keys", str(keys), "--device", "cpu"
+    )
+    try:
+        executor.wait_listening(120)
+        refused = deltaserve("planner", "--executor", f"127.0.0.1:{port}", "--port", str(free_port()))
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+        assert "refused this planner" in refused.stderr and "--executor-api-key" in refused.stderr
+    finally:
+        assert executor.stop() == 0
 
 
 def test_generate_controls_flags_make_the_request(tmp_path, capsys):
