@@ -258,6 +258,14 @@ class Parking:
         states = engine.scheduler.states
         if not states.enabled:
             return []
+        conversations = engine.scheduler.conversations
+        while not states.free_count and conversations is not None:
+            # State-slot pressure, as admission meets it: the least recently used idle conversation gives a copy
+            # back (the restoring one holds none), rather than this conversation reading its whole prompt again.
+            freed = conversations.drop_state_copy()
+            if freed is None:
+                break
+            engine.scheduler.return_pages(freed)
         retention = conversation.retention
         parked = len(retention.positions) if conversation.parked else retention.config.cap + 1
         want = min(max(parked, 1), states.free_count)

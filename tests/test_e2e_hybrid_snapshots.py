@@ -201,3 +201,28 @@ async def _resumes_as_a_fresh_read(client: PlannerClient, model, history: list[i
         [t.chosen.logprob for t in fresh.logprobs], abs=LOGPROBS_ABS
     )
     assert (got.checkpoint, got.reused_tokens) == (f"snapshot@{parked_at}", parked_at)
+
+
+async def test_a_resume_short_of_state_slots_takes_an_idle_conversations_copy(tmp_path):
+    """Every state slot held by idle conversations' checkpoints: a resume takes the least recently used one's
+    copy back, as admission does, instead of refusing (UNAVAILABLE) and reading the whole prompt again."""
+    from tests.hf_reference import hf_tokenizer
+
+    model_dir, _ = save_layouts(build_text_model(), str(tmp_path / "model"), hf_tokenizer())
+    stack, servers = await _start(model_dir, str(tmp_path / "cache"))
+    try:
+        async with PlannerClient(stack.addr) as client:
+            for name in ("a", "b", "c", "d", "e"):
+                prompt = [(7 * i + len(name)) % 500 + 3 for i in range(21)]
+                await client.generate_all(
+                    GenerateOptions(token_ids=prompt, max_tokens=2, conversation_id=name)
+                )
+                if name == "c":
+                    await stack.wait_idle()
+                    assert (await client.park("c")).bytes > 0
+            await stack.wait_idle()
+            assert stack.scheduler.states.free_count == 0, "the test needs every slot held"
+            resumed = await client.resume("c")
+            assert resumed.tokens > 0 and list(resumed.checkpoints)
+    finally:
+        await stop_stack(servers)
