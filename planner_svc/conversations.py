@@ -180,13 +180,13 @@ class Conversations:
             self.states.give_back(state_slot)
         tokens = state_tokens if state_tokens is not None else request.kv_tokens()
         turn_end = [request.prompt_len] if request.prefilled == request.prompt_len else []
-        marks = [p for p in (request.root, request.pinned) if p is not None and p <= len(tokens)]
+        marks = [p for p in request.state_marks if p <= len(tokens)]
         marked, request.marked_states = request.marked_states, {}
         return self.finish_turn(
             request.conversation,
             tokens,
             pages,
-            turn_end + marks,
+            list(dict.fromkeys(turn_end + marks)),
             root=request.root,
             pinned=request.pinned,
             state_slot=state_slot if state_tokens is not None else 0,

@@ -130,6 +130,14 @@ class Request:
             return self.prompt_ids + self.output_ids[:-1]
         return self.prompt_ids[: self.prefilled]
 
+    @property
+    def state_marks(self) -> tuple[int, ...]:
+        """Where a hybrid turn copies its state on the way (state_marks.py): the root and pin marks, and, for a
+        turn a stop string may end, its prompt's end: such a turn is ended steps after its state read on, so
+        its end keeps no state, and without this copy its conversation would keep no checkpoint at all."""
+        ends = (self.prompt_len,) if self.stop_strings else ()
+        return tuple(dict.fromkeys(m for m in (self.root, self.pinned, *ends) if m is not None))
+
     def state_tokens(self) -> list[int] | None:
         """The tokens its recurrent state has read once its steps are done (kv_len of them: a run after its
         stop included); None before its prompt was read, or where that includes a token it dropped."""

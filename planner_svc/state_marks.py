@@ -1,7 +1,8 @@
-"""Copies of a hybrid turn's recurrent state at the root and pin marks inside its prompt (DESIGN §4): its
-prefill chunks end at them, and the step after a chunk that ends at one copies the turn's state into a free
-state slot, before anything else of that step; the conversation keeps it as that mark's checkpoint. No free
-slot then: no copy, and no checkpoint at that mark."""
+"""Copies of a hybrid turn's recurrent state at the root and pin marks inside its prompt, and at its prompt's
+end for a turn with stop strings (Request.state_marks; DESIGN §4): its prefill chunks end at them, and the step
+after a chunk that ends at one copies the turn's state into a free state slot, before anything else of that
+step; the conversation keeps it as that mark's checkpoint. No free slot then: no copy, and no checkpoint at
+that mark."""
 
 from __future__ import annotations
 
@@ -13,9 +14,7 @@ from planner_svc.state_slots import StateSlots
 def _marks(request: Request) -> tuple[int, ...]:
     if request.conversation is None:
         return ()
-    return tuple(
-        m for m in (request.root, request.pinned) if m is not None and m not in request.marked_states
-    )
+    return tuple(m for m in request.state_marks if m not in request.marked_states)
 
 
 class MarkCopies:

@@ -237,6 +237,34 @@ async def test_conversation_resumes_from_checkpoints_with_state_copies(text_stac
     assert not pinned_chat.states and not pinned_chat.pages
 
 
+async def test_a_turn_a_stop_string_ends_keeps_a_checkpoint_at_its_prompts_end(text_stack, hybrid):
+    """A stop string ends a turn steps after its state read on, so the turn's end keeps no state: the copy at
+    its prompt's end is the conversation's checkpoint (it kept none, and every next turn read it all again)."""
+    model = build_text_model()
+    prompt, first_answer = hybrid[2][1]
+    decode = text_stack.planner.tokenizer.decode
+    stop = decode(first_answer[:3])[len(decode(first_answer[:2])) :]
+    assert stop and stop not in decode(first_answer[:2]), "the test needs the third token's own text"
+    async with PlannerClient(text_stack.addr) as client:
+        first = await client.generate_all(
+            GenerateOptions(token_ids=prompt, max_tokens=NEW_TOKENS, conversation_id="stopped", stop=[stop])
+        )
+        assert first.finish_reason == "stop" and first.stop_string == stop
+        await text_stack.wait_idle()
+        (conversation,) = [
+            c for c in text_stack.scheduler.conversations.every() if c.conversation_id == "stopped"
+        ]
+        assert len(prompt) in conversation.states
+        history = prompt + first.token_ids + [7, 8, 9]
+        got = await client.generate_all(
+            GenerateOptions(token_ids=history, max_tokens=NEW_TOKENS, conversation_id="stopped")
+        )
+    assert (got.reused_tokens, got.checkpoint) == (len(prompt), f"checkpoint@{len(prompt)}")
+    assert got.token_ids == greedy(model, history, NEW_TOKENS)
+    await _all_at_once(text_stack, hybrid[2][: STATE_SLOTS - 1])  # state pressure takes the copies back
+    await _all_free(text_stack)
+
+
 async def test_row_check_soak_under_kv_and_state_pressure(hybrid):
     """bench/soak's random requests (greedy and seeded, 15% abandoned by their client) on few pages and few
     state slots, prefill in chunks of 24 tokens: every row a step reads equals the planner's mirror, answers
