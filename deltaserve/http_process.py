@@ -80,8 +80,9 @@ async def _serve(spec: GatewaySpec, conn: Connection, stop: asyncio.Event) -> No
 
 @dataclass(slots=True)
 class GatewayProcess:
-    """One child serving the HTTP API; one that dies unasked (killed, crashed) is logged and started again on
-    its port, so the API does not stay down behind a parent that still looks healthy."""
+    """One child serving the HTTP API; one that dies (killed, crashed: a non-zero exit) is logged and started
+    again on its port, so the API does not stay down behind a parent that still looks healthy. One that exits
+    0 was stopped (a SIGTERM to the whole group, the parent's next): warned, not restarted."""
 
     spec: GatewaySpec  # its port the one it listens on
     count: Count | None
@@ -120,8 +121,8 @@ class GatewayProcess:
         log.error("the HTTP API's process exited; starting another", exitcode=self.process.exitcode)
         try:
             self.process, self.conn, _ = await _spawn(self.spec)
-        except OSError as error:
-            log.error("the HTTP API is down: its process could not be started again", error=str(error))
+        except Exception as error:  # said, never lost in an unread task
+            log.error("the HTTP API is down: its process could not be started again", error=repr(error))
             return
         log.info("the HTTP API's process started again", port=self.port)
         self.watch()
@@ -130,7 +131,7 @@ class GatewayProcess:
         """SIGTERM: the child stops listening and gives open streams their grace, then exits."""
         self.stopping = True
         if self.restarting is not None:  # let a restart under way finish: then there is one process to stop
-            await self.restarting
+            await asyncio.wait([self.restarting])
         self.process.terminate()
         await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
         if self.process.is_alive():
@@ -150,7 +151,10 @@ async def _spawn(spec: GatewaySpec) -> tuple[multiprocessing.process.BaseProcess
     process.start()
     theirs.close()
     ready = await asyncio.to_thread(ours.poll, START_TIMEOUT_S)
-    message: tuple[str, Any] = ours.recv() if ready else ("failed", f"no answer in {START_TIMEOUT_S} s")
+    try:
+        message: tuple[str, Any] = ours.recv() if ready else ("failed", f"no answer in {START_TIMEOUT_S} s")
+    except EOFError:  # it died before it listened
+        message = ("failed", f"it exited (code {process.exitcode}) before it listened")
     if message[0] != "port":
         process.kill()
         process.join()

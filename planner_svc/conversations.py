@@ -208,7 +208,7 @@ class Conversations:
         """The turn ended: its tokens' KV is in `pages`; checkpoints are taken at the given positions.
 
         A model with recurrent layers: `state_slot` is the turn's state, at len(tokens) (0: none, it ended
-        before reading its prompt), and `marked_states` its copies at the root and pin marks (position ->
+        before reading its prompt), and `marked_states` its copies at its state marks (position ->
         slot); the conversation takes them as those checkpoints' copies, or gives them back. Its checkpoints
         are those with a copy only (`checkpoints` are not used). Returns the pages beyond the tokens (to
         free)."""

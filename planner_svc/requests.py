@@ -84,7 +84,7 @@ class Request:
     last_seq: int = -1  # the last step that read or wrote its pages or slot
     state_slot: int = 0  # its recurrent-state slot from admission to its last step's commit (0: none)
     state_source: int = 0  # its checkpoint's state copy (a resumed turn), copied in by its first chunk
-    marked_states: dict[int, int] = field(default_factory=dict)  # its state at root/pin marks: their slots
+    marked_states: dict[int, int] = field(default_factory=dict)  # its state at its state_marks: their slots
     output_ids: list[int] = field(default_factory=list)
     finish: Finish | None = None
 

@@ -132,7 +132,7 @@ class Scheduler:
         if not (step.prefill or ready):
             self._steady, self._steady_left = None, 0
             return None
-        self.marks.copy_into(step)
+        self.marks.copy_into(step, len(self.waiting))
         writes = SamplerWrites()
         if finals or ready:
             self._assign(seq, finals + ready)

@@ -45,10 +45,13 @@ class MarkCopies:
         if self.states.enabled and end in _marks(request):
             self._new.append((request, end))
 
-    def copy_into(self, step: PlannedStep) -> None:
-        """The due copies, into `step` (planned after their chunks'): a free state slot each, while any is."""
+    def copy_into(self, step: PlannedStep, waiting: int) -> None:
+        """The due copies, into `step` (planned after their chunks'): a free state slot each, while any is; a
+        prompt's end (a turn with stop strings) only from slots `waiting` requests do not need: its slot is held
+        for the whole turn, and none of a running turn's copies is given back under pressure."""
         for request, mark in self._due:
-            if request.state_slot and self.states.free_count:
+            spare = self.states.free_count - (waiting if mark == request.prompt_len else 0)
+            if request.state_slot and spare > 0:
                 slot = self.states.take()
                 step.state_copies.append((request.state_slot, slot))
                 request.marked_states[mark] = slot

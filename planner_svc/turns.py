@@ -41,11 +41,12 @@ class Turns:
     @contextlib.asynccontextmanager
     async def _locked(
         self, tenant: str, conversation_id: str, *, opens: bool
-    ) -> AsyncIterator[tuple[Engine, Conversation]]:
-        """The conversation's engine and the conversation (opened where `opens` and none is), its lock held;
-        found again where a resume that had opened it removed it while this waited: nothing may run on a
-        conversation no longer registered (its pages would be nobody's)."""
+    ) -> AsyncIterator[tuple[Engine, Conversation, bool]]:
+        """The conversation's engine, the conversation (opened where `opens` and none is) and whether this call
+        opened it, its lock held; found again where a resume that had opened it removed it while this waited:
+        nothing may run on a conversation no longer registered (its pages would be nobody's)."""
         while True:
+            opened = opens and self.find(tenant, conversation_id)[1] is None
             engine, conversation = (
                 self.route(tenant, conversation_id) if opens else self.find(tenant, conversation_id)
             )
@@ -53,7 +54,7 @@ class Turns:
                 raise ParkError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
             async with self.lock(conversation):
                 if engine.conversations.get(tenant, conversation_id) is conversation:
-                    yield engine, conversation
+                    yield engine, conversation, opened
                     return
 
     # ---- routing ----
@@ -102,7 +103,7 @@ class Turns:
         Raises ParkError (a turn already running, or the previous one not ending), ValueError and
         CapacityError for a request the scheduler refuses, ConnectionError for a lost executor."""
         await self.prepare(self.route(tenant, conversation_id)[0], req)
-        async with self._locked(tenant, conversation_id, opens=True) as (engine, conversation):
+        async with self._locked(tenant, conversation_id, opens=True) as (engine, conversation, _):
             mount = await self._mount(engine, conversation, req)
             queue = engine.submit(req)
             self._latest[conversation.key] = req
@@ -151,7 +152,7 @@ class Turns:
     ) -> tuple[executor_pb2.ParkPagesReply, Conversation]:
         """Move an idle conversation's pages to the cache (ParkError: NOT_FOUND, FAILED_PRECONDITION,
         the cache's status)."""
-        async with self._locked(tenant, conversation_id, opens=False) as (engine, conversation):
+        async with self._locked(tenant, conversation_id, opens=False) as (engine, conversation, _):
             await self._previous_turn_done(engine, conversation)
             return await self.parking.park(engine, conversation), conversation
 
@@ -159,8 +160,7 @@ class Turns:
         """Restore a parked conversation's pages (ParkError: NOT_FOUND with nothing to restore,
         FAILED_PRECONDITION while a turn runs on it, DATA_LOSS for a snapshot that failed its checks,
         UNAVAILABLE for any other refusal)."""
-        opened = self.find(tenant, conversation_id)[1] is None
-        async with self._locked(tenant, conversation_id, opens=True) as (engine, conversation):
+        async with self._locked(tenant, conversation_id, opens=True) as (engine, conversation, opened):
             await self._previous_turn_done(engine, conversation)
             outcome = await self.parking.restore(engine, conversation) if not conversation.pages else None
             if outcome is None or outcome.restored:

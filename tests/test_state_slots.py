@@ -202,3 +202,23 @@ def test_a_refused_step_leaves_no_checkpoint_of_steps_that_never_ran():
     assert not conversation.states and not conversation.busy  # neither the copy nor the turn's state
     assert scheduler.states.free_count == scheduler.states.total
     scheduler.states.check()
+
+
+def test_a_prompt_end_copy_takes_only_a_slot_waiting_requests_do_not_need():
+    """A turn with stop strings copies its state at its prompt's end and holds that slot for the whole turn:
+    only a slot left over by the requests waiting is taken (a root mark's copy takes any free one)."""
+    from planner_svc.planned import PlannedStep
+    from planner_svc.state_marks import MarkCopies
+
+    for waiting, copied in ((0, True), (1, False)):
+        states = StateSlots(4)  # three slots
+        marks = MarkCopies(states)
+        request = Request("turn", [5, 6, 7], max_tokens=4, stop_strings=("x",), conversation=object())
+        request.state_slot = states.take()
+        states.take()  # one slot left
+        marks.step_begins(0)
+        marks.chunk_planned(request, 3)  # the prompt's last chunk
+        marks.step_begins(0)
+        step = PlannedStep(seq=2)
+        marks.copy_into(step, waiting)
+        assert bool(step.state_copies) == copied and (3 in request.marked_states) == copied
