@@ -578,8 +578,11 @@ async def run(args: argparse.Namespace) -> list[dict]:
     clients: ClientsChild | None = None
     certs = make_certs(tempfile.mkdtemp(prefix="bench-tls-")) if TLS_ARM in args.arms else None
     try:
-        # The children first, one at a time, then this process's runner: each capture has the GPU to itself
-        # (and a capture must be the only CUDA work in its process).
+        # The clients' process first, before this one has a gRPC thread: a fork (the subprocess's spawn) while
+        # gRPC's threads run skips its fork handlers, and the child died of SIGSEGV before it was ready.
+        clients = await ClientsChild.start("clients", "--serve-clients")
+        # The executors' children, one at a time, then this process's runner: each capture has the GPU to
+        # itself (and a capture must be the only CUDA work in its process).
         for name in sorted(args.arms, key=in_process):
             began = time.perf_counter()
             if in_process(name):
@@ -631,7 +634,6 @@ async def run(args: argparse.Namespace) -> list[dict]:
                 )
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
         freeze_startup_heap()  # as `deltaserve planner` does once serving
-        clients = await ClientsChild.start("clients", "--serve-clients")
         await clients.ready()
 
         rng = np.random.default_rng(0)
