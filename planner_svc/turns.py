@@ -40,22 +40,30 @@ class Turns:
 
     @contextlib.asynccontextmanager
     async def _locked(
-        self, tenant: str, conversation_id: str, *, opens: bool
+        self, tenant: str, conversation_id: str, *, opens: Engine | None
     ) -> AsyncIterator[tuple[Engine, Conversation, bool]]:
-        """The conversation's engine, the conversation (opened where `opens` and none is) and whether this call
-        opened it, its lock held; found again where a resume that had opened it removed it while this waited:
-        nothing may run on a conversation no longer registered (its pages would be nobody's)."""
+        """The conversation's engine, the conversation (opened on `opens` where no engine holds it; None:
+        NOT_FOUND) and whether this call opened it, its lock held; found again where a resume that had opened
+        it removed it while this waited: nothing may run on a conversation no longer registered (its pages
+        would be nobody's)."""
         while True:
-            opened = opens and self.find(tenant, conversation_id)[1] is None
-            engine, conversation = (
-                self.route(tenant, conversation_id) if opens else self.find(tenant, conversation_id)
-            )
+            engine, conversation = self.find(tenant, conversation_id)
+            opened = conversation is None
             if engine is None or conversation is None:
-                raise ParkError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
+                if opens is None:
+                    raise ParkError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
+                engine, conversation = opens, opens.conversations.open(tenant, conversation_id)
             async with self.lock(conversation):
                 if engine.conversations.get(tenant, conversation_id) is conversation:
                     yield engine, conversation, opened
                     return
+
+    def _drop_unused(self, engine: Engine, conversation: Conversation) -> None:
+        """A conversation opened by a call that failed: where it holds nothing, no trace of it stays, its lock
+        neither (a waiter on the lock finds it gone: _locked)."""
+        if not (conversation.tokens or conversation.pages or conversation.parked or conversation.busy):
+            engine.conversations.remove(conversation)
+            self._locks.pop(conversation.key, None)
 
     # ---- routing ----
 
@@ -71,6 +79,8 @@ class Turns:
             await asyncio.wait_for(engine.link.prepare_grammar(grammar), engine.executor_timeout)
         except TimeoutError:
             log.warning("the executor did not compile a grammar in time", executor=engine.link.address)
+        except ValueError as error:
+            raise ValueError(f"response_format: refused by the executor: {error}") from None
 
     def least_loaded(self) -> Engine:
         """The serving engine with the fewest requests (a lost one only when none serves: it refuses)."""
@@ -85,14 +95,6 @@ class Turns:
                 return engine, conversation
         return None, None
 
-    def route(self, tenant: str, conversation_id: str) -> tuple[Engine, Conversation]:
-        """The engine holding the conversation, else a new conversation on the least loaded one."""
-        engine, conversation = self.find(tenant, conversation_id)
-        if engine is not None and conversation is not None:
-            return engine, conversation
-        engine = self.least_loaded()
-        return engine, engine.conversations.open(tenant, conversation_id)
-
     # ---- turns ----
 
     async def start(
@@ -101,10 +103,18 @@ class Turns:
         """Mount the conversation's best checkpoint for `req` (restoring it first if parked) and submit it.
 
         Raises ParkError (a turn already running, or the previous one not ending), ValueError and
-        CapacityError for a request the scheduler refuses, ConnectionError for a lost executor."""
-        await self.prepare(self.route(tenant, conversation_id)[0], req)
-        async with self._locked(tenant, conversation_id, opens=True) as (engine, conversation, _):
-            mount = await self._mount(engine, conversation, req)
+        CapacityError for a request the scheduler refuses, ConnectionError for a lost executor. A turn refused
+        before it mounts leaves no conversation it opened."""
+        # Routed once: its executor compiles the grammar before anything is opened (a refusal leaves no trace)
+        engine = self.find(tenant, conversation_id)[0] or self.least_loaded()
+        await self.prepare(engine, req)
+        async with self._locked(tenant, conversation_id, opens=engine) as (engine, conversation, opened):
+            try:
+                mount = await self._mount(engine, conversation, req)
+            except BaseException:
+                if opened:
+                    self._drop_unused(engine, conversation)
+                raise
             queue = engine.submit(req)
             self._latest[conversation.key] = req
         return engine, queue, mount
@@ -152,7 +162,7 @@ class Turns:
     ) -> tuple[executor_pb2.ParkPagesReply, Conversation]:
         """Move an idle conversation's pages to the cache (ParkError: NOT_FOUND, FAILED_PRECONDITION,
         the cache's status)."""
-        async with self._locked(tenant, conversation_id, opens=False) as (engine, conversation, _):
+        async with self._locked(tenant, conversation_id, opens=None) as (engine, conversation, _):
             await self._previous_turn_done(engine, conversation)
             return await self.parking.park(engine, conversation), conversation
 
@@ -160,14 +170,14 @@ class Turns:
         """Restore a parked conversation's pages (ParkError: NOT_FOUND with nothing to restore,
         FAILED_PRECONDITION while a turn runs on it, DATA_LOSS for a snapshot that failed its checks,
         UNAVAILABLE for any other refusal)."""
-        async with self._locked(tenant, conversation_id, opens=True) as (engine, conversation, opened):
+        opens = self.least_loaded()  # where no engine holds it (the planner restarted): restored there
+        async with self._locked(tenant, conversation_id, opens=opens) as (engine, conversation, opened):
             await self._previous_turn_done(engine, conversation)
             outcome = await self.parking.restore(engine, conversation) if not conversation.pages else None
             if outcome is None or outcome.restored:
                 return conversation
-            if opened and not conversation.tokens:  # opened by this call only: no trace, its lock neither
-                engine.conversations.remove(conversation)  # a waiter on the lock finds it gone (_locked)
-                self._locks.pop(conversation.key, None)
+            if opened:
+                self._drop_unused(engine, conversation)
         if outcome.status is Restore.NOTHING or outcome.missing:
             raise ParkError(grpc.StatusCode.NOT_FOUND, f"no parked conversation {conversation_id!r}")
         raise ParkError(

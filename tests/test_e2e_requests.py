@@ -69,6 +69,11 @@ async def expect_status(coro, code: grpc.StatusCode, message: str):
         (dict(text="hi", max_tokens=4, top_k=-1), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
         (dict(token_ids=[5, 49152], max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "token id 49152"),
         (dict(token_ids=[5, -1], max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "token id -1"),
+        (  # refused as its turn mounts: the conversation it opened goes too
+            dict(token_ids=[5, 49152], max_tokens=4, conversation_id="refused"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "token id 49152",
+        ),
     ],
 )
 async def test_bad_input_is_refused_and_changes_nothing(smol_stack, fields, code, message):
@@ -77,6 +82,8 @@ async def test_bad_input_is_refused_and_changes_nothing(smol_stack, fields, code
     async with PlannerClient(smol_stack.addr) as client:
         await expect_status(client.generate_all(GenerateOptions(**fields)), code, message)
     assert smol_stack.scheduler.idle and smol_stack.scheduler.pages.free_count == pages
+    turns = smol_stack.planner.turns
+    assert turns.find("default", "refused") == (None, None) and ("default", "refused") not in turns._locks
 
 
 async def test_duplicate_request_id_and_unknown_abort(smol_stack):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from planner_svc.client import GenerateOptions, PlannerClient
+from planner_svc.requests import Request
 from protos import executor_pb2, executor_pb2_grpc
 from tests.hf_reference import hf_model, hf_tokenizer
 
@@ -228,3 +229,22 @@ async def test_a_new_schema_is_compiled_before_any_step_and_the_executor_refuses
             await executor_pb2_grpc.ExecutorStub(channel).PrepareGrammar(bad)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "cannot be compiled: " in caught.value.details() and "Lookbehind" in caught.value.details()
+
+
+async def test_a_turn_whose_grammar_the_executor_refuses_leaves_no_trace(smol_stack):
+    """The planner compiles a schema at intake; should its executor still refuse it (PrepareGrammar), the turn
+    is a ValueError (INVALID_ARGUMENT) naming response_format and the executor's reason, before anything of its
+    conversation is opened: no conversation, lock or pages stay. Called at the turn (intake would refuse
+    this schema first; no schema passes one compile and fails the other on one machine)."""
+    await smol_stack.wait_idle()
+    turns, pages = smol_stack.planner.turns, smol_stack.scheduler.pages.free_count
+    req = Request("refused-grammar", [504, 3575, 282], 4, stop_ids=frozenset({2}))
+    req.grammar, req.tenant = '{"type": "string", "pattern": "(?<=x)y"}', "default"
+    with pytest.raises(ValueError) as caught:
+        await turns.start(req, "default", "grammar")
+    assert str(caught.value).startswith("response_format: refused by the executor: ")
+    assert "Lookbehind" in str(caught.value)
+    assert turns.find("default", "grammar") == (None, None) and ("default", "grammar") not in turns._locks
+    assert smol_stack.scheduler.idle and smol_stack.scheduler.pages.free_count == pages
+    async with PlannerClient(smol_stack.addr) as client:
+        assert "grammar" not in [c.conversation_id for c in await client.conversations()]
