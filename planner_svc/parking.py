@@ -76,11 +76,16 @@ def _once_answered(rpc: asyncio.Future[Any], then: Callable[[], None]) -> None:
 
 
 class Parking:
-    def __init__(self, cache_address: str | None, security: ChannelSecurity | None = None):
+    def __init__(
+        self,
+        cache_address: str | None,
+        make_room: Callable[[Engine, int], Awaitable[None]],
+        security: ChannelSecurity | None = None,
+    ):
         self.cache_address = cache_address
         self._cache = CacheClient(cache_address, security) if cache_address else None
         # Frees pages for a restore short of them, as KV pressure does (parks idle conversations; turns.py).
-        self.make_room: Callable[[Engine, int], Awaitable[None]] | None = None
+        self._make_room = make_room
 
     async def park(self, engine: Engine, conversation: Conversation) -> executor_pb2.ParkPagesReply:
         """Move its pages to the cache; the caller holds the conversation's turn lock."""
@@ -165,8 +170,8 @@ class Parking:
             return NOTHING
         need = -(-tokens // engine.scheduler.config.page_size)
         pages = engine.scheduler.take_pages(need)
-        if pages is None and self.make_room is not None:
-            await self.make_room(engine, need)
+        if pages is None:
+            await self._make_room(engine, need)
             pages = engine.scheduler.take_pages(need)
         if pages is None:
             return self._fall_back(conversation, "the pool has no room for the snapshot now")

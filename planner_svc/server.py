@@ -18,7 +18,7 @@ from planner_svc.group_link import GroupLink
 from planner_svc.intake import Intake, model_eos_ids
 from planner_svc.link import ExecutorLink, GrpcLink
 from planner_svc.metrics import PlannerMetrics
-from planner_svc.parking import ParkError, Parking
+from planner_svc.parking import ParkError
 from planner_svc.planned import CapacityError
 from planner_svc.requests import Finish, Request
 from planner_svc.responses import ResponseStreams
@@ -334,9 +334,8 @@ async def start_planner_server(
     if len(fingerprints) > 1:
         raise ValueError(f"the executors serve different models: {sorted(fingerprints)}")
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
-    parking = Parking(config.cache, cache_channel)
     engines = [build_engine(d, link, config) for d, link in zip(descriptions, links)]
-    turns = Turns(engines, parking)
+    turns = Turns(engines, config.cache, cache_channel)
     for engine in engines:
         await engine.start()
     servicer = PlannerServicer(engines, descriptions, tokenizer, turns, config.max_waiting)
@@ -349,7 +348,7 @@ async def start_planner_server(
         (SERVICE_NAME,),
         host,
         port,
-        on_stop=[*(engine.stop for engine in engines), parking.close],
+        on_stop=[*(engine.stop for engine in engines), turns.parking.close],
         security=security,
     )
     log_access(log, security)

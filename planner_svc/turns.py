@@ -17,6 +17,7 @@ from planner_svc.requests import Request
 from planner_svc.sampler_state import grammar_message
 from planner_svc.streaming import TokenEvent
 from protos import executor_pb2
+from protos.rpc import ChannelSecurity
 
 log = structlog.get_logger("deltaserve.planner.turns")
 
@@ -24,15 +25,16 @@ TURN_END_PATIENCE_S = 10.0  # how long a new turn waits for the previous one's l
 
 
 class Turns:
-    def __init__(self, engines: list[Engine], parking: Parking):
+    def __init__(
+        self, engines: list[Engine], cache_address: str | None, cache_channel: ChannelSecurity | None = None
+    ):
         self.engines = engines
-        self.parking = parking
+        self.parking = Parking(cache_address, self.make_room, cache_channel)  # its restores make room here
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._latest: dict[tuple[str, str], Request] = {}  # the latest turn of each conversation
         self._relieving: set[Engine] = set()
         for engine in engines:
             engine.on_blocked = self.relieve
-        parking.make_room = self.make_room
 
     def lock(self, conversation: Conversation) -> asyncio.Lock:
         """Held while a conversation is mounted, parked or restored, so those never interleave."""
