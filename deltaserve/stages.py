@@ -128,13 +128,13 @@ def stage_processes(
     if trust.cache_link.api_key:  # up's own service key for its cache, never on a command line
         env[env_name("--cache-api-key")] = trust.cache_link.api_key
     keys_file = None
-    if trust.executor_link.api_key:  # the stages take up's own service key alone, from a file only it reads
-        keys_file = tempfile.NamedTemporaryFile("w", prefix="deltaserve-stage-keys-", suffix=".txt")
-        keys_file.write(f"{trust.executor_link.api_key} {SERVICE}\n")
-        keys_file.flush()
-        env[env_name("--api-keys")] = keys_file.name
     processes = []
-    try:
+    try:  # from the key file's creation on: it goes however the start fails
+        if trust.executor_link.api_key:  # the stages take up's own service key alone, in a file only it reads
+            keys_file = tempfile.NamedTemporaryFile("w", prefix="deltaserve-stage-keys-", suffix=".txt")
+            keys_file.write(f"{trust.executor_link.api_key} {SERVICE}\n")
+            keys_file.flush()
+            env[env_name("--api-keys")] = keys_file.name
         for stage, port, metrics_port in zip(plans, ports, metrics_ports, strict=True):
             log.info(
                 "starting stage",

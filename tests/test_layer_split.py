@@ -1,18 +1,22 @@
 """The pure parts of a layer split: ranges, the group's description and outputs, `up`'s stage plan, and the
-weights a stage keeps."""
+weights a stage keeps; and that `up`'s stage key file never outlives a failed start."""
 
 from __future__ import annotations
+
+import tempfile
 
 import pytest
 import torch
 
-from deltaserve.stages import StagePlan, plan_stages, stage_argv
+from deltaserve.stages import StagePlan, plan_stages, stage_argv, stage_processes
+from deltaserve.trust import Trust
 from executor_svc.config import ExecutorConfig
 from executor_svc.models.loader import stage_weights
 from planner_svc.group_link import describe_group, merge_outputs
 from planner_svc.link import LinkLost
 from protos import executor_pb2
 from protos.layer_split import LayerRange, check_stages, parse_layers, split_layers
+from protos.rpc import ChannelSecurity
 
 
 def test_even_splits_give_the_first_stages_the_extra_layers():
@@ -109,6 +113,19 @@ def test_up_places_stages_on_the_local_devices():
     )
     assert "--device cuda:0" in joined and "--cache 127.0.0.1:9" in joined and "--state-slots 9" in joined
     assert "--weights dequantize" in joined and "--metrics-port 5002" in joined
+
+
+def test_the_stage_key_file_is_gone_when_a_start_fails_after_writing_it(tmp_path, monkeypatch):
+    """`up --layer-split --api-keys` hands its stages its own service key in a file only it reads. A start that
+    fails once the file exists (here its write: a key the file cannot encode) removes it before the error
+    reaches the caller, not whenever the file object is collected (never, if the process is killed first)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    trust = Trust(executor_link=ChannelSecurity(api_key="service-key-\udc80"))
+    with pytest.raises(UnicodeEncodeError) as caught:
+        with stage_processes(ExecutorConfig(device="cpu"), "2", trust):
+            raise AssertionError("no stage starts")
+    # Looked at while the error lives (`caught`): the frame it holds still holds the old code's file object.
+    assert list(tmp_path.iterdir()) == [], caught.value
 
 
 def test_a_stage_keeps_its_layers_renumbered_and_the_ends_it_holds():
