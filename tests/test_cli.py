@@ -23,6 +23,7 @@ import pytest
 import structlog
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
 
 from deltaserve import aio, commands
 from deltaserve.cli import build_parser, main, parse_args
@@ -1009,6 +1010,33 @@ def test_trust_flags_and_a_bad_key_file_fail_the_start_naming_the_line(tmp_path)
     security = client_security(client)
     assert security.api_key == "k-1" and security.tls is not None and security.tls.ca == "ca"
     assert client_security(parse(["cache", "stat"])).tls is None
+
+
+async def test_an_executor_holding_a_cache_key_warns_at_start_while_it_takes_keyless_callers(tmp_path):
+    """Its Restore reads any tenant's snapshot with its cache key, for whoever reaches its port: an executor
+    with --cache-api-key and no --api-keys says so once as it starts; with --api-keys (service keys only), or
+    with no cache key, it does not. Each start is the real one, stopped once its model is loaded."""
+    from deltaserve.serve import serve_executor
+    from deltaserve.trust import trust_from_args
+    from tests.hf_reference import hf_tokenizer
+    from tests.hybrid_model import build_text_model, save_layouts
+
+    model_dir, _ = save_layouts(build_text_model(), str(tmp_path / "model"), hf_tokenizer())
+    keys = tmp_path / "keys"
+    keys.write_text("service-key-0123456789 *\n")
+    executor = ["executor", "--device", "cpu", "--model", model_dir, "--buckets", "1"]
+    executor += ["--cache", "127.0.0.1:9"]  # never reached: each start stops before it serves
+    cache_key = ["--cache-api-key", "service-key-0123456789"]
+    for flags, warns in ((cache_key, True), ([*cache_key, "--api-keys", str(keys)], False), ([], False)):
+        args = parse([*executor, *flags])
+        args.trust = trust_from_args(args)
+        stopped = asyncio.Event()
+        stopped.set()
+        with capture_logs() as logs:
+            assert await serve_executor(args, executor_config(args, cache=args.cache), stopped) == 0
+        warnings = [entry["event"] for entry in logs if entry["log_level"] == "warning"]
+        said = "this executor holds a service key for the cache but takes callers without keys"
+        assert sum(w.startswith(said) for w in warnings) == (1 if warns else 0), (flags, warnings)
 
 
 def test_a_keyed_executor_refuses_a_planner_without_its_service_key_in_one_line(tmp_path):
