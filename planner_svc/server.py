@@ -268,7 +268,6 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         schedulers = [e.scheduler for e in self.engines]
         return client_pb2.ServerInfo(
             version=VERSION,
-            executors=[e.link.address for e in self.engines],
             page_size=d.page_size,
             pool_pages=sum(s.pages.total for s in schedulers),
             free_pages=sum(s.pages.free_count for s in schedulers),
@@ -279,6 +278,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             waiting=sum(len(s.waiting) for s in schedulers),
             steps=sum(e.steps for e in self.engines),
             device=d.device,
+            state_slots=sum(s.states.total for s in schedulers),
+            free_state_slots=sum(s.states.free_count for s in schedulers),
         )
 
 

@@ -278,9 +278,8 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "executors", "page_size", "pool_pages", "free_pages", "slots", "free_slots", "buckets", "running", "waiting", "steps", "device")
+    __slots__ = ("version", "page_size", "pool_pages", "free_pages", "slots", "free_slots", "buckets", "running", "waiting", "steps", "device", "state_slots", "free_state_slots")
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -291,8 +290,9 @@ class ServerInfo(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     version: str
-    executors: _containers.RepeatedScalarFieldContainer[str]
     page_size: int
     pool_pages: int
     free_pages: int
@@ -303,4 +303,6 @@ class ServerInfo(_message.Message):
     waiting: int
     steps: int
     device: str
-    def __init__(self, version: _Optional[str] = ..., executors: _Optional[_Iterable[str]] = ..., page_size: _Optional[int] = ..., pool_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    state_slots: int
+    free_state_slots: int
+    def __init__(self, version: _Optional[str] = ..., page_size: _Optional[int] = ..., pool_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., device: _Optional[str] = ..., state_slots: _Optional[int] = ..., free_state_slots: _Optional[int] = ...) -> None: ...

@@ -87,6 +87,12 @@ async def _all_free(stack) -> None:
 async def test_described_state_slots(text_stack):
     assert text_stack.runner.describe().state_slots == STATE_SLOTS
     assert not text_stack.scheduler.prefix_cache  # off for a model with recurrent layers
+    async with PlannerClient(text_stack.addr) as client:
+        info = await client.server_info()
+    assert (info.state_slots, info.free_state_slots) == (
+        STATE_SLOTS - 1,
+        text_stack.scheduler.states.free_count,
+    )
 
 
 async def test_more_choices_than_state_slots_are_refused_at_once(text_stack, hybrid):
