@@ -41,10 +41,11 @@ class Turns:
     @contextlib.asynccontextmanager
     async def _locked(
         self, tenant: str, conversation_id: str, *, opens: bool
-    ) -> AsyncIterator[tuple[Engine, Conversation, bool]]:
-        """The conversation's engine, the conversation (opened where `opens` and none is) and whether this call
-        opened it, its lock held; found again where a resume that had opened it removed it while this waited:
-        nothing may run on a conversation no longer registered (its pages would be nobody's)."""
+    ) -> AsyncIterator[tuple[Engine, Conversation]]:
+        """The conversation's engine and the conversation (opened where `opens` and none is), its lock held;
+        found again where a call that had opened it removed it while this waited: nothing may run
+        on a conversation no longer registered (its pages would be nobody's). One this call opened and left
+        holding nothing (no tokens, no turn) leaves no trace, its lock neither."""
         while True:
             opened = opens and self.find(tenant, conversation_id)[1] is None
             engine, conversation = (
@@ -54,8 +55,18 @@ class Turns:
                 raise ParkError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
             async with self.lock(conversation):
                 if engine.conversations.get(tenant, conversation_id) is conversation:
-                    yield engine, conversation, opened
+                    try:
+                        yield engine, conversation
+                    finally:
+                        if opened and not conversation.tokens and not conversation.busy:
+                            self._unregister(engine, conversation)
                     return
+
+    def _unregister(self, engine: Engine, conversation: Conversation) -> None:
+        """Drop every record of the conversation here (a waiter on its lock finds it gone: `_locked`)."""
+        engine.conversations.remove(conversation)
+        self._locks.pop(conversation.key, None)
+        self._latest.pop(conversation.key, None)
 
     # ---- routing ----
 
@@ -102,8 +113,10 @@ class Turns:
 
         Raises ParkError (a turn already running, or the previous one not ending), ValueError and
         CapacityError for a request the scheduler refuses, ConnectionError for a lost executor."""
-        await self.prepare(self.route(tenant, conversation_id)[0], req)
-        async with self._locked(tenant, conversation_id, opens=True) as (engine, conversation, _):
+        # Its engine's executor compiles the grammar; the conversation is opened under its lock only (a turn
+        # refused before its mount leaves no trace).
+        await self.prepare(self.find(tenant, conversation_id)[0] or self.least_loaded(), req)
+        async with self._locked(tenant, conversation_id, opens=True) as (engine, conversation):
             mount = await self._mount(engine, conversation, req)
             queue = engine.submit(req)
             self._latest[conversation.key] = req
@@ -152,7 +165,7 @@ class Turns:
     ) -> tuple[executor_pb2.ParkPagesReply, Conversation]:
         """Move an idle conversation's pages to the cache (ParkError: NOT_FOUND, FAILED_PRECONDITION,
         the cache's status)."""
-        async with self._locked(tenant, conversation_id, opens=False) as (engine, conversation, _):
+        async with self._locked(tenant, conversation_id, opens=False) as (engine, conversation):
             await self._previous_turn_done(engine, conversation)
             return await self.parking.park(engine, conversation), conversation
 
@@ -160,14 +173,11 @@ class Turns:
         """Restore a parked conversation's pages (ParkError: NOT_FOUND with nothing to restore,
         FAILED_PRECONDITION while a turn runs on it, DATA_LOSS for a snapshot that failed its checks,
         UNAVAILABLE for any other refusal)."""
-        async with self._locked(tenant, conversation_id, opens=True) as (engine, conversation, opened):
+        async with self._locked(tenant, conversation_id, opens=True) as (engine, conversation):
             await self._previous_turn_done(engine, conversation)
             outcome = await self.parking.restore(engine, conversation) if not conversation.pages else None
             if outcome is None or outcome.restored:
                 return conversation
-            if opened and not conversation.tokens:  # opened by this call only: no trace, its lock neither
-                engine.conversations.remove(conversation)  # a waiter on the lock finds it gone (_locked)
-                self._locks.pop(conversation.key, None)
         if outcome.status is Restore.NOTHING or outcome.missing:
             raise ParkError(grpc.StatusCode.NOT_FOUND, f"no parked conversation {conversation_id!r}")
         raise ParkError(
