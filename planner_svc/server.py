@@ -1,4 +1,5 @@
-"""The planner's client API over gRPC: Generate, Abort, model and server info, health and reflection."""
+"""The planner's client API over gRPC: Generate, Abort, conversations (park, resume, list, delete), model and
+server info, health and reflection."""
 
 from __future__ import annotations
 
@@ -252,6 +253,20 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             if c.tokens or c.busy
         ]
         return client_pb2.ListConversationsResponse(conversations=listed)
+
+    async def DeleteConversation(
+        self, request: client_pb2.DeleteConversationRequest, context: grpc.aio.ServicerContext
+    ):
+        await _check_named(context, "conversation_id", request.conversation_id)
+        try:
+            deleted = await self.turns.delete(
+                await request_tenant(context, request.tenant), request.conversation_id
+            )
+        except ParkError as error:
+            await context.abort(error.code, str(error))
+        return client_pb2.DeleteConversationResponse(
+            tokens=deleted.tokens, pages=deleted.pages, snapshot_bytes=deleted.snapshot_bytes
+        )
 
     async def GetModelInfo(self, request: client_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
         d = self.description

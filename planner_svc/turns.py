@@ -1,17 +1,19 @@
 """A conversation's turns: which executor group serves it, mounting its checkpoint (or restoring its
-snapshot first), one turn at a time under its turn lock, parking and relieving KV pressure."""
+snapshot first), one turn at a time under its turn lock, parking, deleting and relieving KV pressure."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 import structlog
 
 from planner_svc.conversations import Conversation, Mount
 from planner_svc.engine import Engine
+from planner_svc.pages import page_hashes
 from planner_svc.parking import ParkError, Parking, Restore
 from planner_svc.requests import Request
 from planner_svc.sampler_state import grammar_message
@@ -21,6 +23,16 @@ from protos import executor_pb2
 log = structlog.get_logger("deltaserve.planner.turns")
 
 TURN_END_PATIENCE_S = 10.0  # how long a new turn waits for the previous one's last step to commit
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    """What deleting a conversation gave back: its tokens and KV pages (0 where the planner held none of it),
+    and its snapshot's bytes in the cache (0: it had none)."""
+
+    tokens: int
+    pages: int
+    snapshot_bytes: int
 
 
 class Turns:
@@ -43,7 +55,7 @@ class Turns:
         self, tenant: str, conversation_id: str, *, opens: bool
     ) -> AsyncIterator[tuple[Engine, Conversation]]:
         """The conversation's engine and the conversation (opened where `opens` and none is), its lock held;
-        found again where a call that had opened it removed it while this waited: nothing may run
+        found again where a call that had opened it, or a delete, removed it while this waited: nothing may run
         on a conversation no longer registered (its pages would be nobody's). One this call opened and left
         holding nothing (no tokens, no turn) leaves no trace, its lock neither."""
         while True:
@@ -185,6 +197,37 @@ class Turns:
             f"conversation {conversation_id!r} was not restored: {outcome.note}",
         )
 
+    async def delete(self, tenant: str, conversation_id: str) -> Deleted:
+        """Forget the conversation: its snapshot deleted from the cache first (a cache that cannot be asked
+        leaves everything as it was), then its pages and state copies back to the pools and every record of
+        it dropped. A turn that has answered is waited for, as by park. ParkError: FAILED_PRECONDITION while a
+        turn streams on it or its pages are being parked, NOT_FOUND where neither the planner nor the cache
+        holds it (nothing changes), the cache's status."""
+        async with self._locked(tenant, conversation_id, opens=True) as (engine, conversation):
+            try:
+                await self._previous_turn_done(engine, conversation)
+            except ParkError as error:
+                if error.code != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                raise ParkError(error.code, f"{error}; abort it first") from None
+            if conversation.parking:  # a park whose caller gave up: its executor still writes the snapshot
+                raise ParkError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"conversation {conversation_id!r} is being parked; delete it once that ends",
+                )
+            snapshot_bytes = await self.parking.delete_snapshot(tenant, conversation_id)
+            if snapshot_bytes is None and not conversation.tokens:
+                raise ParkError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
+            deleted = Deleted(len(conversation.tokens), len(conversation.pages), snapshot_bytes or 0)
+            # No page of its tokens is offered to a later prompt (the prefix index's that no request holds).
+            prefixes = page_hashes(conversation.tokens, engine.scheduler.config.page_size, tenant)
+            engine.scheduler.return_pages(conversation.forget())  # its state copies go back to their pool
+            engine.scheduler.pages.unindex(prefixes)
+            self._unregister(engine, conversation)
+            engine.wake()
+        log.info("conversation deleted", conversation=conversation_id, pages=deleted.pages)
+        return deleted
+
     # ---- KV pressure ----
 
     def relieve(self, engine: Engine) -> None:
@@ -220,6 +263,8 @@ class Turns:
     async def _park_or_drop(self, engine: Engine, conversation: Conversation, drop: bool = True) -> bool:
         """Park an idle conversation's pages, or (`drop`) drop them where it cannot be parked: its next turn
         reads again. Whether anything was done (a conversation busy or without pages is left alone)."""
+        if engine.conversations.get(*conversation.key) is not conversation:
+            return True  # deleted since it was picked: nothing of it to park, and no lock to make for it
         async with self.lock(conversation):
             if conversation.busy or not conversation.pages:
                 return True  # not this one: the caller picks the next coldest

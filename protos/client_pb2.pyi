@@ -241,6 +241,24 @@ class ListConversationsResponse(_message.Message):
     conversations: _containers.RepeatedCompositeFieldContainer[Conversation]
     def __init__(self, conversations: _Optional[_Iterable[_Union[Conversation, _Mapping]]] = ...) -> None: ...
 
+class DeleteConversationRequest(_message.Message):
+    __slots__ = ("conversation_id", "tenant")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    tenant: str
+    def __init__(self, conversation_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class DeleteConversationResponse(_message.Message):
+    __slots__ = ("tokens", "pages", "snapshot_bytes")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    pages: int
+    snapshot_bytes: int
+    def __init__(self, tokens: _Optional[int] = ..., pages: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
