@@ -1,13 +1,14 @@
 """Deleting a conversation over the real stack (SmolLM2 on the CPU, the cache service on a temporary directory,
-gRPC on loopback): its pages go back exactly, its snapshot leaves the cache, the planner keeps no record of it,
-and the next turn of its id starts fresh; another tenant's, an unknown or a malformed id and a turn in flight
-are refused, changing nothing."""
+gRPC and the HTTP gateway on loopback): its pages go back exactly, its snapshot leaves the cache, the planner
+keeps no record of it, and the next turn of its id starts fresh; another tenant's, an unknown or a malformed
+id and a turn in flight are refused, changing nothing."""
 
 from __future__ import annotations
 
 import os
 
 import grpc
+import httpx2 as httpx
 import pytest
 import pytest_asyncio
 
@@ -21,8 +22,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 class Deleting:
-    def __init__(self, cached: CachedStack) -> None:
-        self.cached, self.stack = cached, cached.stack
+    def __init__(self, cached: CachedStack, http_base: str) -> None:
+        self.cached, self.stack, self.http_base = cached, cached.stack, http_base
 
     def snapshot_files(self, conversation_id: str, tenant: str = "default") -> list[str]:
         """The files of its snapshot on disk (a deleted one leaves its empty directory to the next start)."""
@@ -32,9 +33,13 @@ class Deleting:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def deleting(tmp_path_factory):
+    from gateway_svc.http_server import start_gateway
+
     cached = CachedStack(str(tmp_path_factory.mktemp("cache")))
     await cached.start()
-    yield Deleting(cached)
+    gateway = await start_gateway(cached.stack.addr)
+    yield Deleting(cached, f"http://127.0.0.1:{gateway.port}")
+    await gateway.stop()
     await cached.stop()
 
 
@@ -165,6 +170,48 @@ async def test_another_tenants_unknown_and_malformed_ids_are_refused_changing_no
         assert deleting.snapshot_files("theirs", "alice")
         assert (await client.delete_conversation("theirs", "alice")).snapshot_bytes > 0
         assert await client.conversations("alice") == []
+
+
+async def test_the_http_route_deletes_and_answers_as_openai_errors(deleting):
+    stack = deleting.stack
+    async with PlannerClient(stack.addr) as planner, httpx.AsyncClient(base_url=deleting.http_base) as http:
+        await turn(planner, chat_of("hills"), "team/web-1")  # an id with a slash: the rest of the path
+        await stack.wait_idle()
+        held = stack.scheduler.conversations.get("default", "team/web-1")
+        tokens, pages = len(held.tokens), len(held.pages)
+        deleted = await http.delete("/v1/conversations/team/web-1")
+        assert deleted.status_code == 200, deleted.text
+        assert deleted.json() == {
+            "id": "team/web-1",
+            "object": "conversation.deleted",
+            "deleted": True,
+            "deltaserve": {"tokens": tokens, "pages": pages, "snapshot_bytes": 0},
+        }
+        assert recorded(stack, "team/web-1") == []
+        again = await http.delete("/v1/conversations/team/web-1")
+        error = again.json()["error"]
+        assert (again.status_code, error["type"], error["code"]) == (404, "not_found_error", "not_found")
+        assert error["message"] == "no conversation 'team/web-1'"
+        too_long = await http.delete("/v1/conversations/" + "x" * 300)
+        assert (too_long.status_code, too_long.json()["error"]["type"]) == (400, "invalid_request_error")
+        # A turn streaming on it: 409, as over gRPC; the stream closed aborts it and the delete then goes.
+        body = {
+            "model": (await planner.model_info()).name,
+            "messages": chat_of("hills"),
+            "max_tokens": 300,
+            "ignore_eos": True,
+            "stream": True,
+            "conversation_id": "web-2",
+        }
+        async with http.stream("POST", "/v1/chat/completions", json=body) as streamed:
+            lines = streamed.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass
+            busy = await http.delete("/v1/conversations/web-2")
+        assert (busy.status_code, busy.json()["error"]["code"]) == (409, "failed_precondition")
+        await stack.wait_idle(timeout=10)
+        assert (await http.delete("/v1/conversations/web-2")).status_code == 200
+    assert recorded(stack, "web-2") == []
 
 
 async def test_the_snapshot_alone_after_a_restart_and_nothing_while_the_cache_is_down(tmp_path):
