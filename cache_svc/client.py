@@ -185,10 +185,10 @@ class CacheClient:
         reply = await self._stub.List(request, timeout=timeout)
         return [_info_dict(info) for info in reply.snapshots]
 
-    async def delete(self, tenant: str, conversation_id: str) -> dict:
+    async def delete(self, tenant: str, conversation_id: str, timeout: float | None = None) -> dict:
         """Deletes the snapshot; returns {"key", "size_bytes"} (NOT_FOUND when there is none)."""
         reply = await self._stub.Delete(
-            cache_pb2.DeleteRequest(tenant=tenant, conversation_id=conversation_id)
+            cache_pb2.DeleteRequest(tenant=tenant, conversation_id=conversation_id), timeout=timeout
         )
         return {"key": reply.key, "size_bytes": reply.size_bytes}
 

@@ -194,6 +194,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     for name, help in (
         ("park", "move an idle conversation's KV pages out of the pool into the cache service"),
         ("resume", "bring a parked conversation's pages back into the pool (its next generate does too)"),
+        (
+            "delete",
+            "forget a conversation: its pages and checkpoints in the planner, its snapshot in the cache",
+        ),
     ):
         flags = command(commands_action, name, help)
         flags.parser.add_argument("conversation_id", metavar="ID", help="the conversation")
@@ -241,6 +245,7 @@ _CLIENT_COMMANDS = {
     "park": commands.park,
     "resume": commands.resume,
     "conversations": commands.conversations,
+    "delete": commands.delete,
     "cache ls": commands.cache_ls,
     "cache rm": commands.cache_rm,
     "cache stat": commands.cache_stat,

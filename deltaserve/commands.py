@@ -1,4 +1,5 @@
-"""The client commands: generate, park, resume and conversations against a planner; cache ls, rm, stat."""
+"""The client commands: generate, park, resume, conversations and delete against a planner; cache ls, rm,
+stat."""
 
 from __future__ import annotations
 
@@ -274,6 +275,24 @@ async def conversations(args: argparse.Namespace, stop: asyncio.Event) -> int:
                 for c in listed
             ],
         )
+    return 0
+
+
+async def delete(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    async with PlannerClient(args.addr, client_security(args)) as client:
+        outcome = await _call(
+            client.delete_conversation(args.conversation_id, args.tenant), stop, _planner_unreachable(client)
+        )
+    if outcome[0] is not None:
+        return outcome[0]
+    deleted = outcome[1]
+    if args.json:
+        _print_json(
+            {"conversation_id": args.conversation_id, "tenant": _tenant(args), **dataclasses.asdict(deleted)}
+        )
+    else:
+        snapshot = f", its snapshot ({_size(deleted.snapshot_bytes)})" if deleted.snapshot_bytes else ""
+        print(f"deleted {args.conversation_id}: {deleted.tokens} tokens, {deleted.pages} pages{snapshot}")
     return 0
 
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible routes: chat and text completions (streamed as server-sent events or whole),
-models, health; FastAPI serves their OpenAPI schema at /openapi.json (and /docs)."""
+models, deleting a conversation, health; FastAPI serves their OpenAPI schema at /openapi.json (and /docs)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import uuid
 from typing import Annotated, Any
 
 import structlog
-from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
@@ -19,7 +19,7 @@ from gateway_svc.http_errors import ApiError, install_error_handlers
 from gateway_svc.http_metrics import Count, CountResponses
 from gateway_svc.openai_replies import ChoiceState, ChunkWriter, Kind
 from gateway_svc.openai_schema import ChatCompletionBody, CompletionBody, GenerationBody
-from gateway_svc.relay import ModelCatalog, arrived_together, responses, unless_disconnected
+from gateway_svc.relay import ModelCatalog, arrived_together, responses, rpc, unless_disconnected
 from gateway_svc.translate import BadField, Choice, UnsupportedField, chat_choices, completion_choices
 from planner_svc.client import PlannerClient
 
@@ -191,6 +191,32 @@ async def models(request: Request, credentials: Bearer):
                 "max_model_len": info.max_seq_len,
             }
         ],
+    }
+
+
+@router.delete(
+    "/v1/conversations/{conversation_id:path}",
+    summary="delete a conversation: its KV pages and checkpoints in the planner, its snapshot in the cache",
+)
+async def delete_conversation(
+    conversation_id: str,
+    request: Request,
+    credentials: Bearer,
+    tenant: Annotated[
+        str, Query(description="the owner, as a body's `tenant`: a service key acts for the one it names")
+    ] = "",
+):
+    planner = _gateway(request).planner
+    deleted = await rpc(planner.delete_conversation(conversation_id, tenant, _key(credentials)))
+    return {
+        "id": conversation_id,
+        "object": "conversation.deleted",
+        "deleted": True,
+        openai_replies.EXTENSION: {
+            "tokens": deleted.tokens,
+            "pages": deleted.pages,
+            "snapshot_bytes": deleted.snapshot_bytes,
+        },
     }
 
 

@@ -8,9 +8,16 @@ from prometheus_client import CollectorRegistry, Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")  # others count as "other"
+CONVERSATION = "/v1/conversations/"  # counted under one label whatever the id (ids are unbounded)
 
 
 Count = Callable[[str, str], None]  # one answer's (path, status)
+
+
+def _label(path: str) -> str:
+    if path in PATHS:
+        return path
+    return CONVERSATION + "{conversation_id}" if path.startswith(CONVERSATION) else "other"
 
 
 def count_into(registry: CollectorRegistry) -> Count:
@@ -35,7 +42,7 @@ class CountResponses:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"] if scope["path"] in PATHS else "other"
+        path = _label(scope["path"])
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -50,6 +50,13 @@ class Resumed:
 
 
 @dataclass(slots=True)
+class Deleted:
+    tokens: int  # what the planner held of it (0 where only the cache did)
+    pages: int  # KV pages given back to the pool
+    snapshot_bytes: int  # of its snapshot deleted from the cache service; 0: it had none
+
+
+@dataclass(slots=True)
 class ConversationInfo:
     conversation_id: str
     tokens: int
@@ -318,6 +325,18 @@ class PlannerClient:
             client_pb2.ResumeRequest(conversation_id=conversation_id, tenant=tenant)
         )
         return Resumed(tokens=reply.tokens, checkpoints=list(reply.checkpoints))
+
+    async def delete_conversation(
+        self, conversation_id: str, tenant: str = "", key: str | None = None
+    ) -> Deleted:
+        """Forgets the conversation: its pages and checkpoints in the planner, its snapshot in the cache service.
+        NOT_FOUND where neither holds it, FAILED_PRECONDITION while a turn streams on it (abort it first), the
+        cache's status (UNAVAILABLE, ...) when it cannot be asked (nothing is deleted then)."""
+        reply = await self._stub.DeleteConversation(
+            client_pb2.DeleteConversationRequest(conversation_id=conversation_id, tenant=tenant),
+            metadata=_keyed(key),
+        )
+        return Deleted(tokens=reply.tokens, pages=reply.pages, snapshot_bytes=reply.snapshot_bytes)
 
     async def conversations(self, tenant: str = "") -> list[ConversationInfo]:
         """The tenant's conversations the planner knows of (since it started), parked ones included."""

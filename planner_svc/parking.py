@@ -23,6 +23,8 @@ from protos.wire import pack_i32, unpack_i32
 
 log = structlog.get_logger("deltaserve.planner.parking")
 
+CACHE_DELETE_TIMEOUT_S = 10.0  # a cache that does not answer holds the conversation's lock no longer
+
 
 class ParkError(Exception):
     """A park that cannot be done; `code` is the gRPC status for the client."""
@@ -59,6 +61,17 @@ class RestoreOutcome:
 
 NOTHING = RestoreOutcome(Restore.NOTHING)
 RESTORED = RestoreOutcome(Restore.RESTORED)
+
+
+def _service_error(doing: str, error: grpc.aio.AioRpcError, keys: str) -> ParkError:
+    """A call to another service failed: its status for the client, but a refused service key (the
+    operator's mistake, not the caller's) as INTERNAL naming the flags that set it."""
+    code = error.code()
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return ParkError(
+            grpc.StatusCode.INTERNAL, f"{doing}: a service key was refused ({keys}): {error.details()}"
+        )
+    return ParkError(code, f"{doing}: {error.details()}")
 
 
 def _once_answered(rpc: asyncio.Future[Any], then: Callable[[], None]) -> None:
@@ -124,15 +137,9 @@ class Parking:
         try:
             reply = await asyncio.shield(rpc)
         except grpc.aio.AioRpcError as error:
-            code = error.code()
-            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                # The services' own key was refused (by the executor or the cache): the operator's, not the caller's
-                raise ParkError(
-                    grpc.StatusCode.INTERNAL,
-                    "parking failed: a service key was refused (the planner's --executor-api-key or the "
-                    f"executor's --cache-api-key): {error.details()}",
-                ) from error
-            raise ParkError(code, f"parking failed: {error.details()}") from error
+            raise _service_error(
+                "parking failed", error, "the planner's --executor-api-key or the executor's --cache-api-key"
+            ) from error
         except LinkError as error:
             raise ParkError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from error
         finally:
@@ -298,6 +305,21 @@ class Parking:
                 log.warning("cache not reachable; the prompt is read in full", error=error.details())
             return 0
         return max((s["num_tokens"] for s in snapshots), default=0)
+
+    async def delete_snapshot(self, tenant: str, conversation_id: str) -> int | None:
+        """Delete the conversation's snapshot from the cache: its bytes, or None where the cache has none (or
+        there is no cache). ParkError with the cache's status where it cannot be asked: nothing was deleted."""
+        if self._cache is None:
+            return None
+        try:
+            deleted = await self._cache.delete(tenant, conversation_id, timeout=CACHE_DELETE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise _service_error(
+                "deleting the snapshot failed", error, "the planner's --cache-api-key"
+            ) from error
+        return deleted["size_bytes"]
 
     async def follow_cache(self, tenant: str, conversations: list[Conversation]) -> None:
         """Drops the parked mark of those whose snapshot the cache no longer has (evicted, deleted,

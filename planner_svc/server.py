@@ -1,4 +1,5 @@
-"""The planner's client API over gRPC: Generate, Abort, model and server info, health and reflection."""
+"""The planner's client API over gRPC: Generate, Abort, conversations (park, resume, list, delete), model and
+server info, health and reflection."""
 
 from __future__ import annotations
 
@@ -253,6 +254,20 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         ]
         return client_pb2.ListConversationsResponse(conversations=listed)
 
+    async def DeleteConversation(
+        self, request: client_pb2.DeleteConversationRequest, context: grpc.aio.ServicerContext
+    ):
+        await _check_named(context, "conversation_id", request.conversation_id)
+        try:
+            deleted = await self.turns.delete(
+                await request_tenant(context, request.tenant), request.conversation_id
+            )
+        except ParkError as error:
+            await context.abort(error.code, str(error))
+        return client_pb2.DeleteConversationResponse(
+            tokens=deleted.tokens, pages=deleted.pages, snapshot_bytes=deleted.snapshot_bytes
+        )
+
     async def GetModelInfo(self, request: client_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
         d = self.description
         return client_pb2.ModelInfo(
@@ -268,7 +283,6 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         schedulers = [e.scheduler for e in self.engines]
         return client_pb2.ServerInfo(
             version=VERSION,
-            executors=[e.link.address for e in self.engines],
             page_size=d.page_size,
             pool_pages=sum(s.pages.total for s in schedulers),
             free_pages=sum(s.pages.free_count for s in schedulers),
@@ -279,6 +293,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             waiting=sum(len(s.waiting) for s in schedulers),
             steps=sum(e.steps for e in self.engines),
             device=d.device,
+            state_slots=sum(s.states.total for s in schedulers),
+            free_state_slots=sum(s.states.free_count for s in schedulers),
         )
 
 

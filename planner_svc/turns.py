@@ -1,17 +1,19 @@
 """A conversation's turns: which executor group serves it, mounting its checkpoint (or restoring its
-snapshot first), one turn at a time under its turn lock, parking and relieving KV pressure."""
+snapshot first), one turn at a time under its turn lock, parking, deleting and relieving KV pressure."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 import structlog
 
 from planner_svc.conversations import Conversation, Mount
 from planner_svc.engine import Engine
+from planner_svc.pages import page_hashes
 from planner_svc.parking import ParkError, Parking, Restore
 from planner_svc.requests import Request
 from planner_svc.sampler_state import grammar_message
@@ -22,6 +24,16 @@ from protos.rpc import ChannelSecurity
 log = structlog.get_logger("deltaserve.planner.turns")
 
 TURN_END_PATIENCE_S = 10.0  # how long a new turn waits for the previous one's last step to commit
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    """What deleting a conversation gave back: its tokens and KV pages (0 where the planner held none of it),
+    and its snapshot's bytes in the cache (0: it had none)."""
+
+    tokens: int
+    pages: int
+    snapshot_bytes: int
 
 
 class Turns:
@@ -43,11 +55,11 @@ class Turns:
     @contextlib.asynccontextmanager
     async def _locked(
         self, tenant: str, conversation_id: str, *, opens: Engine | None
-    ) -> AsyncIterator[tuple[Engine, Conversation, bool]]:
-        """The conversation's engine, the conversation (opened on `opens` where no engine holds it; None:
-        NOT_FOUND) and whether this call opened it, its lock held; found again where a resume that had opened
-        it removed it while this waited: nothing may run on a conversation no longer registered (its pages
-        would be nobody's)."""
+    ) -> AsyncIterator[tuple[Engine, Conversation]]:
+        """The conversation's engine and the conversation (opened on `opens` where no engine holds it; None:
+        NOT_FOUND), its lock held; found again where a call that had opened it, or a delete, removed it while
+        this waited: nothing may run on a conversation no longer registered (its pages would be nobody's). One
+        this call opened and left holding nothing leaves no trace, its lock neither."""
         while True:
             engine, conversation = self.find(tenant, conversation_id)
             opened = conversation is None
@@ -57,15 +69,23 @@ class Turns:
                 engine, conversation = opens, opens.conversations.open(tenant, conversation_id)
             async with self.lock(conversation):
                 if engine.conversations.get(tenant, conversation_id) is conversation:
-                    yield engine, conversation, opened
+                    try:
+                        yield engine, conversation
+                    finally:
+                        if opened and not (
+                            conversation.tokens
+                            or conversation.pages
+                            or conversation.parked
+                            or conversation.busy
+                        ):
+                            self._unregister(engine, conversation)
                     return
 
-    def _drop_unused(self, engine: Engine, conversation: Conversation) -> None:
-        """A conversation opened by a call that failed: where it holds nothing, no trace of it stays, its lock
-        neither (a waiter on the lock finds it gone: _locked)."""
-        if not (conversation.tokens or conversation.pages or conversation.parked or conversation.busy):
-            engine.conversations.remove(conversation)
-            self._locks.pop(conversation.key, None)
+    def _unregister(self, engine: Engine, conversation: Conversation) -> None:
+        """Drop every record of the conversation here (a waiter on its lock finds it gone: `_locked`)."""
+        engine.conversations.remove(conversation)
+        self._locks.pop(conversation.key, None)
+        self._latest.pop(conversation.key, None)
 
     # ---- routing ----
 
@@ -110,13 +130,8 @@ class Turns:
         # Routed once: its executor compiles the grammar before anything is opened (a refusal leaves no trace)
         engine = self.find(tenant, conversation_id)[0] or self.least_loaded()
         await self.prepare(engine, req)
-        async with self._locked(tenant, conversation_id, opens=engine) as (engine, conversation, opened):
-            try:
-                mount = await self._mount(engine, conversation, req)
-            except BaseException:
-                if opened:
-                    self._drop_unused(engine, conversation)
-                raise
+        async with self._locked(tenant, conversation_id, opens=engine) as (engine, conversation):
+            mount = await self._mount(engine, conversation, req)
             queue = engine.submit(req)
             self._latest[conversation.key] = req
         return engine, queue, mount
@@ -164,7 +179,7 @@ class Turns:
     ) -> tuple[executor_pb2.ParkPagesReply, Conversation]:
         """Move an idle conversation's pages to the cache (ParkError: NOT_FOUND, FAILED_PRECONDITION,
         the cache's status)."""
-        async with self._locked(tenant, conversation_id, opens=None) as (engine, conversation, _):
+        async with self._locked(tenant, conversation_id, opens=None) as (engine, conversation):
             await self._previous_turn_done(engine, conversation)
             return await self.parking.park(engine, conversation), conversation
 
@@ -173,19 +188,49 @@ class Turns:
         FAILED_PRECONDITION while a turn runs on it, DATA_LOSS for a snapshot that failed its checks,
         UNAVAILABLE for any other refusal)."""
         opens = self.least_loaded()  # where no engine holds it (the planner restarted): restored there
-        async with self._locked(tenant, conversation_id, opens=opens) as (engine, conversation, opened):
+        async with self._locked(tenant, conversation_id, opens=opens) as (engine, conversation):
             await self._previous_turn_done(engine, conversation)
             outcome = await self.parking.restore(engine, conversation) if not conversation.pages else None
             if outcome is None or outcome.restored:
                 return conversation
-            if opened:
-                self._drop_unused(engine, conversation)
         if outcome.status is Restore.NOTHING or outcome.missing:
             raise ParkError(grpc.StatusCode.NOT_FOUND, f"no parked conversation {conversation_id!r}")
         raise ParkError(
             grpc.StatusCode.DATA_LOSS if outcome.data_loss else grpc.StatusCode.UNAVAILABLE,
             f"conversation {conversation_id!r} was not restored: {outcome.note}",
         )
+
+    async def delete(self, tenant: str, conversation_id: str) -> Deleted:
+        """Forget the conversation: its snapshot deleted from the cache first (a cache that cannot be asked
+        leaves everything as it was), then its pages and state copies back to the pools and every record of
+        it dropped. A turn that has answered is waited for, as by park. ParkError: FAILED_PRECONDITION while a
+        turn streams on it or its pages are being parked, NOT_FOUND where neither the planner nor the cache
+        holds it (nothing changes), the cache's status."""
+        # Where no engine holds it (the planner restarted), its snapshot alone is deleted
+        async with self._locked(tenant, conversation_id, opens=self.least_loaded()) as (engine, conversation):
+            try:
+                await self._previous_turn_done(engine, conversation)
+            except ParkError as error:
+                if error.code != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                raise ParkError(error.code, f"{error}; abort it first") from None
+            if conversation.parking:  # a park whose caller gave up: its executor still writes the snapshot
+                raise ParkError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"conversation {conversation_id!r} is being parked; delete it once that ends",
+                )
+            snapshot_bytes = await self.parking.delete_snapshot(tenant, conversation_id)
+            if snapshot_bytes is None and not conversation.tokens:
+                raise ParkError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
+            deleted = Deleted(len(conversation.tokens), len(conversation.pages), snapshot_bytes or 0)
+            # No page of its tokens is offered to a later prompt (the prefix index's that no request holds).
+            prefixes = page_hashes(conversation.tokens, engine.scheduler.config.page_size, tenant)
+            engine.scheduler.return_pages(conversation.forget())  # its state copies go back to their pool
+            engine.scheduler.pages.unindex(prefixes)
+            self._unregister(engine, conversation)
+            engine.wake()
+        log.info("conversation deleted", conversation=conversation_id, pages=deleted.pages)
+        return deleted
 
     # ---- KV pressure ----
 
@@ -222,6 +267,8 @@ class Turns:
     async def _park_or_drop(self, engine: Engine, conversation: Conversation, drop: bool = True) -> bool:
         """Park an idle conversation's pages, or (`drop`) drop them where it cannot be parked: its next turn
         reads again. Whether anything was done (a conversation busy or without pages is left alone)."""
+        if engine.conversations.get(*conversation.key) is not conversation:
+            return True  # deleted since it was picked: nothing of it to park, and no lock to make for it
         async with self.lock(conversation):
             if conversation.busy or not conversation.pages:
                 return True  # not this one: the caller picks the next coldest

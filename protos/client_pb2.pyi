@@ -241,6 +241,24 @@ class ListConversationsResponse(_message.Message):
     conversations: _containers.RepeatedCompositeFieldContainer[Conversation]
     def __init__(self, conversations: _Optional[_Iterable[_Union[Conversation, _Mapping]]] = ...) -> None: ...
 
+class DeleteConversationRequest(_message.Message):
+    __slots__ = ("conversation_id", "tenant")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    tenant: str
+    def __init__(self, conversation_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class DeleteConversationResponse(_message.Message):
+    __slots__ = ("tokens", "pages", "snapshot_bytes")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    pages: int
+    snapshot_bytes: int
+    def __init__(self, tokens: _Optional[int] = ..., pages: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -278,9 +296,8 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "executors", "page_size", "pool_pages", "free_pages", "slots", "free_slots", "buckets", "running", "waiting", "steps", "device")
+    __slots__ = ("version", "page_size", "pool_pages", "free_pages", "slots", "free_slots", "buckets", "running", "waiting", "steps", "device", "state_slots", "free_state_slots")
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -291,8 +308,9 @@ class ServerInfo(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     version: str
-    executors: _containers.RepeatedScalarFieldContainer[str]
     page_size: int
     pool_pages: int
     free_pages: int
@@ -303,4 +321,6 @@ class ServerInfo(_message.Message):
     waiting: int
     steps: int
     device: str
-    def __init__(self, version: _Optional[str] = ..., executors: _Optional[_Iterable[str]] = ..., page_size: _Optional[int] = ..., pool_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    state_slots: int
+    free_state_slots: int
+    def __init__(self, version: _Optional[str] = ..., page_size: _Optional[int] = ..., pool_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps: _Optional[int] = ..., device: _Optional[str] = ..., state_slots: _Optional[int] = ..., free_state_slots: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,11 @@ class PlannerStub:
                 request_serializer=protos_dot_client__pb2.ListConversationsRequest.SerializeToString,
                 response_deserializer=protos_dot_client__pb2.ListConversationsResponse.FromString,
                 _registered_method=True)
+        self.DeleteConversation = channel.unary_unary(
+                '/deltaserve.v1.Planner/DeleteConversation',
+                request_serializer=protos_dot_client__pb2.DeleteConversationRequest.SerializeToString,
+                response_deserializer=protos_dot_client__pb2.DeleteConversationResponse.FromString,
+                _registered_method=True)
 
 
 class PlannerServicer:
@@ -121,6 +126,17 @@ class PlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteConversation(self, request, context):
+        """Forgets a conversation: gives back its KV pages and its checkpoints' state copies, drops every record the
+        planner keeps of it, and deletes its snapshot from the cache service. Waits for a turn that has answered
+        to end; FAILED_PRECONDITION while a turn streams on it (abort it first) or its pages are being parked.
+        NOT_FOUND when neither the planner nor the cache holds it for the caller's tenant; the cache's status
+        (UNAVAILABLE, ...) when it cannot be asked, and then nothing is deleted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlannerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +174,11 @@ def add_PlannerServicer_to_server(servicer, server):
                     servicer.ListConversations,
                     request_deserializer=protos_dot_client__pb2.ListConversationsRequest.FromString,
                     response_serializer=protos_dot_client__pb2.ListConversationsResponse.SerializeToString,
+            ),
+            'DeleteConversation': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteConversation,
+                    request_deserializer=protos_dot_client__pb2.DeleteConversationRequest.FromString,
+                    response_serializer=protos_dot_client__pb2.DeleteConversationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +370,33 @@ class Planner:
             '/deltaserve.v1.Planner/ListConversations',
             protos_dot_client__pb2.ListConversationsRequest.SerializeToString,
             protos_dot_client__pb2.ListConversationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteConversation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Planner/DeleteConversation',
+            protos_dot_client__pb2.DeleteConversationRequest.SerializeToString,
+            protos_dot_client__pb2.DeleteConversationResponse.FromString,
             options,
             channel_credentials,
             insecure,

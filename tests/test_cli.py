@@ -402,6 +402,13 @@ def test_client_commands_of_the_planner_and_the_cache(capsys):
     resume = parse(["resume", "c1", "--tenant", "alice", "--json", "--addr", "p:1"])
     assert (resume.conversation_id, resume.tenant, resume.json, resume.addr) == ("c1", "alice", True, "p:1")
     assert parse(["conversations"], DELTASERVE_TENANT="bob").tenant == "bob"
+    delete = parse(["delete", "c1", "--tenant", "alice", "--json"])
+    assert (delete.command, delete.conversation_id, delete.tenant, delete.json) == (
+        "delete",
+        "c1",
+        "alice",
+        True,
+    )
     ls = parse(["cache", "ls", "--json"])
     assert (ls.command, ls.action, ls.addr, ls.tenant, ls.json) == (
         "cache",
@@ -963,6 +970,14 @@ def test_up_serves_a_conversation_parks_it_in_its_cache_and_stops_cleanly_on_sig
             True,
             0,
         )
+        deleted = deltaserve("delete", "c1", *planner)
+        assert deleted.returncode == 0, deleted.stderr
+        assert deleted.stdout.startswith(
+            f"deleted c1: {len(second_prompt) + 7} tokens, 0 pages, its snapshot ("
+        )
+        assert deltaserve_json("conversations", *planner) == deltaserve_json("cache", "ls", *cache) == []
+        missing = deltaserve("delete", "c1", *planner)
+        assert missing.returncode == 1 and "error: NOT_FOUND: no conversation 'c1'" in missing.stderr
     finally:
         code = serving.stop()
     events = [event["event"] for event in serving.events()]

@@ -285,7 +285,13 @@ async def test_unknown_conversation_and_busy_park(cached):
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await client._stub.Resume(client_pb2.ResumeRequest(conversation_id="nobody"))
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
-        assert not any(key[1] == "nobody" for key in cached.stack.planner.turns._locks), "no trace left"
+        # A turn refused before its mount (it could never fit the pool) keeps no record of the id either.
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await turn(client, [SYSTEM], "nobody", max_tokens=7000, ignore_eos=True)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        turns = cached.stack.planner.turns
+        assert not any(key[1] == "nobody" for key in [*turns._locks, *turns._latest]), "no trace left"
+        assert cached.stack.scheduler.conversations.get("default", "nobody") is None
         # Nothing named, or a name too long: refused as such (an empty id once resumed another's snapshot).
         for call in (
             client._stub.Park(client_pb2.ParkRequest(conversation_id="")),

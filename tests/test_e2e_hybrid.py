@@ -87,6 +87,39 @@ async def _all_free(stack) -> None:
 async def test_described_state_slots(text_stack):
     assert text_stack.runner.describe().state_slots == STATE_SLOTS
     assert not text_stack.scheduler.prefix_cache  # off for a model with recurrent layers
+    async with PlannerClient(text_stack.addr) as client:
+        info = await client.server_info()
+    assert (info.state_slots, info.free_state_slots) == (
+        STATE_SLOTS - 1,
+        text_stack.scheduler.states.free_count,
+    )
+
+
+async def test_a_deleted_conversation_gives_its_state_copies_back(text_stack, hybrid):
+    """A conversation holding checkpoints' state copies (its turn's end, a pinned prefix): delete gives them back
+    with its pages, as ServerInfo shows, and the id's next turn reads its prompt afresh."""
+    prompt, expected = hybrid[2][1]
+    scheduler = text_stack.scheduler
+    options = GenerateOptions(
+        token_ids=prompt, max_tokens=NEW_TOKENS, conversation_id="forget-me", shared_prefix={"tokens": 10}
+    )
+    async with PlannerClient(text_stack.addr) as client:
+        await text_stack.wait_idle()
+        before = await client.server_info()
+        assert (await client.generate_all(options)).token_ids == expected
+        await text_stack.wait_idle()
+        (conversation,) = [c for c in scheduler.conversations.every() if c.conversation_id == "forget-me"]
+        copies, pages = len(conversation.states), len(conversation.pages)
+        assert copies == 2 and (await client.server_info()).free_state_slots == before.free_state_slots - 2
+        deleted = await client.delete_conversation("forget-me")
+        assert (deleted.pages, deleted.snapshot_bytes) == (pages, 0)
+        after = await client.server_info()
+        assert (after.free_state_slots, after.free_pages) == (before.free_state_slots, before.free_pages)
+        scheduler.states.check()
+        again = await client.generate_all(options)
+        assert (again.token_ids, again.checkpoint, again.reused_tokens) == (expected, "none", 0)
+        await client.delete_conversation("forget-me")
+    await _all_free(text_stack)
 
 
 async def test_more_choices_than_state_slots_are_refused_at_once(text_stack, hybrid):

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from planner_svc.client import GenerateOptions, PlannerClient
+from protos import client_pb2
 from protos.wire import unpack_i32
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -38,7 +39,9 @@ async def test_text_and_token_id_prompts(smol_stack):
         server = await client.server_info()
     assert by_text.token_ids == by_ids.token_ids and by_text.prompt_tokens == len(ids)
     assert info.vocab_size == 49152 and info.max_seq_len == 8192 and info.eos_token_id == 2
-    assert server.pool_pages == smol_stack.scheduler.pages.total and server.executors
+    assert server.pool_pages == smol_stack.scheduler.pages.total
+    assert server.state_slots == server.free_state_slots == 0  # a model with no recurrent layers
+    assert "executors" not in client_pb2.ServerInfo.DESCRIPTOR.fields_by_name  # internal topology: not told
 
 
 async def expect_status(coro, code: grpc.StatusCode, message: str):

@@ -179,6 +179,25 @@ async def test_a_tenant_cannot_see_park_resume_or_name_anothers_conversation(tru
         assert "mine" in [c.conversation_id for c in listed.conversations]
 
 
+async def test_a_tenant_deletes_its_own_conversation_only(trusted):
+    """Delete scopes by the key's tenant as park does: bob's key finds no conversation of alice's (NOT_FOUND,
+    as for an id nobody has) and cannot name her (PERMISSION_DENIED); alice's delete reaches the cache with
+    the service key and removes her snapshot."""
+    async with trusted.client(ALICE) as alice, trusted.client(BOB) as bob:
+        await generate(alice, "deleted")
+        assert (await alice._stub.Park(client_pb2.ParkRequest(conversation_id="deleted"))).bytes > 0
+        await expect(
+            bob.delete_conversation("deleted"), grpc.StatusCode.NOT_FOUND, "no conversation 'deleted'"
+        )
+        await expect(bob.delete_conversation("deleted", "alice"), grpc.StatusCode.PERMISSION_DENIED)
+        assert (await alice.delete_conversation("deleted")).snapshot_bytes > 0
+        listed = await alice._stub.ListConversations(client_pb2.ListConversationsRequest())
+        assert "deleted" not in [c.conversation_id for c in listed.conversations]
+        await expect(
+            alice._stub.Resume(client_pb2.ResumeRequest(conversation_id="deleted")), grpc.StatusCode.NOT_FOUND
+        )
+
+
 async def test_request_ids_are_per_tenant_and_abort_finds_the_callers_own(trusted):
     async with trusted.client(ALICE) as alice, trusted.client(BOB) as bob:
         long = client_pb2.GenerateRequest(

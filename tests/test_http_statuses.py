@@ -1,7 +1,8 @@
 """The HTTP statuses of the planner's refusals, end to end with OpenAI's client over a small keyed stack
 (SmolLM2 on the CPU, 7 KV pages of 16 tokens, one request may wait): 429 with Retry-After for a request that
 can never fit and for a full waiting queue (RESOURCE_EXHAUSTED), 403 for a tenant key acting for another
-tenant (PERMISSION_DENIED, as over gRPC), and the service key acting for any tenant."""
+tenant (PERMISSION_DENIED, as over gRPC), and the service key acting for any tenant; the same for deleting a
+conversation."""
 
 from __future__ import annotations
 
@@ -105,3 +106,27 @@ async def test_a_key_no_key_can_be_is_401(keyed):
             )
             assert reply.status_code == 401, reply.text
             assert "printable ASCII" in reply.json()["error"]["message"]
+
+
+async def test_a_conversation_is_deleted_by_its_tenant_or_the_service_key_for_it(keyed):
+    stack, client, base, model = keyed
+    await client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=1, extra_body={"conversation_id": "owned"}
+    )
+    await stack.wait_idle()
+    async with httpx.AsyncClient(base_url=base) as http:
+
+        async def delete(key: str, tenant: str = "") -> httpx.Response:
+            params = {"tenant": tenant} if tenant else None
+            return await http.delete(
+                "/conversations/owned", params=params, headers={"Authorization": f"Bearer {key}"}
+            )
+
+        named_other = await delete(ALICE, "bob")
+        assert (named_other.status_code, named_other.json()["error"]["type"]) == (403, "permission_error")
+        assert (await delete(SERVICE, "bob")).status_code == 404  # bob has none of that id
+        assert (await delete("wrong-key-0123456789")).status_code == 401
+        assert stack.scheduler.conversations.get("alice", "owned") is not None
+        assert (await delete(SERVICE, "alice")).json()["deleted"] is True
+        assert (await delete(ALICE)).status_code == 404
+    assert stack.scheduler.pages.free_count == stack.scheduler.pages.total
