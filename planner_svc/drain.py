@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import grpc
 import structlog
 
 from planner_svc.parking import ParkError
@@ -22,6 +23,7 @@ log = structlog.get_logger("deltaserve.planner.drain")
 DRAINING = "draining: the planner is shutting down; retry after its restart or on another planner"
 POLL_S = 0.02
 CUT_SETTLE_S = 5.0  # how long requests get to end their streams and turns before parking starts
+CACHE_CHECK_S = 2.0  # after a park failed UNAVAILABLE: how long the cache gets to answer its health check
 
 
 def cut_message(timeout_s: float) -> str:
@@ -73,6 +75,7 @@ async def drain(started: StartedServer[PlannerServicer], timeout_s: float) -> Dr
     await _until(settled, time.monotonic() + CUT_SETTLE_S)
     report.finished = running - report.cut
     turns = servicer.turns
+    unreachable = ""  # why parking stopped: a hung cache costs each park its connect timeout (20 s), not once
     for engine in servicer.engines:
         for conversation in engine.conversations.every():
             name = f"{conversation.tenant}/{conversation.conversation_id}"
@@ -84,11 +87,20 @@ async def drain(started: StartedServer[PlannerServicer], timeout_s: float) -> Dr
             if turns.parking.cache_address is None:
                 report.not_parked.append(f"{name}: no cache service")
                 continue
+            if unreachable:
+                report.not_parked.append(f"{name}: not tried: {unreachable}")
+                continue
             try:
                 await turns.park(conversation.tenant, conversation.conversation_id)
                 report.parked.append(name)
             except ParkError as error:
                 report.not_parked.append(f"{name}: {error.code.name}: {error}")
+                if error.code is grpc.StatusCode.UNAVAILABLE and not await turns.parking.cache_answers(
+                    CACHE_CHECK_S
+                ):
+                    unreachable = (
+                        f"the cache service did not answer its health check after parking {name} failed"
+                    )
     report.seconds = round(time.monotonic() - began, 3)
     log.info(
         "drained",

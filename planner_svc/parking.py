@@ -339,6 +339,16 @@ class Parking:
                 log.info("snapshot gone from the cache", conversation=conversation.conversation_id)
                 conversation.forget()
 
+    async def cache_answers(self, timeout: float) -> bool:
+        """Whether the cache service's health check says SERVING within `timeout` seconds."""
+        if self._cache is None:
+            return False
+        try:
+            await self._cache.wait_ready(timeout)
+        except (TimeoutError, grpc.aio.AioRpcError):
+            return False
+        return True
+
     async def close(self) -> None:
         if self._cache is not None:
             await self._cache.close()

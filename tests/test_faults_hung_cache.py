@@ -1,0 +1,98 @@
+"""A hung cache service (SIGSTOP: its process alive, its connections open, nothing answered) over real gRPC,
+every service a `deltaserve` process: a Put or Get under way ends UNAVAILABLE within the channels' keepalive
+bound instead of waiting forever, and a planner's drain stops parking after the first park it fails instead
+of paying each conversation a connect timeout. SmolLM2 on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+
+import grpc
+import pytest
+
+from cache_svc.client import CacheClient
+from planner_svc.client import PlannerClient
+from protos.rpc import KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS
+from tests.test_cli import Serving, free_port
+from tests.test_faults_drain_cache import PROMPT, Stack, turn
+
+# A hung peer is given up on once a ping goes unanswered: the ping after KEEPALIVE_MS, then its timeout.
+HUNG_BOUND_S = (KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 10  # and slack for a loaded machine
+CONNECT_TIMEOUT_S = 20  # gRPC's own, for a connection whose peer never says SETTINGS
+
+
+def manifest(conversation_id: str) -> dict:
+    return {
+        "conversation_id": conversation_id,
+        "token_ids": [1, 2, 3],
+        "checkpoints": [{"position": 3}],
+        "model_fingerprint": "hung-cache-test",
+        "num_layers": 1,
+        "page_size": 16,
+        "dtype": "float32",
+        "shards": [{"layers": [0, 1]}],
+    }
+
+
+async def test_a_put_and_a_get_on_a_hung_cache_end_unavailable_instead_of_waiting_forever(tmp_path):
+    port = free_port()
+    serving = Serving(
+        tmp_path / "cache.log", "cache", "serve", "--cache-dir", str(tmp_path / "c"), "--port", str(port)
+    )
+    try:
+        serving.wait_listening(60)
+        addr = f"127.0.0.1:{port}"
+        async with CacheClient(addr) as putting, CacheClient(addr) as getting:
+            await putting.put(manifest("stored"), [bytes(4096)])
+            await getting.stat()  # both connected before the cache hangs
+            serving.process.send_signal(signal.SIGSTOP)
+            began = time.monotonic()
+            put = putting.put(manifest("more"), [bytes(16 << 20)])  # more than the socket buffers hold
+            get = getting.get("default", "stored")
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(put, get, return_exceptions=True), HUNG_BOUND_S + 30
+            )
+            took = time.monotonic() - began
+        for outcome in outcomes:
+            assert isinstance(outcome, grpc.aio.AioRpcError), outcome
+            assert outcome.code() == grpc.StatusCode.UNAVAILABLE, outcome.details()
+        assert took < HUNG_BOUND_S, took
+        print(f"a hung cache's Put and Get ended UNAVAILABLE after {took:.1f} s")
+    finally:
+        serving.process.send_signal(signal.SIGCONT)
+        serving.process.kill()
+        serving.process.wait()
+
+
+@pytest.fixture
+def stack(tmp_path):
+    started = Stack(tmp_path)
+    yield started
+    started.cache.process.send_signal(signal.SIGCONT)
+    started.close()
+
+
+async def test_a_drain_behind_a_hung_cache_stops_parking_after_the_first_failure(stack):
+    names = [f"hung-{i}" for i in range(4)]
+    async with PlannerClient(stack.planner_addr) as client:
+        for name in names:
+            await client.generate_all(turn(name, PROMPT))
+    stack.cache.process.send_signal(signal.SIGSTOP)
+    began = time.monotonic()
+    stack.planner.process.send_signal(signal.SIGTERM)
+    # Each park used to wait out its connect timeout: 4 conversations took 80 s.
+    try:
+        code = await asyncio.to_thread(stack.planner.process.wait, CONNECT_TIMEOUT_S + HUNG_BOUND_S + 10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the planner still drains {time.monotonic() - began:.0f} s after SIGTERM")
+    assert code == 0, stack.planner.log_path.read_text()
+    [drained] = [e for e in stack.planner.events() if e["event"] == "drained"]
+    assert drained["parked"] == 0, drained
+    first, *rest = drained["not_parked"]
+    assert "UNAVAILABLE" in first and "unreachable" in first, first
+    assert len(rest) == len(names) - 1, drained
+    assert all("not tried: the cache service did not answer its health check" in r for r in rest), rest
+    print(f"drain behind a hung cache: the planner exited {time.monotonic() - began:.1f} s after SIGTERM")
