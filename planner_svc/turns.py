@@ -14,7 +14,7 @@ import structlog
 from planner_svc.conversations import Conversation, Mount
 from planner_svc.engine import Engine
 from planner_svc.pages import page_hashes
-from planner_svc.parking import ParkError, Parking, Restore
+from planner_svc.parking import ParkError, Parking, Restore, RestoreOutcome
 from planner_svc.requests import Request
 from planner_svc.sampler_state import grammar_message
 from planner_svc.streaming import TokenEvent
@@ -125,21 +125,33 @@ class Turns:
         """Mount the conversation's best checkpoint for `req` (restoring it first if parked) and submit it.
 
         Raises ParkError (a turn already running, or the previous one not ending), ValueError and
-        CapacityError for a request the scheduler refuses, ConnectionError for a lost executor. A turn refused
-        before it mounts leaves no conversation it opened."""
+        CapacityError for a request the scheduler refuses, ConnectionError for a lost executor. A refused turn
+        leaves its conversation as it found it (restored, where it was parked and the restore went through)
+        and no conversation it opened."""
         # Routed once: its executor compiles the grammar before anything is opened (a refusal leaves no trace)
         engine = self.find(tenant, conversation_id)[0] or self.least_loaded()
         await self.prepare(engine, req)
         async with self._locked(tenant, conversation_id, opens=engine) as (engine, conversation):
-            mount = await self._mount(engine, conversation, req)
+            outcome = await self._ready(engine, conversation, req)
+            # Queued before it mounts, with no await between (nothing is planned for it unmounted): a refusal
+            # (the executor lost while this awaited, or the scheduler's) then leaves the conversation untouched,
+            # where after the mount its pages would sit in a request that never runs and it would stay busy.
             queue = engine.submit(req)
+            mount = self._mount(engine, conversation, req, outcome)
             self._latest[conversation.key] = req
         return engine, queue, mount
 
-    async def _mount(self, engine: Engine, conversation: Conversation, req: Request) -> Mount:
+    async def _ready(self, engine: Engine, conversation: Conversation, req: Request) -> RestoreOutcome | None:
+        """The previous turn ended, `req` checked, the conversation restored where it holds no pages (its
+        outcome; None where it holds them)."""
         await self._previous_turn_done(engine, conversation)
         engine.scheduler.check(req)  # refuse bad input before touching the conversation
-        outcome = await self.parking.restore(engine, conversation) if not conversation.pages else None
+        return await self.parking.restore(engine, conversation) if not conversation.pages else None
+
+    @staticmethod
+    def _mount(
+        engine: Engine, conversation: Conversation, req: Request, outcome: RestoreOutcome | None
+    ) -> Mount:
         mount, release = engine.conversations.mount(
             conversation, req.prompt_ids, outcome is not None and outcome.restored
         )

@@ -32,9 +32,10 @@ OTHER = [(11 * i) % 500 + 5 for i in range(19)]
 
 class FaultyLink(GrpcLink):
     """The real link, with the faults a test injects where it wants them: the step stream lost while the
-    engine idles (`lose`), a restore or park held until the test answers `hold` ("answered": the executor's
-    answer, "failed": the link error of an executor gone), the plan `fail_next_send` picks failing to go out
-    (as a write racing the stream's end does), the next reopen raising `fail_open`."""
+    engine idles (`lose`, `end_stream`), the engine's reconnect probes unanswered while `back` is clear (it
+    stays lost), a restore or park held until the test answers `hold` ("answered": the executor's answer,
+    "failed": the link error of an executor gone), the plan `fail_next_send` picks failing to go out (as a
+    write racing the stream's end does), the next reopen raising `fail_open`."""
 
     def __init__(self, address: str):
         super().__init__(address)
@@ -42,13 +43,19 @@ class FaultyLink(GrpcLink):
         self.hold: asyncio.Future[str] | None = None
         self.fail_send: Callable[[executor_pb2.StepPlan], bool] | None = None
         self.fail_open: Exception | None = None
+        self.back = asyncio.Event()
+        self.back.set()
         self._lost = asyncio.Event()
         self._reopened = asyncio.Event()
 
-    async def lose(self) -> None:
-        """The step stream ends now; returns once the engine has recovered and reopened it."""
+    def end_stream(self) -> None:
+        """The step stream ends now (the idle engine notices it at once)."""
         self._reopened.clear()
         self._lost.set()
+
+    async def lose(self) -> None:
+        """The step stream ends now; returns once the engine has recovered and reopened it."""
+        self.end_stream()
         await self.reopened()
 
     def fail_next_send(self, which: Callable[[executor_pb2.StepPlan], bool]) -> None:
@@ -58,6 +65,10 @@ class FaultyLink(GrpcLink):
     async def reopened(self) -> None:
         """Once the engine has recovered from the fault and reopened the stream."""
         await self._reopened.wait()
+
+    async def describe(self) -> executor_pb2.ExecutorDescription:
+        await self.back.wait()
+        return await super().describe()
 
     async def until_ended(self) -> str:
         await self._lost.wait()

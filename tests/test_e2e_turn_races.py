@@ -1,6 +1,8 @@
 """A conversation's turn racing what else acts on it, over real gRPC, each interleaving driven by the test through
 the planner's link: a turn waiting on its conversation's lock while a failing Resume removes that conversation
-finds it again and runs on the live one; a drain names a turn whose last step did not come back in time."""
+finds it again and runs on the live one; a turn refused because its executor was lost while it mounted leaves
+its conversation as it found it, free for the next turn; a drain names a turn whose last step did not come back
+in time."""
 
 from __future__ import annotations
 
@@ -71,6 +73,14 @@ async def cached_stack(model_dir, tmp_path_factory):
     await stop_stack([*servers, cache])
 
 
+@pytest_asyncio.fixture(loop_scope="session")
+async def reaching_stack(cached_stack):
+    """cached_stack, whose engine reaches its executor again after the test (one failing may leave it lost)."""
+    yield cached_stack
+    if not cached_stack.engine.link.back.is_set():
+        await _back(cached_stack)
+
+
 async def test_a_turn_waiting_on_a_failing_resume_runs_on_the_conversation_found_again(cached_stack):
     """Resume opens a conversation the planner does not know (its snapshot in the cache, as after a planner
     restart) and restores it while a turn of it waits on its lock. The restore fails: the resume removes what
@@ -107,6 +117,116 @@ async def test_a_turn_waiting_on_a_failing_resume_runs_on_the_conversation_found
     assert live.tokens == history + got.token_ids[:-1]
     _check_pools(stack, live.pages, list(live.states.values()))
     _forget(stack, live)
+
+
+async def _lose_until_back(stack) -> None:
+    """The executor's step stream ends, and the engine, recovered, cannot reach it again until `link.back` is set."""
+    stack.engine.link.back.clear()
+    stack.engine.link.end_stream()
+    while stack.engine.serving:
+        await asyncio.sleep(0.01)
+
+
+async def _refused_unavailable(turn) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await turn
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+    assert "was lost" in (refused.value.details() or "")
+
+
+async def _back(stack) -> None:
+    stack.engine.link.back.set()
+    await stack.engine.link.reopened()
+
+
+async def test_a_turn_whose_executor_is_lost_while_it_restores_leaves_its_conversation_free(reaching_stack):
+    """The executor is lost while a turn's mount awaits the restore of its parked conversation, and is not back
+    when the restore answers (stale: it falls back). The turn is refused UNAVAILABLE and leaves the conversation
+    as the loss did: holding nothing, running no turn. Once the executor is back, its next turn restores the
+    snapshot and runs; once it is deleted, every page and state slot is free."""
+    stack, link = reaching_stack, reaching_stack.engine.link
+    async with PlannerClient(stack.addr) as client:
+        conversation = await _turn(stack, client, "lost-restoring")
+        kept = list(conversation.tokens)
+        assert (await client.park("lost-restoring")).bytes > 0
+        link.hold = asyncio.get_running_loop().create_future()
+        link.holding.clear()
+        history = kept + [5, 6, 7]
+        options = GenerateOptions(token_ids=history, max_tokens=3, conversation_id="lost-restoring")
+        turn = asyncio.ensure_future(client.generate_all(options))
+        await link.holding.wait()  # the mount awaits the restore
+        await _lose_until_back(stack)
+        link.hold.set_result("answered")
+        await _refused_unavailable(turn)
+        assert not conversation.busy and not conversation.tokens and not conversation.pages
+        assert not conversation.states
+        _check_pools(stack, [], [])
+        await _back(stack)
+        got = await client.generate_all(options)
+        assert got.checkpoint == f"snapshot@{len(kept)}"
+        await stack.wait_idle()
+        assert conversation.tokens == history + got.token_ids[:-1]
+        _check_pools(stack, conversation.pages, list(conversation.states.values()))
+        await client.delete_conversation("lost-restoring")
+    _check_pools(stack, [], [])
+
+
+async def test_a_turn_refused_while_its_executor_is_lost_keeps_what_its_restore_brought(reaching_stack):
+    """A turn of a parked conversation starts while its executor is lost (the planner not yet reconnected, the
+    executor already answering): its mount restores the conversation, then the turn is refused UNAVAILABLE.
+    Though its prompt diverged from the conversation's tokens, the conversation keeps exactly what the restore
+    brought (its tokens, pages and checkpoints with their state copies) and runs no turn; once the executor is
+    back, its next turn mounts its newest checkpoint."""
+    stack = reaching_stack
+    async with PlannerClient(stack.addr) as client:
+        conversation = await _turn(stack, client, "lost-restored")
+        kept, checkpoints = list(conversation.tokens), conversation.retention.positions
+        assert (await client.park("lost-restored")).bytes > 0
+        await _lose_until_back(stack)
+        diverged = kept[:10] + [9, 9, 9]
+        options = GenerateOptions(token_ids=diverged, max_tokens=3, conversation_id="lost-restored")
+        await _refused_unavailable(client.generate_all(options))
+        assert not conversation.busy and not conversation.parked
+        assert conversation.tokens == kept and conversation.retention.positions == checkpoints
+        assert len(conversation.pages) == -(-len(kept) // stack.scheduler.config.page_size)
+        assert sorted(conversation.states) == checkpoints
+        _check_pools(stack, conversation.pages, list(conversation.states.values()))
+        await _back(stack)
+        history = kept + [5, 6, 7]
+        got = await client.generate_all(
+            GenerateOptions(token_ids=history, max_tokens=3, conversation_id="lost-restored")
+        )
+        assert got.checkpoint == f"checkpoint@{len(kept)}"
+        await stack.wait_idle()
+        assert conversation.tokens == history + got.token_ids[:-1]
+        _check_pools(stack, conversation.pages, list(conversation.states.values()))
+        assert (await client.park("lost-restored")).bytes > 0
+        _check_pools(stack, [], [])
+        await client.delete_conversation("lost-restored")
+
+
+async def test_a_turn_refused_while_its_executor_is_lost_leaves_what_the_loss_left(reaching_stack):
+    """A conversation whose KV went with the lost executor: a turn refused while the executor is not back leaves
+    it as the recovery did (holding nothing, the loss noted), so that its next turn runs once the executor is
+    back and says why it read its whole prompt."""
+    stack = reaching_stack
+    async with PlannerClient(stack.addr) as client:
+        conversation = await _turn(stack, client, "lost-resident")
+        history = conversation.tokens + [5, 6, 7]
+        options = GenerateOptions(token_ids=history, max_tokens=3, conversation_id="lost-resident")
+        await _lose_until_back(stack)
+        lost = conversation.lost
+        assert lost and not conversation.tokens and not conversation.pages and not conversation.states
+        await _refused_unavailable(client.generate_all(options))
+        assert not conversation.busy and conversation.lost == lost and not conversation.pages
+        _check_pools(stack, [], [])
+        await _back(stack)
+        got = await client.generate_all(options)
+        assert got.checkpoint == f"none ({lost})" and got.reused_tokens == 0
+        await stack.wait_idle()
+        _check_pools(stack, conversation.pages, list(conversation.states.values()))
+        await client.delete_conversation("lost-resident")
+    _check_pools(stack, [], [])
 
 
 async def test_a_drain_names_a_turn_that_did_not_end_in_time(model_dir, monkeypatch):
