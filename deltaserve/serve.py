@@ -271,7 +271,7 @@ async def serve_up(
 async def serve_executor(args: argparse.Namespace, config: ExecutorConfig, stop: asyncio.Event) -> int:
     from executor_svc.server import start_executor_server
 
-    if args.trust.executor_keys is None and args.trust.cache_link.api_key:
+    if args.trust.executor_open and args.trust.cache_link.api_key:
         log.warning(  # its Restore reads any tenant's snapshot with that key, for whoever reaches the port
             "this executor holds a service key for the cache but takes callers without keys: start it with "
             "--api-keys (service keys only), or let only its planner reach the port (--tls-client-ca)"

@@ -32,6 +32,12 @@ class Trust:
         its callers are planners, and a tenant reaching it directly could read any tenant's snapshot."""
         return ServerSecurity(tls=self.server.tls, keys=self.executor_keys)
 
+    @property
+    def executor_open(self) -> bool:
+        """Whoever reaches the executor's port is served: it takes no keys and asks for no client certificate."""
+        tls = self.server.tls
+        return self.executor_keys is None and (tls is None or tls.client_ca is None)
+
 
 def with_service_key(keys: ApiKeys, key: str) -> ApiKeys:
     """The keys and one more service key (`up`: its own planner and executor reach its cache with it)."""

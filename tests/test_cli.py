@@ -1029,20 +1029,31 @@ def test_trust_flags_and_a_bad_key_file_fail_the_start_naming_the_line(tmp_path)
 
 async def test_an_executor_holding_a_cache_key_warns_at_start_while_it_takes_keyless_callers(tmp_path):
     """Its Restore reads any tenant's snapshot with its cache key, for whoever reaches its port: an executor
-    with --cache-api-key and no --api-keys says so once as it starts; with --api-keys (service keys only), or
-    with no cache key, it does not. Each start is the real one, stopped once its model is loaded."""
+    with --cache-api-key and no --api-keys says so once as it starts, also with TLS that asks for no client
+    certificate; with --api-keys (service keys only), with --tls-client-ca (mTLS: only holders of a certificate
+    its CA signed reach it), or with no cache key, it does not. Each start is the real one, stopped once its
+    model is loaded."""
     from deltaserve.serve import serve_executor
     from deltaserve.trust import trust_from_args
+    from tests.certs import make_pki
     from tests.hf_reference import hf_tokenizer
     from tests.hybrid_model import build_text_model, save_layouts
 
     model_dir, _ = save_layouts(build_text_model(), str(tmp_path / "model"), hf_tokenizer())
     keys = tmp_path / "keys"
     keys.write_text("service-key-0123456789 *\n")
+    pki = make_pki(str(tmp_path))
+    tls = ["--tls-cert", pki.server.cert, "--tls-key", pki.server.key]
     executor = ["executor", "--device", "cpu", "--model", model_dir, "--buckets", "1"]
     executor += ["--cache", "127.0.0.1:9"]  # never reached: each start stops before it serves
     cache_key = ["--cache-api-key", "service-key-0123456789"]
-    for flags, warns in ((cache_key, True), ([*cache_key, "--api-keys", str(keys)], False), ([], False)):
+    for flags, warns in (
+        (cache_key, True),
+        ([*cache_key, *tls], True),
+        ([*cache_key, "--api-keys", str(keys)], False),
+        ([*cache_key, *tls, "--tls-client-ca", pki.ca.cert], False),
+        ([], False),
+    ):
         args = parse([*executor, *flags])
         args.trust = trust_from_args(args)
         stopped = asyncio.Event()
