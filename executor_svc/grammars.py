@@ -35,6 +35,7 @@ from executor_svc.plan import CheckedPlan, PlanError
 from executor_svc.sampler_controls import SamplerControls
 from executor_svc.slot_store import SlotStore
 from protos import executor_pb2
+from protos.grammar_errors import compile_error
 from protos.model_files import TRANSFORMERS_IMPORTS, load_tokenizer
 
 if TYPE_CHECKING:
@@ -239,7 +240,7 @@ class Grammars:
                 # json_object: any object (xgrammar's builtin JSON grammar allows any value), keys not limited
                 compiled = compiler.compile_json_schema(grammar or ANY_OBJECT, strict_mode=bool(grammar))
             except (RuntimeError, ValueError) as error:
-                why = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+                why = compile_error(error)  # xgrammar's reason, less its time and C++ source position
                 raise PlanError(f"control_grammar: the JSON schema cannot be compiled: {why}") from None
             self._compiled.put(grammar, compiled)
         return compiled

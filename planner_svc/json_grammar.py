@@ -4,10 +4,10 @@ not enforce are refused by name, and the schema must compile (xgrammar, with the
 from __future__ import annotations
 
 import json
-import re
 import threading
 from typing import Any
 
+from protos.grammar_errors import compile_error
 from protos.model_files import TRANSFORMERS_IMPORTS
 
 # Keywords xgrammar's JSON Schema converter does not enforce: a schema using one would be followed only in
@@ -61,16 +61,6 @@ def unsupported_keyword(schema: Any, where: str = "#") -> str | None:
         if found is not None:
             return found
     return None
-
-
-# xgrammar's messages start with a time and its C++ source: "[07:09:02] /project/cpp/x.cc:94: Unsupported ..."
-_SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
-
-
-def compile_error(error: Exception) -> str:
-    """xgrammar's refusal in words: its message's last line, less the time and source position."""
-    lines = str(error).strip().splitlines()
-    return _SOURCE_PREFIX.sub("", lines[-1]) if lines else type(error).__name__
 
 
 class SchemaCompiler:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planner_svc.json_grammar import compile_error, unsupported_keyword
+from planner_svc.json_grammar import unsupported_keyword
 
 
 def test_unsupported_keywords_are_found_with_where_they_are():
@@ -17,10 +17,3 @@ def test_unsupported_keywords_are_found_with_where_they_are():
 
 def test_property_names_are_not_keywords():
     assert unsupported_keyword({"type": "object", "properties": {"not": {"type": "string"}}}) is None
-
-
-def test_xgrammars_refusal_loses_its_time_and_source_position():
-    error = RuntimeError("[07:09:02] /project/cpp/regex_converter.cc:94: Regex parsing error: Unclosed '['\n")
-    assert compile_error(error) == "Regex parsing error: Unclosed '['"
-    assert compile_error(ValueError("plain words")) == "plain words"
-    assert compile_error(RuntimeError("")) == "RuntimeError"
