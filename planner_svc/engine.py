@@ -53,7 +53,6 @@ class Engine:
         scheduler: Scheduler,
         link: ExecutorLink,
         inflight_plans: int = 2,
-        on_blocked: Callable[[Engine], None] | None = None,
         executor_timeout: float = EXECUTOR_TIMEOUT_S,
     ):
         self.scheduler = scheduler
@@ -77,7 +76,8 @@ class Engine:
         self._recent: deque[executor_pb2.StepPlan] = deque(
             maxlen=4
         )  # the plans in flight, for a refusal's log
-        self.on_blocked = on_blocked  # called when the queue's head waits for pages (KV pressure)
+        # Called when the queue's head waits for pages (KV pressure): set by the Turns built over the engines
+        self.on_blocked: Callable[[Engine], None] | None = None
         self._turn_waiters: list[tuple[Conversation, asyncio.Future[None]]] = []
 
     @property
