@@ -10,7 +10,7 @@ import grpc
 from cache_svc import CHUNK_BYTES
 from cache_svc.manifest import DEFAULT_TENANT
 from protos import cache_pb2, cache_pb2_grpc
-from protos.rpc import ChannelSecurity, open_channel, wait_serving
+from protos.rpc import CHANNEL_OPTIONS, ChannelSecurity, open_channel, wait_serving
 from protos.wire import pack_i32, unpack_i32
 
 
@@ -101,11 +101,14 @@ class CacheClient:
     """One channel to a cache service; use as `async with CacheClient("host:port") as cache:`.
 
     Errors come as the grpc.aio.AioRpcError of the call (NOT_FOUND, DATA_LOSS, ...), as they are.
+    `options`: a deltaserve service passes INTERNAL_CHANNEL_OPTIONS (keepalive on its link to the cache).
     """
 
-    def __init__(self, addr: str, security: ChannelSecurity | None = None) -> None:
+    def __init__(
+        self, addr: str, security: ChannelSecurity | None = None, *, options: Sequence = CHANNEL_OPTIONS
+    ) -> None:
         self.addr = addr
-        self._channel = open_channel(addr, security)  # TLS and an API key when configured
+        self._channel = open_channel(addr, security, options=options)  # TLS and an API key when configured
         self._stub = cache_pb2_grpc.CacheStub(self._channel)
 
     async def __aenter__(self) -> CacheClient:

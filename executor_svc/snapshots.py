@@ -41,7 +41,7 @@ from executor_svc.snapshot_checks import (
 )
 from executor_svc.snapshot_states import HYBRID_LAYOUT, StateShards, layer_kinds
 from protos import cache_pb2, executor_pb2
-from protos.rpc import ChannelSecurity
+from protos.rpc import INTERNAL_CHANNEL_OPTIONS, ChannelSecurity
 from protos.wire import pack_i32
 
 log = structlog.get_logger("deltaserve.executor.snapshots")
@@ -133,7 +133,7 @@ class Snapshots:
             },
         }
         try:
-            async with CacheClient(addr, self._cache_channel) as cache:
+            async with CacheClient(addr, self._cache_channel, options=INTERNAL_CHANNEL_OPTIONS) as cache:
                 stored = await cache.put(manifest, blobs)
         except grpc.aio.AioRpcError as err:
             raise cache_refusal(err, addr) from err
@@ -159,7 +159,7 @@ class Snapshots:
         self._check_guard()
         started = time.perf_counter()
         try:
-            async with CacheClient(addr, self._cache_channel) as cache:
+            async with CacheClient(addr, self._cache_channel, options=INTERNAL_CHANNEL_OPTIONS) as cache:
                 manifest, blobs = await cache.get(
                     request.tenant,
                     request.conversation_id,

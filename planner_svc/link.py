@@ -9,7 +9,7 @@ from typing import Protocol
 import grpc
 
 from protos import executor_pb2, executor_pb2_grpc
-from protos.rpc import PLANNER_ID_METADATA, ChannelSecurity, open_channel
+from protos.rpc import INTERNAL_CHANNEL_OPTIONS, PLANNER_ID_METADATA, ChannelSecurity, open_channel
 
 PLANNER_ID = uuid.uuid4().hex  # this planner process's, sent with each Steps stream it opens
 
@@ -59,7 +59,9 @@ class GrpcLink:
 
     def __init__(self, address: str, security: ChannelSecurity | None = None):
         self.address = address
-        self._channel = open_channel(address, security)  # TLS when configured
+        self._channel = open_channel(
+            address, security, options=INTERNAL_CHANNEL_OPTIONS
+        )  # TLS when configured
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None  # the step stream, once open
 

@@ -18,7 +18,7 @@ from planner_svc.link import LinkError
 from planner_svc.loans import Loan
 from planner_svc.retention import Retention
 from protos import cache_pb2, executor_pb2
-from protos.rpc import ChannelSecurity
+from protos.rpc import INTERNAL_CHANNEL_OPTIONS, ChannelSecurity
 from protos.wire import pack_i32, unpack_i32
 
 log = structlog.get_logger("deltaserve.planner.parking")
@@ -96,7 +96,9 @@ class Parking:
         security: ChannelSecurity | None = None,
     ):
         self.cache_address = cache_address
-        self._cache = CacheClient(cache_address, security) if cache_address else None
+        self._cache = (
+            CacheClient(cache_address, security, options=INTERNAL_CHANNEL_OPTIONS) if cache_address else None
+        )
         # Frees pages for a restore short of them, as KV pressure does (parks idle conversations; turns.py).
         self._make_room = make_room
 

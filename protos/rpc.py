@@ -25,29 +25,35 @@ from protos.tls import ClientTLS, ServerTLS
 # restore reply carrying a long conversation's token ids (4 bytes a token), and a row-check mirror of
 # every row a wide step reads. Snapshot bytes stream in chunks of a few MiB, far below it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-# A peer that stops answering (SIGSTOP, a frozen VM, a cable pulled) leaves its TCP connection open, and a call
-# on it waited forever: a park, a restore or a drain behind a hung cache, a client behind a hung planner. While
-# a call is open the channel pings every KEEPALIVE_MS, and a ping not answered within KEEPALIVE_TIMEOUT_MS
-# closes the connection: its calls end UNAVAILABLE. gRPC's core answers pings off the Python thread, so a busy
-# peer (a long prefill) still answers them.
-KEEPALIVE_MS = 5_000
-KEEPALIVE_TIMEOUT_MS = 10_000
+# A client's channel (PlannerClient, the gateway's, the CLI's) keeps gRPC's keepalive defaults: it may reach a
+# server or proxy of another ping policy, whose default answers pings more often than every 5 minutes with
+# GOAWAY "too_many_pings", ending a long call. A client bounds a hung planner by its call's deadline.
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+]
+# Between one deployment's own services (the planner's step streams and calls to its executors, planner and
+# executors to the cache), whose servers take these pings: a peer that stops answering (SIGSTOP, a frozen VM, a
+# cable pulled) leaves its TCP connection open, and a call on it waited forever (a park, a restore or a drain
+# behind a hung cache). While a call is open the channel pings every INTERNAL_KEEPALIVE_MS (gRFC A8's floor),
+# and a ping not answered within INTERNAL_KEEPALIVE_TIMEOUT_MS closes the connection: its calls end UNAVAILABLE.
+# gRPC's core answers pings off the Python thread, so a busy peer (a long prefill) still answers them.
+INTERNAL_KEEPALIVE_MS = 10_000
+INTERNAL_KEEPALIVE_TIMEOUT_MS = 10_000
+INTERNAL_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.keepalive_time_ms", INTERNAL_KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", INTERNAL_KEEPALIVE_TIMEOUT_MS),
     # The same bound for a ping stuck behind writes the peer does not take (its window full): 1 minute else.
-    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", INTERNAL_KEEPALIVE_TIMEOUT_MS),
     ("grpc.http2.max_pings_without_data", 0),  # a call awaiting a long answer sends no data, and pings on
 ]
 # A server binds its port alone: with SO_REUSEPORT two servers could listen on one port and split the
-# connections between them. It takes its clients' keepalive pings however long it sends nothing (its default
-# answers a ping more often than every 5 minutes with GOAWAY "too_many_pings", failing a long Put).
+# connections between them. It takes the internal links' pings however long it sends nothing (a long Put).
 SERVER_OPTIONS = [
     *CHANNEL_OPTIONS,
     ("grpc.so_reuseport", 0),
-    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS),
+    ("grpc.http2.min_ping_interval_without_data_ms", INTERNAL_KEEPALIVE_MS),
     ("grpc.http2.max_ping_strikes", 0),
 ]
 

@@ -15,12 +15,14 @@ import pytest
 
 from cache_svc.client import CacheClient
 from planner_svc.client import PlannerClient
-from protos.rpc import KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS
+from protos.rpc import INTERNAL_CHANNEL_OPTIONS, INTERNAL_KEEPALIVE_MS, INTERNAL_KEEPALIVE_TIMEOUT_MS
 from tests.test_cli import Serving, free_port
 from tests.test_faults_drain_cache import PROMPT, Stack, turn
 
-# A hung peer is given up on once a ping goes unanswered: the ping after KEEPALIVE_MS, then its timeout.
-HUNG_BOUND_S = (KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 10  # and slack for a loaded machine
+# A hung peer is given up on once a ping goes unanswered: the ping after INTERNAL_KEEPALIVE_MS, then its timeout.
+HUNG_BOUND_S = (
+    INTERNAL_KEEPALIVE_MS + INTERNAL_KEEPALIVE_TIMEOUT_MS
+) / 1000 + 10  # and slack for a loaded machine
 CONNECT_TIMEOUT_S = 20  # gRPC's own, for a connection whose peer never says SETTINGS
 
 
@@ -45,7 +47,10 @@ async def test_a_put_and_a_get_on_a_hung_cache_end_unavailable_instead_of_waitin
     try:
         serving.wait_listening(60)
         addr = f"127.0.0.1:{port}"
-        async with CacheClient(addr) as putting, CacheClient(addr) as getting:
+        async with (
+            CacheClient(addr, options=INTERNAL_CHANNEL_OPTIONS) as putting,
+            CacheClient(addr, options=INTERNAL_CHANNEL_OPTIONS) as getting,
+        ):
             await putting.put(manifest("stored"), [bytes(4096)])
             await getting.stat()  # both connected before the cache hangs
             serving.process.send_signal(signal.SIGSTOP)

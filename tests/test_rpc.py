@@ -2,19 +2,46 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import protos.rpc
+from planner_svc.client import PlannerClient
 from protos import cache_pb2, cache_pb2_grpc
-from protos.rpc import CHANNEL_OPTIONS, SERVER_OPTIONS, start_server, wait_serving
+from protos.rpc import (
+    CHANNEL_OPTIONS,
+    INTERNAL_CHANNEL_OPTIONS,
+    INTERNAL_KEEPALIVE_MS,
+    SERVER_OPTIONS,
+    start_server,
+    wait_serving,
+)
 
 SERVICE = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
+PING_MS = 1000  # the internal links' options pinging faster than they do, to keep the test short
+IDLE_S = 7 * PING_MS / 1000  # sends nothing for 7 keepalive periods (a default server refused it at 5 s)
 
 
-async def start(port: int = 0, on_stop=()):
+class SlowCache(cache_pb2_grpc.CacheServicer):
+    """Answers Stat after IDLE_S, sending nothing before."""
+
+    async def Stat(self, request, context):
+        await asyncio.sleep(IDLE_S)
+        return cache_pb2.StatReply()
+
+
+def pinging_every(ms: int) -> list[tuple[str, int]]:
+    return [
+        (name, ms if name == "grpc.keepalive_time_ms" else value) for name, value in INTERNAL_CHANNEL_OPTIONS
+    ]
+
+
+async def start(port: int = 0, on_stop=(), servicer=None):
     return await start_server(
-        cache_pb2_grpc.CacheServicer(),
+        servicer or cache_pb2_grpc.CacheServicer(),
         cache_pb2_grpc.add_CacheServicer_to_server,
         (SERVICE,),
         "127.0.0.1",
@@ -61,3 +88,43 @@ def test_one_message_limit_everywhere_and_no_port_reuse():
     limits = {value for name, value in CHANNEL_OPTIONS if name.startswith("grpc.max_")}
     assert len(limits) == 1
     assert ("grpc.so_reuseport", 0) in SERVER_OPTIONS
+
+
+async def test_an_internal_link_keeps_a_call_that_sends_nothing_open_past_three_keepalive_periods():
+    assert INTERNAL_KEEPALIVE_MS >= 10_000  # gRFC A8: no client pings more often than every 10 s
+    started = await start(servicer=SlowCache())
+    default_server = grpc.aio.server()  # gRPC's own ping policy: 2 pings without data, then GOAWAY
+    cache_pb2_grpc.add_CacheServicer_to_server(SlowCache(), default_server)
+    default_port = default_server.add_insecure_port("127.0.0.1:0")
+    await default_server.start()
+    try:
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{started.port}", options=pinging_every(PING_MS)
+        ) as channel:
+            await cache_pb2_grpc.CacheStub(channel).Stat(cache_pb2.StatRequest(), timeout=IDLE_S + 10)
+        # The same pings end the call on a server of gRPC's default policy: what the test above would catch.
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{default_port}", options=pinging_every(PING_MS)
+        ) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await cache_pb2_grpc.CacheStub(channel).Stat(cache_pb2.StatRequest(), timeout=IDLE_S + 10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+    finally:
+        await default_server.stop(None)
+        await started.stop(None)
+
+
+async def test_a_planner_client_keeps_grpcs_keepalive_defaults(monkeypatch):
+    """A client may reach a proxy or server whose policy refuses frequent pings: its channel pings on none."""
+    opened = []
+    real = grpc.aio.insecure_channel
+
+    def insecure_channel(address, options, interceptors):
+        opened.append(dict(options))
+        return real(address, options=options, interceptors=interceptors)
+
+    monkeypatch.setattr(protos.rpc.grpc.aio, "insecure_channel", insecure_channel)
+    await PlannerClient("127.0.0.1:1").close()
+    [options] = opened
+    assert not [name for name in options if "keepalive" in name or "ping" in name], options
+    assert options == dict(CHANNEL_OPTIONS)
