@@ -55,11 +55,12 @@ class Turns:
     @contextlib.asynccontextmanager
     async def _locked(
         self, tenant: str, conversation_id: str, *, opens: Engine | None
-    ) -> AsyncIterator[tuple[Engine, Conversation]]:
-        """The conversation's engine and the conversation (opened on `opens` where no engine holds it; None:
-        NOT_FOUND), its lock held; found again where a call that had opened it, or a delete, removed it while
-        this waited: nothing may run on a conversation no longer registered (its pages would be nobody's). One
-        this call opened and left holding nothing leaves no trace, its lock neither."""
+    ) -> AsyncIterator[tuple[Engine, Conversation, bool]]:
+        """The conversation's engine, the conversation (opened on `opens` where no engine holds it; None:
+        NOT_FOUND) and whether this call opened it, its lock held; found again where a call that had opened it,
+        or a delete, removed it while this waited: nothing may run on a conversation no longer registered (its
+        pages would be nobody's). One this call opened and left holding nothing leaves no trace, its lock
+        neither."""
         while True:
             engine, conversation = self.find(tenant, conversation_id)
             opened = conversation is None
@@ -70,7 +71,7 @@ class Turns:
             async with self.lock(conversation):
                 if engine.conversations.get(tenant, conversation_id) is conversation:
                     try:
-                        yield engine, conversation
+                        yield engine, conversation, opened
                     finally:
                         if opened and not (
                             conversation.tokens
@@ -131,7 +132,7 @@ class Turns:
         # Routed once: its executor compiles the grammar before anything is opened (a refusal leaves no trace)
         engine = self.find(tenant, conversation_id)[0] or self.least_loaded()
         await self.prepare(engine, req)
-        async with self._locked(tenant, conversation_id, opens=engine) as (engine, conversation):
+        async with self._locked(tenant, conversation_id, opens=engine) as (engine, conversation, _):
             outcome = await self._ready(engine, conversation, req)
             # Queued before it mounts, with no await between (nothing is planned for it unmounted): a refusal
             # (the executor lost while this awaited, or the scheduler's) then leaves the conversation untouched,
@@ -191,7 +192,7 @@ class Turns:
     ) -> tuple[executor_pb2.ParkPagesReply, Conversation]:
         """Move an idle conversation's pages to the cache (ParkError: NOT_FOUND, FAILED_PRECONDITION,
         the cache's status)."""
-        async with self._locked(tenant, conversation_id, opens=None) as (engine, conversation):
+        async with self._locked(tenant, conversation_id, opens=None) as (engine, conversation, _):
             await self._previous_turn_done(engine, conversation)
             return await self.parking.park(engine, conversation), conversation
 
@@ -200,7 +201,7 @@ class Turns:
         FAILED_PRECONDITION while a turn runs on it, DATA_LOSS for a snapshot that failed its checks,
         UNAVAILABLE for any other refusal)."""
         opens = self.least_loaded()  # where no engine holds it (the planner restarted): restored there
-        async with self._locked(tenant, conversation_id, opens=opens) as (engine, conversation):
+        async with self._locked(tenant, conversation_id, opens=opens) as (engine, conversation, _):
             await self._previous_turn_done(engine, conversation)
             outcome = await self.parking.restore(engine, conversation) if not conversation.pages else None
             if outcome is None or outcome.restored:
@@ -217,9 +218,11 @@ class Turns:
         leaves everything as it was), then its pages and state copies back to the pools and every record of
         it dropped. A turn that has answered is waited for, as by park. ParkError: FAILED_PRECONDITION while a
         turn streams on it or its pages are being parked, NOT_FOUND where neither the planner nor the cache
-        holds it (nothing changes), the cache's status."""
+        holds it (nothing changes), the cache's status. A record the planner holds is always dropped, also
+        one holding no tokens (its KV dropped under pressure or lost with an executor, a restore fell back)."""
         # Where no engine holds it (the planner restarted), its snapshot alone is deleted
-        async with self._locked(tenant, conversation_id, opens=self.least_loaded()) as (engine, conversation):
+        opens = self.least_loaded()
+        async with self._locked(tenant, conversation_id, opens=opens) as (engine, conversation, opened):
             try:
                 await self._previous_turn_done(engine, conversation)
             except ParkError as error:
@@ -232,7 +235,7 @@ class Turns:
                     f"conversation {conversation_id!r} is being parked; delete it once that ends",
                 )
             snapshot_bytes = await self.parking.delete_snapshot(tenant, conversation_id)
-            if snapshot_bytes is None and not conversation.tokens:
+            if snapshot_bytes is None and opened:
                 raise ParkError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
             deleted = Deleted(len(conversation.tokens), len(conversation.pages), snapshot_bytes or 0)
             # No page of its tokens is offered to a later prompt (the prefix index's that no request holds).

@@ -12,6 +12,7 @@ import httpx2 as httpx
 import pytest
 import pytest_asyncio
 
+from cache_svc.client import CacheClient
 from cache_svc.manifest import snapshot_key
 from planner_svc.client import Deleted, PlannerClient
 from protos import client_pb2
@@ -144,6 +145,28 @@ async def test_a_turn_streaming_is_refused_and_one_that_answered_is_waited_for(d
         await stack.wait_idle()
     scheduler.pages.check()
     assert scheduler.pages.free_count == free_before and recorded(stack, "busy") == []
+
+
+async def test_a_record_holding_no_tokens_is_deleted(deleting):
+    """A restore that fell back (the cache evicted the snapshot) leaves the planner's record of the conversation
+    holding nothing: the delete still drops it, where it answered NOT_FOUND and kept it (its turn's prompt and
+    output ids too) for good."""
+    stack = deleting.stack
+    async with PlannerClient(stack.addr) as client:
+        await turn(client, chat_of("glaciers"), "emptied")
+        await stack.wait_idle()
+        await client.park("emptied")
+        async with CacheClient(f"127.0.0.1:{deleting.cached.servers[-1].port}") as cache:
+            await cache.delete("default", "emptied")  # as the cache's eviction would
+        await refused(client.resume("emptied"), grpc.StatusCode.NOT_FOUND)
+        emptied = stack.scheduler.conversations.get("default", "emptied")
+        assert emptied is not None and not emptied.tokens and not emptied.pages
+        assert recorded(stack, "emptied") == ["conversations", "locks", "latest turns"]
+
+        assert await client.delete_conversation("emptied") == Deleted(tokens=0, pages=0, snapshot_bytes=0)
+
+        assert recorded(stack, "emptied") == []
+        await refused(client.delete_conversation("emptied"), grpc.StatusCode.NOT_FOUND)
 
 
 async def test_another_tenants_unknown_and_malformed_ids_are_refused_changing_nothing(deleting):
