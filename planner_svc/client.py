@@ -52,7 +52,7 @@ class Resumed:
 @dataclass(slots=True)
 class Deleted:
     tokens: int  # what the planner held of it (0 where only the cache did)
-    pages: int  # KV pages given back to the pool
+    pages: int  # KV pages freed (not those another conversation or request still shares)
     snapshot_bytes: int  # of its snapshot deleted from the cache service; 0: it had none
 
 

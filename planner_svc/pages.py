@@ -108,17 +108,6 @@ class PagePool:
                 else:
                     self._free.append(page)
 
-    def unindex(self, hashes: Sequence[bytes]) -> None:
-        """Offer these prefixes to no later prompt: their indexed pages no one holds go to the plain free list
-        (a deleted conversation's; a page a request holds stays as it is)."""
-        for page_hash in hashes:
-            page = self._page_of_hash.get(page_hash)
-            if page is not None and page in self._cached:
-                del self._cached[page]
-                del self._page_of_hash[page_hash]
-                del self._hash_of_page[page]
-                self._free.append(page)
-
     def share(self, pages: Sequence[int]) -> None:
         """One more ref per listed page; a cached page comes back into use with its content."""
         for page in pages:

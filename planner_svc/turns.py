@@ -13,7 +13,6 @@ import structlog
 
 from planner_svc.conversations import Conversation, Mount
 from planner_svc.engine import Engine
-from planner_svc.pages import page_hashes
 from planner_svc.parking import ParkError, Parking, Restore, RestoreOutcome
 from planner_svc.requests import Request
 from planner_svc.sampler_state import grammar_message
@@ -28,8 +27,9 @@ TURN_END_PATIENCE_S = 10.0  # how long a new turn waits for the previous one's l
 
 @dataclass(frozen=True, slots=True)
 class Deleted:
-    """What deleting a conversation gave back: its tokens and KV pages (0 where the planner held none of it),
-    and its snapshot's bytes in the cache (0: it had none)."""
+    """What deleting a conversation gave back: its tokens and the KV pages freed (0 where the planner held none
+    of it; not those another conversation or request still shares), and its snapshot's bytes in the cache (0: it
+    had none)."""
 
     tokens: int
     pages: int
@@ -237,11 +237,14 @@ class Turns:
             snapshot_bytes = await self.parking.delete_snapshot(tenant, conversation_id)
             if snapshot_bytes is None and opened:
                 raise ParkError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
-            deleted = Deleted(len(conversation.tokens), len(conversation.pages), snapshot_bytes or 0)
-            # No page of its tokens is offered to a later prompt (the prefix index's that no request holds).
-            prefixes = page_hashes(conversation.tokens, engine.scheduler.config.page_size, tenant)
+            # Its full pages stay in the prefix index, free, until a prompt of its tenant takes them back or the
+            # pool evicts them: a prefix other conversations of the tenant share (a system prompt) stays reusable.
+            pool = engine.scheduler.pages
+            free_before, tokens = pool.free_count, len(conversation.tokens)
             engine.scheduler.return_pages(conversation.forget())  # its state copies go back to their pool
-            engine.scheduler.pages.unindex(prefixes)
+            deleted = Deleted(
+                tokens, pool.free_count - free_before, snapshot_bytes or 0
+            )  # not those still shared
             self._unregister(engine, conversation)
             engine.wake()
         log.info("conversation deleted", conversation=conversation_id, pages=deleted.pages)

@@ -17,7 +17,7 @@ from cache_svc.manifest import snapshot_key
 from planner_svc.client import Deleted, PlannerClient
 from protos import client_pb2
 from protos.wire import pack_i32
-from tests.test_e2e_conversations import CachedStack, reply, turn
+from tests.test_e2e_conversations import PAGE, CachedStack, reply, turn
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -103,16 +103,46 @@ async def test_delete_gives_back_pages_and_the_snapshot_and_the_id_starts_fresh(
         assert recorded(stack, "gone") == []
         await refused(client.park("gone"), grpc.StatusCode.NOT_FOUND)
         await refused(client.delete_conversation("gone"), grpc.StatusCode.NOT_FOUND)
-        # The same id again: a new conversation, no checkpoint, snapshot or page of the old one (its pages left
-        # the prefix index), with the tokens of a read of a prompt never seen.
+        # The same id again: a new conversation, no checkpoint or snapshot of the old one (its pages, free, stay
+        # in the tenant's prefix index: it reads from them as any prompt of the tenant would), with the tokens of
+        # a read of a prompt never seen.
         again, done = await turn(client, chat2, "gone")
-        assert (done.checkpoint, done.reused_tokens, done.diverged_at) == ("none", 0, -1)
+        assert (done.checkpoint, done.diverged_at) == ("prefix", -1)
         fresh, _ = await turn(client, chat2)
         assert again == fresh
         await stack.wait_idle()
         assert (await client.delete_conversation("gone")).snapshot_bytes == 0  # never parked this time
     scheduler.pages.check()
     assert scheduler.pages.free_count == free_before
+
+
+async def test_a_prefix_the_tenants_conversations_share_stays_reusable_and_only_freed_pages_count(deleting):
+    """Deleting a conversation frees its pages but leaves them in the tenant's prefix index: a system prompt its
+    other conversations share is still reused (it was taken out of the index whenever one of them was deleted
+    while no request held it), and `pages` counts the pages freed, not those another conversation holds."""
+    stack = deleting.stack
+    scheduler = stack.scheduler
+    system = {"role": "system", "content": "You are a terse guide. " + "Answer in one line, plainly. " * 12}
+    asks = [[system, {"role": "user", "content": f"Name one {thing}."}] for thing in ("bird", "tree", "fish")]
+    async with PlannerClient(stack.addr) as client:
+        await stack.wait_idle()
+        await turn(client, asks[0], "shared-1")
+        _, second = await turn(client, asks[1], "shared-2")
+        shared = second.reused_tokens
+        assert shared >= 4 * PAGE, "the second conversation reused the first's system prompt pages"
+        await stack.wait_idle()
+        first_pages = set(scheduler.conversations.get("default", "shared-1").pages)
+        second_pages = scheduler.conversations.get("default", "shared-2").pages
+
+        deleted = await client.delete_conversation("shared-2")  # the first still holds the shared pages
+        assert deleted.pages == len(set(second_pages) - first_pages) < len(second_pages)
+        await client.delete_conversation("shared-1")  # now no one holds them
+
+        _, third = await turn(client, asks[2], "shared-3")
+        assert third.reused_tokens == shared, "a new conversation still reuses the tenant's system prompt"
+        await stack.wait_idle()
+        await client.delete_conversation("shared-3")
+    scheduler.pages.check()
 
 
 async def test_a_turn_streaming_is_refused_and_one_that_answered_is_waited_for(deleting):

@@ -168,23 +168,6 @@ def test_freed_indexed_pages_stay_cached_and_come_back():
     assert again == pages[:2] and pool.cached_count == 0 and pool.free_count == 5
 
 
-def test_unindexed_prefixes_are_offered_to_no_later_prompt_unless_still_held():
-    """A deleted conversation's prompt: its freed pages leave the index, no identical prompt takes them back;
-    a page another request still holds stays indexed, and hashes never indexed change nothing."""
-    pool = PagePool(8)
-    prompt = list(range(9))
-    hashes, pages = written(pool, prompt)
-    other = pool.match_prefix(hashes[:1])  # another request shares the first page
-    pool.free(pages)
-    pool.unindex(page_hashes(prompt + [0] * 8, PAGE) + page_hashes([7] * 8, PAGE))
-    pool.check()
-    assert pool.free_count == 6 and pool.cached_count == 0 and pool.refcount(pages[0]) == 1
-    assert pool.match_prefix(hashes) == other  # the held page is still offered, the freed one not
-    pool.free(other + other)
-    pool.check()
-    assert pool.free_count == 7 and pool.cached_count == 1
-
-
 def test_cached_pages_are_evicted_after_free_ones_least_recently_freed_first():
     pool = PagePool(7)
     ha, pa = written(pool, list(range(8)))
