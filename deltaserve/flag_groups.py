@@ -214,7 +214,8 @@ def add_planner_flags(flags: Flags) -> None:
         default=30.0,
         metavar="S",
         help="on SIGTERM, SIGHUP or Ctrl-C: seconds running requests get to finish before they are cut; then "
-        "every conversation in the KV pool is parked to the cache and the process exits",
+        "conversations in the KV pool are parked to the cache for as long again (5 s at least) and the process "
+        "exits",
     )
 
 

@@ -32,6 +32,7 @@ from deltaserve.logs import configure_logging, get_logger
 from deltaserve.serve import GIB, cache_config, executor_config, planner_config, wait_for_executor
 from executor_svc.config import DEFAULT_BUCKETS, DEFAULT_PREFILL_BUCKETS, DEFAULT_SHARD_LAYERS
 from planner_svc.client import GenerateOptions, PlannerClient, build_generate_request
+from planner_svc.drain import CUT_SETTLE_S, PARKING_MIN_S
 from protos.rpc import wait_serving
 from protos.wire import unpack_i32
 
@@ -743,8 +744,10 @@ def test_compose_services_health_checks_and_gpu():
     assert "50051:50051" in planner["ports"] and env["planner"]["DELTASERVE_EXECUTOR"] == "executor:50061"
     gpu = executor["deploy"]["resources"]["reservations"]["devices"][0]
     assert (gpu["driver"], gpu["count"], gpu["capabilities"]) == ("nvidia", 1, ["gpu"])
-    # The planner's drain (SIGTERM) fits in its grace period.
-    assert float(env["planner"]["DELTASERVE_DRAIN_TIMEOUT"]) < int(planner["stop_grace_period"].rstrip("s"))
+    # The planner's drain (SIGTERM) fits in its grace period: the timeout for requests, as long for parking,
+    # and the settling time between.
+    drain_s = 2 * max(float(env["planner"]["DELTASERVE_DRAIN_TIMEOUT"]), PARKING_MIN_S) + CUT_SETTLE_S
+    assert drain_s < int(planner["stop_grace_period"].rstrip("s"))
 
     # The cache: its own service on a named volume; the executor and planner find it and wait for it.
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()

@@ -27,8 +27,8 @@ PROMPT = [504, 3575, 282, 4649, 314] * 4  # 20 tokens: one whole page of 16 and 
 class Stack:
     """cache, executor and planner, each `deltaserve` in its own process."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, root: Path, drain_timeout_s: float = DRAIN_TIMEOUT_S):
+        self.root, self.drain_timeout_s = root, drain_timeout_s
         self.cache_dir = root / "snapshots"
         self.ports = {name: free_port() for name in ("cache", "executor", "planner")}
         self.cache_addr = f"127.0.0.1:{self.ports['cache']}"
@@ -86,7 +86,7 @@ class Stack:
             "--cache",
             self.cache_addr,
             "--drain-timeout",
-            str(DRAIN_TIMEOUT_S),
+            str(self.drain_timeout_s),
             "--no-prefix-cache",  # every page free or a conversation's: what the leak checks count
         )
         planner.wait_listening(60)

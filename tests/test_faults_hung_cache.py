@@ -15,9 +15,10 @@ import pytest
 
 from cache_svc.client import CacheClient
 from planner_svc.client import PlannerClient
+from planner_svc.drain import PARKING_MIN_S
 from protos.rpc import INTERNAL_CHANNEL_OPTIONS, INTERNAL_KEEPALIVE_MS, INTERNAL_KEEPALIVE_TIMEOUT_MS
 from tests.test_cli import Serving, free_port
-from tests.test_faults_drain_cache import PROMPT, Stack, turn
+from tests.test_faults_drain_cache import DRAIN_TIMEOUT_S, PROMPT, Stack, turn
 
 # A hung peer is given up on once a ping goes unanswered: the ping after INTERNAL_KEEPALIVE_MS, then its timeout.
 HUNG_BOUND_S = (
@@ -73,13 +74,16 @@ async def test_a_put_and_a_get_on_a_hung_cache_end_unavailable_instead_of_waitin
 
 
 @pytest.fixture
-def stack(tmp_path):
-    started = Stack(tmp_path)
+def stack(tmp_path, request):
+    # A drain timeout of its own: long enough for a park to fail before the parking time passes (30 s)
+    started = Stack(tmp_path, getattr(request, "param", DRAIN_TIMEOUT_S))
     yield started
-    started.cache.process.send_signal(signal.SIGCONT)
+    for serving in (started.cache, started.executor):
+        serving.process.send_signal(signal.SIGCONT)
     started.close()
 
 
+@pytest.mark.parametrize("stack", [CONNECT_TIMEOUT_S + HUNG_BOUND_S], indirect=True)
 async def test_a_drain_behind_a_hung_cache_stops_parking_after_the_first_failure(stack):
     names = [f"hung-{i}" for i in range(4)]
     async with PlannerClient(stack.planner_addr) as client:
@@ -101,3 +105,29 @@ async def test_a_drain_behind_a_hung_cache_stops_parking_after_the_first_failure
     assert len(rest) == len(names) - 1, drained
     assert all("not tried: the cache service did not answer its health check" in r for r in rest), rest
     print(f"drain behind a hung cache: the planner exited {time.monotonic() - began:.1f} s after SIGTERM")
+
+
+async def test_a_drain_behind_a_hung_executor_parks_no_longer_than_its_parking_time(stack):
+    names = [f"stuck-{i}" for i in range(4)]
+    async with PlannerClient(stack.planner_addr) as client:
+        for name in names:
+            await client.generate_all(turn(name, PROMPT))
+    stack.executor.process.send_signal(signal.SIGSTOP)
+    began = time.monotonic()
+    stack.planner.process.send_signal(signal.SIGTERM)
+    # Nothing runs: parking starts at once, and gets PARKING_MIN_S (more than the drain timeout). The first park
+    # used to wait for the keepalive to give up on the executor (10-20 s), and the other conversations, their KV
+    # forgotten with it, went unreported.
+    try:
+        code = await asyncio.to_thread(stack.planner.process.wait, PARKING_MIN_S + 10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the planner still drains {time.monotonic() - began:.0f} s after SIGTERM")
+    took = time.monotonic() - began
+    assert code == 0, stack.planner.log_path.read_text()
+    [drained] = [e for e in stack.planner.events() if e["event"] == "drained"]
+    assert drained["parked"] == 0, drained
+    first, *rest = drained["not_parked"]
+    parking = f"the drain's parking time of {PARKING_MIN_S:g} s"
+    assert first == f"default/stuck-0: not parked within {parking}", first
+    assert rest == [f"default/{name}: not tried: {parking} passed" for name in names[1:]], rest
+    print(f"drain behind a hung executor: the planner exited {took:.1f} s after SIGTERM")
