@@ -310,7 +310,8 @@ class Parking:
 
     async def delete_snapshot(self, tenant: str, conversation_id: str) -> int | None:
         """Delete the conversation's snapshot from the cache: its bytes, or None where the cache has none (or
-        there is no cache). ParkError with the cache's status where it cannot be asked: nothing was deleted."""
+        there is no cache). ParkError with the cache's status where it cannot be asked: the snapshot may be gone
+        all the same where the cache acted but its answer was lost (DEADLINE_EXCEEDED); a retry converges."""
         if self._cache is None:
             return None
         try:
