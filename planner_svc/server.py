@@ -257,6 +257,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
     async def DeleteConversation(
         self, request: client_pb2.DeleteConversationRequest, context: grpc.aio.ServicerContext
     ):
+        if self.draining:  # the drain parks what the pool holds: a delete would race it
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.draining)
         await _check_named(context, "conversation_id", request.conversation_id)
         try:
             deleted = await self.turns.delete(

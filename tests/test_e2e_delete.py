@@ -15,6 +15,7 @@ import pytest_asyncio
 from cache_svc.client import CacheClient
 from cache_svc.manifest import snapshot_key
 from planner_svc.client import Deleted, PlannerClient
+from planner_svc.drain import DRAINING
 from protos import client_pb2
 from protos.wire import pack_i32
 from tests.test_e2e_conversations import PAGE, CachedStack, reply, turn
@@ -197,6 +198,26 @@ async def test_a_record_holding_no_tokens_is_deleted(deleting):
 
         assert recorded(stack, "emptied") == []
         await refused(client.delete_conversation("emptied"), grpc.StatusCode.NOT_FOUND)
+
+
+async def test_a_draining_planner_refuses_a_delete_as_it_refuses_a_resume(deleting):
+    stack = deleting.stack
+    async with PlannerClient(stack.addr) as client:
+        await turn(client, chat_of("dunes"), "drained")
+        await stack.wait_idle()
+        held = stack.scheduler.conversations.get("default", "drained")
+        before = (list(held.tokens), list(held.pages), stack.scheduler.pages.free_count)
+        stack.planner.draining = DRAINING  # what a drain sets first
+        try:
+            assert (
+                await refused(client.delete_conversation("drained"), grpc.StatusCode.UNAVAILABLE) == DRAINING
+            )
+            assert await refused(client.resume("drained"), grpc.StatusCode.UNAVAILABLE) == DRAINING
+        finally:
+            stack.planner.draining = None
+        assert (held.tokens, held.pages, stack.scheduler.pages.free_count) == before
+        assert stack.scheduler.conversations.get("default", "drained") is held
+        await client.delete_conversation("drained")
 
 
 async def test_another_tenants_unknown_and_malformed_ids_are_refused_changing_nothing(deleting):
