@@ -19,7 +19,15 @@ from cache_svc.client import CacheClient
 from deltaserve.aio import until_stopped
 from deltaserve.logs import get_logger
 from deltaserve.trust import client_security
-from planner_svc.client import FINISH_REASONS, GenerateOptions, Generation, PlannerClient
+from planner_svc.client import (
+    FINISH_REASONS,
+    Deleted,
+    GenerateOptions,
+    Generation,
+    Parked,
+    PlannerClient,
+    Resumed,
+)
 from protos import client_pb2
 from protos.wire import unpack_i32
 
@@ -27,6 +35,7 @@ EXIT_INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C
 TTFT_SHOWN_S = 1.0  # `generate` prints the time to the first token when it is longer
 
 T = TypeVar("T")
+ConversationAnswer = TypeVar("ConversationAnswer", Parked, Resumed, Deleted)
 log = get_logger("deltaserve.commands")
 
 
@@ -213,41 +222,46 @@ async def generate(args: argparse.Namespace, stop: asyncio.Event) -> int:
 # ---- conversations on the planner ----
 
 
-async def park(args: argparse.Namespace, stop: asyncio.Event) -> int:
+async def _on_conversation(
+    args: argparse.Namespace,
+    stop: asyncio.Event,
+    call: Callable[[PlannerClient], Awaitable[ConversationAnswer]],
+    said: Callable[[ConversationAnswer], str],
+) -> int:
+    """One call on the conversation `args` names; its answer as JSON (with the id and tenant), else as `said`."""
     async with PlannerClient(args.addr, client_security(args)) as client:
-        outcome = await _call(
-            client.park(args.conversation_id, args.tenant), stop, _planner_unreachable(client)
-        )
+        outcome = await _call(call(client), stop, _planner_unreachable(client))
     if outcome[0] is not None:
         return outcome[0]
-    parked = outcome[1]
+    answer = outcome[1]
     if args.json:
         _print_json(
-            {"conversation_id": args.conversation_id, "tenant": _tenant(args), **dataclasses.asdict(parked)}
+            {"conversation_id": args.conversation_id, "tenant": _tenant(args), **dataclasses.asdict(answer)}
         )
-    elif parked.bytes:
-        print(f"parked {args.conversation_id}: {parked.tokens} tokens, {_size(parked.bytes)} in the cache")
     else:
-        print(f"{args.conversation_id} holds no pages in the pool (already parked, or no turn has ended yet)")
+        print(said(answer))
     return 0
+
+
+async def park(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    def said(parked: Parked) -> str:
+        if not parked.bytes:
+            return f"{args.conversation_id} holds no pages in the pool (already parked, or no turn has ended yet)"
+        return f"parked {args.conversation_id}: {parked.tokens} tokens, {_size(parked.bytes)} in the cache"
+
+    return await _on_conversation(
+        args, stop, lambda client: client.park(args.conversation_id, args.tenant), said
+    )
 
 
 async def resume(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    async with PlannerClient(args.addr, client_security(args)) as client:
-        outcome = await _call(
-            client.resume(args.conversation_id, args.tenant), stop, _planner_unreachable(client)
-        )
-    if outcome[0] is not None:
-        return outcome[0]
-    resumed = outcome[1]
-    if args.json:
-        _print_json(
-            {"conversation_id": args.conversation_id, "tenant": _tenant(args), **dataclasses.asdict(resumed)}
-        )
-    else:
+    def said(resumed: Resumed) -> str:
         checkpoints = ", ".join(map(str, resumed.checkpoints)) or "none"
-        print(f"resumed {args.conversation_id}: {resumed.tokens} tokens, checkpoints at {checkpoints}")
-    return 0
+        return f"resumed {args.conversation_id}: {resumed.tokens} tokens, checkpoints at {checkpoints}"
+
+    return await _on_conversation(
+        args, stop, lambda client: client.resume(args.conversation_id, args.tenant), said
+    )
 
 
 async def conversations(args: argparse.Namespace, stop: asyncio.Event) -> int:
@@ -279,21 +293,13 @@ async def conversations(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
 
 async def delete(args: argparse.Namespace, stop: asyncio.Event) -> int:
-    async with PlannerClient(args.addr, client_security(args)) as client:
-        outcome = await _call(
-            client.delete_conversation(args.conversation_id, args.tenant), stop, _planner_unreachable(client)
-        )
-    if outcome[0] is not None:
-        return outcome[0]
-    deleted = outcome[1]
-    if args.json:
-        _print_json(
-            {"conversation_id": args.conversation_id, "tenant": _tenant(args), **dataclasses.asdict(deleted)}
-        )
-    else:
+    def said(deleted: Deleted) -> str:
         snapshot = f", its snapshot ({_size(deleted.snapshot_bytes)})" if deleted.snapshot_bytes else ""
-        print(f"deleted {args.conversation_id}: {deleted.tokens} tokens, {deleted.pages} pages{snapshot}")
-    return 0
+        return f"deleted {args.conversation_id}: {deleted.tokens} tokens, {deleted.pages} pages{snapshot}"
+
+    return await _on_conversation(
+        args, stop, lambda client: client.delete_conversation(args.conversation_id, args.tenant), said
+    )
 
 
 # ---- snapshots in the cache service ----
