@@ -51,7 +51,7 @@ class Resumed:
 
 @dataclass(slots=True)
 class Deleted:
-    tokens: int  # what the planner held of it (0 where only the cache did)
+    tokens: int  # what the planner held of it (0 where it held none: only the cache did, or its KV was lost)
     pages: int  # KV pages freed (not those another conversation or request still shares)
     snapshot_bytes: int  # of its snapshot deleted from the cache service; 0: it had none
 

@@ -261,14 +261,11 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.draining)
         await _check_named(context, "conversation_id", request.conversation_id)
         try:
-            deleted = await self.turns.delete(
+            return await self.turns.delete(
                 await request_tenant(context, request.tenant), request.conversation_id
             )
         except ParkError as error:
             await context.abort(error.code, str(error))
-        return client_pb2.DeleteConversationResponse(
-            tokens=deleted.tokens, pages=deleted.pages, snapshot_bytes=deleted.snapshot_bytes
-        )
 
     async def GetModelInfo(self, request: client_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
         d = self.description

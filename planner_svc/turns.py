@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -17,23 +16,12 @@ from planner_svc.parking import ParkError, Parking, Restore, RestoreOutcome
 from planner_svc.requests import Request
 from planner_svc.sampler_state import grammar_message
 from planner_svc.streaming import TokenEvent
-from protos import executor_pb2
+from protos import client_pb2, executor_pb2
 from protos.rpc import ChannelSecurity
 
 log = structlog.get_logger("deltaserve.planner.turns")
 
 TURN_END_PATIENCE_S = 10.0  # how long a new turn waits for the previous one's last step to commit
-
-
-@dataclass(frozen=True, slots=True)
-class Deleted:
-    """What deleting a conversation gave back: its tokens and the KV pages freed (0 where the planner held none
-    of it; not those another conversation or request still shares), and its snapshot's bytes in the cache (0: it
-    had none)."""
-
-    tokens: int
-    pages: int
-    snapshot_bytes: int
 
 
 class Turns:
@@ -213,7 +201,7 @@ class Turns:
             f"conversation {conversation_id!r} was not restored: {outcome.note}",
         )
 
-    async def delete(self, tenant: str, conversation_id: str) -> Deleted:
+    async def delete(self, tenant: str, conversation_id: str) -> client_pb2.DeleteConversationResponse:
         """Forget the conversation: its snapshot deleted from the cache first (a cache that cannot be asked
         leaves the planner's record as it was; a retry converges), then its pages and state copies back to the
         pools and every record of it dropped. A turn that has answered is waited for, as by park. ParkError: FAILED_PRECONDITION while a
@@ -242,9 +230,9 @@ class Turns:
             pool = engine.scheduler.pages
             free_before, tokens = pool.free_count, len(conversation.tokens)
             engine.scheduler.return_pages(conversation.forget())  # its state copies go back to their pool
-            deleted = Deleted(
-                tokens, pool.free_count - free_before, snapshot_bytes or 0
-            )  # not those still shared
+            deleted = client_pb2.DeleteConversationResponse(  # the pages freed: not those still shared
+                tokens=tokens, pages=pool.free_count - free_before, snapshot_bytes=snapshot_bytes or 0
+            )
             self._unregister(engine, conversation)
             engine.wake()
         log.info("conversation deleted", conversation=conversation_id, pages=deleted.pages)

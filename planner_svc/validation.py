@@ -178,7 +178,8 @@ def _check_id(field: str, value: str) -> None:
 
 
 def check_named(field: str, value: str) -> None:
-    """Park, Resume and Abort name what they act on: not empty, not over MAX_ID_CHARS (never echoed whole)."""
+    """A call naming what it acts on (a conversation, a request): not empty, not over MAX_ID_CHARS (never echoed
+    whole)."""
     if not value:
         raise InvalidRequest(f"{field} is empty")
     _check_id(field, value)
