@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 import structlog
 
-from planner_svc.parking import ParkError
+from planner_svc.parking import ConversationError
 
 if TYPE_CHECKING:
     from planner_svc.server import PlannerServicer
@@ -128,7 +128,7 @@ async def _park_all(servicer: PlannerServicer, report: DrainReport, parking_s: f
                 report.not_parked.append(
                     f"{name}: not parked within the drain's parking time of {parking_s:g} s"
                 )
-            except ParkError as error:
+            except ConversationError as error:
                 report.not_parked.append(f"{name}: {error.code.name}: {error}")
                 if error.code is not grpc.StatusCode.UNAVAILABLE:
                     continue

@@ -26,8 +26,9 @@ log = structlog.get_logger("deltaserve.planner.parking")
 CACHE_DELETE_TIMEOUT_S = 10.0  # a cache that does not answer holds the conversation's lock no longer
 
 
-class ParkError(Exception):
-    """A park that cannot be done; `code` is the gRPC status for the client."""
+class ConversationError(Exception):
+    """What a call on a conversation (park, resume, delete, a turn's mount) cannot do; `code` is the gRPC status
+    for the client."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
@@ -63,15 +64,15 @@ NOTHING = RestoreOutcome(Restore.NOTHING)
 RESTORED = RestoreOutcome(Restore.RESTORED)
 
 
-def _service_error(doing: str, error: grpc.aio.AioRpcError, keys: str) -> ParkError:
+def _service_error(doing: str, error: grpc.aio.AioRpcError, keys: str) -> ConversationError:
     """A call to another service failed: its status for the client, but a refused service key (the
     operator's mistake, not the caller's) as INTERNAL naming the flags that set it."""
     code = error.code()
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        return ParkError(
+        return ConversationError(
             grpc.StatusCode.INTERNAL, f"{doing}: a service key was refused ({keys}): {error.details()}"
         )
-    return ParkError(code, f"{doing}: {error.details()}")
+    return ConversationError(code, f"{doing}: {error.details()}")
 
 
 def _once_answered(rpc: asyncio.Future[Any], then: Callable[[], None]) -> None:
@@ -105,7 +106,7 @@ class Parking:
     async def park(self, engine: Engine, conversation: Conversation) -> executor_pb2.ParkPagesReply:
         """Move its pages to the cache; the caller holds the conversation's turn lock."""
         if conversation.busy:
-            raise ParkError(
+            raise ConversationError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"conversation {conversation.conversation_id!r} is running a turn",
             )
@@ -143,7 +144,7 @@ class Parking:
                 "parking failed", error, "the planner's --executor-api-key or the executor's --cache-api-key"
             ) from error
         except LinkError as error:
-            raise ParkError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from error
+            raise ConversationError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from error
         finally:
             _once_answered(rpc, answered)
         if loans.stale(loan):  # its KV was forgotten with the executor: the snapshot is in the cache alone
@@ -165,10 +166,10 @@ class Parking:
         """Bring a parked conversation's pages back; the caller holds its turn lock.
 
         NOTHING when there was nothing to restore, RESTORED, or FELL_BACK saying why the conversation
-        reads its prompt again (never silently). ParkError (FAILED_PRECONDITION) while a turn runs on it: that
+        reads its prompt again (never silently). ConversationError (FAILED_PRECONDITION) while a turn runs on it: that
         turn owns its states and pages."""
         if conversation.busy:
-            raise ParkError(
+            raise ConversationError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"conversation {conversation.conversation_id!r} is running a turn",
             )
@@ -310,7 +311,7 @@ class Parking:
 
     async def delete_snapshot(self, tenant: str, conversation_id: str) -> int | None:
         """Delete the conversation's snapshot from the cache: its bytes, or None where the cache has none (or
-        there is no cache). ParkError with the cache's status where it cannot be asked: the snapshot may be gone
+        there is no cache). ConversationError with the cache's status where it cannot be asked: the snapshot may be gone
         all the same where the cache acted but its answer was lost (DEADLINE_EXCEEDED); a retry converges."""
         if self._cache is None:
             return None

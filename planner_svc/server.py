@@ -19,7 +19,7 @@ from planner_svc.group_link import GroupLink
 from planner_svc.intake import Intake, model_eos_ids
 from planner_svc.link import ExecutorLink, GrpcLink
 from planner_svc.metrics import PlannerMetrics
-from planner_svc.parking import ParkError
+from planner_svc.parking import ConversationError
 from planner_svc.planned import CapacityError
 from planner_svc.requests import Finish, Request
 from planner_svc.responses import ResponseStreams
@@ -156,7 +156,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         except ConnectionError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        except ParkError as error:
+        except ConversationError as error:
             await context.abort(error.code, str(error))
         self._requests[(req.tenant, request_id)] = (req, engine)
         log.info("request admitted", prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
@@ -213,7 +213,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             reply, conversation = await self.turns.park(
                 await request_tenant(context, request.tenant), request.conversation_id
             )
-        except ParkError as error:
+        except ConversationError as error:
             if error.code != grpc.StatusCode.NOT_FOUND:
                 log.warning("park refused", conversation=request.conversation_id, error=str(error))
             await context.abort(error.code, str(error))
@@ -227,7 +227,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             conversation = await self.turns.resume(
                 await request_tenant(context, request.tenant), request.conversation_id
             )
-        except ParkError as error:
+        except ConversationError as error:
             await context.abort(error.code, str(error))
         return client_pb2.ResumeResponse(
             tokens=len(conversation.tokens), checkpoints=conversation.retention.positions
@@ -264,7 +264,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             return await self.turns.delete(
                 await request_tenant(context, request.tenant), request.conversation_id
             )
-        except ParkError as error:
+        except ConversationError as error:
             await context.abort(error.code, str(error))
 
     async def GetModelInfo(self, request: client_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):

@@ -12,7 +12,7 @@ import structlog
 
 from planner_svc.conversations import Conversation, Mount
 from planner_svc.engine import Engine
-from planner_svc.parking import ParkError, Parking, Restore, RestoreOutcome
+from planner_svc.parking import ConversationError, Parking, Restore, RestoreOutcome
 from planner_svc.requests import Request
 from planner_svc.sampler_state import grammar_message
 from planner_svc.streaming import TokenEvent
@@ -54,7 +54,7 @@ class Turns:
             opened = conversation is None
             if engine is None or conversation is None:
                 if opens is None:
-                    raise ParkError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
+                    raise ConversationError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
                 engine, conversation = opens, opens.conversations.open(tenant, conversation_id)
             async with self.lock(conversation):
                 if engine.conversations.get(tenant, conversation_id) is conversation:
@@ -113,7 +113,7 @@ class Turns:
     ) -> tuple[Engine, asyncio.Queue[TokenEvent], Mount]:
         """Mount the conversation's best checkpoint for `req` (restoring it first if parked) and submit it.
 
-        Raises ParkError (a turn already running, or the previous one not ending), ValueError and
+        Raises ConversationError (a turn already running, or the previous one not ending), ValueError and
         CapacityError for a request the scheduler refuses, ConnectionError for a lost executor. A refused turn
         leaves its conversation as it found it (restored, where it was parked and the restore went through)
         and no conversation it opened."""
@@ -161,14 +161,14 @@ class Turns:
         later): the next turn waits for that. A turn still streaming is a conflict."""
         previous = self._latest.get(conversation.key)
         if conversation.busy and (previous is None or previous.finish is None):
-            raise ParkError(
+            raise ConversationError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"conversation {conversation.conversation_id!r} is already running a turn",
             )
         try:
             await asyncio.wait_for(engine.turn_ended(conversation), TURN_END_PATIENCE_S)
         except TimeoutError:
-            raise ParkError(
+            raise ConversationError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"conversation {conversation.conversation_id!r}: the previous turn did not end",
             ) from None
@@ -178,14 +178,14 @@ class Turns:
     async def park(
         self, tenant: str, conversation_id: str
     ) -> tuple[executor_pb2.ParkPagesReply, Conversation]:
-        """Move an idle conversation's pages to the cache (ParkError: NOT_FOUND, FAILED_PRECONDITION,
+        """Move an idle conversation's pages to the cache (ConversationError: NOT_FOUND, FAILED_PRECONDITION,
         the cache's status)."""
         async with self._locked(tenant, conversation_id, opens=None) as (engine, conversation, _):
             await self._previous_turn_done(engine, conversation)
             return await self.parking.park(engine, conversation), conversation
 
     async def resume(self, tenant: str, conversation_id: str) -> Conversation:
-        """Restore a parked conversation's pages (ParkError: NOT_FOUND with nothing to restore,
+        """Restore a parked conversation's pages (ConversationError: NOT_FOUND with nothing to restore,
         FAILED_PRECONDITION while a turn runs on it, DATA_LOSS for a snapshot that failed its checks,
         UNAVAILABLE for any other refusal)."""
         opens = self.least_loaded()  # where no engine holds it (the planner restarted): restored there
@@ -195,8 +195,8 @@ class Turns:
             if outcome is None or outcome.restored:
                 return conversation
         if outcome.status is Restore.NOTHING or outcome.missing:
-            raise ParkError(grpc.StatusCode.NOT_FOUND, f"no parked conversation {conversation_id!r}")
-        raise ParkError(
+            raise ConversationError(grpc.StatusCode.NOT_FOUND, f"no parked conversation {conversation_id!r}")
+        raise ConversationError(
             grpc.StatusCode.DATA_LOSS if outcome.data_loss else grpc.StatusCode.UNAVAILABLE,
             f"conversation {conversation_id!r} was not restored: {outcome.note}",
         )
@@ -204,7 +204,7 @@ class Turns:
     async def delete(self, tenant: str, conversation_id: str) -> client_pb2.DeleteConversationResponse:
         """Forget the conversation: its snapshot deleted from the cache first (a cache that cannot be asked
         leaves the planner's record as it was; a retry converges), then its pages and state copies back to the
-        pools and every record of it dropped. A turn that has answered is waited for, as by park. ParkError: FAILED_PRECONDITION while a
+        pools and every record of it dropped. A turn that has answered is waited for, as by park. ConversationError: FAILED_PRECONDITION while a
         turn streams on it or its pages are being parked, NOT_FOUND where neither the planner nor the cache
         holds it (nothing changes), the cache's status. A record the planner holds is always dropped, also
         one holding no tokens (its KV dropped under pressure or lost with an executor, a restore fell back)."""
@@ -213,18 +213,18 @@ class Turns:
         async with self._locked(tenant, conversation_id, opens=opens) as (engine, conversation, opened):
             try:
                 await self._previous_turn_done(engine, conversation)
-            except ParkError as error:
+            except ConversationError as error:
                 if error.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
-                raise ParkError(error.code, f"{error}; abort it first") from None
+                raise ConversationError(error.code, f"{error}; abort it first") from None
             if conversation.parking:  # a park whose caller gave up: its executor still writes the snapshot
-                raise ParkError(
+                raise ConversationError(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"conversation {conversation_id!r} is being parked; delete it once that ends",
                 )
             snapshot_bytes = await self.parking.delete_snapshot(tenant, conversation_id)
             if snapshot_bytes is None and opened:
-                raise ParkError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
+                raise ConversationError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
             # Its full pages stay in the prefix index, free, until a prompt of its tenant takes them back or the
             # pool evicts them: a prefix other conversations of the tenant share (a system prompt) stays reusable.
             pool = engine.scheduler.pages
@@ -280,7 +280,7 @@ class Turns:
                 return True  # not this one: the caller picks the next coldest
             try:
                 await self.parking.park(engine, conversation)
-            except ParkError as error:
+            except ConversationError as error:
                 if not drop:  # making room for a restore: another's KV is not traded for a failed one
                     log.warning("could not park a conversation to make room", error=str(error))
                     return False

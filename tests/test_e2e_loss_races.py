@@ -19,7 +19,7 @@ from executor_svc.config import ExecutorConfig
 from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig
 from planner_svc.link import GrpcLink, LinkError, LinkLost
-from planner_svc.parking import ParkError
+from planner_svc.parking import ConversationError
 from protos import executor_pb2
 from tests.conftest import start_stack, stop_stack
 from tests.hybrid_model import build_text_model, save_layouts
@@ -176,7 +176,7 @@ async def test_a_restore_answering_after_the_loss_gives_back_only_what_the_rebui
         other = await _turn(stack, client, "other", OTHER)  # takes pages and state slots of the rebuilt pools
         assert other.pages and other.states and not set(other.pages) & set(lent_pages)
         link.hold.set_result(answer)
-        with pytest.raises(ParkError) as refused:
+        with pytest.raises(ConversationError) as refused:
             await resume
         assert refused.value.code is grpc.StatusCode.UNAVAILABLE
         reason = "the executor was lost while" if answer == "answered" else "the executor is gone"
