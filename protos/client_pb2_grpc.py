@@ -131,7 +131,8 @@ class PlannerServicer:
         planner keeps of it, and deletes its snapshot from the cache service. Waits for a turn that has answered
         to end; FAILED_PRECONDITION while a turn streams on it (abort it first) or its pages are being parked.
         NOT_FOUND when neither the planner nor the cache holds it for the caller's tenant; the cache's status
-        (UNAVAILABLE, ...) when it cannot be asked, and then nothing is deleted.
+        (UNAVAILABLE, DEADLINE_EXCEEDED, ...) when it cannot be asked: the planner then keeps the conversation as
+        it was, and the snapshot too unless the cache deleted it without its answer arriving; a retry converges.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
