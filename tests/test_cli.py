@@ -850,6 +850,12 @@ def deltaserve_json(*argv: str):
     return json.loads(done.stdout)
 
 
+def default_hangup() -> None:
+    """In the child: SIGHUP as a terminal gives it. A test run under nohup ignores it, and a service started
+    with it ignored leaves it so (by design), which the SIGHUP tests would read as a stop that never came."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 class Serving:
     """A serving `deltaserve` command in its own process, JSON log lines to a file."""
 
@@ -862,6 +868,7 @@ class Serving:
                 stderr=log_file,
                 env=cli_env(),
                 cwd=REPO,
+                preexec_fn=default_hangup,
             )
 
     def events(self) -> list[dict]:
