@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -850,10 +852,17 @@ def deltaserve_json(*argv: str):
     return json.loads(done.stdout)
 
 
-def default_hangup() -> None:
-    """In the child: SIGHUP as a terminal gives it. A test run under nohup ignores it, and a service started
-    with it ignored leaves it so (by design), which the SIGHUP tests would read as a stop that never came."""
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+@contextlib.contextmanager
+def default_hangup() -> Iterator[None]:
+    """SIGHUP as a terminal gives it, for the children started meanwhile. A test run under nohup ignores it, and
+    a service started with it ignored leaves it so (by design): a SIGHUP test would wait for a stop that never
+    comes. Set here, not in a preexec_fn: that forks this process, whose gRPC threads the child then restarts
+    and aborts on (seen in CI)."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 class Serving:
@@ -868,7 +877,6 @@ class Serving:
                 stderr=log_file,
                 env=cli_env(),
                 cwd=REPO,
-                preexec_fn=default_hangup,
             )
 
     def events(self) -> list[dict]:
@@ -894,9 +902,10 @@ def test_cache_serve_answers_ls_rm_stat_and_stops_cleanly_on_sighup(tmp_path):
     """SIGHUP (a closed terminal, a reload that is not one) stops as SIGTERM does: it used to kill at once."""
     port = free_port()
     cache_dir = tmp_path / "snapshots"
-    serving = Serving(
-        tmp_path / "cache.log", "cache", "serve", "--cache-dir", str(cache_dir), "--port", str(port)
-    )
+    with default_hangup():
+        serving = Serving(
+            tmp_path / "cache.log", "cache", "serve", "--cache-dir", str(cache_dir), "--port", str(port)
+        )
     try:
         listening = serving.wait_listening(60)
         assert (listening["addr"], listening["snapshots"]) == (f"127.0.0.1:{port}", str(cache_dir))
