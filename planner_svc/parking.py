@@ -166,8 +166,8 @@ class Parking:
         """Bring a parked conversation's pages back; the caller holds its turn lock.
 
         NOTHING when there was nothing to restore, RESTORED, or FELL_BACK saying why the conversation
-        reads its prompt again (never silently). ConversationError (FAILED_PRECONDITION) while a turn runs on it: that
-        turn owns its states and pages."""
+        reads its prompt again (never silently). ConversationError (FAILED_PRECONDITION) while a turn runs on
+        it: that turn owns its states and pages."""
         if conversation.busy:
             raise ConversationError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -311,8 +311,9 @@ class Parking:
 
     async def delete_snapshot(self, tenant: str, conversation_id: str) -> int | None:
         """Delete the conversation's snapshot from the cache: its bytes, or None where the cache has none (or
-        there is no cache). ConversationError with the cache's status where it cannot be asked: the snapshot may be gone
-        all the same where the cache acted but its answer was lost (DEADLINE_EXCEEDED); a retry converges."""
+        there is no cache). ConversationError with the cache's status where it cannot be asked: the snapshot
+        may be gone all the same where the cache acted but its answer was lost (DEADLINE_EXCEEDED); a retry
+        converges."""
         if self._cache is None:
             return None
         try:

@@ -204,10 +204,11 @@ class Turns:
     async def delete(self, tenant: str, conversation_id: str) -> client_pb2.DeleteConversationResponse:
         """Forget the conversation: its snapshot deleted from the cache first (a cache that cannot be asked
         leaves the planner's record as it was; a retry converges), then its pages and state copies back to the
-        pools and every record of it dropped. A turn that has answered is waited for, as by park. ConversationError: FAILED_PRECONDITION while a
-        turn streams on it or its pages are being parked, NOT_FOUND where neither the planner nor the cache
-        holds it (nothing changes), the cache's status. A record the planner holds is always dropped, also
-        one holding no tokens (its KV dropped under pressure or lost with an executor, a restore fell back)."""
+        pools and every record of it dropped. A turn that has answered is waited for, as by park.
+        ConversationError: FAILED_PRECONDITION while a turn streams on it or its pages are being parked,
+        NOT_FOUND where neither the planner nor the cache holds it (nothing changes), the cache's status. A
+        record the planner holds is always dropped, also one holding no tokens (its KV dropped under pressure
+        or lost with an executor, a restore fell back)."""
         # Where no engine holds it (the planner restarted), its snapshot alone is deleted
         opens = self.least_loaded()
         async with self._locked(tenant, conversation_id, opens=opens) as (engine, conversation, opened):
