@@ -105,6 +105,20 @@ class FaultyLink(GrpcLink):
         return await super().park(request)
 
 
+def executor_config(model_dir: str, cache: str | None = None) -> ExecutorConfig:
+    """The tiny hybrid's executor with room for a few conversations; `cache`: its cache service's address."""
+    return ExecutorConfig(
+        model=model_dir,
+        device="cpu",
+        dtype="float32",
+        pool_pages=32,
+        page_size=16,
+        buckets=(1, 2),
+        state_slots=6,
+        cache=cache,
+    )
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(tmp_path_factory):
     from tests.hf_reference import hf_tokenizer
@@ -113,16 +127,7 @@ async def stack(tmp_path_factory):
     model_dir, _ = save_layouts(build_text_model(), str(root / "model"), hf_tokenizer())
     cache = await start_cache_server(str(root / "cache"), budget_bytes=1 << 30)
     address = f"127.0.0.1:{cache.port}"
-    executor = ExecutorConfig(
-        model=model_dir,
-        device="cpu",
-        dtype="float32",
-        pool_pages=32,
-        page_size=16,
-        buckets=(1, 2),
-        state_slots=6,
-        cache=address,
-    )
+    executor = executor_config(model_dir, address)
     stack, servers = await start_stack(
         executor, PlannerConfig(model=model_dir, cache=address), link=FaultyLink
     )

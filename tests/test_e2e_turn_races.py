@@ -14,14 +14,13 @@ import pytest_asyncio
 from structlog.testing import capture_logs
 
 from cache_svc.server import start_cache_server
-from executor_svc.config import ExecutorConfig
 from planner_svc import drain as drains
 from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig
 from protos import executor_pb2
 from tests.conftest import start_stack, stop_stack
 from tests.hybrid_model import build_text_model, save_layouts
-from tests.test_e2e_loss_races import PROMPT, FaultyLink, _check_pools, _forget, _turn
+from tests.test_e2e_loss_races import PROMPT, FaultyLink, _check_pools, _forget, _turn, executor_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -49,25 +48,12 @@ def model_dir(tmp_path_factory) -> str:
     return save_layouts(build_text_model(), str(directory / "model"), hf_tokenizer())[0]
 
 
-def _executor(model_dir: str, cache: str | None = None) -> ExecutorConfig:
-    return ExecutorConfig(
-        model=model_dir,
-        device="cpu",
-        dtype="float32",
-        pool_pages=32,
-        page_size=16,
-        buckets=(1, 2),
-        state_slots=6,
-        cache=cache,
-    )
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def cached_stack(model_dir, tmp_path_factory):
     cache = await start_cache_server(str(tmp_path_factory.mktemp("turn_races_cache")), budget_bytes=1 << 30)
     address = f"127.0.0.1:{cache.port}"
     stack, servers = await start_stack(
-        _executor(model_dir, address), PlannerConfig(model=model_dir, cache=address), link=HeldLink
+        executor_config(model_dir, address), PlannerConfig(model=model_dir, cache=address), link=HeldLink
     )
     yield stack
     await stop_stack([*servers, cache])
@@ -234,7 +220,9 @@ async def test_a_drain_names_a_turn_that_did_not_end_in_time(model_dir, monkeypa
     come back within the settling time (held here), the drain says so, naming the conversation, in its report
     and its log line, and leaves it unparked, rather than skip it in silence."""
     monkeypatch.setattr(drains, "CUT_SETTLE_S", 0.3)  # the drain's 5 s, shorter: the output is held past it
-    stack, servers = await start_stack(_executor(model_dir), PlannerConfig(model=model_dir), link=HeldLink)
+    stack, servers = await start_stack(
+        executor_config(model_dir), PlannerConfig(model=model_dir), link=HeldLink
+    )
     link = stack.engine.link
     try:
         async with PlannerClient(stack.addr) as client:
