@@ -248,6 +248,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=640, help="tokens already stored in each row")
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument(
+        "--arms", nargs="+", choices=("torch_ops", "kernels"), default=["torch_ops", "kernels"]
+    )
+    parser.add_argument(
         "--prefill-sequences", type=int, nargs="*", default=[1, 4], help="sequences a prefill step"
     )
     parser.add_argument("--prefill-tokens", type=int, default=512, help="tokens of each prefilled sequence")
@@ -258,15 +261,17 @@ def main() -> None:
     results = []
     for batch in args.batches:
         row = {"batch": batch, "context": args.context}
-        for arm, fused in (("torch_ops", False), ("kernels", True)):
-            micros, kernels = step_time(model, batch, args.context, fused, args.replays)
+        for arm in args.arms:
+            micros, kernels = step_time(model, batch, args.context, arm == "kernels", args.replays)
             row[f"{arm}_us"] = round(micros, 1)
             row[f"{arm}_kernels"] = sum(len(times) for times in kernels.values())
             top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:10]
             row[f"{arm}_top_kernels_us"] = {name: [len(t), round(sum(t), 1)] for name, t in top}
-        row["speedup"] = round(row["torch_ops_us"] / row["kernels_us"], 2)
+        if len(args.arms) == 2:
+            row["speedup"] = round(row["torch_ops_us"] / row["kernels_us"], 2)
         print({k: v for k, v in row.items() if "top" not in k}, flush=True)
-        print(" kernels arm, top by GPU time (count, µs):", row["kernels_top_kernels_us"], flush=True)
+        for arm in args.arms:
+            print(f" {arm} arm, top by GPU time (count, µs):", row[f"{arm}_top_kernels_us"], flush=True)
         results.append(row)
     from executor_svc.kernels.gated_delta_joined import joined_step_block
 

@@ -1,7 +1,8 @@
 """Decode-step Triton kernels compiled for the H200 (sm90) on this machine, GPU or not: Triton's front end and
 ptxas check what the CPU interpreter does not (a variable rebound with another shape inside a branch compiles
 nowhere but runs interpreted). For now the paged decode attention and the skinny GEMM, each variant a launch
-can take, compiled in a process without TRITON_INTERPRET (with it, @triton.jit gives interpreted functions,
+can take, and the kernels that prefetch a projection's weights into L2 (whose inline PTX the interpreter
+skips), compiled in a process without TRITON_INTERPRET (with it, @triton.jit gives interpreted functions,
 which do not compile)."""
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ _POINTERS_F32 = ("part_out_ptr", "part_lse_ptr", "partial_ptr")
 _POINTERS_I32 = ("counters_ptr", "counter_ptr", "rows_ptr")
 
 
-def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None) -> None:
-    """triton.compile of `kernel` for sm90 with these constexprs; pointers bf16 unless named above or in
-    `types`, other arguments int32."""
+def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None):
+    """triton.compile of `kernel` for sm90 with these constexprs (the compiled kernel); pointers bf16 unless
+    named above or in `types`, other arguments int32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -46,7 +47,7 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None) -> Non
         signature={name: type_of(name) for name in names},
         constexprs={(names.index(name),): value for name, value in constexprs.items()},
     )
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
 
 
 def _compile_all() -> None:
@@ -80,6 +81,42 @@ def _compile_all() -> None:
         )
 
 
+def _compile_prefetching() -> None:
+    """Each kernel that prefetches, with its prefetch on: the PTX holds the prefetch (not dropped as dead)."""
+    from executor_svc.kernels.fused import _gated_rmsnorm_kernel, _rmsnorm_residual_kernel, _silu_mul_kernel
+    from executor_svc.kernels.gated_attention import _gate_kernel
+    from executor_svc.kernels.gated_delta_joined import _delta_net_step_kernel
+
+    prefetch = dict(PREFETCH=True, ELEMENTS_PER_LINE=64)
+    floats = {"eps": "fp32", "scale": "fp32"}
+    f32_io = {"x_ptr": "*fp32", "core_ptr": "*fp32", "decay_rate_ptr": "*fp32", "dt_bias_ptr": "*fp32"}
+    kernels = (
+        (_rmsnorm_residual_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024), floats),
+        (_silu_mul_kernel, dict(BLOCK=1024), {}),
+        (
+            _gated_rmsnorm_kernel,
+            dict(SIZE=128, BLOCK=128, HEADS=4),
+            {**floats, "x_ptr": "*fp32", "weight_ptr": "*fp32"},
+        ),
+        (_gate_kernel, dict(HEADS=8, D=256), {}),
+        (
+            _delta_net_step_kernel,
+            dict(KEY_HEADS=16, GROUP=1, DK=128, DV=128, BK=128, BV=32, BD=128, WIDTH=4, BW=4),
+            {
+                **floats,
+                **{k: v for k, v in f32_io.items() if k != "x_ptr"},
+                "states_ptr": "*fp32",
+                "slots_ptr": "*i64",
+                "arrivals_ptr": "*i32",
+                "norm_weight_ptr": "*fp32",
+            },
+        ),
+    )
+    for kernel, constexprs, types in kernels:
+        compiled = compile_for_sm90(kernel, {**constexprs, **prefetch}, types)
+        assert "prefetch.global.L2" in compiled.asm["ptx"], f"{kernel.fn.__name__} prefetches nothing"
+
+
 def test_the_decode_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([REPO, *filter(None, [env.get("PYTHONPATH")])])
@@ -91,3 +128,4 @@ def test_the_decode_kernels_compile_for_sm90():
 
 if __name__ == "__main__":
     _compile_all()
+    _compile_prefetching()

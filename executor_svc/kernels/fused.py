@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from executor_svc.kernels.l2_prefetch import grid_rows, prefetch_args, prefetch_l2
+
 _MLP_BLOCK = 1024
 
 
@@ -17,33 +19,46 @@ def _rmsnorm_residual_kernel(
     weight_ptr,
     normed_ptr,
     new_residual_ptr,
+    prefetch_ptr,
     stride_x,
     stride_residual,
+    rows,
     hidden,
     eps,
+    prefetch_lines,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    ELEMENTS_PER_LINE: tl.constexpr,
 ):
     row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    live = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=live, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(new_residual_ptr + row * hidden + cols, x, mask=live)
-    x32 = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden + eps)
-    weight = tl.load(weight_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    # As the torch RMSNorm: normalise in float32, round to the input dtype, then scale by the weight.
-    normed = (x32 * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32) * weight
-    tl.store(normed_ptr + row * hidden + cols, normed.to(normed_ptr.dtype.element_ty), mask=live)
+    if PREFETCH:  # the next projection's weights, while this kernel waits on its loads
+        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE)
+    if row < rows:  # past the rows: a program that only prefetches
+        cols = tl.arange(0, BLOCK)
+        live = cols < hidden
+        x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0)
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + row * stride_residual + cols, mask=live, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(new_residual_ptr + row * hidden + cols, x, mask=live)
+        x32 = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden + eps)
+        weight = tl.load(weight_ptr + cols, mask=live, other=0.0).to(tl.float32)
+        # As the torch RMSNorm: normalise in float32, round to the input dtype, then scale by the weight.
+        normed = (x32 * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32) * weight
+        tl.store(normed_ptr + row * hidden + cols, normed.to(normed_ptr.dtype.element_ty), mask=live)
 
 
 def rmsnorm_residual(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x[B, hidden] (+ residual[B, hidden]) -> (rmsnorm(sum) * weight, sum); residual None = no add, sum = x."""
+    """x[B, hidden] (+ residual[B, hidden]) -> (rmsnorm(sum) * weight, sum); residual None = no add, sum = x.
+    prefetch: the weights of the projection that reads the result, pulled into L2 meanwhile (l2_prefetch)."""
     batch, hidden = x.shape
     if weight.shape != (hidden,) or (residual is not None and residual.shape != x.shape):
         raise ValueError(
@@ -55,19 +70,21 @@ def rmsnorm_residual(
     normed = torch.empty(batch, hidden, dtype=x.dtype, device=x.device)
     new_residual = x if residual is None else torch.empty(batch, hidden, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(hidden)
-    _rmsnorm_residual_kernel[(batch,)](
+    _rmsnorm_residual_kernel[(grid_rows(batch, 1, prefetch),)](
         x,
         x if residual is None else residual,
         weight,
         normed,
         new_residual,
-        x.stride(0),
-        x.stride(0) if residual is None else residual.stride(0),
-        hidden,
-        eps,
+        stride_x=x.stride(0),
+        stride_residual=x.stride(0) if residual is None else residual.stride(0),
+        rows=batch,
+        hidden=hidden,
+        eps=eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),  # about 8 values a thread, whatever the hidden size
+        **prefetch_args(prefetch, x),
     )
     return normed, new_residual
 
@@ -220,37 +237,60 @@ def rope_kv_write(
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, intermediate, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gate_up_ptr,
+    out_ptr,
+    prefetch_ptr,
+    stride_in,
+    rows,
+    intermediate,
+    prefetch_lines,
+    BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    ELEMENTS_PER_LINE: tl.constexpr,
+):
     row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = cols < intermediate
-    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=live, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * stride_in + intermediate + cols, mask=live, other=0.0).to(tl.float32)
-    # As eager torch: F.silu rounds to the dtype, then the product rounds again.
-    silu = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * intermediate + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=live)
+    if PREFETCH:  # the next projection's weights, while this kernel waits on its loads
+        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE)
+    if row < rows:  # past the rows: a program that only prefetches
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = cols < intermediate
+        gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=live, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + row * stride_in + intermediate + cols, mask=live, other=0.0).to(tl.float32)
+        # As eager torch: F.silu rounds to the dtype, then the product rounds again.
+        silu = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * intermediate + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=live)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up[B, 2I] (gate then up, as a fused gate_up projection lays them) -> SiLU(gate) * up, [B, I]."""
+def silu_mul(gate_up: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up[B, 2I] (gate then up, as a fused gate_up projection lays them) -> SiLU(gate) * up, [B, I].
+    prefetch: the weights of the projection that reads the result, pulled into L2 meanwhile (l2_prefetch)."""
     batch, width = gate_up.shape
     if width % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"gate_up must be [B, 2I] contiguous along its last dim, got {tuple(gate_up.shape)}")
     intermediate = width // 2
     out = torch.empty(batch, intermediate, dtype=gate_up.dtype, device=gate_up.device)
-    grid = (batch, triton.cdiv(intermediate, _MLP_BLOCK))
-    _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), intermediate, BLOCK=_MLP_BLOCK)
+    blocks = triton.cdiv(intermediate, _MLP_BLOCK)
+    _silu_mul_kernel[(grid_rows(batch, blocks, prefetch), blocks)](
+        gate_up,
+        out,
+        stride_in=gate_up.stride(0),
+        rows=batch,
+        intermediate=intermediate,
+        BLOCK=_MLP_BLOCK,
+        **prefetch_args(prefetch, out),
+    )
     return out
 
 
 @triton.jit
 def gated_norm(x, gate, weight, size, eps):
-    """One head's gated RMSNorm: x [BD] float32 (zeros past `size`), gate [BD] in the output dtype, weight [BD]
-    float32. As GatedRMSNorm on x rounded to the dtype: norm in float32, round, scale by the weight, round, times
-    SiLU(gate) in float32, round; returned in gate's dtype."""
+    """Gated RMSNorm of one head, x [BD], or of several, x [heads, BD]: x float32 (zeros past `size`), gate in
+    the output dtype, weight [BD] float32. As GatedRMSNorm on x rounded to the dtype: norm in float32, round,
+    scale by the weight, round, times SiLU(gate) in float32, round; returned in gate's dtype."""
     dtype = gate.dtype
     x = x.to(dtype).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x * x, 0) / size + eps)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / size + eps)
     normed = ((x * inv_rms).to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
     gate = gate.to(tl.float32)
     return (normed * (gate * tl.sigmoid(gate))).to(dtype)
@@ -258,20 +298,46 @@ def gated_norm(x, gate, weight, size, eps):
 
 @triton.jit
 def _gated_rmsnorm_kernel(
-    x_ptr, gate_ptr, weight_ptr, out_ptr, gate_row_stride, heads, eps, SIZE: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    gate_ptr,
+    weight_ptr,
+    out_ptr,
+    prefetch_ptr,
+    gate_row_stride,
+    heads,
+    eps,
+    prefetch_lines,
+    SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HEADS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    ELEMENTS_PER_LINE: tl.constexpr,
 ):
-    row, head = tl.program_id(0), tl.program_id(1)
+    row = tl.program_id(0)
+    if PREFETCH:  # the next projection's weights, while this kernel waits on its loads
+        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE)
+    head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # this program's heads
     cols = tl.arange(0, BLOCK)
-    live = cols < SIZE
-    x = tl.load(x_ptr + (row * heads + head) * SIZE + cols, mask=live, other=0.0)
-    weight = tl.load(weight_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    gate = tl.load(gate_ptr + row * gate_row_stride + head * SIZE + cols, mask=live, other=0.0)
-    tl.store(out_ptr + (row * heads + head) * SIZE + cols, gated_norm(x, gate, weight, SIZE, eps), mask=live)
+    live = (head < heads)[:, None] & (cols < SIZE)[None, :]
+    at = (row * heads + head[:, None]) * SIZE + cols[None, :]  # [HEADS, BLOCK]
+    x = tl.load(x_ptr + at, mask=live, other=0.0)
+    weight = tl.load(weight_ptr + cols, mask=cols < SIZE, other=0.0).to(tl.float32)
+    gate = tl.load(
+        gate_ptr + row * gate_row_stride + head[:, None] * SIZE + cols[None, :], mask=live, other=0.0
+    )
+    tl.store(out_ptr + at, gated_norm(x, gate, weight[None, :], SIZE, eps), mask=live)
 
 
-def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rmsnorm(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    prefetch: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x[N, H, D] (float32, contiguous) -> rmsnorm(x in gate's dtype, per head) * weight[D] * SiLU(gate), where
-    gate is [N, H * D] (rows may be strided): [N, H * D] in gate's dtype, the gated delta net's output norm."""
+    gate is [N, H * D] (rows may be strided): [N, H * D] in gate's dtype, the gated delta net's output norm.
+    prefetch: the weights of the projection that reads the result, pulled into L2 meanwhile (l2_prefetch)."""
     n, heads, size = x.shape
     if gate.shape != (n, heads * size) or weight.shape != (size,):
         raise ValueError(
@@ -280,7 +346,21 @@ def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
     if not x.is_contiguous() or gate.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("x and weight must be contiguous, gate contiguous along its last dim")
     out = torch.empty(n, heads * size, dtype=gate.dtype, device=gate.device)  # out: [N, H * D]
-    _gated_rmsnorm_kernel[(n, heads)](
-        x, gate, weight, out, gate.stride(0), heads, eps, SIZE=size, BLOCK=triton.next_power_of_2(size)
+    block = triton.next_power_of_2(size)
+    # heads a program: up to 4 and 2,048 values (one head a program, 128 values on 128 threads, spent more time
+    # starting programs than normalising)
+    group = min(4, triton.next_power_of_2(heads), max(1, 2048 // block))
+    _gated_rmsnorm_kernel[(n, triton.cdiv(heads, group))](
+        x,
+        gate,
+        weight,
+        out,
+        gate_row_stride=gate.stride(0),
+        heads=heads,
+        eps=eps,
+        SIZE=size,
+        BLOCK=block,
+        HEADS=group,
+        **prefetch_args(prefetch, out),
     )
     return out

@@ -18,6 +18,7 @@ from executor_svc.kernels.gated_delta_slots import (
     rule_tile,
     value_block,
 )
+from executor_svc.kernels.l2_prefetch import prefetch_args, prefetch_l2
 
 # The one-kernel layer step (conv, rule, gated norm): each of its programs repeats its key head's q and k conv
 # and norms, and the last of a key head's programs finishes the head, which costs more than two launches save once
@@ -57,12 +58,14 @@ def _delta_net_step_kernel(
     core_ptr,
     arrivals_ptr,
     out_ptr,
+    prefetch_ptr,
     x_row_stride,
     z_row_stride,
     gate_row_stride,
     channels,
     scale,
     eps,
+    prefetch_lines,
     KEY_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     DK: tl.constexpr,
@@ -72,6 +75,8 @@ def _delta_net_step_kernel(
     BD: tl.constexpr,
     WIDTH: tl.constexpr,
     BW: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    ELEMENTS_PER_LINE: tl.constexpr,
 ):
     # One program a row, value head and block of its values, as the rule step alone: each computes its key
     # head's q and k from their windows and moves its own v channels' windows on; the last of a key head's
@@ -80,25 +85,29 @@ def _delta_net_step_kernel(
     row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     key_head = head // GROUP
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    x_row = x_ptr + row * x_row_stride
-    window = windows_ptr + slot * channels * (WIDTH - 1)
     keys = tl.arange(0, BK)
     key_live = keys < DK
+    values = block * BV + tl.arange(0, BV)
+    value_live = values < DV
+    # the state tile first: its load (the most bytes) overlaps the conv's
+    tile = states_ptr + ((slot * KEY_HEADS * GROUP + head) * DK + keys[:, None]) * DV + values[None, :]
+    live = key_live[:, None] & value_live[None, :]
+    state = tl.load(tile, mask=live, other=0.0)
+    if PREFETCH:  # the output projection's weights, while this kernel waits on its loads
+        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE)
+    x_row = x_ptr + row * x_row_stride
+    window = windows_ptr + slot * channels * (WIDTH - 1)
     q_cols, k_cols = key_head * DK + keys, (KEY_HEADS + key_head) * DK + keys
     q = conv_channels(x_row, conv_weight_ptr, window, q_cols, key_live, WIDTH)
     k = conv_channels(x_row, conv_weight_ptr, window, k_cols, key_live, WIDTH)
     q, k = normed_qk(q, k, scale)
-    values = block * BV + tl.arange(0, BV)
-    value_live = values < DV
     v_cols = 2 * KEY_HEADS * DK + head * DV + values
     v = conv_channels(x_row, conv_weight_ptr, window, v_cols, value_live, WIDTH)
     # (the slot broadcast as an int first: Triton's interpreter refuses a scalar bool in a mask)
     move_window(x_row, window, v_cols, value_live & (values * 0 + slot != 0), WIDTH, BW)
     gates = row * gate_row_stride + head
     decay, beta = decay_and_beta(a_ptr + gates, b_ptr + gates, decay_rate_ptr, dt_bias_ptr, head, True)
-    tile = states_ptr + ((slot * KEY_HEADS * GROUP + head) * DK + keys[:, None]) * DV + values[None, :]
-    live = key_live[:, None] & value_live[None, :]
-    core = rule_tile(tile, live, live & (keys[:, None] * 0 + slot != 0), q, k, v, decay, beta)
+    core = rule_tile(state, tile, live & (keys[:, None] * 0 + slot != 0), q, k, v, decay, beta)
     tl.store(core_ptr + (row * KEY_HEADS * GROUP + head) * DV + values, core, mask=value_live)
     # Release this block (every thread's stores and loads before the one atomic), and learn whether it was its
     # key head's last (acquire the others'): no second kernel.
@@ -135,6 +144,7 @@ def delta_net_step_at_slots(
     key_heads: int,
     arrivals: torch.Tensor | None = None,
     tile: tuple[int, int] | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token of each of N sequences through a gated delta net layer after its projections, in one launch:
     gated_rmsnorm(delta_rule_step_at_slots(conv_step(x), a, b, raw_gates=gates), z, *norm).
@@ -148,7 +158,8 @@ def delta_net_step_at_slots(
 
     arrivals: int32[>= N * key_heads], zero, which the kernel leaves zero again (None: made here; a step's layers
     can share one). tile: (value dims a program takes, its warps) (None: joined_step_block's, on block // 8
-    warps)."""
+    warps). prefetch: the weights of the projection that reads the result, pulled into L2 meanwhile
+    (l2_prefetch)."""
     n, channels = x.shape
     heads, dk, dv = states.shape[1:]
     width = conv_weight.shape[1]
@@ -191,12 +202,12 @@ def delta_net_step_at_slots(
         core,
         arrivals,
         out,
-        x.stride(0),
-        z.stride(0),
-        a.stride(0),
-        channels,
-        dk**-0.5,
-        eps,
+        x_row_stride=x.stride(0),
+        z_row_stride=z.stride(0),
+        gate_row_stride=a.stride(0),
+        channels=channels,
+        scale=dk**-0.5,
+        eps=eps,
         KEY_HEADS=key_heads,
         GROUP=heads // key_heads,
         DK=dk,
@@ -207,5 +218,6 @@ def delta_net_step_at_slots(
         WIDTH=width,
         BW=triton.next_power_of_2(width - 1),
         num_warps=max(1, bv // 8) if tile is None else tile[1],
+        **prefetch_args(prefetch, out),
     )
     return out

@@ -48,10 +48,11 @@ def normed_qk(q, k, scale):
 
 
 @triton.jit
-def rule_tile(tile, live, written, q, k, v, decay, beta):
-    """The rule's step on the state tile [BK, BV] at `tile` (float32, masked by `live`), stored back where
-    `written`: q, k [BK] normed, v [BV], decay and beta float32. Returns out [BV], float32."""
-    state = tl.load(tile, mask=live, other=0.0) * decay
+def rule_tile(state, tile, written, q, k, v, decay, beta):
+    """The rule's step on the state tile state [BK, BV] (float32, loaded from `tile` before the inputs, so its
+    load overlaps theirs), stored back to `tile` where `written`: q, k [BK] normed, v [BV], decay and beta
+    float32. Returns out [BV], float32."""
+    state = state * decay
     remembered = tl.sum(state * k[:, None], axis=0)  # remembered: [BV], what the state says of k
     delta = (v - remembered) * beta
     state = state + k[:, None] * delta[None, :]
@@ -90,6 +91,11 @@ def _step_at_slots_kernel(
     values = block * BV + tl.arange(0, BV)
     key_live, value_live = keys < DK, values < DV
     slot = tl.load(slots_ptr + row).to(tl.int64)
+    # the state tile [BK, BV] of this row's slot and head, float32, loaded first. A padding row reads the sink
+    # slot (zeros) and writes nothing back: slot 0 stays zero.
+    tile = states_ptr + ((slot * HEADS + head) * DK + keys[:, None]) * DV + values[None, :]
+    live = key_live[:, None] & value_live[None, :]
+    state = tl.load(tile, mask=live, other=0.0)
     qk = row * qk_row_stride + (head // GROUP) * qk_head_stride + keys
     q = tl.load(q_ptr + qk, mask=key_live, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + qk, mask=key_live, other=0.0).to(tl.float32)
@@ -99,12 +105,9 @@ def _step_at_slots_kernel(
     decay, beta = decay_and_beta(
         g_ptr + gates, beta_ptr + gates, decay_rate_ptr, dt_bias_ptr, head, RAW_GATES
     )
-    # the state tile [BK, BV] of this row's slot and head, float32. A padding row reads the sink slot (zeros)
-    # and writes nothing back: slot 0 stays zero. (The slot is broadcast as an int first: Triton's interpreter
-    # refuses a scalar bool in a mask.)
-    tile = states_ptr + ((slot * HEADS + head) * DK + keys[:, None]) * DV + values[None, :]
-    live = key_live[:, None] & value_live[None, :]
-    out = rule_tile(tile, live, live & (keys[:, None] * 0 + slot != 0), q, k, v.to(tl.float32), decay, beta)
+    # (the slot broadcast as an int first: Triton's interpreter refuses a scalar bool in a mask)
+    written = live & (keys[:, None] * 0 + slot != 0)
+    out = rule_tile(state, tile, written, q, k, v.to(tl.float32), decay, beta)
     tl.store(out_ptr + (row * HEADS + head) * DV + values, out, mask=value_live)
 
 

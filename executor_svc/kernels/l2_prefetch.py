@@ -1,0 +1,78 @@
+"""A projection's weights pulled into the GPU's L2 by the kernel that runs before it. In a decode step of a few
+rows each projection reads its weights once, a few megabytes, and the kernels between projections (the norms,
+the gated delta net's step, SiLU) are latency-bound, leaving memory idle: those kernels issue L2 prefetches of
+the next projection's weights first thing, so the projection reads them from L2. A prefetch has no result and
+changes no value; where Triton interprets (the CPU tests) nothing is prefetched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from executor_svc.kernels import interpreting
+
+LINE = 128  # bytes of an L2 line, what one prefetch instruction brings in
+# Weights larger than this are not prefetched: they would push the step's other data out of L2 (the H100's and
+# H200's L2 is 50 MiB; Qwen3.5-0.8B's widest projection is 16.1 MiB)
+MOST_BYTES = 24 * 2**20
+# The programs a prefetching kernel spreads its prefetches over at least (a program issues its share of the
+# lines; a kernel of fewer programs, a norm over 16 rows, gets prefetch-only programs up to this many)
+PROGRAMS = 128
+_BLOCK = tl.constexpr(256)  # lines a program issues at a time
+
+
+@triton.jit
+def prefetch_l2(ptr, lines, ELEMENTS_PER_LINE: tl.constexpr):
+    """This program's share of `lines` L2 lines from `ptr` (each ELEMENTS_PER_LINE of ptr's elements), the
+    lines split evenly over every program of the grid."""
+    program = tl.program_id(0) + tl.num_programs(0) * (
+        tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
+    )
+    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    share = tl.cdiv(lines, programs)
+    first = program * share
+    for start in range(first, tl.minimum(first + share, lines), _BLOCK):
+        # past the share's end: the last line again, prefetched twice (an instruction takes no mask)
+        line = tl.minimum(start + tl.arange(0, _BLOCK), lines - 1).to(tl.int64)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+            "=r,l",
+            [ptr + line * ELEMENTS_PER_LINE],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+def worth_prefetching(weight: torch.Tensor | None) -> bool:
+    """Whether a kernel should prefetch `weight`: on a GPU (not interpreted), contiguous, at most MOST_BYTES."""
+    if weight is None or weight.device.type != "cuda" or interpreting():
+        return False
+    return weight.is_contiguous() and weight.numel() * weight.element_size() <= MOST_BYTES
+
+
+def prefetch_args(weight: torch.Tensor | None, stand_in: torch.Tensor) -> dict[str, Any]:
+    """A kernel's prefetch arguments (`prefetch_ptr`, `prefetch_lines`, constexprs `PREFETCH` and
+    `ELEMENTS_PER_LINE`): `weight`'s lines where worth_prefetching, else none (stand_in: any tensor as the
+    pointer the kernel does not read)."""
+    if not worth_prefetching(weight):
+        return dict(prefetch_ptr=stand_in, prefetch_lines=0, PREFETCH=False, ELEMENTS_PER_LINE=1)
+    assert weight is not None
+    size = weight.element_size()
+    return dict(
+        prefetch_ptr=weight,
+        prefetch_lines=triton.cdiv(weight.numel() * size, LINE),
+        PREFETCH=True,
+        ELEMENTS_PER_LINE=LINE // size,
+    )
+
+
+def grid_rows(rows: int, programs_per_row: int, weight: torch.Tensor | None) -> int:
+    """The rows of a kernel's grid whose axis 0 is its rows, `programs_per_row` programs each: `rows`, or more
+    (prefetch-only programs) where it prefetches `weight` over fewer than PROGRAMS programs."""
+    if not worth_prefetching(weight):
+        return rows
+    return max(rows, triton.cdiv(PROGRAMS, programs_per_row))
