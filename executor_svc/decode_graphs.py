@@ -145,7 +145,9 @@ class DecodeGraphs:
         slots, table, tokens = store.step_slots[:bucket], None, None
         if logits is None:
             pass  # a stage before the last: the last samples
-        elif variant == GREEDY:  # the argmax that `sample` takes for greedy rows, without the rest
+        elif (
+            variant == GREEDY
+        ):  # the argmax that `sample` takes for greedy rows, without the rest (or its copy)
             tokens = logits.argmax(dim=-1)
         elif variant == SAMPLED:
             tokens = sample(logits, *store.sampler_params(slots), inputs.positions + 1)

@@ -44,7 +44,7 @@ def sample(
     counter: torch.Tensor,
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """tokens: int64[B] from logits: f32[B, V].
+    """tokens: int64[B] from logits: [B, V], float32 or the head's dtype (made float32 here).
 
     Greedy (argmax) where temperature == 0. Elsewhere: logits / temperature, keep the top_k best (0 = all)
     and those at least min_p times as likely as the best (None or 0 = all), then the smallest prefix of them

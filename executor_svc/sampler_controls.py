@@ -171,7 +171,8 @@ def sample_controlled(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens i64[B] of rows that may have controls (greedy rows take the argmax of the adjusted logits),
     and every row's logprob table f32[B, LOGPROB_COLUMNS] of the model's own logits."""
-    adjusted = controls.apply(logits.float(), slots)
+    logits = logits.float()  # the head's dtype (bfloat16 on a GPU): the tables are of float32 logits
+    adjusted = controls.apply(logits, slots)
     temperature, top_p, top_k, seed = params
     tokens = sample(adjusted, temperature, top_p, top_k, seed, counter, min_p=controls.min_p[slots])
     if controls.fused:

@@ -237,8 +237,7 @@ class DenseModel(nn.Module):
         norm, head = self.head
         h = norm(x)
         # Through the modules, not a weight: a packed head has no float weight.
-        logits = head.project(h) if self.lm_head is None else head(h)  # type: ignore[operator]
-        return logits.float()
+        return head.project(h) if self.lm_head is None else head(h)  # type: ignore[operator]
 
     def _project_qkv(
         self, layer: DenseLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -268,8 +267,8 @@ class DenseModel(nn.Module):
         self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """One position for each of B rows, writing its K/V to (inputs.write_page, inputs.write_offset) of
-        attention.kv; `select` the rows that need logits (default all). Returns float32 logits[B or
-        len(select), V] on the last stage; an earlier stage hands its hidden states on and returns None.
+        attention.kv; `select` the rows that need logits (default all). Returns logits[B or len(select), V]
+        in the head's dtype (ExecutorModel.forward's) on the last stage; an earlier stage hands its hidden states on and returns None.
         Fixed shapes; no host reads (but the CPU attention's trim to the longest row)."""
         if attention.fused:
             from executor_svc.models.dense_kernels import forward_kernels

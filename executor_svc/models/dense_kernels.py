@@ -122,7 +122,7 @@ class Projections:
 def forward_kernels(
     model: DenseModel, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """DenseModel.forward in the Triton kernels: float32 logits[B or len(select), V] (None before the last
+    """DenseModel.forward in the Triton kernels: logits[B or len(select), V] (None before the last
     stage of a split)."""
     from executor_svc.kernels.fused import rmsnorm_residual, rope_kv_write
 
@@ -183,4 +183,4 @@ def forward_kernels(
         x, residual = x.index_select(0, select), residual.index_select(0, select)
     norm, head = model.head
     h, _ = rmsnorm_residual(x, residual, norm.weight, eps)
-    return F.linear(h, cast("torch.Tensor", head.weight)).float()
+    return F.linear(h, cast("torch.Tensor", head.weight))

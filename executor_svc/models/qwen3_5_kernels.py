@@ -75,7 +75,7 @@ def _fuse_layer(layer: _Layer) -> FusedLayer:
 def forward_kernels(
     model: Qwen35Model, inputs: StepInputs, attention: Attention, select: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """Qwen35Model.forward of a decode step or a prefill batch in the Triton kernels: float32 logits[B or
+    """Qwen35Model.forward of a decode step or a prefill batch in the Triton kernels: logits[B or
     len(select), V] (None before the last stage of a split)."""
     from executor_svc.kernels.fused import rmsnorm_residual
     from executor_svc.kernels.gated_delta_joined import joined_step_wins
@@ -122,7 +122,7 @@ def forward_kernels(
         x, residual = x.index_select(0, select), residual.index_select(0, select)
     assert weights.final_norm is not None, "the last stage holds the final norm"
     h, _ = rmsnorm_residual(x, residual, weights.final_norm, eps)
-    return F.linear(h, model.head[1]).float()
+    return F.linear(h, model.head[1])
 
 
 def _delta_net_core(

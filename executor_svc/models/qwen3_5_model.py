@@ -271,7 +271,7 @@ class Qwen35Model(nn.Module):
     def forward(
         self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """Float32 logits[B or len(select), V] of the rows on the last stage (an earlier stage hands its hidden
+        """Logits[B or len(select), V] (ExecutorModel.forward's) of the rows on the last stage (an earlier stage hands its hidden
         states on and returns None); writes each full-attention layer's K/V at (inputs.write_page,
         inputs.write_offset) and each recurrent layer's state at its slots."""
         states = inputs.states
@@ -299,7 +299,7 @@ class Qwen35Model(nn.Module):
         if select is not None:
             x = x.index_select(0, select)
         norm, head = self.head
-        return F.linear(norm(x), head).float()
+        return F.linear(norm(x), head)
 
     def _attention(
         self,
