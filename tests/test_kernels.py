@@ -187,6 +187,22 @@ def test_paged_decode_attention_matches_the_reference(page_size: int, head_dim: 
         assert not counters.any()
 
 
+@pytest.mark.parametrize("launch", [(16, 8, None), (32, 2, None)])
+def test_paged_decode_attention_by_another_launch(launch: tuple[int, int, None]):
+    """Other tokens an inner step and warps (what bench/decode_attention.py times) give the same attention;
+    fewer tokens than a page are refused."""
+    store, slots, q, k_layer, v_layer = attention_case(16, 64, torch.float32, 40)
+    expected = reference_attention(store, q, k_layer, v_layer, 0.125)
+    got = paged_decode_attention(
+        q, k_layer, v_layer, store.rows, slots, BLOCK_TABLE, 16, 0.125, 2, None, launch
+    )
+    torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="at least a page"):
+        paged_decode_attention(
+            q, k_layer, v_layer, store.rows, slots, BLOCK_TABLE, 16, 0.125, 2, None, (8, 4, None)
+        )
+
+
 def test_the_combine_reads_the_partitions_in_blocks_where_they_do_not_fit_at_once(monkeypatch):
     from executor_svc.kernels import attention
 

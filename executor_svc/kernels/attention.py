@@ -230,6 +230,7 @@ def paged_decode_attention(
     scale: float,
     splits: int = 1,
     counters: torch.Tensor | None = None,
+    launch: tuple[int, int, int | None] | None = None,
 ) -> torch.Tensor:
     """One query per row over its KV_LEN + 1 positions: q[B, H, D] -> [B, H, D] in q's dtype.
 
@@ -237,7 +238,9 @@ def paged_decode_attention(
     which attends over position 0 of the sink page). Lengths and pages are read on the device by slot;
     `splits` > 1 partitions each row's pages (flash-decoding), the last partition of each row and KV head
     combining them. `counters`: int32[>= B * kv_heads], zero, which the kernel leaves zero again (pass a
-    persistent one where the call is captured, so the graph sets nothing up); None: a fresh one.
+    persistent one where the call is captured, so the graph sets nothing up); None: a fresh one. `launch`:
+    (tokens an inner step, warps, register cap or None) to time other launches (bench/decode_attention.py);
+    None: max(64, page_size) tokens on 4 warps, uncapped.
     """
     check_paged_qkv(q, k_layer, v_layer)
     batch, heads, head_dim = q.shape
@@ -267,6 +270,9 @@ def paged_decode_attention(
         part_out = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     columns = rows.shape[1]
+    tokens, warps, registers = (_tokens_per_step(page_size), 4, None) if launch is None else launch
+    if tokens < page_size or tokens & (tokens - 1):
+        raise ValueError(f"tokens an inner step must be a power of two of at least a page, got {tokens}")
     _paged_decode_kernel[(batch, kv_heads, splits)](
         q,
         k_layer,
@@ -287,12 +293,14 @@ def paged_decode_attention(
         GROUP_ROWS=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         PAGE=page_size,
-        BLOCK_N=_tokens_per_step(page_size),
+        BLOCK_N=tokens,
         SPLITS=splits,
         SPLITS_POW2=triton.next_power_of_2(splits),
         SPLIT_BLOCK=_split_block(splits, group, head_dim),
         GROUP_POW2=triton.next_power_of_2(group),
         # The interpreter multiplies bfloat16 dot operands as raw bits (triton-lang/triton#11584).
         DOT_IN_F32=q.dtype == torch.bfloat16 and interpreting(),
+        num_warps=warps,
+        **({} if registers is None else {"maxnreg": registers}),
     )
     return out

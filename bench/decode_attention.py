@@ -1,0 +1,129 @@
+"""The paged decode attention kernel (kernels/attention.py, what the resident decode graphs run) by its launch:
+tokens an inner step, warps and a register cap, at Qwen3.5-0.8B's attention shape (8 query heads, 2 KV heads of
+256) and SmolLM2's (9 and 3 of 64), each row `--context` tokens deep, split as the decode graphs split it.
+A captured graph of the kernel over `--layers` layers' pages (more than the L2 holds, as in a step) reports
+microseconds a layer and the bandwidth of the K/V bytes read. The default launch is the first of the sweep.
+
+    python bench/decode_attention.py --out docs/bench/decode_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import commit_hash, replay_us, write_json
+from executor_svc.kernels.attention import decode_splits, paged_decode_attention
+from protos.layout import RowLayout
+
+PAGE = 16
+SHAPES = {"qwen3.5-0.8b": (8, 2, 256), "smollm2-135m": (9, 3, 64)}  # query heads, KV heads, head dim
+
+
+def layer_us(shape: str, batch: int, context: int, layers: int, launch, replays: int) -> tuple[float, int]:
+    """Microseconds one layer's attention takes (a graph over `layers` layers), and the splits it ran."""
+    heads, kv_heads, dim = SHAPES[shape]
+    span = context // PAGE + 1
+    pages = batch * span + 1
+    # k, v: [layers, pages, page, kv_heads, dim], page 0 the sink
+    k = torch.randn(layers, pages, PAGE, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    layout = RowLayout(2 * batch + 1, span)
+    rows = torch.zeros(layout.slots, layout.columns, dtype=torch.int32, device="cuda")
+    slots = torch.arange(1, batch + 1, device="cuda")
+    rows[1 : batch + 1, RowLayout.KV_LEN] = context
+    rows[1 : batch + 1, RowLayout.BLOCK_TABLE :] = 1 + torch.arange(batch * span, device="cuda").view(
+        batch, span
+    )
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = decode_splits(batch, kv_heads, context + PAGE, PAGE, sms)
+    counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda")
+
+    def run() -> None:
+        for layer in range(layers):
+            paged_decode_attention(
+                q,
+                k[layer],
+                v[layer],
+                rows,
+                slots,
+                RowLayout.BLOCK_TABLE,
+                PAGE,
+                dim**-0.5,
+                splits,
+                counters,
+                launch,
+            )
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            run()
+    return replay_us(graph, replays) / layers, splits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--context", type=int, default=640, help="tokens already stored in each row")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 32, 128], help="tokens an inner step")
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--registers", type=int, nargs="+", default=[0, 128], help="register caps (0: none)")
+    parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
+    parser.add_argument("--out", default="docs/bench/decode_attention.json")
+    args = parser.parse_args()
+    results = []
+    for shape, batch in itertools.product(args.shapes, args.batches):
+        _, kv_heads, dim = SHAPES[shape]
+        kv_bytes = batch * (args.context + 1) * kv_heads * dim * 2 * 2  # K and V, bf16
+        for tokens, warps, registers in itertools.product(args.tokens, args.warps, args.registers):
+            launch = (tokens, warps, registers or None)
+            try:
+                micros, splits = layer_us(shape, batch, args.context, args.layers, launch, args.replays)
+            except Exception as err:  # a launch that does not compile or fit is reported, not fatal
+                print({"shape": shape, "batch": batch, "launch": launch, "error": str(err)[:200]}, flush=True)
+                continue
+            finally:
+                torch.cuda.empty_cache()  # the last run's pages and graph
+            row = {
+                "shape": shape,
+                "batch": batch,
+                "splits": splits,
+                "tokens": tokens,
+                "warps": warps,
+                "registers": registers or None,
+                "us_a_layer": round(micros, 2),
+                "tb_per_s": round(kv_bytes / micros / 1e6, 2),
+            }
+            print(row, flush=True)
+            results.append(row)
+    write_json(
+        args.out,
+        [
+            {
+                "commit": args.commit or commit_hash(),
+                "device": torch.cuda.get_device_name(),
+                "context": args.context,
+                "runs": results,
+            }
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()
