@@ -19,6 +19,55 @@ if TYPE_CHECKING:
 
 
 @triton.jit
+def _conv_head(
+    x_ptr,
+    weight_ptr,
+    window,
+    out_ptr,
+    rows,
+    start,
+    end,
+    reaches_back,
+    channel,
+    x_row_stride,
+    OUT_ROW_STRIDE: tl.constexpr,
+    SIZE: tl.constexpr,
+    NORM: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """One head's channels [channel, channel + SIZE) of the chunk's `rows` (its sequence [start, end)) through the
+    conv with SiLU (l2-normed per row where NORM), stored at out_ptr's rows, 16 bytes a load and store.
+    `reaches_back`: the chunk begins its sequence and the sequence continues its slot's window, the only chunk
+    whose first rows read the window; the others skip those loads (2-byte ones, a window's channels lying
+    WIDTH - 1 entries apart: at 64 tokens on 4 warps, 256 a thread against the tokens' 32)."""
+    cols = tl.arange(0, BD)
+    live = (rows < end)[:, None] & (cols < SIZE)[None, :]
+    channels = channel + cols
+    # tap j reads the input WIDTH - 1 - j tokens back: a token of the sequence, else its window's entry
+    # (zeros for a fresh sequence); summed oldest first in float32
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for j in tl.static_range(WIDTH):
+        at = rows - (WIDTH - 1) + j
+        own = (at >= start)[:, None]
+        x = tl.load(x_ptr + at[:, None] * x_row_stride + channels[None, :], mask=live & own, other=0.0)
+        x = x.to(tl.float32)
+        if reaches_back:
+            held_at = window + channels[None, :] * (WIDTH - 1) + (WIDTH - 1 + at - start)[:, None]
+            x += tl.load(held_at, mask=live & ~own, other=0.0).to(tl.float32)
+        tap = tl.load(weight_ptr + channels * WIDTH + j, mask=cols < SIZE, other=0.0).to(tl.float32)
+        acc += x * tap[None, :]
+    out = (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty)
+    if NORM:  # x / |x| per head in float32 from the rounded output, eps inside the root
+        normed = out.to(tl.float32)
+        out = (normed * tl.rsqrt(tl.sum(normed * normed, axis=1) + 1e-6)[:, None]).to(
+            out_ptr.dtype.element_ty
+        )
+    tl.store(out_ptr + rows[:, None] * OUT_ROW_STRIDE + cols[None, :], out, mask=live)
+
+
+@triton.jit
 def _conv_kernel(
     x_ptr,
     weight_ptr,
@@ -42,38 +91,54 @@ def _conv_kernel(
 ):
     chunk, head = tl.program_id(0), tl.program_id(1)
     seq = tl.load(chunks_ptr + 2 * chunk)
+    within = tl.load(chunks_ptr + 2 * chunk + 1)
     start = tl.load(cu_ptr + seq)
     end = tl.load(cu_ptr + seq + 1)
-    rows = start + tl.load(chunks_ptr + 2 * chunk + 1) * BT + tl.arange(0, BT)
-    cols = tl.arange(0, BD)
-    # this program's head: of q, of k (DK channels each) or of v (DV)
-    qk = head < 2 * HK
-    size = tl.where(qk, DK, DV)
-    channel = tl.where(qk, head * DK, 2 * HK * DK + (head - 2 * HK) * DV) + cols
-    live = (rows < end)[:, None] & (cols < size)[None, :]
-    slot = tl.load(slots_ptr + seq)
-    kept = (rows * 0 + tl.load(kept_ptr + seq) != 0)[:, None]  # as a mask of the rows' shape
-    window = windows_ptr + slot * CHANNELS * (WIDTH - 1) + channel[None, :] * (WIDTH - 1)
-    # tap j reads the input WIDTH - 1 - j tokens back: a token of the sequence, else its window's entry
-    # (zeros for a fresh sequence); summed oldest first in float32
-    acc = tl.zeros([BT, BD], dtype=tl.float32)
-    for j in tl.static_range(WIDTH):
-        at = rows - (WIDTH - 1) + j
-        own = (at >= start)[:, None]
-        x = tl.load(x_ptr + at[:, None] * x_row_stride + channel[None, :], mask=live & own, other=0.0)
-        held = tl.load(window + (WIDTH - 1 + at - start)[:, None], mask=live & ~own & kept, other=0.0)
-        tap = tl.load(weight_ptr + channel * WIDTH + j, mask=cols < size, other=0.0).to(tl.float32)
-        acc += (x.to(tl.float32) + held.to(tl.float32)) * tap[None, :]
-    out = (acc * tl.sigmoid(acc)).to(q_ptr.dtype.element_ty)
-    if qk:  # x / |x| per head in float32 from the rounded output, eps inside the root
-        normed = out.to(tl.float32)
-        out = (normed * tl.rsqrt(tl.sum(normed * normed, axis=1) + 1e-6)[:, None]).to(q_ptr.dtype.element_ty)
-    if head < HK:
-        tl.store(q_ptr + rows[:, None] * (HK * DK) + head * DK + cols[None, :], out, mask=live)
-    elif head < 2 * HK:
-        tl.store(k_ptr + rows[:, None] * (HK * DK) + (head - HK) * DK + cols[None, :], out, mask=live)
+    rows = start + within * BT + tl.arange(0, BT)
+    reaches_back = (within == 0) & (tl.load(kept_ptr + seq) != 0)
+    window = windows_ptr + tl.load(slots_ptr + seq) * CHANNELS * (WIDTH - 1)
+    # this program's head: of q or k (DK channels each), or of v (DV)
+    if head < 2 * HK:
+        out_at = tl.where(head < HK, q_ptr + head * DK, k_ptr + (head - HK) * DK)
+        _conv_head(
+            x_ptr,
+            weight_ptr,
+            window,
+            out_at,
+            rows,
+            start,
+            end,
+            reaches_back,
+            head * DK,
+            x_row_stride,
+            HK * DK,
+            DK,
+            True,
+            WIDTH,
+            BT,
+            BD,
+        )
     else:
-        tl.store(v_ptr + rows[:, None] * (HV * DV) + (head - 2 * HK) * DV + cols[None, :], out, mask=live)
+        out_at = v_ptr + (head - 2 * HK) * DV
+        channel = 2 * HK * DK + (head - 2 * HK) * DV
+        _conv_head(
+            x_ptr,
+            weight_ptr,
+            window,
+            out_at,
+            rows,
+            start,
+            end,
+            reaches_back,
+            channel,
+            x_row_stride,
+            HV * DV,
+            DV,
+            False,
+            WIDTH,
+            BT,
+            BD,
+        )
 
 
 @triton.jit
@@ -101,7 +166,11 @@ def _windows_kernel(
     at = end - (WIDTH - 1) + steps
     own = (at >= start)[None, :]
     window = windows_ptr + slot * CHANNELS * (WIDTH - 1) + channel[:, None] * (WIDTH - 1)
-    x = tl.load(x_ptr + at[None, :] * x_row_stride + channel[:, None], mask=live & own, other=0.0)
+    x = tl.load(
+        x_ptr + at[None, :] * x_row_stride + channel[:, None],
+        mask=live & own,
+        other=0.0,
+    )
     held = tl.load(window + (WIDTH - 1 + at - start)[None, :], mask=live & ~own & kept, other=0.0)
     # in place: this program alone reads and writes its slot's channels, and it has read them all; a padding
     # sequence (a graph's, at the sink slot) writes nothing, so the sink stays zero
@@ -151,6 +220,8 @@ def conv_qkv(
         WIDTH=width,
         BT=CHUNK,
         BD=triton.next_power_of_2(max(dk, dv)),
+        # a [64, 128] tile: on 4 warps ptxas (12.8, sm90) spills at Qwen3.5's heads, on 8 it does not
+        num_warps=8,
     )
     return q, k, v
 
