@@ -145,9 +145,7 @@ class DecodeGraphs:
         slots, table, tokens = store.step_slots[:bucket], None, None
         if logits is None:
             pass  # a stage before the last: the last samples
-        elif (
-            variant == GREEDY
-        ):  # the argmax that `sample` takes for greedy rows, without the rest (or its copy)
+        elif variant == GREEDY:  # `sample`'s argmax for greedy rows, without the rest or a float32 copy
             tokens = logits.argmax(dim=-1)
         elif variant == SAMPLED:
             tokens = sample(logits, *store.sampler_params(slots), inputs.positions + 1)

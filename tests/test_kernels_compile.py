@@ -21,9 +21,9 @@ _POINTERS_F32 = ("part_out_ptr", "part_lse_ptr", "partial_ptr")
 _POINTERS_I32 = ("counters_ptr", "counter_ptr", "rows_ptr")
 
 
-def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None):
-    """triton.compile of `kernel` for sm90 with these constexprs (the compiled kernel); pointers bf16 unless
-    named above or in `types`, other arguments int32."""
+def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None, warps: int = 4):
+    """triton.compile of `kernel` for sm90 with these constexprs on `warps` warps (the compiled kernel);
+    pointers bf16 unless named above or in `types`, other arguments int32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -51,7 +51,9 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None):
         constexprs={(names.index(name),): value for name, value in constexprs.items()},
         attrs={(i,): [["tt.divisibility", 16]] for i in aligned if signature[names[i]] != "constexpr"},
     )
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    return triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3}
+    )
 
 
 def _compile_all() -> None:
@@ -91,7 +93,7 @@ def _compile_prefetching() -> None:
     from executor_svc.kernels.gated_attention import _gate_kernel
     from executor_svc.kernels.gated_delta_joined import _delta_net_step_kernel
 
-    prefetch = dict(PREFETCH=True, ELEMENTS_PER_LINE=64)
+    prefetch = dict(PREFETCH=True, ELEMENTS_PER_LINE=64, PREFETCH_BLOCK=256)
     floats = {"eps": "fp32", "scale": "fp32"}
     f32_io = {"x_ptr": "*fp32", "core_ptr": "*fp32", "decay_rate_ptr": "*fp32", "dt_bias_ptr": "*fp32"}
     kernels = (
@@ -129,6 +131,7 @@ def _compile_packed_conv() -> None:
         _conv_kernel,
         dict(CHANNELS=6144, HK=16, DK=128, HV=16, DV=128, WIDTH=4, BT=64, BD=128),
         {name: "*i64" for name in ("cu_ptr", "chunks_ptr", "slots_ptr", "kept_ptr")},
+        warps=8,  # conv_qkv's launch
     )
     ptx = compiled.asm["ptx"]
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, (

@@ -271,8 +271,10 @@ def paged_decode_attention(
         part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     columns = rows.shape[1]
     tokens, warps, registers = (_tokens_per_step(page_size), 4, None) if launch is None else launch
-    if tokens < page_size or tokens & (tokens - 1):
-        raise ValueError(f"tokens an inner step must be a power of two of at least a page, got {tokens}")
+    if tokens < max(16, page_size) or tokens & (tokens - 1):
+        raise ValueError(
+            f"tokens an inner step must be a power of two of at least a page and 16 (tl.dot), got {tokens}"
+        )
     _paged_decode_kernel[(batch, kv_heads, splits)](
         q,
         k_layer,

@@ -30,10 +30,11 @@ def _rmsnorm_residual_kernel(
     BLOCK: tl.constexpr,
     PREFETCH: tl.constexpr,
     ELEMENTS_PER_LINE: tl.constexpr,
+    PREFETCH_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     if PREFETCH:  # the next projection's weights, while this kernel waits on its loads
-        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE)
+        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE, PREFETCH_BLOCK)
     if row < rows:  # past the rows: a program that only prefetches
         cols = tl.arange(0, BLOCK)
         live = cols < hidden
@@ -70,7 +71,8 @@ def rmsnorm_residual(
     normed = torch.empty(batch, hidden, dtype=x.dtype, device=x.device)
     new_residual = x if residual is None else torch.empty(batch, hidden, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(hidden)
-    _rmsnorm_residual_kernel[(grid_rows(batch, 1, prefetch),)](
+    grid = grid_rows(batch, 1, prefetch)
+    _rmsnorm_residual_kernel[(grid,)](
         x,
         x if residual is None else residual,
         weight,
@@ -84,7 +86,7 @@ def rmsnorm_residual(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),  # about 8 values a thread, whatever the hidden size
-        **prefetch_args(prefetch, x),
+        **prefetch_args(prefetch, x, grid),
     )
     return normed, new_residual
 
@@ -248,10 +250,11 @@ def _silu_mul_kernel(
     BLOCK: tl.constexpr,
     PREFETCH: tl.constexpr,
     ELEMENTS_PER_LINE: tl.constexpr,
+    PREFETCH_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     if PREFETCH:  # the next projection's weights, while this kernel waits on its loads
-        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE)
+        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE, PREFETCH_BLOCK)
     if row < rows:  # past the rows: a program that only prefetches
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         live = cols < intermediate
@@ -271,14 +274,15 @@ def silu_mul(gate_up: torch.Tensor, prefetch: torch.Tensor | None = None) -> tor
     intermediate = width // 2
     out = torch.empty(batch, intermediate, dtype=gate_up.dtype, device=gate_up.device)
     blocks = triton.cdiv(intermediate, _MLP_BLOCK)
-    _silu_mul_kernel[(grid_rows(batch, blocks, prefetch), blocks)](
+    grid = grid_rows(batch, blocks, prefetch), blocks
+    _silu_mul_kernel[grid](
         gate_up,
         out,
         stride_in=gate_up.stride(0),
         rows=batch,
         intermediate=intermediate,
         BLOCK=_MLP_BLOCK,
-        **prefetch_args(prefetch, out),
+        **prefetch_args(prefetch, out, grid[0] * blocks),
     )
     return out
 
@@ -312,10 +316,11 @@ def _gated_rmsnorm_kernel(
     HEADS: tl.constexpr,
     PREFETCH: tl.constexpr,
     ELEMENTS_PER_LINE: tl.constexpr,
+    PREFETCH_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     if PREFETCH:  # the next projection's weights, while this kernel waits on its loads
-        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE)
+        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE, PREFETCH_BLOCK)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # this program's heads
     cols = tl.arange(0, BLOCK)
     live = (head < heads)[:, None] & (cols < SIZE)[None, :]
@@ -350,7 +355,8 @@ def gated_rmsnorm(
     # heads a program: up to 4 and 2,048 values (one head a program, 128 values on 128 threads, spent more time
     # starting programs than normalising)
     group = min(4, triton.next_power_of_2(heads), max(1, 2048 // block))
-    _gated_rmsnorm_kernel[(n, triton.cdiv(heads, group))](
+    grid = n, triton.cdiv(heads, group)
+    _gated_rmsnorm_kernel[grid](
         x,
         gate,
         weight,
@@ -361,6 +367,6 @@ def gated_rmsnorm(
         SIZE=size,
         BLOCK=block,
         HEADS=group,
-        **prefetch_args(prefetch, out),
+        **prefetch_args(prefetch, out, grid[0] * grid[1]),
     )
     return out

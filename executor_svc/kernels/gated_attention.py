@@ -149,10 +149,11 @@ def _gate_kernel(
     D: tl.constexpr,
     PREFETCH: tl.constexpr,
     ELEMENTS_PER_LINE: tl.constexpr,
+    PREFETCH_BLOCK: tl.constexpr,
 ):
     row, head = tl.program_id(0), tl.program_id(1)
     if PREFETCH:  # the output projection's weights, while this kernel waits on its loads
-        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE)
+        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE, PREFETCH_BLOCK)
     cols = tl.arange(0, D)
     dtype = gated_ptr.dtype.element_ty
     out = tl.load(out_ptr + row * out_row_stride + head * out_head_stride + cols).to(tl.float32)
@@ -181,6 +182,6 @@ def output_gate(out: torch.Tensor, mixed: torch.Tensor, prefetch: torch.Tensor |
         mixed_row_stride=mixed.stride(0),
         HEADS=heads,
         D=head_dim,
-        **prefetch_args(prefetch, gated),
+        **prefetch_args(prefetch, gated, batch * heads),
     )
     return gated

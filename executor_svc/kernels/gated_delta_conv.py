@@ -41,7 +41,7 @@ def _conv_head(
     conv with SiLU (l2-normed per row where NORM), stored at out_ptr's rows, 16 bytes a load and store.
     `reaches_back`: the chunk begins its sequence and the sequence continues its slot's window, the only chunk
     whose first rows read the window; the others skip those loads (2-byte ones, a window's channels lying
-    WIDTH - 1 entries apart: at 64 tokens on 4 warps, 256 a thread against the tokens' 32)."""
+    WIDTH - 1 entries apart: at 64 tokens on 8 warps, 128 a thread against the tokens' 16)."""
     cols = tl.arange(0, BD)
     live = (rows < end)[:, None] & (cols < SIZE)[None, :]
     channels = channel + cols

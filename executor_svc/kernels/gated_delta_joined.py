@@ -77,6 +77,7 @@ def _delta_net_step_kernel(
     BW: tl.constexpr,
     PREFETCH: tl.constexpr,
     ELEMENTS_PER_LINE: tl.constexpr,
+    PREFETCH_BLOCK: tl.constexpr,
 ):
     # One program a row, value head and block of its values, as the rule step alone: each computes its key
     # head's q and k from their windows and moves its own v channels' windows on; the last of a key head's
@@ -94,7 +95,7 @@ def _delta_net_step_kernel(
     live = key_live[:, None] & value_live[None, :]
     state = tl.load(tile, mask=live, other=0.0)
     if PREFETCH:  # the output projection's weights, while this kernel waits on its loads
-        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE)
+        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE, PREFETCH_BLOCK)
     x_row = x_ptr + row * x_row_stride
     window = windows_ptr + slot * channels * (WIDTH - 1)
     q_cols, k_cols = key_head * DK + keys, (KEY_HEADS + key_head) * DK + keys
@@ -188,7 +189,8 @@ def delta_net_step_at_slots(
     bv = joined_step_block(n, heads, dv) if tile is None else tile[0]
     core = torch.empty(n, heads, dv, dtype=torch.float32, device=x.device)  # core: [N, H, Dv], the rule's out
     out = torch.empty(n, heads * dv, dtype=x.dtype, device=x.device)  # out: [N, H Dv]
-    _delta_net_step_kernel[(n, heads, triton.cdiv(dv, bv))](
+    grid = n, heads, triton.cdiv(dv, bv)
+    _delta_net_step_kernel[grid](
         x,
         z,
         a,
@@ -218,6 +220,6 @@ def delta_net_step_at_slots(
         WIDTH=width,
         BW=triton.next_power_of_2(width - 1),
         num_warps=max(1, bv // 8) if tile is None else tile[1],
-        **prefetch_args(prefetch, out),
+        **prefetch_args(prefetch, out, grid[0] * grid[1] * grid[2]),
     )
     return out

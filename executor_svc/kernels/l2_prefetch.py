@@ -21,22 +21,24 @@ MOST_BYTES = 24 * 2**20
 # The programs a prefetching kernel spreads its prefetches over at least (a program issues its share of the
 # lines; a kernel of fewer programs, a norm over 16 rows, gets prefetch-only programs up to this many)
 PROGRAMS = 128
-_BLOCK = tl.constexpr(256)  # lines a program issues at a time
+_MOST_AT_ONCE = 256  # lines a program issues at a time
 
 
 @triton.jit
-def prefetch_l2(ptr, lines, ELEMENTS_PER_LINE: tl.constexpr):
+def prefetch_l2(ptr, lines, ELEMENTS_PER_LINE: tl.constexpr, BLOCK: tl.constexpr):
     """This program's share of `lines` L2 lines from `ptr` (each ELEMENTS_PER_LINE of ptr's elements), the
-    lines split evenly over every program of the grid."""
+    lines split evenly over every program of the grid, BLOCK at a time."""
     program = tl.program_id(0) + tl.num_programs(0) * (
         tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
     )
     programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     share = tl.cdiv(lines, programs)
     first = program * share
-    for start in range(first, tl.minimum(first + share, lines), _BLOCK):
-        # past the share's end: the last line again, prefetched twice (an instruction takes no mask)
-        line = tl.minimum(start + tl.arange(0, _BLOCK), lines - 1).to(tl.int64)
+    end = tl.minimum(first + share, lines)
+    for start in range(first, end, BLOCK):
+        # past the share's end: its last line again (an instruction takes no mask; a warp's repeats of one
+        # address are one request)
+        line = tl.minimum(start + tl.arange(0, BLOCK), end - 1).to(tl.int64)
         tl.inline_asm_elementwise(
             "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
             "=r,l",
@@ -54,19 +56,24 @@ def worth_prefetching(weight: torch.Tensor | None) -> bool:
     return weight.is_contiguous() and weight.numel() * weight.element_size() <= MOST_BYTES
 
 
-def prefetch_args(weight: torch.Tensor | None, stand_in: torch.Tensor) -> dict[str, Any]:
-    """A kernel's prefetch arguments (`prefetch_ptr`, `prefetch_lines`, constexprs `PREFETCH` and
-    `ELEMENTS_PER_LINE`): `weight`'s lines where worth_prefetching, else none (stand_in: any tensor as the
-    pointer the kernel does not read)."""
+def prefetch_args(weight: torch.Tensor | None, stand_in: torch.Tensor, programs: int) -> dict[str, Any]:
+    """The prefetch arguments of a kernel launched on `programs` programs (`prefetch_ptr`, `prefetch_lines`,
+    constexprs `PREFETCH`, `ELEMENTS_PER_LINE` and `PREFETCH_BLOCK`, a program's share rounded up to a power of
+    two, at most _MOST_AT_ONCE): `weight`'s lines where worth_prefetching, else none (stand_in: any tensor as
+    the pointer the kernel does not read)."""
     if not worth_prefetching(weight):
-        return dict(prefetch_ptr=stand_in, prefetch_lines=0, PREFETCH=False, ELEMENTS_PER_LINE=1)
+        return dict(
+            prefetch_ptr=stand_in, prefetch_lines=0, PREFETCH=False, ELEMENTS_PER_LINE=1, PREFETCH_BLOCK=1
+        )
     assert weight is not None
     size = weight.element_size()
+    lines = triton.cdiv(weight.numel() * size, LINE)
     return dict(
         prefetch_ptr=weight,
-        prefetch_lines=triton.cdiv(weight.numel() * size, LINE),
+        prefetch_lines=lines,
         PREFETCH=True,
         ELEMENTS_PER_LINE=LINE // size,
+        PREFETCH_BLOCK=min(_MOST_AT_ONCE, triton.next_power_of_2(triton.cdiv(lines, programs))),
     )
 
 

@@ -74,7 +74,7 @@ def prefill_step(
     slots, table, tokens = batch.sample_slots, None, None
     if logits is None:
         pass  # a stage before the last: the last samples
-    elif variant == GREEDY:  # the argmax that `sample` takes for greedy rows, without the rest (or its copy)
+    elif variant == GREEDY:  # `sample`'s argmax for greedy rows, without the rest or a float32 copy
         tokens = logits.argmax(dim=-1)
     elif variant == SAMPLED:
         tokens = sample(logits, *store.sampler_params(slots), batch.sample_counters)
