@@ -37,6 +37,23 @@ def replay_us(graph, replays: int) -> float:
     return start.elapsed_time(end) * 1000 / replays
 
 
+def captured_us(run, replays: int, warmups: int = 1) -> float:
+    """Mean device µs of one replay of `run()` captured in a CUDA graph: run `warmups` times eagerly on the
+    capture's side stream first (Triton compiles, cuBLAS picks its kernels), then captured there."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            run()
+    return replay_us(graph, replays)
+
+
 def smollm2_config(**overrides):
     """SmolLM2-135M's shape (what the benchmarks fill with random weights); overrides name what differs."""
     from executor_svc.models.dense import DenseConfig

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import commit_hash, replay_us, write_json
+from bench.common import captured_us, commit_hash, write_json
 from executor_svc.kernels.attention import decode_splits, paged_decode_attention
 from protos.layout import RowLayout
 
@@ -62,14 +62,7 @@ def layer_us(shape: str, batch: int, context: int, layers: int, launch, replays:
                 launch,
             )
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            run()
-    return replay_us(graph, replays) / layers, splits
+    return captured_us(run, replays) / layers, splits
 
 
 def main() -> None:

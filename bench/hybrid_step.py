@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import commit_hash, qwen3_5_0_8b_config, replay_us, write_json
+from bench.common import captured_us, commit_hash, qwen3_5_0_8b_config, replay_us, write_json
 from executor_svc.attention import StepInputs
 from executor_svc.kernels.attention import decode_splits, paged_decode_attention
 from executor_svc.models.qwen3_5_config import LINEAR
@@ -249,14 +249,7 @@ def delta_net_step_time(
                 tile,
             )
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            run()
-    return replay_us(graph, replays) / layers
+    return captured_us(run, replays) / layers
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.common import commit_hash, replay_us, write_json
+from bench.common import captured_us, commit_hash, write_json
 from executor_svc.control_writes import TOP_LOGPROBS
 from executor_svc.kernels.controls import fused_logprob_table
 from executor_svc.sampler import sample
@@ -27,15 +27,7 @@ VOCAB, REPLAYS = 49152, 200
 
 def graph_us(step: Callable[[], object]) -> float:
     """Mean device µs of one replay of `step` captured in a CUDA graph (warmed on a side stream first)."""
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return round(replay_us(graph, REPLAYS), 1)
+    return round(captured_us(step, REPLAYS, warmups=3), 1)
 
 
 def tails(rows: int) -> dict[str, Callable[[], object]]:

@@ -21,7 +21,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import commit_hash, replay_us, write_json
+from bench.common import captured_us, commit_hash, write_json
 from executor_svc.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_gemm
 
 HIDDEN = 1024
@@ -41,17 +41,12 @@ _REPLAYS = 10
 
 def graph_us(call, copies: int) -> float:
     """Mean GPU time of call(i) over copies calls, captured in one graph and replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):  # warm up (compiles, cuBLAS's heuristics) outside the capture
-            call(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def calls() -> None:
         for i in range(copies):
             call(i)
-    return replay_us(graph, _REPLAYS) / copies
+
+    return captured_us(calls, _REPLAYS) / copies
 
 
 def candidates(rows: int, n: int, k: int, dtype: torch.dtype) -> list[SkinnyConfig]:
