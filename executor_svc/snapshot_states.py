@@ -4,7 +4,8 @@ recurrent ones, and the state bytes of a shard's recurrent layers (snapshots.py 
 A shard of layers [begin, end) holds, after the K and V of its full-attention layers (snapshots.py's layout,
 those layers only), the states of its recurrent layers for each parked checkpoint in position order: the conv
 windows `[state_layers, states, channels, conv_width - 1]` in the pool's dtype, then the recurrent states
-`[state_layers, states, heads, key_dim, value_dim]` in float32; C order, little-endian (HYBRID_LAYOUT)."""
+`[state_layers, states, heads, value_dim, key_dim]` in float32 (value-major); C order, little-endian
+(HYBRID_LAYOUT)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from executor_svc.copy_stream import CopyStream
 from executor_svc.models.qwen3_5_config import LINEAR
 from executor_svc.state_pool import StatePool
 
-HYBRID_LAYOUT = "kv-then-states-layer-major/1"
+# /2: the recurrent states value-major ([heads, value_dim, key_dim]); a restore refuses /1's key-major ones
+HYBRID_LAYOUT = "kv-then-states-layer-major/2"
 
 
 @dataclass(frozen=True, slots=True)

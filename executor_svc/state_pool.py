@@ -20,7 +20,9 @@ SINK_SLOT = 0
 
 class StatePool:
     """`conv`: [layers, slots, channels, conv_width - 1] in the model's dtype; `recurrent`: [layers, slots,
-    heads, key_dim, value_dim] in float32 (the state accumulates over the whole sequence).
+    heads, value_dim, key_dim] in float32 (the state accumulates over the whole sequence), value-major: a
+    value's row of keys is contiguous, so a decode program's block of values is one run of memory (fla's
+    `state_v_first` layout, FlashInfer's "k-last").
 
     Padding rows read the sink slot and write zeros back into it, so it stays zero: nothing else writes it.
     No layers is a stage of a layer split holding full-attention layers only: its slots are numbers the
@@ -47,7 +49,7 @@ class StatePool:
             raise ValueError(f"conv_width must be at least 2, got {conv_width}")
         self.conv = torch.zeros(num_layers, num_slots, channels, conv_width - 1, dtype=dtype, device=device)
         self.recurrent = torch.zeros(
-            num_layers, num_slots, heads, key_dim, value_dim, dtype=torch.float32, device=device
+            num_layers, num_slots, heads, value_dim, key_dim, dtype=torch.float32, device=device
         )
 
     @property

@@ -37,9 +37,11 @@ def test_sequence_equals_transformers_chunked(hf, from_zeros):
     expected, final = hf.torch_chunk_gated_delta_rule(
         q, k, v, g, beta, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
-    out, got = ref.delta_rule_sequence(q[0], k[0], v[0], g[0], beta[0], None if from_zeros else state[0])
+    # ours value-major ([H, Dv, Dk], the pool's), transformers' key-major
+    initial = None if from_zeros else state[0].transpose(-1, -2)
+    out, got = ref.delta_rule_sequence(q[0], k[0], v[0], g[0], beta[0], initial)
     torch.testing.assert_close(out, expected[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got, final[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.transpose(-1, -2), final[0], atol=1e-5, rtol=1e-5)
 
 
 def test_steps_equal_transformers_recurrent(hf):
@@ -47,12 +49,12 @@ def test_steps_equal_transformers_recurrent(hf):
     expected, final = hf.torch_recurrent_gated_delta_rule(
         q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
-    outs = []
+    outs, state = [], state.transpose(-1, -2)  # ours value-major, transformers' key-major
     for t in range(T):
         out, state = ref.delta_rule_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
         outs.append(out)
     torch.testing.assert_close(torch.stack(outs, 1), expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(state, final, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.transpose(-1, -2), final, atol=1e-5, rtol=1e-5)
 
 
 def test_chunks_continue_the_state():
@@ -114,7 +116,7 @@ def test_step_at_slots_equals_the_reference(dtype, block):
     q, k, v = mixed.split([HK * dk, HK * dk, H * dv], dim=-1)
     q, k, v = q.view(n, HK, dk), k.view(n, HK, dk), v.view(n, H, dv)
     decay, beta = -torch.rand(n, H, generator=g), torch.rand(n, H, generator=g).to(dtype)
-    states = torch.randn(6, H, dk, dv, generator=g)
+    states = torch.randn(6, H, dv, dk, generator=g)  # value-major, as the pool's
     states[0] = 0
     expected_states = states.clone()
     expected = ref.delta_rule_step_at_slots(q, k, v, decay, beta, expected_states, slots)

@@ -261,7 +261,7 @@ def test_delta_net_step_equals_the_unfused_step(dtype: torch.dtype, tile: tuple[
     gates = -torch.rand(h, generator=g) * 4, torch.randn(h, generator=g)
     norm_weight = torch.randn(dv, generator=g).to(dtype)
     windows = torch.randn(6, channels, width - 1, generator=g).to(dtype)
-    states = torch.randn(6, h, dk, dv, generator=g) * 0.3
+    states = torch.randn(6, h, dv, dk, generator=g) * 0.3  # value-major, as the pool's
     windows[0], states[0] = 0, 0
     expected_windows, expected_states = windows.clone(), states.clone().to(DEVICE)
     conv, moved = ref.conv1d_step(x, weight, windows[slots])
@@ -349,7 +349,7 @@ def test_fla_prefill_equals_the_reference_by_sequence():
     decay = (-torch.rand(tokens, h, generator=g) * 0.5).cuda()
     beta = torch.rand(tokens, h, generator=g).bfloat16().cuda()
     conv = torch.randn(6, channels, width - 1, generator=g).bfloat16().cuda()
-    recurrent = (torch.randn(6, h, dk, dv, generator=g) * 0.1).cuda()
+    recurrent = (torch.randn(6, h, dv, dk, generator=g) * 0.1).cuda()  # value-major, as the pool's
     host_slots, fresh = np.array([4, 1, 5, 2]), np.array([False, True, False, True])
     states = StateInputs(None, torch.from_numpy(host_slots).cuda(), starts, host_slots, fresh)  # type: ignore[arg-type]
 

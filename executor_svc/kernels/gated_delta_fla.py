@@ -132,8 +132,9 @@ def chunked_rule(
     packed: Packed,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule of every sequence of a packed batch in fla's chunked kernels: q, k [T, Hk, Dk]
-    (l2-normed), v [T, H, Dv], all contiguous; g (log decay, float32) and beta [T, H]; initial [N, H, Dk, Dv]
-    float32. Returns (out [T, H, Dv] in v's dtype, the final states [N, H, Dk, Dv] float32)."""
+    (l2-normed), v [T, H, Dv], all contiguous; g (log decay, float32) and beta [T, H]; initial [N, H, Dv, Dk]
+    float32 (value-major, fla's state_v_first). Returns (out [T, H, Dv] in v's dtype, the final states [N, H,
+    Dv, Dk] float32)."""
     from fla.ops.utils.constant import RCP_LN2
 
     cumsum, intra, states_of, out_of = _fla_forward()
@@ -149,13 +150,23 @@ def chunked_rule(
         initial_state=initial,
         output_final_state=True,
         chunk_size=CHUNK,
+        state_v_first=True,
         cu_seqlens=cu,
         chunk_indices=chunks,
         chunk_offsets=packed.chunk_offsets,
     )
     scale = q.shape[-1] ** -0.5
     out = out_of(
-        q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu, chunk_size=CHUNK, chunk_indices=chunks
+        q=q,
+        k=k,
+        v=v_new,
+        h=h,
+        g=g,
+        scale=scale,
+        state_v_first=True,
+        cu_seqlens=cu,
+        chunk_size=CHUNK,
+        chunk_indices=chunks,
     )
     return out[0], final
 
@@ -166,7 +177,7 @@ def _prefill_fla(mixed, weight, g, beta, conv, recurrent, states: StateInputs, s
     reference's.)"""
     from executor_svc.kernels.gated_delta_conv import conv_qkv, conv_windows  # Triton: the gpu extra
 
-    heads, dk, dv = recurrent.shape[1:]
+    heads, dv, dk = recurrent.shape[1:]
     key_heads = (conv.shape[1] - heads * dv) // (2 * dk)
     packed = packed_index(states, conv.device)
     q, k, v = conv_qkv(mixed, weight, conv, packed, (key_heads, dk, heads, dv))

@@ -91,7 +91,7 @@ def _delta_net_step_kernel(
     values = block * BV + tl.arange(0, BV)
     value_live = values < DV
     # the state tile first: its load (the most bytes) overlaps the conv's
-    tile = states_ptr + ((slot * KEY_HEADS * GROUP + head) * DK + keys[:, None]) * DV + values[None, :]
+    tile = states_ptr + ((slot * KEY_HEADS * GROUP + head) * DV + values[None, :]) * DK + keys[:, None]
     live = key_live[:, None] & value_live[None, :]
     state = tl.load(tile, mask=live, other=0.0)
     if PREFETCH:  # the output projection's weights, while this kernel waits on its loads
@@ -153,7 +153,7 @@ def delta_net_step_at_slots(
     x [N, C] (q | k | v before the conv), z [N, H Dv] (the output gate), a, b [N, H] (the raw gate
     projections): rows may be strided, last dims contiguous. The causal conv (conv_weight [C, K]) after each
     row's window windows[slots[n]] ([slots, C, K - 1]) with SiLU, then the rule on states[slots[n]] ([slots, H,
-    Dk, Dv] float32), both moved on in place (slots distinct; slot 0, padding, not written); gates = (decay_rate,
+    Dv, Dk] float32, value-major), both moved on in place (slots distinct; slot 0, padding, not written); gates = (decay_rate,
     dt_bias) float32 [H] as delta_rule_step_at_slots' raw_gates; norm = (weight [Dv], eps). Returns [N, H Dv] in
     x's dtype (a padding row's is not meaningful).
 
@@ -162,7 +162,7 @@ def delta_net_step_at_slots(
     warps). prefetch: the weights of the projection that reads the result, pulled into L2 meanwhile
     (l2_prefetch)."""
     n, channels = x.shape
-    heads, dk, dv = states.shape[1:]
+    heads, dv, dk = states.shape[1:]
     width = conv_weight.shape[1]
     norm_weight, eps = norm
     if channels != 2 * key_heads * dk + heads * dv or heads % key_heads:

@@ -72,13 +72,13 @@ def delta_rule_step(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of N sequences: q, k [N, Hk, Dk], v [N, H, Dv], g (log decay), beta [N, H], state
-    [N, H, Dk, Dv] (float32). Returns (out [N, H, Dv] float32, the new state)."""
+    [N, H, Dv, Dk] (float32, value-major as the pool's). Returns (out [N, H, Dv] float32, the new state)."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     state = state.float() * g.exp()[..., None, None]
-    remembered = (state * k[..., None]).sum(-2)  # remembered: [N, H, Dv], what the state says of k
+    remembered = (state * k[..., None, :]).sum(-1)  # remembered: [N, H, Dv], what the state says of k
     delta = (v - remembered) * beta[..., None]
-    state = state + k[..., None] * delta[..., None, :]
-    return (state * q[..., None]).sum(-2), state
+    state = state + delta[..., :, None] * k[..., None, :]
+    return (state * q[..., None, :]).sum(-1), state
 
 
 def delta_rule_step_at_slots(
@@ -90,7 +90,7 @@ def delta_rule_step_at_slots(
     states: torch.Tensor,
     slots: torch.Tensor,
 ) -> torch.Tensor:
-    """delta_rule_step on the states [slots, H, Dk, Dv] (float32) of the pool at slots[N] (distinct; slot 0, the
+    """delta_rule_step on the states [slots, H, Dv, Dk] (float32) of the pool at slots[N] (distinct; slot 0, the
     sink, for padding rows), updated in place; a padding row writes zeros back, so the sink stays zero.
     Returns out [N, H, Dv] float32. The contract of gated_delta_slots' Triton kernel, which needs no gather."""
     out, state = delta_rule_step(q, k, v, g, beta, states.index_select(0, slots))
@@ -107,8 +107,9 @@ def delta_rule_sequence(
     state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's T tokens, chunked (CHUNK at a time, exact up to float rounding): q, k [T, Hk, Dk],
-    v [T, H, Dv], g, beta [T, H], state [H, Dk, Dv] or None (zeros). Returns (out [T, H, Dv], final state),
-    float32. The chunked form of transformers' torch_chunk_gated_delta_rule, for one sequence."""
+    v [T, H, Dv], g, beta [T, H], state [H, Dv, Dk] (value-major, as the pool's) or None (zeros). Returns (out
+    [T, H, Dv], final state [H, Dv, Dk]), float32. The chunked form of transformers'
+    torch_chunk_gated_delta_rule, for one sequence (its state [H, Dk, Dv] inside)."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     t, heads, dk = k.shape
     dv = v.shape[-1]
@@ -129,7 +130,7 @@ def delta_rule_sequence(
     attn = attn + torch.eye(CHUNK, device=q.device)
     v_new_all = attn @ v_beta
     k_cumdecay = attn @ (k_beta * g.exp()[..., None])
-    s = q.new_zeros(heads, dk, dv) if state is None else state.float()
+    s = q.new_zeros(heads, dk, dv) if state is None else state.float().transpose(-1, -2)
     out = torch.zeros_like(v)
     strict = torch.triu(torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device), diagonal=1)
     for c in range(q.shape[1]):
@@ -141,7 +142,7 @@ def delta_rule_sequence(
             s * gc[:, -1, None, None].exp()
             + (kc * (gc[:, -1:] - gc).exp()[..., None]).transpose(-1, -2) @ v_new
         )
-    return out.reshape(heads, -1, dv)[:, :t].transpose(0, 1), s
+    return out.reshape(heads, -1, dv)[:, :t].transpose(0, 1), s.transpose(-1, -2)
 
 
 def prefill_at_slots(
@@ -156,7 +157,7 @@ def prefill_at_slots(
 ) -> torch.Tensor:
     """A packed prefill batch through one gated delta net layer's conv and rule, sequence by sequence: mixed
     [T, C] (before the conv), g, beta [T, H]; sequence i is tokens [seq_starts[i], seq_starts[i + 1]) from the
-    state at host_slots[i] of the layer's pools conv [slots, C, K - 1] and recurrent [slots, H, Dk, Dv] (zeros
+    state at host_slots[i] of the layer's pools conv [slots, C, K - 1] and recurrent [slots, H, Dv, Dk] (zeros
     where fresh[i]), which it leaves there. Returns out [T, H, Dv] float32."""
     assert states.seq_starts is not None and states.host_slots is not None and states.fresh is not None
     outs = []

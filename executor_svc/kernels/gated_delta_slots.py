@@ -91,9 +91,9 @@ def _step_at_slots_kernel(
     values = block * BV + tl.arange(0, BV)
     key_live, value_live = keys < DK, values < DV
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    # the state tile [BK, BV] of this row's slot and head, float32, loaded first. A padding row reads the sink
-    # slot (zeros) and writes nothing back: slot 0 stays zero.
-    tile = states_ptr + ((slot * HEADS + head) * DK + keys[:, None]) * DV + values[None, :]
+    # the state tile [BK, BV] of this row's slot and head, float32 (value-major in memory: BV runs of DK keys),
+    # loaded first. A padding row reads the sink slot (zeros) and writes nothing back: slot 0 stays zero.
+    tile = states_ptr + ((slot * HEADS + head) * DV + values[None, :]) * DK + keys[:, None]
     live = key_live[:, None] & value_live[None, :]
     state = tl.load(tile, mask=live, other=0.0)
     qk = row * qk_row_stride + (head // GROUP) * qk_head_stride + keys
@@ -123,7 +123,7 @@ def delta_rule_step_at_slots(
     block: int | None = None,
 ) -> torch.Tensor:
     """One token of each of N sequences: q, k [N, Hk, Dk], v [N, H, Dv] (last dim contiguous), g, beta [N, H],
-    states [slots, H, Dk, Dv] float32 contiguous, updated in place at slots[N] (distinct, slot 0 for padding
+    states [slots, H, Dv, Dk] float32 contiguous (value-major), updated in place at slots[N] (distinct, slot 0 for padding
     rows, whose state is not written). Returns out [N, H, Dv] float32 (a padding row's is not meaningful).
 
     raw_gates=(decay_rate, dt_bias), float32 [H] each: g and beta are the raw projections a and b, and the
@@ -131,7 +131,7 @@ def delta_rule_step_at_slots(
     block: value dims per program (None: value_block's choice for the batch)."""
     n, heads, dv = v.shape
     dk = k.shape[-1]
-    assert states.is_contiguous() and states.dtype == torch.float32 and states.shape[1:] == (heads, dk, dv)
+    assert states.is_contiguous() and states.dtype == torch.float32 and states.shape[1:] == (heads, dv, dk)
     assert q.stride() == k.stride() and q.stride(-1) == 1 and v.stride(-1) == 1
     assert g.stride() == beta.stride() and g.stride(-1) == 1
     out = torch.empty(n, heads, dv, dtype=torch.float32, device=v.device)  # out: [N, H, Dv]
