@@ -25,16 +25,22 @@ _MOST_AT_ONCE = 256  # lines a program issues at a time
 
 
 @triton.jit
-def prefetch_l2(ptr, lines, ELEMENTS_PER_LINE: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's share of `lines` L2 lines from `ptr` (each ELEMENTS_PER_LINE of ptr's elements), the
-    lines split evenly over every program of the grid, BLOCK at a time."""
+def line_share(lines):
+    """This program's lines [first, end) of `lines`, split evenly over every program of the grid."""
     program = tl.program_id(0) + tl.num_programs(0) * (
         tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
     )
     programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     share = tl.cdiv(lines, programs)
     first = program * share
-    end = tl.minimum(first + share, lines)
+    return first, tl.minimum(first + share, lines)
+
+
+@triton.jit
+def prefetch_l2(ptr, lines, ELEMENTS_PER_LINE: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's share of `lines` L2 lines from `ptr` (each ELEMENTS_PER_LINE of ptr's elements), BLOCK
+    at a time."""
+    first, end = line_share(lines)
     for start in range(first, end, BLOCK):
         # past the share's end: its last line again (an instruction takes no mask; a warp's repeats of one
         # address are one request)
