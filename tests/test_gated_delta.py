@@ -171,3 +171,32 @@ def test_packed_conv_equals_the_conv_by_sequence(dtype, padded):
     for got, want in zip(outs, (*qk_expected, v.view(-1, hv, dv)), strict=True):
         torch.testing.assert_close(got[:75].cpu().float(), want.float(), **tolerance)
     torch.testing.assert_close(windows.cpu(), expected_windows)
+
+
+@pytest.mark.skipif(
+    not (interpreting() or torch.cuda.is_available()), reason="Triton: its interpreter or a CUDA device"
+)
+def test_state_moves_gather_and_scatter_by_slot():
+    """The CUDA prefill's states out of the pool and back (state_moves): each sequence's state at its slot, zeros
+    for a fresh one whatever its slot holds; the final states back at their slots, padding sequences' (at the
+    sink) not written, so the sink stays zero and slots of no sequence keep theirs."""
+    from executor_svc.kernels.gated_delta_fla import Packed
+    from executor_svc.kernels.state_moves import gather_states, scatter_states
+
+    device = "cpu" if interpreting() else "cuda"
+    g = torch.Generator().manual_seed(8)
+    pool = torch.randn(7, H, DV, DK, generator=g)  # 1,280 values a state: a partial block of 2,048
+    pool[0] = 0
+    host_slots, fresh = np.array([4, 1, 5, 2]), np.array([False, True, False, False])
+    starts = np.array([0, 3, 9, 10, 20])
+    packed = Packed.build(starts, fresh, host_slots, torch.device(device), (32, 6))  # padded: two at the sink
+    on = pool.to(device)
+    initial = gather_states(on, packed).cpu()
+    assert initial.shape == (8, H, DV, DK)
+    expected = pool[packed.slots.cpu()] * packed.kept.cpu()[:, None, None, None]
+    assert torch.equal(initial, expected) and (initial[1] == 0).all()
+    final = torch.randn(8, H, DV, DK, generator=g)
+    scatter_states(final.to(device), on, packed)
+    want = pool.clone()
+    want[torch.from_numpy(host_slots)] = final[:4]
+    assert torch.equal(on.cpu(), want)

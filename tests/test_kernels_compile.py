@@ -123,9 +123,21 @@ def _compile_prefetching() -> None:
         assert "prefetch.global.L2" in compiled.asm["ptx"], f"{kernel.fn.__name__} prefetches nothing"
 
 
-def _compile_packed_conv() -> None:
-    """The prefill's packed conv at Qwen3.5-0.8B's heads: its token loads and q/k/v stores 16 bytes at a time."""
+def _compile_prefill() -> None:
+    """The prefill's packed conv at Qwen3.5-0.8B's heads: its token loads and q/k/v stores 16 bytes at a time;
+    and its states' moves."""
     from executor_svc.kernels.gated_delta_conv import _conv_kernel
+    from executor_svc.kernels.state_moves import _gather_kernel, _scatter_kernel
+
+    states = {
+        "pool_ptr": "*fp32",
+        "out_ptr": "*fp32",
+        "states_ptr": "*fp32",
+        "slots_ptr": "*i64",
+        "kept_ptr": "*i64",
+    }
+    for kernel in (_gather_kernel, _scatter_kernel):
+        compile_for_sm90(kernel, dict(BLOCK=2048), states)
 
     compiled = compile_for_sm90(
         _conv_kernel,
@@ -151,4 +163,4 @@ def test_the_decode_kernels_compile_for_sm90():
 if __name__ == "__main__":
     _compile_all()
     _compile_prefetching()
-    _compile_packed_conv()
+    _compile_prefill()

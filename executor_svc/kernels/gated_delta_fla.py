@@ -176,17 +176,15 @@ def _prefill_fla(mixed, weight, g, beta, conv, recurrent, states: StateInputs, s
     nothing is written to the pools until both have run. (The heads come from the pools' shapes: `split` is the
     reference's.)"""
     from executor_svc.kernels.gated_delta_conv import conv_qkv, conv_windows  # Triton: the gpu extra
+    from executor_svc.kernels.state_moves import gather_states, scatter_states
 
     heads, dv, dk = recurrent.shape[1:]
     key_heads = (conv.shape[1] - heads * dv) // (2 * dk)
     packed = packed_index(states, conv.device)
     q, k, v = conv_qkv(mixed, weight, conv, packed, (key_heads, dk, heads, dv))
-    initial = recurrent.index_select(0, packed.slots).mul_(packed.kept[:, None, None, None])
-    out, final = chunked_rule(q, k, v, g, beta, initial, packed)
+    out, final = chunked_rule(q, k, v, g, beta, gather_states(recurrent, packed), packed)
     conv_windows(mixed, conv, packed)
-    recurrent.index_copy_(0, packed.slots, final)
-    if packed.padded:  # the padding sequences' states went to the sink slot, which stays zero
-        recurrent[0].zero_()
+    scatter_states(final, recurrent, packed)  # not at the sink slot: the padding sequences' states
     return out
 
 
