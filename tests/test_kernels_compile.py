@@ -1,9 +1,8 @@
 """Decode-step Triton kernels compiled for the H200 (sm90) on this machine, GPU or not: Triton's front end and
 ptxas check what the CPU interpreter does not (a variable rebound with another shape inside a branch compiles
 nowhere but runs interpreted). For now the paged decode attention and the skinny GEMM, each variant a launch
-can take, and the kernels that prefetch a projection's weights into L2 (whose inline PTX the interpreter
-skips), compiled in a process without TRITON_INTERPRET (with it, @triton.jit gives interpreted functions,
-which do not compile)."""
+can take, the hybrid's decode step and gated norm, and its prefill's conv and state moves, compiled in a process
+without TRITON_INTERPRET (with it, @triton.jit gives interpreted functions, which do not compile)."""
 
 from __future__ import annotations
 
@@ -87,24 +86,19 @@ def _compile_all() -> None:
         )
 
 
-def _compile_prefetching() -> None:
-    """Each kernel that prefetches, with its prefetch on: the PTX holds the prefetch (not dropped as dead)."""
-    from executor_svc.kernels.fused import _gated_rmsnorm_kernel, _rmsnorm_residual_kernel, _silu_mul_kernel
-    from executor_svc.kernels.gated_attention import _gate_kernel
+def _compile_hybrid_step() -> None:
+    """The hybrid's one-kernel decode step (value-major states) and its gated norm over four heads a program."""
+    from executor_svc.kernels.fused import _gated_rmsnorm_kernel
     from executor_svc.kernels.gated_delta_joined import _delta_net_step_kernel
 
-    prefetch = dict(PREFETCH=True, ELEMENTS_PER_LINE=64, PREFETCH_BLOCK=256)
     floats = {"eps": "fp32", "scale": "fp32"}
     f32_io = {"x_ptr": "*fp32", "core_ptr": "*fp32", "decay_rate_ptr": "*fp32", "dt_bias_ptr": "*fp32"}
     kernels = (
-        (_rmsnorm_residual_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024), floats),
-        (_silu_mul_kernel, dict(BLOCK=1024), {}),
         (
             _gated_rmsnorm_kernel,
             dict(SIZE=128, BLOCK=128, HEADS=4),
             {**floats, "x_ptr": "*fp32", "weight_ptr": "*fp32"},
         ),
-        (_gate_kernel, dict(HEADS=8, D=256), {}),
         (
             _delta_net_step_kernel,
             dict(KEY_HEADS=16, GROUP=1, DK=128, DV=128, BK=128, BV=32, BD=128, WIDTH=4, BW=4),
@@ -119,8 +113,7 @@ def _compile_prefetching() -> None:
         ),
     )
     for kernel, constexprs, types in kernels:
-        compiled = compile_for_sm90(kernel, {**constexprs, **prefetch}, types)
-        assert "prefetch.global.L2" in compiled.asm["ptx"], f"{kernel.fn.__name__} prefetches nothing"
+        compile_for_sm90(kernel, constexprs, types)
 
 
 def _compile_prefill() -> None:
@@ -162,5 +155,5 @@ def test_the_decode_kernels_compile_for_sm90():
 
 if __name__ == "__main__":
     _compile_all()
-    _compile_prefetching()
+    _compile_hybrid_step()
     _compile_prefill()

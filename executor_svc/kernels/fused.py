@@ -7,8 +7,6 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_svc.kernels.l2_prefetch import grid_rows, prefetch_args, prefetch_l2
-
 _MLP_BLOCK = 1024
 
 
@@ -19,47 +17,33 @@ def _rmsnorm_residual_kernel(
     weight_ptr,
     normed_ptr,
     new_residual_ptr,
-    prefetch_ptr,
     stride_x,
     stride_residual,
-    rows,
     hidden,
     eps,
-    prefetch_lines,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    ELEMENTS_PER_LINE: tl.constexpr,
-    PREFETCH_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
-    if PREFETCH:  # the next projection's weights, while this kernel waits on its loads
-        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE, PREFETCH_BLOCK)
-    if row < rows:  # past the rows: a program that only prefetches
-        cols = tl.arange(0, BLOCK)
-        live = cols < hidden
-        x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0)
-        if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + row * stride_residual + cols, mask=live, other=0.0)
-            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            tl.store(new_residual_ptr + row * hidden + cols, x, mask=live)
-        x32 = x.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden + eps)
-        weight = tl.load(weight_ptr + cols, mask=live, other=0.0).to(tl.float32)
-        # As the torch RMSNorm: normalise in float32, round to the input dtype, then scale by the weight.
-        normed = (x32 * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32) * weight
-        tl.store(normed_ptr + row * hidden + cols, normed.to(normed_ptr.dtype.element_ty), mask=live)
+    cols = tl.arange(0, BLOCK)
+    live = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=live, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(new_residual_ptr + row * hidden + cols, x, mask=live)
+    x32 = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden + eps)
+    weight = tl.load(weight_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    # As the torch RMSNorm: normalise in float32, round to the input dtype, then scale by the weight.
+    normed = (x32 * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32) * weight
+    tl.store(normed_ptr + row * hidden + cols, normed.to(normed_ptr.dtype.element_ty), mask=live)
 
 
 def rmsnorm_residual(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    prefetch: torch.Tensor | None = None,
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x[B, hidden] (+ residual[B, hidden]) -> (rmsnorm(sum) * weight, sum); residual None = no add, sum = x.
-    prefetch: the weights of the projection that reads the result, pulled into L2 meanwhile (l2_prefetch)."""
+    """x[B, hidden] (+ residual[B, hidden]) -> (rmsnorm(sum) * weight, sum); residual None = no add, sum = x."""
     batch, hidden = x.shape
     if weight.shape != (hidden,) or (residual is not None and residual.shape != x.shape):
         raise ValueError(
@@ -71,22 +55,19 @@ def rmsnorm_residual(
     normed = torch.empty(batch, hidden, dtype=x.dtype, device=x.device)
     new_residual = x if residual is None else torch.empty(batch, hidden, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(hidden)
-    grid = grid_rows(batch, 1, prefetch)
-    _rmsnorm_residual_kernel[(grid,)](
+    _rmsnorm_residual_kernel[(batch,)](
         x,
         x if residual is None else residual,
         weight,
         normed,
         new_residual,
-        stride_x=x.stride(0),
-        stride_residual=x.stride(0) if residual is None else residual.stride(0),
-        rows=batch,
-        hidden=hidden,
-        eps=eps,
+        x.stride(0),
+        x.stride(0) if residual is None else residual.stride(0),
+        hidden,
+        eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),  # about 8 values a thread, whatever the hidden size
-        **prefetch_args(prefetch, x, grid),
     )
     return normed, new_residual
 
@@ -239,51 +220,26 @@ def rope_kv_write(
 
 
 @triton.jit
-def _silu_mul_kernel(
-    gate_up_ptr,
-    out_ptr,
-    prefetch_ptr,
-    stride_in,
-    rows,
-    intermediate,
-    prefetch_lines,
-    BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    ELEMENTS_PER_LINE: tl.constexpr,
-    PREFETCH_BLOCK: tl.constexpr,
-):
+def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, intermediate, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    if PREFETCH:  # the next projection's weights, while this kernel waits on its loads
-        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE, PREFETCH_BLOCK)
-    if row < rows:  # past the rows: a program that only prefetches
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        live = cols < intermediate
-        gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=live, other=0.0).to(tl.float32)
-        up = tl.load(gate_up_ptr + row * stride_in + intermediate + cols, mask=live, other=0.0).to(tl.float32)
-        # As eager torch: F.silu rounds to the dtype, then the product rounds again.
-        silu = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + row * intermediate + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=live)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < intermediate
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=live, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + intermediate + cols, mask=live, other=0.0).to(tl.float32)
+    # As eager torch: F.silu rounds to the dtype, then the product rounds again.
+    silu = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * intermediate + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=live)
 
 
-def silu_mul(gate_up: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """gate_up[B, 2I] (gate then up, as a fused gate_up projection lays them) -> SiLU(gate) * up, [B, I].
-    prefetch: the weights of the projection that reads the result, pulled into L2 meanwhile (l2_prefetch)."""
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up[B, 2I] (gate then up, as a fused gate_up projection lays them) -> SiLU(gate) * up, [B, I]."""
     batch, width = gate_up.shape
     if width % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"gate_up must be [B, 2I] contiguous along its last dim, got {tuple(gate_up.shape)}")
     intermediate = width // 2
     out = torch.empty(batch, intermediate, dtype=gate_up.dtype, device=gate_up.device)
-    blocks = triton.cdiv(intermediate, _MLP_BLOCK)
-    grid = grid_rows(batch, blocks, prefetch), blocks
-    _silu_mul_kernel[grid](
-        gate_up,
-        out,
-        stride_in=gate_up.stride(0),
-        rows=batch,
-        intermediate=intermediate,
-        BLOCK=_MLP_BLOCK,
-        **prefetch_args(prefetch, out, grid[0] * blocks),
-    )
+    grid = (batch, triton.cdiv(intermediate, _MLP_BLOCK))
+    _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), intermediate, BLOCK=_MLP_BLOCK)
     return out
 
 
@@ -306,21 +262,14 @@ def _gated_rmsnorm_kernel(
     gate_ptr,
     weight_ptr,
     out_ptr,
-    prefetch_ptr,
     gate_row_stride,
     heads,
     eps,
-    prefetch_lines,
     SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     HEADS: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    ELEMENTS_PER_LINE: tl.constexpr,
-    PREFETCH_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
-    if PREFETCH:  # the next projection's weights, while this kernel waits on its loads
-        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE, PREFETCH_BLOCK)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # this program's heads
     cols = tl.arange(0, BLOCK)
     live = (head < heads)[:, None] & (cols < SIZE)[None, :]
@@ -333,16 +282,9 @@ def _gated_rmsnorm_kernel(
     tl.store(out_ptr + at, gated_norm(x, gate, weight[None, :], SIZE, eps), mask=live)
 
 
-def gated_rmsnorm(
-    x: torch.Tensor,
-    gate: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    prefetch: torch.Tensor | None = None,
-) -> torch.Tensor:
+def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x[N, H, D] (float32, contiguous) -> rmsnorm(x in gate's dtype, per head) * weight[D] * SiLU(gate), where
-    gate is [N, H * D] (rows may be strided): [N, H * D] in gate's dtype, the gated delta net's output norm.
-    prefetch: the weights of the projection that reads the result, pulled into L2 meanwhile (l2_prefetch)."""
+    gate is [N, H * D] (rows may be strided): [N, H * D] in gate's dtype, the gated delta net's output norm."""
     n, heads, size = x.shape
     if gate.shape != (n, heads * size) or weight.shape != (size,):
         raise ValueError(
@@ -367,6 +309,5 @@ def gated_rmsnorm(
         SIZE=size,
         BLOCK=block,
         HEADS=group,
-        **prefetch_args(prefetch, out, grid[0] * grid[1]),
     )
     return out

@@ -8,8 +8,6 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_svc.kernels.l2_prefetch import prefetch_args, prefetch_l2
-
 
 @triton.jit
 def _norm_rope_kv_write_kernel(
@@ -140,20 +138,13 @@ def _gate_kernel(
     out_ptr,
     mixed_ptr,
     gated_ptr,
-    prefetch_ptr,
     out_row_stride,
     out_head_stride,
     mixed_row_stride,
-    prefetch_lines,
     HEADS: tl.constexpr,
     D: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    ELEMENTS_PER_LINE: tl.constexpr,
-    PREFETCH_BLOCK: tl.constexpr,
 ):
     row, head = tl.program_id(0), tl.program_id(1)
-    if PREFETCH:  # the output projection's weights, while this kernel waits on its loads
-        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE, PREFETCH_BLOCK)
     cols = tl.arange(0, D)
     dtype = gated_ptr.dtype.element_ty
     out = tl.load(out_ptr + row * out_row_stride + head * out_head_stride + cols).to(tl.float32)
@@ -165,23 +156,14 @@ def _gate_kernel(
     )
 
 
-def output_gate(out: torch.Tensor, mixed: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def output_gate(out: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
     """out[B, H, D] (the attention's, contiguous along D) * sigmoid(each head's gate in mixed, as norm_rope_kv_write
-    reads it) -> [B, H * D]. prefetch: the weights of the projection that reads the result, pulled into L2
-    meanwhile (l2_prefetch)."""
+    reads it) -> [B, H * D]."""
     batch, heads, head_dim = out.shape
     if out.stride(2) != 1 or mixed.stride(1) != 1 or mixed.shape[0] != batch:
         raise ValueError("out and mixed [B, ...] must be contiguous along their last dim")
     gated = torch.empty(batch, heads * head_dim, dtype=out.dtype, device=out.device)  # gated: [B, H * D]
     _gate_kernel[(batch, heads)](
-        out,
-        mixed,
-        gated,
-        out_row_stride=out.stride(0),
-        out_head_stride=out.stride(1),
-        mixed_row_stride=mixed.stride(0),
-        HEADS=heads,
-        D=head_dim,
-        **prefetch_args(prefetch, gated, batch * heads),
+        out, mixed, gated, out.stride(0), out.stride(1), mixed.stride(0), HEADS=heads, D=head_dim
     )
     return gated

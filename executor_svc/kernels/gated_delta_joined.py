@@ -18,7 +18,6 @@ from executor_svc.kernels.gated_delta_slots import (
     rule_tile,
     value_block,
 )
-from executor_svc.kernels.l2_prefetch import prefetch_args, prefetch_l2
 
 # The one-kernel layer step (conv, rule, gated norm): each of its programs repeats its key head's q and k conv
 # and norms, and the last of a key head's programs finishes the head, which costs more than two launches save once
@@ -58,14 +57,12 @@ def _delta_net_step_kernel(
     core_ptr,
     arrivals_ptr,
     out_ptr,
-    prefetch_ptr,
     x_row_stride,
     z_row_stride,
     gate_row_stride,
     channels,
     scale,
     eps,
-    prefetch_lines,
     KEY_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     DK: tl.constexpr,
@@ -75,9 +72,6 @@ def _delta_net_step_kernel(
     BD: tl.constexpr,
     WIDTH: tl.constexpr,
     BW: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    ELEMENTS_PER_LINE: tl.constexpr,
-    PREFETCH_BLOCK: tl.constexpr,
 ):
     # One program a row, value head and block of its values, as the rule step alone: each computes its key
     # head's q and k from their windows and moves its own v channels' windows on; the last of a key head's
@@ -94,8 +88,6 @@ def _delta_net_step_kernel(
     tile = states_ptr + ((slot * KEY_HEADS * GROUP + head) * DV + values[None, :]) * DK + keys[:, None]
     live = key_live[:, None] & value_live[None, :]
     state = tl.load(tile, mask=live, other=0.0)
-    if PREFETCH:  # the output projection's weights, while this kernel waits on its loads
-        prefetch_l2(prefetch_ptr, prefetch_lines, ELEMENTS_PER_LINE, PREFETCH_BLOCK)
     x_row = x_ptr + row * x_row_stride
     window = windows_ptr + slot * channels * (WIDTH - 1)
     q_cols, k_cols = key_head * DK + keys, (KEY_HEADS + key_head) * DK + keys
@@ -145,7 +137,6 @@ def delta_net_step_at_slots(
     key_heads: int,
     arrivals: torch.Tensor | None = None,
     tile: tuple[int, int] | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token of each of N sequences through a gated delta net layer after its projections, in one launch:
     gated_rmsnorm(delta_rule_step_at_slots(conv_step(x), a, b, raw_gates=gates), z, *norm).
@@ -159,8 +150,7 @@ def delta_net_step_at_slots(
 
     arrivals: int32[>= N * key_heads], zero, which the kernel leaves zero again (None: made here; a step's layers
     can share one). tile: (value dims a program takes, its warps) (None: joined_step_block's, on block // 8
-    warps). prefetch: the weights of the projection that reads the result, pulled into L2 meanwhile
-    (l2_prefetch)."""
+    warps)."""
     n, channels = x.shape
     heads, dv, dk = states.shape[1:]
     width = conv_weight.shape[1]
@@ -220,6 +210,5 @@ def delta_net_step_at_slots(
         WIDTH=width,
         BW=triton.next_power_of_2(width - 1),
         num_warps=max(1, bv // 8) if tile is None else tile[1],
-        **prefetch_args(prefetch, out, grid[0] * grid[1] * grid[2]),
     )
     return out

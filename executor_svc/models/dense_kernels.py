@@ -57,27 +57,17 @@ def _fuse_layer(layer: DenseLayer) -> FusedLayer:
     )
 
 
-# The widest batch whose norm and SiLU kernels prefetch the next projection's weights into L2 (l2_prefetch)
-PREFETCH_ROWS = 256
-
-
 class Projections:
     """A fused decode step's projections, by its row count: a few rows, each projection one GEMV kernel that
     also norms its input (and gates gate_up's output); more, GEMMs between the norm and SiLU kernels: the
-    skinny GEMM kernel where it beats cuBLAS (skinny_gemm.wins), cuBLAS elsewhere, with the kernel before each
-    GEMM pulling its weights into L2 (up to PREFETCH_ROWS rows)."""
+    skinny GEMM kernel where it beats cuBLAS (skinny_gemm.wins), cuBLAS elsewhere."""
 
     def __init__(self, rows: int, eps: float) -> None:
         from executor_svc.kernels import gemv
 
         self.rows = rows
         self.few = rows <= gemv.MAX_ROWS
-        self.prefetching = not self.few and rows <= PREFETCH_ROWS
         self.eps = eps
-
-    def prefetched(self, weight: torch.Tensor | None) -> torch.Tensor | None:
-        """`weight` where the kernel before its GEMM should prefetch it, else None."""
-        return weight if self.prefetching else None
 
     def project(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -100,10 +90,8 @@ class Projections:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         gated: bool = False,
-        then: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """rmsnorm(x + residual) * norm_weight projected (SiLU(gate) * up when gated), and the new residual.
-        then: the weight of the projection that reads the gated result (its SiLU kernel prefetches it)."""
+        """rmsnorm(x + residual) * norm_weight projected (SiLU(gate) * up when gated), and the new residual."""
         from executor_svc.kernels import gemv
         from executor_svc.kernels.fused import rmsnorm_residual, silu_mul
 
@@ -114,9 +102,9 @@ class Projections:
             out, residual = gemv.gemv(x, weight, norm=(residual, norm_weight, self.eps))
             out = out + bias
         else:
-            h, residual = rmsnorm_residual(x, residual, norm_weight, self.eps, self.prefetched(weight))
+            h, residual = rmsnorm_residual(x, residual, norm_weight, self.eps)
             out = self.project(h, weight, bias)
-        return (silu_mul(out, self.prefetched(then)) if gated else out), residual
+        return (silu_mul(out) if gated else out), residual
 
 
 def forward_kernels(
@@ -166,13 +154,7 @@ def forward_kernels(
         x = project(attention.forward(index, q).flatten(1), attn.o_proj.weight, attn.o_proj.bias)
         # act: [B, I], SiLU(gate) * up
         act, residual = norm_project(
-            x,
-            residual,
-            layer.post_attention_layernorm.weight,
-            fused.gate_up_weight,
-            fused.gate_up_bias,
-            gated=True,
-            then=layer.mlp.down_proj.weight,
+            x, residual, layer.post_attention_layernorm.weight, fused.gate_up_weight, fused.gate_up_bias, True
         )
         x = project(act, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)
     assert residual is not None, "no layer ran: a stage holds at least one layer"

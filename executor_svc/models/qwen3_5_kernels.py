@@ -99,21 +99,13 @@ def forward_kernels(
     ):
         mixed, residual = norm_project(x, residual, fused.input_norm, fused.in_weight)
         if layer.kind == LINEAR:
-            out_weight = layer.linear_attn.out_proj.weight
-            core = _delta_net_core(
-                model, layer, fused, mixed, states, pool_index, arrivals, projections.prefetched(out_weight)
-            )
+            core = _delta_net_core(model, layer, fused, mixed, states, pool_index, arrivals)
+            x = project(core, layer.linear_attn.out_proj.weight)
         else:
-            out_weight = layer.self_attn.o_proj.weight
-            core = _attention_core(
-                model, fused, mixed, inputs, attention, pool_index, projections.prefetched(out_weight)
-            )
-        x = project(core, out_weight)
-        down = layer.mlp.down_proj.weight
-        act, residual = norm_project(
-            x, residual, fused.post_norm, fused.gate_up_weight, gated=True, then=down
-        )
-        x = project(act, down)
+            gated = _attention_core(model, fused, mixed, inputs, attention, pool_index)
+            x = project(gated, layer.self_attn.o_proj.weight)
+        act, residual = norm_project(x, residual, fused.post_norm, fused.gate_up_weight, gated=True)
+        x = project(act, layer.mlp.down_proj.weight)
     assert residual is not None, "no layer ran: a stage holds at least one layer"
     if not model.stage.layers.last:  # the next stage starts from the sum, as a first stage from its embedding
         model.stage.hand_on(x + residual)
@@ -133,12 +125,10 @@ def _delta_net_core(
     states: StateInputs,
     state_layer: int,
     arrivals: torch.Tensor | None,
-    prefetch: torch.Tensor | None,
 ) -> torch.Tensor:
     """mixed [B, C + H Dv + 2 H] (the joined projection) -> the normed, gated core [B, H Dv], the pool's conv
     window and recurrent state moved on at each row's slot (prefill: at each sequence's). arrivals: a decode
-    step's counters (delta_net_step_at_slots'); prefetch: the output projection's weight, pulled into L2 by the
-    last kernel (or None)."""
+    step's counters (delta_net_step_at_slots')."""
     from executor_svc.kernels.fused import gated_rmsnorm
     from executor_svc.kernels.gated_delta_joined import delta_net_step_at_slots, joined_step_wins
     from executor_svc.kernels.gated_delta_slots import conv_step_at_slots, delta_rule_step_at_slots
@@ -170,7 +160,7 @@ def _delta_net_core(
             states,
             model.split_heads,
         )
-        return gated_rmsnorm(core, z, net.norm.weight, cfg.rms_eps, prefetch)
+        return gated_rmsnorm(core, z, net.norm.weight, cfg.rms_eps)
     if joined_step_wins(batch, hv):  # a narrow batch: one launch
         return delta_net_step_at_slots(
             mixed[:, :channels],
@@ -185,7 +175,6 @@ def _delta_net_core(
             (net.norm.weight, cfg.rms_eps),
             hk,
             arrivals,
-            prefetch=prefetch,
         )
     # conv: [B, C], q | k | v after the conv and SiLU
     conv = conv_step_at_slots(mixed[:, :channels], conv_weight, conv_state, states.slots)
@@ -200,7 +189,7 @@ def _delta_net_core(
         states.slots,
         raw_gates=fused.gates,
     )
-    return gated_rmsnorm(out, z, net.norm.weight, cfg.rms_eps, prefetch)
+    return gated_rmsnorm(out, z, net.norm.weight, cfg.rms_eps)
 
 
 def _attention_core(
@@ -210,10 +199,9 @@ def _attention_core(
     inputs: StepInputs,
     attention: Attention,
     kv_layer: int,
-    prefetch: torch.Tensor | None,
 ) -> torch.Tensor:
     """mixed [B, 2 H D + 2 KVH D] (query and its gate per head, k, v) -> the gated attention output [B, H D],
-    this step's K/V written to the pool (prefetch: as _delta_net_core's)."""
+    this step's K/V written to the pool."""
     from executor_svc.kernels.gated_attention import norm_rope_kv_write, output_gate
 
     cfg, kv = model.config, attention.kv
@@ -231,4 +219,4 @@ def _attention_core(
         inputs.write_offset,
         cfg.num_heads,
     )
-    return output_gate(attention.forward(kv_layer, q), mixed, prefetch)
+    return output_gate(attention.forward(kv_layer, q), mixed)
