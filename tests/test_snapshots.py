@@ -203,6 +203,22 @@ async def test_a_snapshot_of_another_model_is_refused(parked, model, cache):
 
 
 @on_session_loop
+async def test_a_snapshot_in_another_layout_is_refused_and_the_pool_is_untouched(parked):
+    """An executor of a release that lays its pools out otherwise (the hybrid's states went value-major in
+    layer-major/2) refuses the snapshot by name, before it writes a page; the turn then reads its prompt."""
+    served, _ = parked
+    snapshots = served.server.servicer.snapshots
+    parked_in, snapshots._layout = snapshots._layout, "kv-then-states-layer-major/1"
+    before = served.whole_pool()
+    await refused(
+        served.restore([3, 4, 5]),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"snapshot layout {parked_in!r}; this executor reads 'kv-then-states-layer-major/1'",
+    )
+    assert_same_bytes(served.whole_pool(), before)
+
+
+@on_session_loop
 async def test_unknown_conversations_and_other_tenants_are_not_found(parked):
     served, _ = parked
     await refused(served.restore([3, 4, 5], conversation_id="nobody"), grpc.StatusCode.NOT_FOUND, "nobody")
