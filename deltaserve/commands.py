@@ -247,7 +247,7 @@ async def park(args: argparse.Namespace, stop: asyncio.Event) -> int:
     def said(parked: Parked) -> str:
         if not parked.bytes:
             return f"{args.conversation_id} holds no pages in the pool (already parked, or no turn has ended yet)"
-        return f"parked {args.conversation_id}: {parked.tokens} tokens, {_size(parked.bytes)} in the cache"
+        return f"parked {args.conversation_id}: {_count(parked.tokens, 'token')}, {_size(parked.bytes)} in the cache"
 
     return await _on_conversation(
         args, stop, lambda client: client.park(args.conversation_id, args.tenant), said
@@ -257,7 +257,9 @@ async def park(args: argparse.Namespace, stop: asyncio.Event) -> int:
 async def resume(args: argparse.Namespace, stop: asyncio.Event) -> int:
     def said(resumed: Resumed) -> str:
         checkpoints = ", ".join(map(str, resumed.checkpoints)) or "none"
-        return f"resumed {args.conversation_id}: {resumed.tokens} tokens, checkpoints at {checkpoints}"
+        return (
+            f"resumed {args.conversation_id}: {_count(resumed.tokens, 'token')}, checkpoints at {checkpoints}"
+        )
 
     return await _on_conversation(
         args, stop, lambda client: client.resume(args.conversation_id, args.tenant), said
@@ -295,7 +297,8 @@ async def conversations(args: argparse.Namespace, stop: asyncio.Event) -> int:
 async def delete(args: argparse.Namespace, stop: asyncio.Event) -> int:
     def said(deleted: Deleted) -> str:
         snapshot = f", its snapshot ({_size(deleted.snapshot_bytes)})" if deleted.snapshot_bytes else ""
-        return f"deleted {args.conversation_id}: {deleted.tokens} tokens, {deleted.pages} pages{snapshot}"
+        held = f"{_count(deleted.tokens, 'token')}, {_count(deleted.pages, 'page')}"
+        return f"deleted {args.conversation_id}: {held}{snapshot}"
 
     return await _on_conversation(
         args, stop, lambda client: client.delete_conversation(args.conversation_id, args.tenant), said

@@ -432,6 +432,10 @@ def test_client_commands_of_the_planner_and_the_cache(capsys):
     assert "ACTION" in usage_error(capsys, ["cache"])
 
 
+def test_counts_in_the_client_commands_replies_agree_with_their_number():
+    assert [commands._count(n, "page") for n in (0, 1, 2)] == ["0 pages", "1 page", "2 pages"]
+
+
 def test_generate_conversation_tenant_and_shared_prefix(capsys):
     base = ["generate", "--text", "a", "--max-tokens", "1"]
     args = parse([*base, "--conversation", "c1", "--tenant", "t", "--shared-prefix", "messages:2"])
