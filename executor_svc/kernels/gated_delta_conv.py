@@ -97,7 +97,8 @@ def _conv_kernel(
     rows = start + within * BT + tl.arange(0, BT)
     reaches_back = (within == 0) & (tl.load(kept_ptr + seq) != 0)
     window = windows_ptr + tl.load(slots_ptr + seq) * CHANNELS * (WIDTH - 1)
-    # this program's head: of q or k (DK channels each), or of v (DV)
+    # this program's head: of q or k (DK channels each), or of v (DV); two call sites, as the norm and the head's
+    # size are compile-time arguments of _conv_head
     if head < 2 * HK:
         out_at = tl.where(head < HK, q_ptr + head * DK, k_ptr + (head - HK) * DK)
         _conv_head(
