@@ -247,7 +247,8 @@ async def park(args: argparse.Namespace, stop: asyncio.Event) -> int:
     def said(parked: Parked) -> str:
         if not parked.bytes:
             return f"{args.conversation_id} holds no pages in the pool (already parked, or no turn has ended yet)"
-        return f"parked {args.conversation_id}: {_count(parked.tokens, 'token')}, {_size(parked.bytes)} in the cache"
+        held = f"{_count(parked.tokens, 'token')}, {_size(parked.bytes)}"
+        return f"parked {args.conversation_id}: {held} in the cache"
 
     return await _on_conversation(
         args, stop, lambda client: client.park(args.conversation_id, args.tenant), said

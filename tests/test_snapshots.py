@@ -204,8 +204,9 @@ async def test_a_snapshot_of_another_model_is_refused(parked, model, cache):
 
 @on_session_loop
 async def test_a_snapshot_in_another_layout_is_refused_and_the_pool_is_untouched(parked):
-    """An executor of a release that lays its pools out otherwise (the hybrid's states went value-major in
-    layer-major/2) refuses the snapshot by name, before it writes a page; the turn then reads its prompt."""
+    """An executor whose pool layout is not the one a snapshot was parked in (a release that changed it, as the
+    hybrid's states going value-major in layer-major/2 did) refuses the snapshot by name, before it writes a page.
+    The check is the same for every layout; the dense tiny model stands in for the hybrid here."""
     served, _ = parked
     snapshots = served.server.servicer.snapshots
     parked_in, snapshots._layout = snapshots._layout, "kv-then-states-layer-major/1"

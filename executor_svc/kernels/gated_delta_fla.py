@@ -41,7 +41,6 @@ class Packed(NamedTuple):
     slots: torch.Tensor  # [N]: each sequence's state slot
     kept: torch.Tensor  # [N]: 1 where the sequence continues its slot's state, 0 where it starts fresh
     chunk_offsets: torch.Tensor  # [N + 1]: each sequence's first chunk
-    padded: bool  # padding sequences at the sink slot (a graph's shape), whose final states are not kept
 
     @staticmethod
     def words(tokens: int, sequences: int) -> int:
@@ -90,7 +89,7 @@ class Packed(NamedTuple):
         cu, chunk_offsets, kept_at, slots_at, chunk_indices = into[: len(host)].split(
             [n + 1, n + 1, n, n, 2 * len(chunks)]
         )
-        return Packed(cu, chunk_indices.view(-1, 2), slots_at, kept_at, chunk_offsets, shape is not None)
+        return Packed(cu, chunk_indices.view(-1, 2), slots_at, kept_at, chunk_offsets)
 
 
 _last_packed: list[tuple[np.ndarray, Packed]] = []  # the step's, reused by its next layers

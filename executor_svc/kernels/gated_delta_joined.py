@@ -21,10 +21,10 @@ from executor_svc.kernels.gated_delta_slots import (
 
 # The one-kernel layer step (conv, rule, gated norm): each of its programs repeats its key head's q and k conv
 # and norms, and the last of a key head's programs finishes the head, which costs more than two launches save once
-# the batch holds this many heads (H200, Qwen3.5-0.8B's 16 heads a layer: 6.4 us a layer at one row against 8.5
-# for the three kernels, 17.2 against 20 at 16 rows, 57 against 48 at 64, 226 against ~190 at 256). Its value
-# blocks: the widest giving this many programs (at one row 6.4 us with blocks of 8, 6.8 with 32; at 4 rows 9.8
-# and 8.4).
+# the batch holds this many heads (H200, key-major states, Qwen3.5-0.8B's 16 heads a layer: 6.4 us a layer at one
+# row against 8.5 for the three kernels, 17.2 against 20 at 16 rows, 57 against 48 at 64, 226 against ~190 at
+# 256). Its value blocks: the widest giving this many programs (at one row 6.4 us with blocks of 8, 6.8 with 32;
+# at 4 rows 9.8 and 8.4).
 _JOINED_STEP_HEADS = 1024
 _JOINED_STEP_PROGRAMS = 256
 
@@ -144,9 +144,9 @@ def delta_net_step_at_slots(
     x [N, C] (q | k | v before the conv), z [N, H Dv] (the output gate), a, b [N, H] (the raw gate
     projections): rows may be strided, last dims contiguous. The causal conv (conv_weight [C, K]) after each
     row's window windows[slots[n]] ([slots, C, K - 1]) with SiLU, then the rule on states[slots[n]] ([slots, H,
-    Dv, Dk] float32, value-major), both moved on in place (slots distinct; slot 0, padding, not written); gates = (decay_rate,
-    dt_bias) float32 [H] as delta_rule_step_at_slots' raw_gates; norm = (weight [Dv], eps). Returns [N, H Dv] in
-    x's dtype (a padding row's is not meaningful).
+    Dv, Dk] float32, value-major), both moved on in place (slots distinct; slot 0, padding, not written); gates =
+    (decay_rate, dt_bias) float32 [H] as delta_rule_step_at_slots' raw_gates; norm = (weight [Dv], eps). Returns
+    [N, H Dv] in x's dtype (a padding row's is not meaningful).
 
     arrivals: int32[>= N * key_heads], zero, which the kernel leaves zero again (None: made here; a step's layers
     can share one). tile: (value dims a program takes, its warps) (None: joined_step_block's, on block // 8

@@ -4,7 +4,7 @@ reference the kernels of gated_delta_fla and gated_delta_slots are checked again
 transformers' torch fallback computes.
 
 Shapes: C conv channels, K kernel width; H value heads, Dk key and Dv value head sizes; a conv state is the
-last K - 1 inputs [C, K - 1] (oldest first), a recurrent state [H, Dk, Dv].
+last K - 1 inputs [C, K - 1] (oldest first), a recurrent state [H, Dv, Dk] (value-major, as the pool keeps it).
 """
 
 from __future__ import annotations

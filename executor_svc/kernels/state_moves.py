@@ -35,14 +35,17 @@ def _scatter_kernel(states_ptr, slots_ptr, pool_ptr, size, BLOCK: tl.constexpr):
     at = block * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     live = at < size
+    live &= at * 0 + slot != 0  # a padding sequence (at the sink) moves nothing
     values = tl.load(states_ptr + seq.to(tl.int64) * size + at, mask=live)
-    tl.store(pool_ptr + slot * size + at, values, mask=live & (at * 0 + slot != 0))
+    tl.store(pool_ptr + slot * size + at, values, mask=live)
 
 
 def gather_states(pool: torch.Tensor, packed: Packed) -> torch.Tensor:
     """pool [slots, ...] (one layer's, contiguous) -> [N, ...]: sequence i's state at packed.slots[i], zeros
     where packed.kept[i] is 0."""
     n, size = packed.slots.shape[0], pool[0].numel()
+    if not pool.is_contiguous():
+        raise ValueError("the pool must be contiguous: a slot's state is found at slot * its size")
     out = torch.empty((n, *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
     _gather_kernel[(n, triton.cdiv(size, _BLOCK))](pool, packed.slots, packed.kept, out, size, BLOCK=_BLOCK)
     return out
@@ -52,6 +55,8 @@ def scatter_states(states: torch.Tensor, pool: torch.Tensor, packed: Packed) -> 
     """pool[packed.slots[i]] = states[i] (states [N, ...] contiguous, like pool's slots), but at the sink slot 0,
     which keeps its zeros."""
     n, size = packed.slots.shape[0], pool[0].numel()
-    if states.shape != (n, *pool.shape[1:]) or not states.is_contiguous():
-        raise ValueError(f"states must be contiguous [{n}, {', '.join(map(str, pool.shape[1:]))}]")
+    if states.shape != (n, *pool.shape[1:]) or not states.is_contiguous() or not pool.is_contiguous():
+        raise ValueError(
+            f"states must be contiguous [{n}, {', '.join(map(str, pool.shape[1:]))}], and the pool contiguous"
+        )
     _scatter_kernel[(n, triton.cdiv(size, _BLOCK))](states, packed.slots, pool, size, BLOCK=_BLOCK)

@@ -268,8 +268,8 @@ class DenseModel(nn.Module):
     ) -> torch.Tensor | None:
         """One position for each of B rows, writing its K/V to (inputs.write_page, inputs.write_offset) of
         attention.kv; `select` the rows that need logits (default all). Returns logits[B or len(select), V]
-        in the head's dtype (ExecutorModel.forward's) on the last stage; an earlier stage hands its hidden states on and returns None.
-        Fixed shapes; no host reads (but the CPU attention's trim to the longest row)."""
+        in the head's dtype (ExecutorModel.forward's) on the last stage; an earlier stage hands its hidden
+        states on and returns None. Fixed shapes; no host reads (but the CPU attention's trim to the longest row)."""
         if attention.fused:
             from executor_svc.models.dense_kernels import forward_kernels
 

@@ -82,9 +82,9 @@ class ExecutorModel(Protocol):
         """One position for each of B rows, writing its K/V to (inputs.write_page, inputs.write_offset) of
         attention.kv; `select` the rows that need logits (default all). Returns logits[B or len(select), V]
         in the head's dtype (bfloat16 on a GPU: a greedy step's argmax needs no float32 copy, which would give
-        the same argmax; the samplers make one) on the last stage; an earlier stage of a split enters from the previous stage's
-        hidden states (stage.enter), hands its own on (stage.hand_on) and returns None. Fixed shapes, no
-        host reads: the decode graphs capture it."""
+        the same argmax; the samplers make one) on the last stage; an earlier stage of a split enters from the
+        previous stage's hidden states (stage.enter), hands its own on (stage.hand_on) and returns None. Fixed
+        shapes, no host reads: the decode graphs capture it."""
         ...
 
 

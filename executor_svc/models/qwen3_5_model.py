@@ -271,8 +271,8 @@ class Qwen35Model(nn.Module):
     def forward(
         self, inputs: StepInputs, attention: Attention, select: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """Logits[B or len(select), V] (ExecutorModel.forward's) of the rows on the last stage (an earlier stage hands its hidden
-        states on and returns None); writes each full-attention layer's K/V at (inputs.write_page,
+        """Logits[B or len(select), V] (ExecutorModel.forward's) of the rows on the last stage (an earlier stage
+        hands its hidden states on and returns None); writes each full-attention layer's K/V at (inputs.write_page,
         inputs.write_offset) and each recurrent layer's state at its slots."""
         states = inputs.states
         if states is None:

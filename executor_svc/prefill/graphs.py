@@ -36,9 +36,10 @@ def bucket_shapes(
     one, nor samples than that, nor pages than a sequence of max_seq_len holds.
 
     A model with recurrent layers (`recurrent`) gets fewer chunks: every sequence a graph holds, real or
-    padding, costs each gated delta net layer a gather, a write and a scatter of a whole state (1 MiB in
-    Qwen3.5-0.8B's), so a bucket holds a few (a step of more runs eager), and as few samples: the head's
-    matmul and its argmax run over the samples' rows, whether a chunk fills them or not."""
+    padding, costs each gated delta net layer a whole state (1 MiB in Qwen3.5-0.8B's) made and written by fla's
+    kernels (a padding one's reads from and writes to the pool skipped), so a bucket holds a few (a step of more
+    runs eager), and as few samples: the head's matmul and its argmax run over the samples' rows, whether a chunk
+    fills them or not."""
     width = -(-max_seq_len // page_size)
     shapes = []
     for tokens in sorted(set(token_buckets)):
