@@ -92,6 +92,32 @@ def test_min_tokens_masks_the_stop_ids_until_reached():
     assert int(tokens[0]) == 7
 
 
+def test_logits_in_the_heads_bfloat16_sample_as_their_float32_copy():
+    """A GPU model hands over logits in the head's dtype: penalties, bias, the draw and the logprob tables run on
+    their float32 copy, so they equal those of float32 logits holding the same values."""
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    slot = torch.tensor([1])
+    for temperature in (0.0, 0.8):
+        params = (
+            torch.full((1,), temperature),
+            torch.full((1,), 0.9),
+            torch.zeros(1, dtype=torch.int32),
+            torch.full((1,), 11, dtype=torch.int64),
+        )
+        got, wanted = (
+            sample_controlled(
+                x,
+                params,
+                controls_for(1, rep=1.3, pres=0.5, bias=[(2, 1.5)], prompt=[2, 3], output=[4], top=3),
+                slot,
+                torch.tensor([6]),
+            )
+            for x in (logits, logits.float())
+        )
+        assert torch.equal(got[0], wanted[0]) and torch.equal(got[1], wanted[1])
+        assert got[1].dtype == torch.float32
+
+
 def test_min_p_keeps_only_tokens_near_the_best():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     kept = set()
