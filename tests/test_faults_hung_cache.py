@@ -83,49 +83,46 @@ def stack(tmp_path, request):
     started.close()
 
 
-@pytest.mark.parametrize("stack", [CONNECT_TIMEOUT_S + HUNG_BOUND_S], indirect=True)
-async def test_a_drain_behind_a_hung_cache_stops_parking_after_the_first_failure(stack):
-    names = [f"hung-{i}" for i in range(4)]
+async def _drain_with_stopped(stack, stopped, names: list[str], within_s: float) -> tuple[dict, float]:
+    """Ends a turn of each of `names`, SIGSTOPs `stopped` (a service of the stack), SIGTERMs the planner and
+    waits up to `within_s` for it to exit 0: its `drained` event, none parked, and the seconds it took."""
     async with PlannerClient(stack.planner_addr) as client:
         for name in names:
             await client.generate_all(turn(name, PROMPT))
-    stack.cache.process.send_signal(signal.SIGSTOP)
+    stopped.process.send_signal(signal.SIGSTOP)
     began = time.monotonic()
     stack.planner.process.send_signal(signal.SIGTERM)
-    # Each park used to wait out its connect timeout: 4 conversations took 80 s.
     try:
-        code = await asyncio.to_thread(stack.planner.process.wait, CONNECT_TIMEOUT_S + HUNG_BOUND_S + 10)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the planner still drains {time.monotonic() - began:.0f} s after SIGTERM")
-    assert code == 0, stack.planner.log_path.read_text()
-    [drained] = [e for e in stack.planner.events() if e["event"] == "drained"]
-    assert drained["parked"] == 0, drained
-    first, *rest = drained["not_parked"]
-    assert "UNAVAILABLE" in first and "unreachable" in first, first
-    assert len(rest) == len(names) - 1, drained
-    assert all("not tried: the cache service did not answer its health check" in r for r in rest), rest
-    print(f"drain behind a hung cache: the planner exited {time.monotonic() - began:.1f} s after SIGTERM")
-
-
-async def test_a_drain_behind_a_hung_executor_parks_no_longer_than_its_parking_time(stack):
-    names = [f"stuck-{i}" for i in range(4)]
-    async with PlannerClient(stack.planner_addr) as client:
-        for name in names:
-            await client.generate_all(turn(name, PROMPT))
-    stack.executor.process.send_signal(signal.SIGSTOP)
-    began = time.monotonic()
-    stack.planner.process.send_signal(signal.SIGTERM)
-    # Nothing runs: parking starts at once, and gets PARKING_MIN_S (more than the drain timeout). The first park
-    # used to wait for the keepalive to give up on the executor (10-20 s), and the other conversations, their KV
-    # forgotten with it, went unreported.
-    try:
-        code = await asyncio.to_thread(stack.planner.process.wait, PARKING_MIN_S + 10)
+        code = await asyncio.to_thread(stack.planner.process.wait, within_s)
     except subprocess.TimeoutExpired:
         pytest.fail(f"the planner still drains {time.monotonic() - began:.0f} s after SIGTERM")
     took = time.monotonic() - began
     assert code == 0, stack.planner.log_path.read_text()
     [drained] = [e for e in stack.planner.events() if e["event"] == "drained"]
     assert drained["parked"] == 0, drained
+    return drained, took
+
+
+@pytest.mark.parametrize("stack", [CONNECT_TIMEOUT_S + HUNG_BOUND_S], indirect=True)
+async def test_a_drain_behind_a_hung_cache_stops_parking_after_the_first_failure(stack):
+    names = [f"hung-{i}" for i in range(4)]
+    # Each park used to wait out its connect timeout: 4 conversations took 80 s.
+    drained, took = await _drain_with_stopped(
+        stack, stack.cache, names, CONNECT_TIMEOUT_S + HUNG_BOUND_S + 10
+    )
+    first, *rest = drained["not_parked"]
+    assert "UNAVAILABLE" in first and "unreachable" in first, first
+    assert len(rest) == len(names) - 1, drained
+    assert all("not tried: the cache service did not answer its health check" in r for r in rest), rest
+    print(f"drain behind a hung cache: the planner exited {took:.1f} s after SIGTERM")
+
+
+async def test_a_drain_behind_a_hung_executor_parks_no_longer_than_its_parking_time(stack):
+    names = [f"stuck-{i}" for i in range(4)]
+    # Nothing runs: parking starts at once, and gets PARKING_MIN_S (more than the drain timeout). The first park
+    # used to wait for the keepalive to give up on the executor (10-20 s), and the other conversations, their KV
+    # forgotten with it, went unreported.
+    drained, took = await _drain_with_stopped(stack, stack.executor, names, PARKING_MIN_S + 10)
     first, *rest = drained["not_parked"]
     parking = f"the drain's parking time of {PARKING_MIN_S:g} s"
     assert first == f"default/stuck-0: not parked within {parking}", first
