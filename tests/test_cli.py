@@ -432,10 +432,6 @@ def test_client_commands_of_the_planner_and_the_cache(capsys):
     assert "ACTION" in usage_error(capsys, ["cache"])
 
 
-def test_counts_in_the_client_commands_replies_agree_with_their_number():
-    assert [commands._count(n, "page") for n in (0, 1, 2)] == ["0 pages", "1 page", "2 pages"]
-
-
 def test_generate_conversation_tenant_and_shared_prefix(capsys):
     base = ["generate", "--text", "a", "--max-tokens", "1"]
     args = parse([*base, "--conversation", "c1", "--tenant", "t", "--shared-prefix", "messages:2"])
@@ -1001,6 +997,14 @@ def test_up_serves_a_conversation_parks_it_in_its_cache_and_stops_cleanly_on_sig
         assert deltaserve_json("conversations", *planner) == deltaserve_json("cache", "ls", *cache) == []
         missing = deltaserve("delete", "c1", *planner)
         assert missing.returncode == 1 and "error: NOT_FOUND: no conversation 'c1'" in missing.stderr
+        # A conversation in the pool, one page of it: the reply counts in the singular.
+        short = deltaserve(
+            "generate", *planner, "--conversation", "c2", "--token-ids", "504,3575,282", "--max-tokens", "2"
+        )
+        assert short.returncode == 0, short.stderr
+        deleted = deltaserve("delete", "c2", *planner)
+        assert deleted.returncode == 0, deleted.stderr
+        assert re.fullmatch(r"deleted c2: \d+ tokens, 1 page\n", deleted.stdout), deleted.stdout
     finally:
         code = serving.stop()
     events = [event["event"] for event in serving.events()]
