@@ -199,3 +199,12 @@ def test_state_moves_gather_and_scatter_by_slot():
     want = pool.clone()
     want[torch.from_numpy(host_slots)] = final[:4]
     assert torch.equal(on.cpu(), want)
+    # A strided pool (a view across layers' slots) would be read at the wrong places: refused, nothing moved.
+    strided = on.transpose(2, 3)
+    for move in (
+        lambda: gather_states(strided, packed),
+        lambda: scatter_states(final.to(device), strided, packed),
+    ):
+        with pytest.raises(ValueError, match="pool .*contiguous"):
+            move()
+    assert torch.equal(on.cpu(), want)
