@@ -97,6 +97,25 @@ def _info_dict(info: cache_pb2.SnapshotInfo) -> dict:
     }
 
 
+# What gRPC's Python client sets as a call's status when sending a message fails in the transport before the
+# call's own status arrived (grpc/aio/_call.py, set_internal_error): the connection broke, the service said nothing
+_SEND_FAILED = "Internal error from Core"
+
+
+def _transport_failure(error: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+    """`error`, but UNAVAILABLE where the client's own send failed (a connection its keepalive closed on a hung
+    cache): the service never answered INTERNAL, and callers tell an unreachable cache by UNAVAILABLE."""
+    if error.code() is not grpc.StatusCode.INTERNAL or error.details() != _SEND_FAILED:
+        return error
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        error.initial_metadata(),
+        error.trailing_metadata(),
+        "the connection to the cache service broke while the snapshot was being sent",
+        error.debug_error_string(),
+    )
+
+
 class CacheClient:
     """One channel to a cache service; use as `async with CacheClient("host:port") as cache:`.
 
@@ -139,7 +158,10 @@ class CacheClient:
             await call.done_writing()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the call has ended: its status is raised below
-        reply = await call
+        try:
+            reply = await call
+        except grpc.aio.AioRpcError as error:
+            raise _transport_failure(error) from None
         return {"key": reply.key, "size_bytes": reply.size_bytes, "evicted": reply.evicted}
 
     async def get(
