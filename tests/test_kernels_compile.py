@@ -2,7 +2,8 @@
 ptxas check what the CPU interpreter does not (a variable rebound with another shape inside a branch compiles
 nowhere but runs interpreted). For now the paged decode attention and the skinny GEMM, each variant a launch
 can take, the hybrid's decode step and gated norm, and its prefill's conv and state moves, compiled in a process
-without TRITON_INTERPRET (with it, @triton.jit gives interpreted functions, which do not compile)."""
+without TRITON_INTERPRET (with it, @triton.jit gives interpreted functions, which do not compile), each launched
+as a programmatic dependent where it can be."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None, warps:
 
     names = list(inspect.signature(kernel.fn).parameters)
     types = types or {}
+    if "DEPENDENT" in names:  # launched as a programmatic dependent, as on an H100 or H200
+        constexprs = {"DEPENDENT": True, **constexprs}
 
     def type_of(name: str) -> str:
         if name in constexprs:
@@ -80,10 +83,12 @@ def _compile_all() -> None:
             {"slots_ptr": "*i64", "qk_scale": "fp32"},
         )
     for split_k in (1, 4):  # one K range; four, summed in the kernel by the last to arrive
-        compile_for_sm90(
+        compiled = compile_for_sm90(
             _skinny_gemm_kernel,
-            dict(SPLIT_K=split_k, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, DOT_IN_F32=False),
+            dict(SPLIT_K=split_k, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, DOT_IN_F32=False, LINE_ELEMENTS=64),
         )
+        ptx = compiled.asm["ptx"]
+        assert "prefetch.global.L2" in ptx and "griddepcontrol.wait" in ptx, "no weight prefetch, or no wait"
 
 
 def _compile_hybrid_step() -> None:
@@ -113,7 +118,9 @@ def _compile_hybrid_step() -> None:
         ),
     )
     for kernel, constexprs, types in kernels:
-        compile_for_sm90(kernel, constexprs, types)
+        ptx = compile_for_sm90(kernel, constexprs, types).asm["ptx"]
+        assert "griddepcontrol.wait" in ptx, f"{kernel.fn.__name__} does not wait for its inputs"
+    assert "prefetch.global.L2" in ptx, "the delta net step does not prefetch its states"
 
 
 def _compile_prefill() -> None:

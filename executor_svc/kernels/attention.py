@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from executor_svc.kernels import interpreting
+from executor_svc.kernels.dependent import await_inputs, dependent
 from protos.layout import RowLayout
 
 LOG2E = 1.4426950408889634
@@ -57,9 +58,11 @@ def _paged_decode_kernel(
     SPLIT_BLOCK: tl.constexpr,
     GROUP_POW2: tl.constexpr,
     DOT_IN_F32: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """One program per (row, KV head, split): the KV head's GROUP query heads at once, online softmax. With
     splits, the last partition of a (row, KV head) to finish combines them all."""
+    await_inputs(DEPENDENT)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -304,5 +307,6 @@ def paged_decode_attention(
         DOT_IN_F32=q.dtype == torch.bfloat16 and interpreting(),
         num_warps=warps,
         **({} if registers is None else {"maxnreg": registers}),
+        **dependent(q.device),
     )
     return out

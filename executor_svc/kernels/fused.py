@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from executor_svc.kernels.dependent import await_inputs, dependent
+
 _MLP_BLOCK = 1024
 
 
@@ -23,10 +25,13 @@ def _rmsnorm_residual_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     live = cols < hidden
+    weight = tl.load(weight_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    await_inputs(DEPENDENT)
     x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=live, other=0.0)
@@ -34,7 +39,6 @@ def _rmsnorm_residual_kernel(
         tl.store(new_residual_ptr + row * hidden + cols, x, mask=live)
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden + eps)
-    weight = tl.load(weight_ptr + cols, mask=live, other=0.0).to(tl.float32)
     # As the torch RMSNorm: normalise in float32, round to the input dtype, then scale by the weight.
     normed = (x32 * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32) * weight
     tl.store(normed_ptr + row * hidden + cols, normed.to(normed_ptr.dtype.element_ty), mask=live)
@@ -68,6 +72,7 @@ def rmsnorm_residual(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),  # about 8 values a thread, whatever the hidden size
+        **dependent(x.device),
     )
     return normed, new_residual
 
@@ -113,8 +118,10 @@ def _rope_kv_write_kernel(
     HALF: tl.constexpr,
     HEADS_POW2: tl.constexpr,
     KV_HEADS_POW2: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """One program per row: rotate its query heads in place, rotate its KV heads into the pool, copy V."""
+    await_inputs(DEPENDENT)
     row = tl.program_id(0)
     position = tl.load(positions_ptr + row).to(tl.int64)
     i = tl.arange(0, HALF)
@@ -215,12 +222,16 @@ def rope_kv_write(
         HALF=head_dim // 2,
         HEADS_POW2=triton.next_power_of_2(heads),
         KV_HEADS_POW2=triton.next_power_of_2(kv_heads),
+        **dependent(q.device),
     )
     return q
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, intermediate, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gate_up_ptr, out_ptr, stride_in, intermediate, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr
+):
+    await_inputs(DEPENDENT)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < intermediate
@@ -239,7 +250,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     intermediate = width // 2
     out = torch.empty(batch, intermediate, dtype=gate_up.dtype, device=gate_up.device)
     grid = (batch, triton.cdiv(intermediate, _MLP_BLOCK))
-    _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), intermediate, BLOCK=_MLP_BLOCK)
+    _silu_mul_kernel[grid](
+        gate_up, out, gate_up.stride(0), intermediate, BLOCK=_MLP_BLOCK, **dependent(gate_up.device)
+    )
     return out
 
 
@@ -268,14 +281,16 @@ def _gated_rmsnorm_kernel(
     SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     HEADS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # this program's heads
     cols = tl.arange(0, BLOCK)
     live = (head < heads)[:, None] & (cols < SIZE)[None, :]
     at = (row * heads + head[:, None]) * SIZE + cols[None, :]  # [HEADS, BLOCK]
-    x = tl.load(x_ptr + at, mask=live, other=0.0)
     weight = tl.load(weight_ptr + cols, mask=cols < SIZE, other=0.0).to(tl.float32)
+    await_inputs(DEPENDENT)
+    x = tl.load(x_ptr + at, mask=live, other=0.0)
     gate = tl.load(
         gate_ptr + row * gate_row_stride + head[:, None] * SIZE + cols[None, :], mask=live, other=0.0
     )
@@ -309,5 +324,6 @@ def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
         SIZE=size,
         BLOCK=block,
         HEADS=group,
+        **dependent(x.device),
     )
     return out

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from executor_svc.kernels.dependent import await_inputs, dependent
+
 
 @triton.jit
 def _norm_rope_kv_write_kernel(
@@ -31,7 +33,9 @@ def _norm_rope_kv_write_kernel(
     KV_HEADS: tl.constexpr,
     D: tl.constexpr,
     ROT: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    await_inputs(DEPENDENT)
     row, head = tl.program_id(0), tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
     cols = tl.arange(0, D)
@@ -129,6 +133,7 @@ def norm_rope_kv_write(
         KV_HEADS=kv_heads,
         D=head_dim,
         ROT=rot,
+        **dependent(mixed.device),
     )
     return q
 
@@ -143,7 +148,9 @@ def _gate_kernel(
     mixed_row_stride,
     HEADS: tl.constexpr,
     D: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    await_inputs(DEPENDENT)
     row, head = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, D)
     dtype = gated_ptr.dtype.element_ty
@@ -164,6 +171,14 @@ def output_gate(out: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
         raise ValueError("out and mixed [B, ...] must be contiguous along their last dim")
     gated = torch.empty(batch, heads * head_dim, dtype=out.dtype, device=out.device)  # gated: [B, H * D]
     _gate_kernel[(batch, heads)](
-        out, mixed, gated, out.stride(0), out.stride(1), mixed.stride(0), HEADS=heads, D=head_dim
+        out,
+        mixed,
+        gated,
+        out.stride(0),
+        out.stride(1),
+        mixed.stride(0),
+        HEADS=heads,
+        D=head_dim,
+        **dependent(out.device),
     )
     return gated

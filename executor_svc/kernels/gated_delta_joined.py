@@ -9,12 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
+from executor_svc.kernels.dependent import await_inputs, dependent
 from executor_svc.kernels.fused import gated_norm
 from executor_svc.kernels.gated_delta_slots import (
     conv_channels,
     decay_and_beta,
     move_window,
     normed_qk,
+    prefetch_state,
     rule_tile,
     value_block,
 )
@@ -60,6 +62,7 @@ def _delta_net_step_kernel(
     x_row_stride,
     z_row_stride,
     gate_row_stride,
+    slot_count,
     channels,
     scale,
     eps,
@@ -72,6 +75,7 @@ def _delta_net_step_kernel(
     BD: tl.constexpr,
     WIDTH: tl.constexpr,
     BW: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     # One program a row, value head and block of its values, as the rule step alone: each computes its key
     # head's q and k from their windows and moves its own v channels' windows on; the last of a key head's
@@ -79,10 +83,14 @@ def _delta_net_step_kernel(
     # (once every block is stored). A padding row (the sink slot) reads zeros and writes no state or window.
     row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     key_head = head // GROUP
-    slot = tl.load(slots_ptr + row).to(tl.int64)
     keys = tl.arange(0, BK)
     key_live = keys < DK
     values = block * BV + tl.arange(0, BV)
+    prefetch_state(
+        states_ptr, slots_ptr, row, slot_count, head, values, KEY_HEADS * GROUP, DV, DK, BK, DEPENDENT
+    )
+    await_inputs(DEPENDENT)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
     value_live = values < DV
     # the state tile first: its load (the most bytes) overlaps the conv's
     tile = states_ptr + ((slot * KEY_HEADS * GROUP + head) * DV + values[None, :]) * DK + keys[:, None]
@@ -197,6 +205,7 @@ def delta_net_step_at_slots(
         x_row_stride=x.stride(0),
         z_row_stride=z.stride(0),
         gate_row_stride=a.stride(0),
+        slot_count=states.shape[0],
         channels=channels,
         scale=dk**-0.5,
         eps=eps,
@@ -210,5 +219,6 @@ def delta_net_step_at_slots(
         WIDTH=width,
         BW=triton.next_power_of_2(width - 1),
         num_warps=max(1, bv // 8) if tile is None else tile[1],
+        **dependent(x.device),
     )
     return out

@@ -12,11 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
+from executor_svc.kernels.dependent import LINE, await_inputs, dependent, prefetch_l2
+
 # Value dims per program: a [Dk, 8] float32 tile of the state on one warp (fla-core's and vLLM's choice for their
 # fused recurrent kernel) gives many programs at small batches (Qwen3.5-0.8B: 16 heads x 128 / 8 = 256 a row);
 # wider tiles once the batch fills the GPU. (Chosen with key-major states, where a tile's rows were 32 bytes;
 # value-major, blocks of 16, 32 and 64 time within 3% of each other at 64-256 rows on an H100.)
 _PROGRAMS_WANTED = 2048
+_FLOATS_A_LINE = tl.constexpr(LINE // 4)  # float32 keys an L2 line holds
 
 
 def value_block(rows: int, heads: int, dv: int, wanted: int = _PROGRAMS_WANTED) -> int:
@@ -62,6 +65,35 @@ def rule_tile(state, tile, written, q, k, v, decay, beta):
 
 
 @triton.jit
+def prefetch_state(
+    states_ptr,
+    slots_ptr,
+    row,
+    slot_count,
+    head,
+    values,
+    HEADS: tl.constexpr,
+    DV: tl.constexpr,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    DEPENDENT: tl.constexpr,
+):
+    """Bring a program's state tile into L2 while the kernel before drains. The slot read here may be one the
+    kernel before is still writing (before await_inputs), so it only guesses the lines: clamped into the pool,
+    and a wrong guess costs a prefetch, never a value."""
+    if DEPENDENT:
+        guess = tl.minimum(tl.maximum(tl.load(slots_ptr + row).to(tl.int64), 0), slot_count - 1)
+        lines = tl.arange(0, max(1, BK // _FLOATS_A_LINE)) * _FLOATS_A_LINE
+        # one pointer a line of each value's DK keys: [lines, BV]
+        prefetch_l2(
+            states_ptr
+            + ((guess * HEADS + head) * DV + values[None, :]) * DK
+            + tl.minimum(lines, DK - 1)[:, None],
+            DEPENDENT,
+        )
+
+
+@triton.jit
 def _step_at_slots_kernel(
     q_ptr,
     k_ptr,
@@ -78,6 +110,7 @@ def _step_at_slots_kernel(
     v_row_stride,
     v_head_stride,
     gate_row_stride,
+    slot_count,
     scale,
     HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -86,10 +119,13 @@ def _step_at_slots_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     RAW_GATES: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     keys = tl.arange(0, BK)
     values = block * BV + tl.arange(0, BV)
+    prefetch_state(states_ptr, slots_ptr, row, slot_count, head, values, HEADS, DV, DK, BK, DEPENDENT)
+    await_inputs(DEPENDENT)
     key_live, value_live = keys < DK, values < DV
     slot = tl.load(slots_ptr + row).to(tl.int64)
     # the state tile [BK, BV] of this row's slot and head, float32 (value-major in memory: BV runs of DK keys),
@@ -156,6 +192,7 @@ def delta_rule_step_at_slots(
         v.stride(0),
         v.stride(1),
         g.stride(0),
+        states.shape[0],
         dk**-0.5,
         HEADS=heads,
         GROUP=heads // k.shape[1],
@@ -165,6 +202,7 @@ def delta_rule_step_at_slots(
         BV=bv,
         RAW_GATES=raw_gates is not None,
         num_warps=max(1, bv // 8),
+        **dependent(q.device),
     )
     return out
 
@@ -215,7 +253,9 @@ def _conv_step_at_slots_kernel(
     WIDTH: tl.constexpr,
     BW: tl.constexpr,
     BLOCK: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
+    await_inputs(DEPENDENT)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < channels
@@ -260,5 +300,6 @@ def conv_step_at_slots(
         WIDTH=width,
         BW=triton.next_power_of_2(width - 1),
         BLOCK=block,
+        **dependent(x.device),
     )
     return out

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from executor_svc.kernels import interpreting
+from executor_svc.kernels.dependent import LINE, await_inputs, dependent, prefetch_l2
 
 MIN_ROWS, MAX_ROWS = 5, 64  # below: the GEMV (gemv.MAX_ROWS); above: one row block would no longer cover M
 _COUNTERS = 8192  # column blocks a split projection may have (Qwen3.5-0.8B's widest: 8,224 / 32 = 257)
@@ -49,6 +50,8 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_IN_F32: tl.constexpr,
+    LINE_ELEMENTS: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * weight[n, k] for outputs [pid0 * BLOCK_N, +BLOCK_N), every row m, over the
     K range [pid1 * k_per_split, +k_per_split); with SPLIT_K > 1, the partial goes to partial[pid1] and the
@@ -60,6 +63,12 @@ def _skinny_gemm_kernel(
     live_n = n < n_out
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, k_in)
+    # This program's weights into L2 while the kernel before drains, 8 lines of each weight row at a time
+    weight_rows = tl.minimum(n, n_out - 1).to(tl.int64)[:, None] * k_in
+    lines = tl.arange(0, 8) * LINE_ELEMENTS
+    for k0 in range(k_start, k_end if DEPENDENT else k_start, 8 * LINE_ELEMENTS):
+        prefetch_l2(weight_ptr + weight_rows + tl.minimum(k0 + lines, k_end - 1)[None, :], DEPENDENT)
+    await_inputs(DEPENDENT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -178,7 +187,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         DOT_IN_F32=x.dtype == torch.bfloat16 and interpreting(),
+        LINE_ELEMENTS=LINE // x.element_size(),
         num_warps=config.warps,
         num_stages=config.stages,
+        **dependent(x.device),
     )
     return out
