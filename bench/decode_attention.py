@@ -1,6 +1,7 @@
 """The paged decode attention kernel (kernels/attention.py, what the resident decode graphs run) by its launch:
 tokens an inner step, warps and a register cap, at Qwen3.5-0.8B's attention shape (8 query heads, 2 KV heads of
-256) and SmolLM2's (9 and 3 of 64), each row `--context` tokens deep, split as the decode graphs split it.
+256) and SmolLM2's (9 and 3 of 64), each row `--context` tokens deep, split as the decode graphs split it (or
+into each of `--splits` partitions: 0 is the graphs' own choice).
 A captured graph of the kernel over `--layers` layers' pages (more than the L2 holds, as in a step) reports
 microseconds a layer and the bandwidth of the K/V bytes read. The default launch is the first of the sweep.
 
@@ -26,8 +27,11 @@ PAGE = 16
 SHAPES = {"qwen3.5-0.8b": (8, 2, 256), "smollm2-135m": (9, 3, 64)}  # query heads, KV heads, head dim
 
 
-def layer_us(shape: str, batch: int, context: int, layers: int, launch, replays: int) -> tuple[float, int]:
-    """Microseconds one layer's attention takes (a graph over `layers` layers), and the splits it ran."""
+def layer_us(
+    shape: str, batch: int, context: int, layers: int, launch, replays: int, splits: int = 0
+) -> tuple[float, int]:
+    """Microseconds one layer's attention takes (a graph over `layers` layers), and the splits it ran (`splits`
+    0: decode_splits', as a decode graph's)."""
     heads, kv_heads, dim = SHAPES[shape]
     span = context // PAGE + 1
     pages = batch * span + 1
@@ -43,7 +47,7 @@ def layer_us(shape: str, batch: int, context: int, layers: int, launch, replays:
     )
     q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = decode_splits(batch, kv_heads, context + PAGE, PAGE, sms)
+    splits = splits or decode_splits(batch, kv_heads, context + PAGE, PAGE, sms)
     counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda")
 
     def run() -> None:
@@ -76,6 +80,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 32, 128], help="tokens an inner step")
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--registers", type=int, nargs="+", default=[0, 128], help="register caps (0: none)")
+    parser.add_argument(
+        "--splits",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="partitions of a row (0: the decode graphs' choice)",
+    )
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     parser.add_argument("--out", default="docs/bench/decode_attention.json")
@@ -84,10 +95,13 @@ def main() -> None:
     for shape, batch in itertools.product(args.shapes, args.batches):
         _, kv_heads, dim = SHAPES[shape]
         kv_bytes = batch * (args.context + 1) * kv_heads * dim * 2 * 2  # K and V, bf16
-        for tokens, warps, registers in itertools.product(args.tokens, args.warps, args.registers):
+        sweep = itertools.product(args.tokens, args.warps, args.registers, args.splits)
+        for tokens, warps, registers, wanted_splits in sweep:
             launch = (tokens, warps, registers or None)
             try:
-                micros, splits = layer_us(shape, batch, args.context, args.layers, launch, args.replays)
+                micros, splits = layer_us(
+                    shape, batch, args.context, args.layers, launch, args.replays, wanted_splits
+                )
             except Exception as err:  # a launch that does not compile or fit is reported, not fatal
                 print({"shape": shape, "batch": batch, "launch": launch, "error": str(err)[:200]}, flush=True)
                 continue
