@@ -22,6 +22,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import commit_hash, write_json
+from executor_svc.kernels.dependent import dependent
 from executor_svc.kernels.gemv import _gemv_kernel
 
 HIDDEN = 1024
@@ -55,7 +56,7 @@ def projection_us(rows: int, n: int, k: int, gated: bool, norm: bool, tile: int,
         _gemv_kernel[(triton.cdiv(n_out, block_n),)](
             x, residual, norm_weight, weight, out, new_residual, rows, n_out, k, x.stride(0),
             residual.stride(0), out.stride(0), 1e-6, NORM=norm, HAS_RESIDUAL=norm, GATED=gated,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **dependent(x.device),
         )  # fmt: skip
 
     return do_bench(call, warmup=20, rep=100) * 1e3

@@ -18,3 +18,13 @@ def test_a_cpu_tensor_launches_as_usual():
 def test_an_interpreted_launch_is_never_dependent(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert dependent(torch.device("cuda", 0)) == {"DEPENDENT": False}
+
+
+def test_a_hopper_gpu_launches_dependents_and_an_older_one_does_not(monkeypatch):
+    import executor_svc.kernels.dependent as module
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(module, "_supported", lambda index: index == 0)  # card 0 Hopper, card 1 older
+    assert dependent(torch.device("cuda", 0)) == {"DEPENDENT": True, "launch_pdl": True}
+    assert dependent(torch.device("cuda", 1)) == {"DEPENDENT": False}

@@ -2,8 +2,8 @@
 ptxas check what the CPU interpreter does not (a variable rebound with another shape inside a branch compiles
 nowhere but runs interpreted). For now the paged decode attention and the skinny GEMM, each variant a launch
 can take, the hybrid's decode step and gated norm, and its prefill's conv and state moves, compiled in a process
-without TRITON_INTERPRET (with it, @triton.jit gives interpreted functions, which do not compile), each launched
-as a programmatic dependent where it can be."""
+without TRITON_INTERPRET (with it, @triton.jit gives interpreted functions, which do not compile); and every
+kernel launched as a programmatic dependent, checked to store nothing before it waits for its inputs."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None, warps:
 
     names = list(inspect.signature(kernel.fn).parameters)
     types = types or {}
-    if "DEPENDENT" in names:  # launched as a programmatic dependent, as on an H100 or H200
-        constexprs = {"DEPENDENT": True, **constexprs}
+    if "DEPENDENT" in names:  # launched as usual unless asked (as on GPUs before the H100)
+        constexprs = {"DEPENDENT": False, **constexprs}
 
     def type_of(name: str) -> str:
         if name in constexprs:
@@ -83,12 +83,10 @@ def _compile_all() -> None:
             {"slots_ptr": "*i64", "qk_scale": "fp32"},
         )
     for split_k in (1, 4):  # one K range; four, summed in the kernel by the last to arrive
-        compiled = compile_for_sm90(
+        compile_for_sm90(
             _skinny_gemm_kernel,
             dict(SPLIT_K=split_k, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, DOT_IN_F32=False, LINE_ELEMENTS=64),
         )
-        ptx = compiled.asm["ptx"]
-        assert "prefetch.global.L2" in ptx and "griddepcontrol.wait" in ptx, "no weight prefetch, or no wait"
 
 
 def _compile_hybrid_step() -> None:
@@ -118,9 +116,7 @@ def _compile_hybrid_step() -> None:
         ),
     )
     for kernel, constexprs, types in kernels:
-        ptx = compile_for_sm90(kernel, constexprs, types).asm["ptx"]
-        assert "griddepcontrol.wait" in ptx, f"{kernel.fn.__name__} does not wait for its inputs"
-    assert "prefetch.global.L2" in ptx, "the delta net step does not prefetch its states"
+        compile_for_sm90(kernel, constexprs, types)
 
 
 def _compile_prefill() -> None:
@@ -151,6 +147,93 @@ def _compile_prefill() -> None:
     )
 
 
+def _compile_dependents() -> None:
+    """Every kernel that launches as a programmatic dependent, so launched: it stores nothing (and takes no
+    atomic) before it waits for the kernel before it, lets the next start only after, and those that prefetch
+    weights or states do it before the wait."""
+    from executor_svc.kernels import attention, fused, gated_attention, gemv, skinny_gemm
+    from executor_svc.kernels import gated_delta_joined as joined
+    from executor_svc.kernels import gated_delta_slots as slots
+
+    floats = {"eps": "fp32", "scale": "fp32", "qk_scale": "fp32"}
+    state = {"states_ptr": "*fp32", "slots_ptr": "*i64", "decay_rate_ptr": "*fp32", "dt_bias_ptr": "*fp32"}
+    positions = {"positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    pages = {"write_page_ptr": "*i32", "write_offset_ptr": "*i32"}
+    skinny = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, DOT_IN_F32=False, LINE_ELEMENTS=64)
+    cases = (  # kernel, constexprs, pointer and float types, warps, prefetches before its wait
+        (fused._rmsnorm_residual_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024), floats, 4, False),
+        (
+            fused._rope_kv_write_kernel,
+            dict(HALF=32, HEADS_POW2=16, KV_HEADS_POW2=4),
+            {**positions, **pages},
+            4,
+            False,
+        ),
+        (fused._silu_mul_kernel, dict(BLOCK=1024), {}, 4, False),
+        (
+            fused._gated_rmsnorm_kernel,
+            dict(SIZE=128, BLOCK=128, HEADS=4),
+            {**floats, "x_ptr": "*fp32"},
+            4,
+            False,
+        ),
+        (
+            gemv._gemv_kernel,
+            dict(NORM=True, HAS_RESIDUAL=True, GATED=True, BLOCK_N=8, BLOCK_K=1024),
+            floats,
+            8,
+            False,
+        ),
+        (skinny_gemm._skinny_gemm_kernel, dict(SPLIT_K=1, **skinny), {}, 4, True),
+        (skinny_gemm._skinny_gemm_kernel, dict(SPLIT_K=4, **skinny), {}, 4, True),
+        (
+            attention._paged_decode_kernel,
+            dict(KV_LEN=1, GROUP=4, GROUP_ROWS=16, HEAD_DIM=256, PAGE=16, BLOCK_N=64, SPLITS=8, SPLITS_POW2=8)
+            | dict(SPLIT_BLOCK=8, GROUP_POW2=4, DOT_IN_F32=False),
+            {**floats, "slots_ptr": "*i64"},
+            4,
+            False,
+        ),
+        (
+            gated_attention._norm_rope_kv_write_kernel,
+            dict(HEADS=8, KV_HEADS=2, D=256, ROT=64),
+            {**floats, **positions, **pages, "q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32"},
+            4,
+            False,
+        ),
+        (gated_attention._gate_kernel, dict(HEADS=8, D=256), {}, 4, False),
+        (
+            slots._step_at_slots_kernel,
+            dict(HEADS=16, GROUP=1, DK=128, DV=128, BK=128, BV=32, RAW_GATES=True),
+            {**floats, **state, "out_ptr": "*fp32"},
+            4,
+            True,
+        ),
+        (slots._conv_step_at_slots_kernel, dict(WIDTH=4, BW=4, BLOCK=512), {"slots_ptr": "*i64"}, 4, False),
+        (
+            joined._delta_net_step_kernel,
+            dict(KEY_HEADS=16, GROUP=1, DK=128, DV=128, BK=128, BV=32, BD=128, WIDTH=4, BW=4),
+            {**floats, **state, "core_ptr": "*fp32", "arrivals_ptr": "*i32", "norm_weight_ptr": "*fp32"},
+            4,
+            True,
+        ),
+    )
+    for kernel, constexprs, types, warps, prefetches in cases:
+        name = kernel.fn.__name__
+        ptx = compile_for_sm90(kernel, {"DEPENDENT": True, **constexprs}, types, warps).asm["ptx"]
+        wait = ptx.find("griddepcontrol.wait")
+        assert 0 < wait < ptx.find("griddepcontrol.launch_dependents"), (
+            f"{name}: no wait, or it lets the next start first"
+        )
+        before = ptx[:wait]
+        assert not any(op in before for op in ("st.global", "atom.", "red.")), (
+            f"{name} writes before its wait"
+        )
+        assert ("prefetch.global.L2" in before) == prefetches, (
+            f"{name}: prefetch before the wait is not {prefetches}"
+        )
+
+
 def test_the_decode_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([REPO, *filter(None, [env.get("PYTHONPATH")])])
@@ -164,3 +247,4 @@ if __name__ == "__main__":
     _compile_all()
     _compile_hybrid_step()
     _compile_prefill()
+    _compile_dependents()

@@ -2,7 +2,10 @@
 chain of short, latency-bound kernels; launched as dependents, each kernel's programs start while the kernel
 before it drains, read what is constant (weights) and then wait for their inputs: the launch, and the first
 weight loads, no longer sit between two kernels. Every kernel launched so must call `await_inputs` before it
-reads anything an earlier kernel wrote and before it writes anything, or it races that kernel."""
+reads anything an earlier kernel wrote and before it writes anything, or it races that kernel (the one
+exception, gated_delta_slots.prefetch_state's slot, is only a guess where to prefetch); and every program must
+call it, with no way out before: a kernel whose programs all skipped it could end before the kernel before it,
+and the one after would wait on it alone."""
 
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ def _supported(index: int) -> bool:
 def dependent(device: torch.device) -> dict[str, Any]:
     """A launch's arguments: the kernel's `DEPENDENT` constexpr, and the launch as a programmatic dependent
     where the GPU has it (compute capability 9 and newer; never interpreted)."""
-    if device.type != "cuda" or interpreting() or not _supported(device.index or 0):
+    # (griddepcontrol is NVIDIA's: a ROCm build of torch says "cuda" too)
+    if device.type != "cuda" or torch.version.hip or interpreting() or not _supported(device.index or 0):
         return {"DEPENDENT": False}
     return {"DEPENDENT": True, "launch_pdl": True}
 

@@ -79,15 +79,17 @@ def prefetch_state(
     DEPENDENT: tl.constexpr,
 ):
     """Bring a program's state tile into L2 while the kernel before drains. The slot read here may be one the
-    kernel before is still writing (before await_inputs), so it only guesses the lines: clamped into the pool,
-    and a wrong guess costs a prefetch, never a value."""
+    kernel before is still writing (before await_inputs: the one read of a kernel's output before the wait), so
+    it only guesses the lines, clamped into the pool (as the values past DV of a last block are): a wrong guess
+    costs a prefetch, never a value. Read past L1, so the slot read after the wait cannot find it cached."""
     if DEPENDENT:
-        guess = tl.minimum(tl.maximum(tl.load(slots_ptr + row).to(tl.int64), 0), slot_count - 1)
+        slot = tl.load(slots_ptr + row, cache_modifier=".cg").to(tl.int64)
+        guess = tl.minimum(tl.maximum(slot, 0), slot_count - 1)
         lines = tl.arange(0, max(1, BK // _FLOATS_A_LINE)) * _FLOATS_A_LINE
         # one pointer a line of each value's DK keys: [lines, BV]
         prefetch_l2(
             states_ptr
-            + ((guess * HEADS + head) * DV + values[None, :]) * DK
+            + ((guess * HEADS + head) * DV + tl.minimum(values, DV - 1)[None, :]) * DK
             + tl.minimum(lines, DK - 1)[:, None],
             DEPENDENT,
         )
