@@ -297,7 +297,8 @@ def main() -> None:
             "batch": batch,
             "chosen_block": joined_step_block(batch, cfg.linear_value_heads, cfg.linear_value_dim),
         }
-        for block, warps in ((8, 1), (16, 2), (32, 4)):
+        # up to a whole head a program (128 values: no repeated q/k conv, each program its head's last)
+        for block, warps in ((8, 1), (16, 2), (32, 4), (64, 8), (128, 8)):
             row[f"tile_{block}x{warps}_us"] = round(
                 delta_net_step_time(model, batch, (block, warps), args.replays), 2
             )
