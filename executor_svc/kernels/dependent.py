@@ -45,15 +45,14 @@ def await_inputs(DEPENDENT: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptrs, DEPENDENT: tl.constexpr):
-    """Bring the L2 lines holding `ptrs` (a block of pointers; repeats cost one request a warp) into L2: weights,
-    read while the kernel before drains. Launched as usual there is nothing to overlap: nothing."""
-    if DEPENDENT:
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
-            "=r,l",
-            [ptrs],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+def prefetch_l2(ptrs):
+    """Bring the L2 lines holding `ptrs` (a block of pointers; repeats cost one request a warp) into L2: weights
+    or states, read while the kernel before drains (so only in a kernel launched as a dependent)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )

@@ -90,8 +90,7 @@ def prefetch_state(
         prefetch_l2(
             states_ptr
             + ((guess * HEADS + head) * DV + tl.minimum(values, DV - 1)[None, :]) * DK
-            + tl.minimum(lines, DK - 1)[:, None],
-            DEPENDENT,
+            + tl.minimum(lines, DK - 1)[:, None]
         )
 
 

@@ -63,11 +63,13 @@ def _skinny_gemm_kernel(
     live_n = n < n_out
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, k_in)
-    # This program's weights into L2 while the kernel before drains, 8 lines of each weight row at a time
-    weight_rows = tl.minimum(n, n_out - 1).to(tl.int64)[:, None] * k_in
-    lines = tl.arange(0, 8) * LINE_ELEMENTS
-    for k0 in range(k_start, k_end if DEPENDENT else k_start, 8 * LINE_ELEMENTS):
-        prefetch_l2(weight_ptr + weight_rows + tl.minimum(k0 + lines, k_end - 1)[None, :], DEPENDENT)
+    if (
+        DEPENDENT
+    ):  # this program's weights into L2 while the kernel before drains, 8 lines a weight row at a time
+        weight_rows = tl.minimum(n, n_out - 1).to(tl.int64)[:, None] * k_in
+        lines = tl.arange(0, 8) * LINE_ELEMENTS
+        for k0 in range(k_start, k_end, 8 * LINE_ELEMENTS):
+            prefetch_l2(weight_ptr + weight_rows + tl.minimum(k0 + lines, k_end - 1)[None, :])
     await_inputs(DEPENDENT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
