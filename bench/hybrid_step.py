@@ -193,13 +193,14 @@ def prefill_time(model: Qwen35Model, sequences: int, tokens: int, packed: bool, 
 def delta_net_step_time(
     model: Qwen35Model, batch: int, tile: tuple[int, int], replays: int, joined: bool = True
 ) -> float:
-    """Microseconds one gated delta net layer's decode kernel takes for `batch` rows with `tile` = (value block,
-    warps): the joined one (gated_delta_joined.delta_net_step_at_slots: conv, rule and gated norm), or the rule
-    step alone (gated_delta_slots.delta_rule_step_at_slots, on block // 8 warps: the wide batches'). A captured
+    """Microseconds one gated delta net layer's decode kernels take for `batch` rows with `tile` = (value block,
+    warps): the joined one (gated_delta_joined.delta_net_step_at_slots: conv, rule and gated norm), or the three
+    it joins (the conv, gated_delta_slots.delta_rule_step_at_slots on block // 8 warps, the gated norm). A captured
     graph of it over 64 layers' states (more than the GPU's L2 holds at one row, as in the model's step, where a
     layer's weights pass between two of its state reads)."""
+    from executor_svc.kernels.fused import gated_rmsnorm
     from executor_svc.kernels.gated_delta_joined import delta_net_step_at_slots
-    from executor_svc.kernels.gated_delta_slots import delta_rule_step_at_slots
+    from executor_svc.kernels.gated_delta_slots import conv_step_at_slots, delta_rule_step_at_slots
     from executor_svc.models.qwen3_5_kernels import fused_weights
     from executor_svc.state_pool import StatePool
 
@@ -216,12 +217,12 @@ def delta_net_step_time(
     weight = net.conv1d.weight[:, 0, :]
     arrivals = torch.zeros(batch * hk, dtype=torch.int32, device="cuda")
 
-    q, k, v = x.split([hk * dk, hk * dk, hv * dv], dim=-1)  # the rule step's inputs (as if after the conv)
-
     def run() -> None:
         for layer in range(layers):
             if not joined:
-                delta_rule_step_at_slots(
+                conv = conv_step_at_slots(x, weight, pool.conv[layer], slots)  # conv: [B, C], q | k | v
+                q, k, v = conv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+                core = delta_rule_step_at_slots(
                     q.view(batch, hk, dk),
                     k.view(batch, hk, dk),
                     v.view(batch, hv, dv),
@@ -232,6 +233,7 @@ def delta_net_step_time(
                     raw_gates=gates,
                     block=tile[0],
                 )
+                gated_rmsnorm(core, z, net.norm.weight, cfg.rms_eps)
                 continue
             delta_net_step_at_slots(
                 x,
@@ -266,7 +268,7 @@ def main() -> None:
         "--prefill-sequences", type=int, nargs="*", default=[1, 4], help="sequences a prefill step"
     )
     parser.add_argument(
-        "--rule-blocks", type=int, nargs="*", default=[16, 32, 64], help="the rule step's value blocks timed"
+        "--rule-blocks", type=int, nargs="*", default=[8, 16, 32], help="the three kernels' rule blocks timed"
     )
     parser.add_argument("--prefill-tokens", type=int, default=512, help="tokens of each prefilled sequence")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
@@ -302,11 +304,10 @@ def main() -> None:
             row[f"tile_{block}x{warps}_us"] = round(
                 delta_net_step_time(model, batch, (block, warps), args.replays), 2
             )
-        if batch >= 64:  # where the rule step runs alone (joined_step_wins is false at 16 heads a layer)
-            for block in args.rule_blocks:
-                row[f"rule_step_{block}_us"] = round(
-                    delta_net_step_time(model, batch, (block, block // 8), args.replays, joined=False), 2
-                )
+        for block in args.rule_blocks:  # the three kernels (the path wherever joined_step_wins is false)
+            row[f"three_kernels_{block}_us"] = round(
+                delta_net_step_time(model, batch, (block, block // 8), args.replays, joined=False), 2
+            )
         print("one gated delta net layer's decode kernel:", row, flush=True)
         delta_net_steps.append(row)
     prefills = []

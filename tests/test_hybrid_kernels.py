@@ -148,6 +148,16 @@ class _PrefillAttention:
         return prefill_attention_batch(q, self.kv.k[layer], self.kv.v[layer], self.batch, self.scale)
 
 
+def test_a_decode_step_takes_the_measured_delta_net_kernels():
+    from executor_svc.kernels.gated_delta_joined import joined_step_wins
+    from executor_svc.kernels.gated_delta_slots import value_block
+
+    # Qwen3.5-0.8B's 16 value heads of 128 dims: one kernel at one row only, then the three with rule tiles of 8
+    # values up to 64 rows, wider past them
+    assert joined_step_wins(1, 16) and not joined_step_wins(2, 16)
+    assert [value_block(rows, 16, 128) for rows in (2, 16, 64, 128, 256)] == [8, 8, 8, 16, 32]
+
+
 def test_fused_prefill_equals_the_torch_forward():
     """A prefill batch in the Triton kernels (the CUDA path; its gated delta nets' conv and rule in the model's
     prefill, the reference here) equals the torch forward: the logits of each chunk's last token, the K/V

@@ -170,7 +170,7 @@ def reference_attention(store: SlotStore, q, k_layer, v_layer, scale: float) -> 
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_paged_decode_attention_matches_the_reference(page_size: int, head_dim: int, splits: int):
     store, slots, q, k_layer, v_layer = attention_case(

@@ -15,10 +15,11 @@ import triton.language as tl
 from executor_svc.kernels.dependent import LINE, await_inputs, dependent, prefetch_l2
 
 # Value dims per program: a [Dk, 8] float32 tile of the state on one warp (fla-core's and vLLM's choice for their
-# fused recurrent kernel) gives many programs at small batches (Qwen3.5-0.8B: 16 heads x 128 / 8 = 256 a row);
-# wider tiles once the batch fills the GPU. (Chosen with key-major states, where a tile's rows were 32 bytes;
-# value-major, blocks of 16, 32 and 64 time within 3% of each other at 64-256 rows on an H100.)
-_PROGRAMS_WANTED = 2048
+# fused recurrent kernel) up to 64 rows of 16 heads (Qwen3.5-0.8B: 16 heads x 128 / 8 = 256 programs a row; on an
+# H100 with value-major states, blocks of 8 against 16 and 32: 16.7 against 18.0 and 17.7 us a layer's three
+# kernels at 16 rows, 29.4 / 30.8 / 30.4 at 32, 53.9 / 55.6 / 55.2 at 64), wider tiles once the batch fills the
+# GPU (blocks of 16, 32 and 64 timed within 3% of each other at 64-256 rows).
+_PROGRAMS_WANTED = 16384
 _FLOATS_A_LINE = tl.constexpr(LINE // 4)  # float32 keys an L2 line holds
 
 
