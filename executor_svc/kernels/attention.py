@@ -11,8 +11,9 @@ from executor_svc.kernels.dependent import await_inputs, dependent
 from protos.layout import RowLayout
 
 LOG2E = 1.4426950408889634
-# tokens per inner step: several pages in flight when pages are small, fewer where heads are wide (H100, Qwen3.5's
-# 256-dim heads, 640 tokens a row: 32 tokens 14.5 us a layer against 64's 17.2 at 16 rows, 36.9 against 38.9 at 64)
+# tokens per inner step: several pages in flight when pages are small, fewer where wide heads are split (H100,
+# Qwen3.5's 256-dim heads, 640 tokens a row: 32 tokens 14.5 us a layer against 64's 17.2 at 16 rows in 8
+# partitions, 36.9 against 38.9 at 64 rows in 2; unsplit at 256 rows 141.5 against 124.7)
 _MIN_TOKENS = 64
 _WIDE_HEAD_TOKENS, _WIDE_HEAD_DIM = 32, 256
 _MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows, so the query heads of a KV head are padded to 16
@@ -21,8 +22,9 @@ _MAX_SPLITS = 64
 _COMBINE_ELEMENTS = 8192  # partial outputs the combining program holds at once (64 a thread at 4 warps)
 
 
-def _tokens_per_step(page_size: int, head_dim: int) -> int:
-    return max(_WIDE_HEAD_TOKENS if head_dim >= _WIDE_HEAD_DIM else _MIN_TOKENS, page_size)
+def _tokens_per_step(page_size: int, head_dim: int, splits: int) -> int:
+    wide_split = head_dim >= _WIDE_HEAD_DIM and splits > 1
+    return max(_WIDE_HEAD_TOKENS if wide_split else _MIN_TOKENS, page_size)
 
 
 @triton.jit
@@ -246,7 +248,7 @@ def paged_decode_attention(
     combining them. `counters`: int32[>= B * kv_heads], zero, which the kernel leaves zero again (pass a
     persistent one where the call is captured, so the graph sets nothing up); None: a fresh one. `launch`:
     (tokens an inner step, warps, register cap or None) to time other launches (bench/decode_attention.py);
-    None: max(64, page_size) tokens (32 for heads of 256 dims and more) on 4 warps, uncapped.
+    None: max(64, page_size) tokens (32 for split heads of 256 dims and more) on 4 warps, uncapped.
     """
     check_paged_qkv(q, k_layer, v_layer)
     batch, heads, head_dim = q.shape
@@ -276,7 +278,9 @@ def paged_decode_attention(
         part_out = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     columns = rows.shape[1]
-    tokens, warps, registers = (_tokens_per_step(page_size, head_dim), 4, None) if launch is None else launch
+    tokens, warps, registers = (
+        (_tokens_per_step(page_size, head_dim, splits), 4, None) if launch is None else launch
+    )
     if tokens < max(16, page_size) or tokens & (tokens - 1):
         raise ValueError(
             f"tokens an inner step must be a power of two of at least a page and 16 (tl.dot), got {tokens}"
