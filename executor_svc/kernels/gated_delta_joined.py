@@ -1,7 +1,7 @@
 """A gated delta net layer's whole decode step after its projections in one Triton kernel: the conv, the rule
 step and the gated norm (gated_delta_slots' conv and rule kernels and fused's gated norm, joined), reading and
-moving on each row's conv window and recurrent state in the state pool at its slot. For narrow batches, where the
-step is launch-bound: three launches a layer become one."""
+moving on each row's conv window and recurrent state in the state pool at its slot. For a one-row step, where
+three launches a layer cost more than the one kernel's repeated work."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ state in the state pool at its slot (as attention reads pages by slot): no gathe
 no scatter back. The contracts of gated_delta_ref's conv1d_step and delta_rule_step_at_slots, which stay the CPU
 path; fixed shapes and no host sync, so a CUDA graph captures them.
 
-The conv and the rule step each alone (the torch forward's rule on CUDA; the Triton-kernels forward's wide
-batches), and the pieces gated_delta_joined's one-kernel step (the narrow batches') is made of."""
+The conv and the rule step each alone (the torch forward's rule on CUDA; the Triton-kernels forward's batches of
+two rows and more), and the pieces gated_delta_joined's one-kernel step (a one-row step's) is made of."""
 
 from __future__ import annotations
 
