@@ -19,6 +19,41 @@ if TYPE_CHECKING:
 
 
 @triton.jit
+def _taps(
+    x_ptr,
+    weight_ptr,
+    window,
+    rows,
+    start,
+    live,
+    channels,
+    x_row_stride,
+    cols,
+    SIZE: tl.constexpr,
+    REACH: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """The conv's sum [BT, BD] over its WIDTH taps, float32, oldest first: tap j reads the input WIDTH - 1 - j
+    tokens back, a token of the sequence, else (REACH) its window's entry. Straight-line code with REACH a
+    compile-time argument, so every tap's loads can be in flight at once (behind a branch a tap's loads waited
+    for the tap before)."""
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for j in tl.static_range(WIDTH):
+        at = rows - (WIDTH - 1) + j
+        own = (at >= start)[:, None]
+        x = tl.load(x_ptr + at[:, None] * x_row_stride + channels[None, :], mask=live & own, other=0.0)
+        x = x.to(tl.float32)
+        if REACH:
+            held_at = window + channels[None, :] * (WIDTH - 1) + (WIDTH - 1 + at - start)[:, None]
+            x += tl.load(held_at, mask=live & ~own, other=0.0).to(tl.float32)
+        tap = tl.load(weight_ptr + channels * WIDTH + j, mask=cols < SIZE, other=0.0).to(tl.float32)
+        acc += x * tap[None, :]
+    return acc
+
+
+@triton.jit
 def _conv_head(
     x_ptr,
     weight_ptr,
@@ -45,19 +80,40 @@ def _conv_head(
     cols = tl.arange(0, BD)
     live = (rows < end)[:, None] & (cols < SIZE)[None, :]
     channels = channel + cols
-    # tap j reads the input WIDTH - 1 - j tokens back: a token of the sequence, else its window's entry
-    # (zeros for a fresh sequence); summed oldest first in float32
-    acc = tl.zeros([BT, BD], dtype=tl.float32)
-    for j in tl.static_range(WIDTH):
-        at = rows - (WIDTH - 1) + j
-        own = (at >= start)[:, None]
-        x = tl.load(x_ptr + at[:, None] * x_row_stride + channels[None, :], mask=live & own, other=0.0)
-        x = x.to(tl.float32)
-        if reaches_back:
-            held_at = window + channels[None, :] * (WIDTH - 1) + (WIDTH - 1 + at - start)[:, None]
-            x += tl.load(held_at, mask=live & ~own, other=0.0).to(tl.float32)
-        tap = tl.load(weight_ptr + channels * WIDTH + j, mask=cols < SIZE, other=0.0).to(tl.float32)
-        acc += x * tap[None, :]
+    if reaches_back:
+        acc = _taps(
+            x_ptr,
+            weight_ptr,
+            window,
+            rows,
+            start,
+            live,
+            channels,
+            x_row_stride,
+            cols,
+            SIZE,
+            True,
+            WIDTH,
+            BT,
+            BD,
+        )
+    else:
+        acc = _taps(
+            x_ptr,
+            weight_ptr,
+            window,
+            rows,
+            start,
+            live,
+            channels,
+            x_row_stride,
+            cols,
+            SIZE,
+            False,
+            WIDTH,
+            BT,
+            BD,
+        )
     out = (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty)
     if NORM:  # x / |x| per head in float32 from the rounded output, eps inside the root
         normed = out.to(tl.float32)

@@ -263,12 +263,29 @@ def _conv_step_at_slots_kernel(
     live = cols < channels
     slot = tl.load(slots_ptr + row).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
-    window = windows_ptr + slot * channels * (WIDTH - 1)
-    out = conv_channels(x_row, weight_ptr, window, cols, live, WIDTH)
-    tl.store(out_ptr + row * channels + cols, out.to(out_ptr.dtype.element_ty), mask=live)
-    # A padding row (the sink slot) writes nothing, so the sink stays zero. (The slot is broadcast as an int
-    # first: Triton's interpreter refuses a scalar bool in a mask.)
-    move_window(x_row, window, cols, live & (cols * 0 + slot != 0), WIDTH, BW)
+    # the windows [BLOCK, BW] (WIDTH - 1 entries of BW live, oldest first) and the taps they meet, each loaded
+    # once: the conv sums from them and the moved windows are stored from them (conv_channels and move_window
+    # load the windows twice, as strided 2-byte loads an entry)
+    steps = tl.arange(0, BW)
+    held = live[:, None] & (steps < WIDTH - 1)[None, :]
+    at = windows_ptr + (slot * channels + cols[:, None]) * (WIDTH - 1) + steps[None, :]
+    entries = tl.load(at, mask=held, other=0.0)
+    taps = tl.load(weight_ptr + cols[:, None] * WIDTH + steps[None, :], mask=held, other=0.0)
+    x = tl.load(x_row + cols, mask=live, other=0.0)
+    # oldest first in float32, as conv1d_step's (window * weight).sum(-1) (the masked entries add exact zeros)
+    acc = tl.sum(entries.to(tl.float32) * taps.to(tl.float32), axis=1)
+    acc += x.to(tl.float32) * tl.load(weight_ptr + cols * WIDTH + WIDTH - 1, mask=live, other=0.0).to(
+        tl.float32
+    )
+    tl.store(out_ptr + row * channels + cols, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty), mask=live)
+    # moved on in place: entry j + 1 to j, the token's input the newest. Every thread has loaded its entries
+    # before any stores (a layout may give a channel's entries to threads of several warps). A padding row (the
+    # sink slot) writes nothing, so the sink stays zero. (The slot is broadcast as an int first: Triton's
+    # interpreter refuses a scalar bool in a mask.)
+    written = live & (cols * 0 + slot != 0)
+    tl.debug_barrier()
+    tl.store(at - 1, entries, mask=held & written[:, None] & (steps >= 1)[None, :])
+    tl.store(at + WIDTH - 2, x.to(entries.dtype)[:, None], mask=written[:, None] & (steps == 0)[None, :])
 
 
 def conv_step_at_slots(
