@@ -80,6 +80,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+# Records at which the first sweep of emptied conversations runs; each later one waits for twice the records the
+# sweep before left, so a sweep costs O(1) a conversation opened.
+_FIRST_SWEEP = 1024
+
+
 class Conversations:
     """The conversations of one executor group, keyed by (tenant, conversation id)."""
 
@@ -91,6 +96,7 @@ class Conversations:
         self.states = states
         self._by_key: dict[tuple[str, str], Conversation] = {}
         self._clock = 0
+        self._sweep_at = _FIRST_SWEEP
 
     @property
     def recurrent(self) -> bool:
@@ -115,6 +121,21 @@ class Conversations:
 
     def remove(self, conversation: Conversation) -> None:
         self._by_key.pop(conversation.key, None)
+
+    def due_for_sweep(self) -> bool:
+        return len(self._by_key) >= self._sweep_at
+
+    def emptied(self) -> list[Conversation]:
+        """The records that keep nothing and run nothing: no tokens, pages, snapshot, state copy or note for the
+        next turn (a conversation whose KV was dropped under pressure, or whose snapshot the cache evicted)."""
+        return [
+            c
+            for c in self._by_key.values()
+            if c.idle and not (c.tokens or c.pages or c.parked or c.busy or c.states or c.lost)
+        ]
+
+    def swept(self) -> None:
+        self._sweep_at = max(_FIRST_SWEEP, 2 * len(self._by_key))
 
     def mount(
         self, conversation: Conversation, prompt_ids: list[int], restored: bool = False

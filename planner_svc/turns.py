@@ -55,6 +55,7 @@ class Turns:
             if engine is None or conversation is None:
                 if opens is None:
                     raise ConversationError(grpc.StatusCode.NOT_FOUND, f"no conversation {conversation_id!r}")
+                self._sweep(opens)
                 engine, conversation = opens, opens.conversations.open(tenant, conversation_id)
             async with self.lock(conversation):
                 if engine.conversations.get(tenant, conversation_id) is conversation:
@@ -69,6 +70,20 @@ class Turns:
                         ):
                             self._unregister(engine, conversation)
                     return
+
+    def _sweep(self, engine: Engine) -> None:
+        """Once the engine holds many records, drop those keeping nothing (Conversations.emptied), so that
+        conversations emptied under pressure or by the cache's evictions, each with its last turn's ids, do not
+        pile up for good; their next turn reads the whole prompt, as it would have. One whose lock is held is
+        left: a turn or a delete works on it."""
+        conversations = engine.conversations
+        if not conversations.due_for_sweep():
+            return
+        for conversation in conversations.emptied():
+            lock = self._locks.get(conversation.key)
+            if lock is None or not lock.locked():
+                self._unregister(engine, conversation)
+        conversations.swept()
 
     def _unregister(self, engine: Engine, conversation: Conversation) -> None:
         """Drop every record of the conversation here (a waiter on its lock finds it gone: `_locked`)."""

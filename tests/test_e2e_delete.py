@@ -200,6 +200,44 @@ async def test_a_record_holding_no_tokens_is_deleted(deleting):
         await refused(client.delete_conversation("emptied"), grpc.StatusCode.NOT_FOUND)
 
 
+async def test_records_keeping_nothing_are_swept_once_the_planner_holds_many(deleting):
+    """A conversation the cache's eviction emptied keeps its record (and its last turn's ids) until deleted; once
+    the planner holds many records, opening another drops those keeping nothing (the first sweep waits for
+    1,024, set lower here), and the next turn of that id starts fresh. Records holding pages stay."""
+    stack = deleting.stack
+    conversations = stack.scheduler.conversations
+    async with PlannerClient(stack.addr) as client:
+        await turn(client, chat_of("glaciers"), "swept")
+        kept, _ = await turn(client, chat_of("rivers"), "kept")
+        await stack.wait_idle()
+        await client.park("swept")
+        async with CacheClient(f"127.0.0.1:{deleting.cached.servers[-1].port}") as cache:
+            await cache.delete("default", "swept")
+        await refused(client.resume("swept"), grpc.StatusCode.NOT_FOUND)
+        assert recorded(stack, "swept") == ["conversations", "locks", "latest turns"]
+        conversations._sweep_at = len(conversations.every())  # the next record opened sweeps
+
+        await turn(client, chat_of("lakes"), "opened")
+
+        assert recorded(stack, "swept") == []
+        assert (
+            recorded(stack, "kept") == recorded(stack, "opened") == ["conversations", "locks", "latest turns"]
+        )
+        assert (
+            not conversations.due_for_sweep()
+        )  # the next waits for twice what this one left, at least 1,024
+        answer = {"role": "assistant", "content": reply(stack, kept)}
+        _, again = await turn(
+            client, [*chat_of("rivers"), answer, {"role": "user", "content": "And another?"}], "kept"
+        )
+        assert again.checkpoint.startswith("checkpoint@")  # a record holding pages resumes
+        _, fresh = await turn(client, chat_of("glaciers"), "swept")
+        assert fresh.checkpoint in ("none", "prefix")  # no record: its pages, if any, from the prefix index
+        await stack.wait_idle()
+        for conversation_id in ("swept", "kept", "opened"):
+            await client.delete_conversation(conversation_id)
+
+
 async def test_a_draining_planner_refuses_a_delete_as_it_refuses_a_resume(deleting):
     stack = deleting.stack
     async with PlannerClient(stack.addr) as client:
