@@ -2,7 +2,7 @@
 (qwen3_5_kernels) in the same run, both captured as CUDA graphs: Qwen3.5-0.8B's shape with random bf16 weights,
 each row `--context` tokens deep, over the paged decode attention kernel the resident backend uses. Reports
 the replayed step's time per arm and batch, the kernel launches each arm's graph holds and where the GPU time
-goes; then one gated delta net layer's decode kernel by its tile, and one such layer's prefill (fla-core's
+goes; then one gated delta net layer's decode kernels by path and tile, and one such layer's prefill (fla-core's
 chunked kernel) of several sequences in one packed call against one call a sequence.
 
     python bench/hybrid_step.py --out docs/bench/hybrid_step.json
@@ -290,14 +290,17 @@ def main() -> None:
         for arm in args.arms:
             print(f" {arm} arm, top by GPU time (count, µs):", row[f"{arm}_top_kernels_us"], flush=True)
         results.append(row)
-    from executor_svc.kernels.gated_delta_joined import joined_step_block
+    from executor_svc.kernels.gated_delta_joined import joined_step_block, joined_step_wins
+    from executor_svc.kernels.gated_delta_slots import value_block
 
     delta_net_steps = []
     cfg = model.config
     for batch in args.batches:
         row = {
             "batch": batch,
-            "chosen_block": joined_step_block(batch, cfg.linear_value_heads, cfg.linear_value_dim),
+            "path": "joined" if joined_step_wins(batch, cfg.linear_value_heads) else "three kernels",
+            "joined_block": joined_step_block(batch, cfg.linear_value_heads, cfg.linear_value_dim),
+            "rule_block": value_block(batch, cfg.linear_value_heads, cfg.linear_value_dim),
         }
         # up to a whole head a program (128 values: no repeated q/k conv, each program its head's last)
         for block, warps in ((8, 1), (16, 2), (32, 4), (64, 8), (128, 8)):
@@ -308,7 +311,7 @@ def main() -> None:
             row[f"three_kernels_{block}_us"] = round(
                 delta_net_step_time(model, batch, (block, block // 8), args.replays, joined=False), 2
             )
-        print("one gated delta net layer's decode kernel:", row, flush=True)
+        print("one gated delta net layer's decode kernels:", row, flush=True)
         delta_net_steps.append(row)
     prefills = []
     for sequences in args.prefill_sequences:

@@ -340,6 +340,30 @@ def test_conv_step_at_slots_equals_the_reference(dtype: torch.dtype):
     assert torch.equal(windows.cpu(), expected)
 
 
+@pytest.mark.parametrize("width", [2, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_conv_step_at_slots_at_other_widths(width: int, dtype: torch.dtype):
+    """Windows of 1, 2 and 4 entries (padded to a power of two in the kernel), three blocks of channels, two
+    padding rows: the same outputs and windows as the reference."""
+    from executor_svc.kernels.gated_delta_slots import conv_step_at_slots
+
+    channels = 1100  # blocks of 512, 512 and 76
+    g = torch.Generator().manual_seed(width)
+    slots = torch.tensor([2, 0, 4, 0, 1])
+    wide = torch.randn(len(slots), channels + 7, generator=g).to(dtype)
+    weight = torch.randn(channels, width, generator=g).to(dtype)
+    windows = torch.randn(6, channels, width - 1, generator=g).to(dtype)
+    windows[0] = 0
+    expected_out, moved = ref.conv1d_step(wide[:, :channels], weight, windows[slots])
+    real = slots != 0
+    expected = windows.clone()
+    expected[slots[real]] = moved[real]
+    on_device = windows.to(DEVICE)
+    out = conv_step_at_slots(wide.to(DEVICE)[:, :channels], weight.to(DEVICE), on_device, slots.to(DEVICE))
+    torch.testing.assert_close(out.cpu()[real], expected_out[real])
+    assert torch.equal(on_device.cpu(), expected)
+
+
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and importlib.util.find_spec("fla")), reason="fla-core on a CUDA device"
 )

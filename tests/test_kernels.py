@@ -187,6 +187,16 @@ def test_paged_decode_attention_matches_the_reference(page_size: int, head_dim: 
         assert not counters.any()
 
 
+def test_split_wide_heads_take_32_token_steps():
+    from executor_svc.kernels.attention import _tokens_per_step
+
+    assert _tokens_per_step(16, 256, 8) == 32 and _tokens_per_step(4, 512, 2) == 32
+    assert (
+        _tokens_per_step(16, 256, 1) == 64 and _tokens_per_step(16, 128, 8) == 64
+    )  # unsplit; narrower heads
+    assert _tokens_per_step(64, 256, 8) == 64  # never less than a page
+
+
 @pytest.mark.parametrize("launch", [(16, 8, None), (32, 2, None)])
 def test_paged_decode_attention_by_another_launch(launch: tuple[int, int, None]):
     """Other tokens an inner step and warps (what bench/decode_attention.py times) give the same attention;

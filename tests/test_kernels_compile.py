@@ -64,7 +64,8 @@ def _compile_all() -> None:
     from executor_svc.kernels.attention import _paged_decode_kernel
     from executor_svc.kernels.skinny_gemm import _skinny_gemm_kernel
 
-    for splits, block in ((1, 1), (8, 8), (5, 2)):  # one partition; all combined at once; in blocks
+    # one partition; all combined at once; in blocks; a split 256-dim head's 32-token steps
+    for splits, block, tokens in ((1, 1, 64), (8, 8, 64), (5, 2, 64), (8, 8, 32)):
         compile_for_sm90(
             _paged_decode_kernel,
             dict(
@@ -73,7 +74,7 @@ def _compile_all() -> None:
                 GROUP_ROWS=16,
                 HEAD_DIM=256,
                 PAGE=16,
-                BLOCK_N=64,
+                BLOCK_N=tokens,
                 SPLITS=splits,
                 SPLITS_POW2=triton.next_power_of_2(splits),
                 SPLIT_BLOCK=block,
@@ -209,7 +210,16 @@ def _compile_dependents() -> None:
             4,
             True,
         ),
-        (slots._conv_step_at_slots_kernel, dict(WIDTH=4, BW=4, BLOCK=512), {"slots_ptr": "*i64"}, 4, False),
+        *(  # windows of 1, 3 and 4 entries (a window's BW pads them to a power of two)
+            (
+                slots._conv_step_at_slots_kernel,
+                dict(WIDTH=w, BW=bw, BLOCK=512),
+                {"slots_ptr": "*i64"},
+                4,
+                False,
+            )
+            for w, bw in ((2, 1), (4, 4), (5, 4))
+        ),
         (
             joined._delta_net_step_kernel,
             dict(KEY_HEADS=16, GROUP=1, DK=128, DV=128, BK=128, BV=32, BD=128, WIDTH=4, BW=4),

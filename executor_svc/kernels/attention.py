@@ -17,7 +17,9 @@ LOG2E = 1.4426950408889634
 _MIN_TOKENS = 64
 _WIDE_HEAD_TOKENS, _WIDE_HEAD_DIM = 32, 256
 _MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows, so the query heads of a KV head are padded to 16
-_MIN_BLOCKS_PER_SPLIT = 1  # the combine is in the kernel: one inner step per partition is the fastest (H200)
+# the combine is in the kernel: one inner step (of 64 tokens) per partition is the fastest (H200); a split
+# 256-dim head's partition, of 32-token steps, is two
+_MIN_BLOCKS_PER_SPLIT = 1
 _MAX_SPLITS = 64
 _COMBINE_ELEMENTS = 8192  # partial outputs the combining program holds at once (64 a thread at 4 warps)
 

@@ -1,7 +1,8 @@
 """A gated delta net layer's whole decode step after its projections in one Triton kernel: the conv, the rule
 step and the gated norm (gated_delta_slots' conv and rule kernels and fused's gated norm, joined), reading and
-moving on each row's conv window and recurrent state in the state pool at its slot. For a one-row step, where
-three launches a layer cost more than the one kernel's repeated work."""
+moving on each row's conv window and recurrent state in the state pool at its slot. For the narrowest steps
+(joined_step_wins: one row of 16 heads), where three launches a layer cost more than the one kernel's repeated
+work."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ from executor_svc.kernels.gated_delta_slots import (
 
 # The one-kernel layer step (conv, rule, gated norm): each of its programs repeats its key head's q and k conv
 # and norms, and the last of a key head's programs finishes the head. Since the step's kernels launch as
-# programmatic dependents it wins only at one row (H100, Qwen3.5-0.8B's 16 heads a layer, a graph of 64 layers,
-# the three kernels with rule blocks of 8: 4.97 us a layer against 4.93 at one row, 6.33 against 5.53 at 2, 8.12
-# against 6.83 at 4, 19.3 against 16.7 at 16, 69.7 against 53.9 at 64; the H200 before dependent launch: 6.4
-# against 8.5 at one row). Its value blocks: the widest giving this many programs (at one row 6.4 us with
-# blocks of 8, 6.8 with 32; at 4 rows 9.8 and 8.4).
+# programmatic dependents it wins only below this many heads a step, one row of Qwen3.5-0.8B's 16 (H100, a
+# graph of 64 layers, the three kernels with rule blocks of 8: 4.97 us a layer against 4.93 at one row, 6.33
+# against 5.53 at 2, 8.12 against 6.83 at 4, 19.3 against 16.7 at 16, 69.7 against 53.9 at 64; the H200 before
+# dependent launch: 6.4 against 8.5 at one row). Its value blocks: the widest giving this many programs (at one
+# row 6.4 us with blocks of 8, 6.8 with 32).
 _JOINED_STEP_HEADS = 32
 _JOINED_STEP_PROGRAMS = 256
 

@@ -3,8 +3,8 @@ state in the state pool at its slot (as attention reads pages by slot): no gathe
 no scatter back. The contracts of gated_delta_ref's conv1d_step and delta_rule_step_at_slots, which stay the CPU
 path; fixed shapes and no host sync, so a CUDA graph captures them.
 
-The conv and the rule step each alone (the torch forward's rule on CUDA; the Triton-kernels forward's batches of
-two rows and more), and the pieces gated_delta_joined's one-kernel step (a one-row step's) is made of."""
+The conv and the rule step each alone (the torch forward's rule on CUDA; the Triton-kernels forward's, wherever
+gated_delta_joined.joined_step_wins is false), and the pieces its one-kernel step is made of."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import triton.language as tl
 from executor_svc.kernels.dependent import LINE, await_inputs, dependent, prefetch_l2
 
 # Value dims per program: a [Dk, 8] float32 tile of the state on one warp (fla-core's and vLLM's choice for their
-# fused recurrent kernel) up to 64 rows of 16 heads (Qwen3.5-0.8B: 16 heads x 128 / 8 = 256 programs a row; on an
+# fused recurrent kernel) below 128 rows of 16 heads (Qwen3.5-0.8B: 16 heads x 128 / 8 = 256 programs a row; on an
 # H100 with value-major states, blocks of 8 against 16 and 32: 16.7 against 18.0 and 17.7 us a layer's three
 # kernels at 16 rows, 29.4 / 30.8 / 30.4 at 32, 53.9 / 55.6 / 55.2 at 64), wider tiles once the batch fills the
 # GPU (blocks of 16, 32 and 64 timed within 3% of each other at 64-256 rows).
@@ -264,8 +264,8 @@ def _conv_step_at_slots_kernel(
     slot = tl.load(slots_ptr + row).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     # the windows [BLOCK, BW] (WIDTH - 1 entries of BW live, oldest first) and the taps they meet, each loaded
-    # once: the conv sums from them and the moved windows are stored from them (conv_channels and move_window
-    # load the windows twice, as strided 2-byte loads an entry)
+    # once: the conv sums from them and the moved windows are stored from them (conv_channels and move_window,
+    # the joined kernel's, load each window twice)
     steps = tl.arange(0, BW)
     held = live[:, None] & (steps < WIDTH - 1)[None, :]
     at = windows_ptr + (slot * channels + cols[:, None]) * (WIDTH - 1) + steps[None, :]
@@ -285,7 +285,8 @@ def _conv_step_at_slots_kernel(
     written = live & (cols * 0 + slot != 0)
     tl.debug_barrier()
     tl.store(at - 1, entries, mask=held & written[:, None] & (steps >= 1)[None, :])
-    tl.store(at + WIDTH - 2, x.to(entries.dtype)[:, None], mask=written[:, None] & (steps == 0)[None, :])
+    newest = windows_ptr + (slot * channels + cols) * (WIDTH - 1) + WIDTH - 2
+    tl.store(newest, x.to(entries.dtype), mask=written)
 
 
 def conv_step_at_slots(

@@ -1,10 +1,10 @@
 """The Qwen3.5 hybrid's forward in the Triton kernels (the CUDA path), of a decode step or a packed prefill
 batch: each layer's projections joined into one matmul that also norms its input, the gated delta net's conv
 window and rule step on the state pool by slot (prefill: the packed conv kernel and fla's chunked rule, through
-the model's prefill), then its gated norm, all three in one kernel for a one-row decode step. The torch forward
-in qwen3_5_model.py is its reference; a decode step there launches some forty kernels a layer, here six to eight
-(what bounds the step at small batches); a prefill layer some seventy against about twenty, each a few
-microseconds of host work."""
+the model's prefill), then its gated norm, all three in one kernel for the narrowest decode steps (one row of 16
+heads). The torch forward in qwen3_5_model.py is its reference; a decode step there launches some forty kernels
+a layer, here six to eight (what bounds the step at small batches); a prefill layer some seventy against about
+twenty, each a few microseconds of host work."""
 
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ def forward_kernels(
     project, norm_project = projections.project, projections.norm_project
 
     weights = fused_weights(model)
-    # a one-row decode step's arrival counters for its gated delta nets' one-kernel step, one a row and key head,
-    # which each layer's kernel leaves zero for the next: one memset a step
+    # the narrowest decode steps' arrival counters for the gated delta nets' one-kernel step, one a row and key
+    # head, which each layer's kernel leaves zero for the next: one memset a step
     arrivals = None
     if states.seq_starts is None and joined_step_wins(x.shape[0], cfg.linear_value_heads):
         arrivals = torch.zeros(x.shape[0] * cfg.linear_key_heads, dtype=torch.int32, device=x.device)
@@ -161,7 +161,7 @@ def _delta_net_core(
             model.split_heads,
         )
         return gated_rmsnorm(core, z, net.norm.weight, cfg.rms_eps)
-    if joined_step_wins(batch, hv):  # a one-row step: one launch
+    if joined_step_wins(batch, hv):  # the narrowest steps: one launch
         return delta_net_step_at_slots(
             mixed[:, :channels],
             z,
