@@ -80,6 +80,7 @@ def _conv_head(
     cols = tl.arange(0, BD)
     live = (rows < end)[:, None] & (cols < SIZE)[None, :]
     channels = channel + cols
+    # two call sites alike but for REACH: a compile-time argument, so that each path is straight-line code
     if reaches_back:
         acc = _taps(
             x_ptr,
