@@ -27,6 +27,7 @@ def other_choices(first: Request, n: int) -> list[Request]:
             tenant=first.tenant,
             stop_strings=first.stop_strings,
             min_tokens=first.min_tokens,
+            grammar=first.grammar,
         )
         for index in range(1, n)
     ]

@@ -16,7 +16,7 @@ from planner_svc.json_grammar import SchemaCompiler
 from planner_svc.requests import Request, Sampling
 from planner_svc.shared_prefix import resolve_shared_prefix
 from planner_svc.tokenizer import chat_ids, text_ids
-from planner_svc.validation import check_generate, check_length, limits_for
+from planner_svc.validation import check_generate, check_length, check_min_tokens, limits_for
 from protos import client_pb2, executor_pb2
 from protos.wire import unpack_i32
 
@@ -114,6 +114,7 @@ class Intake:
         # 0: as many as fit after the prompt (OpenAI's and vLLM's default when max_tokens is not given)
         max_tokens = request.max_tokens or max(1, self.limits.max_seq_len - len(prompt_ids))
         check_length(len(prompt_ids), max_tokens, self.limits.max_seq_len)
+        check_min_tokens(request.min_tokens, max_tokens)
         params = request.sampling
         sampling = Sampling(
             temperature=params.temperature,

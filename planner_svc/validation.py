@@ -30,6 +30,9 @@ MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_IDS = 1024
 MAX_ID_CHARS = 256  # request ids, conversation ids and tenants
+# a JSON schema's nesting (objects and arrays): the grammar's compile time grows steeply with it (an array of
+# arrays 200 deep takes 0.5 s, 800 deep 20 s, holding the compiler the while)
+MAX_SCHEMA_DEPTH = 64
 TEXT_MARGIN = 2
 
 
@@ -164,12 +167,29 @@ def check_response_format(response_format: client_pb2.ResponseFormat) -> None:
     if which == "json_object" and not response_format.json_object:
         raise InvalidRequest("response_format.json_object must be true when set (leave it unset for text)")
     if which == "json_schema":
+        field = "response_format.json_schema.schema"
         try:
             schema = json.loads(response_format.json_schema.schema)
         except ValueError as error:
-            raise InvalidRequest(f"response_format.json_schema.schema is not JSON: {error}") from None
+            raise InvalidRequest(f"{field} is not JSON: {error}") from None
+        except RecursionError:
+            raise InvalidRequest(f"{field} nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays") from None
         if not isinstance(schema, dict):
-            raise _bad("response_format.json_schema.schema", schema, "must be a JSON object")
+            raise _bad(field, schema, "must be a JSON object")
+        if json_depth(schema) > MAX_SCHEMA_DEPTH:
+            raise InvalidRequest(f"{field} nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays")
+
+
+def json_depth(value: object) -> int:
+    """How deep objects and arrays nest in a parsed JSON value (a scalar: 0), without recursing."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _check_id(field: str, value: str) -> None:
@@ -227,6 +247,10 @@ def check_generate(request: client_pb2.GenerateRequest, limits: Limits) -> None:
                 f"the prompt has {size // 4} tokens; the model's context is {limits.max_seq_len}"
             )
     if request.HasField("shared_prefix"):
+        if not request.conversation_id:
+            raise InvalidRequest(
+                "shared_prefix pins the start of a conversation's history: give conversation_id too"
+            )
         prefix = request.shared_prefix
         which = prefix.WhichOneof("prefix")
         if which == "message":
@@ -242,6 +266,15 @@ def _check_text_size(field: str, size: int, limits: Limits) -> None:
         raise InvalidRequest(
             f"{field} is {size} bytes: more than the model's context of {limits.max_seq_len} tokens could "
             f"hold (at most {limits.max_text_bytes} bytes); refused before tokenizing"
+        )
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
+    """After tokenizing, where max_tokens was 0 (the rest of the context): min_tokens fits in that rest."""
+    if min_tokens > max_tokens:
+        raise InvalidRequest(
+            f"min_tokens is {min_tokens}: more than the {max_tokens} output tokens the context leaves after the "
+            "prompt"
         )
 
 

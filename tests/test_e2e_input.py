@@ -98,6 +98,22 @@ async def test_bad_sampling_fields_are_refused_and_change_nothing(smol_stack, fi
         assert await normal_tokens(client) == expected
 
 
+async def test_min_tokens_past_the_context_is_refused_where_max_tokens_is_the_rest(smol_stack):
+    """max_tokens 0 means the rest of the context: a min_tokens beyond it (which would mask end-of-sequence and
+    the stop ids for the whole answer) is refused once the prompt is tokenized, changing nothing."""
+    async with PlannerClient(smol_stack.addr) as client:
+        expected = await normal_tokens(client)
+        before = await state(smol_stack, client)
+        said = await expect(
+            client.generate_all(GenerateOptions(text=NORMAL.text, max_tokens=0, min_tokens=10**9)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "min_tokens is 1000000000: more than the",
+        )
+        assert "output tokens the context leaves after the prompt" in said
+        assert await state(smol_stack, client) == before
+        assert await normal_tokens(client) == expected
+
+
 async def test_invalid_utf8_is_invalid_argument_naming_the_field(smol_stack):
     good = client_pb2.GenerateRequest(
         chat=client_pb2.ChatMessages(messages=[client_pb2.ChatMessage(role="user", content="hello there")]),

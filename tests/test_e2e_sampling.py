@@ -186,6 +186,23 @@ async def test_json_schema_output_parses_and_validates(smol_stack):
     assert loose.text.lstrip().startswith("{")
 
 
+async def test_every_choice_of_n_follows_the_schema(smol_stack):
+    """n > 1 with a response_format: each choice is constrained, not the first alone, and each is the answer
+    its seed gives alone."""
+    chat = [{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    sampled = dict(chat=chat, max_tokens=40, temperature=1.0, seed=11, response_format=response_format)
+    async with PlannerClient(smol_stack.addr) as client:
+        before = await free_state(smol_stack, client)
+        choices = await client.generate_choices(GenerateOptions(n=2, **sampled))
+        second_alone = await client.generate_all(GenerateOptions(**(sampled | {"seed": 12})))
+        assert await free_state(smol_stack, client) == before
+    for choice in choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+    assert choices[1].token_ids == second_alone.token_ids
+
+
 async def test_a_schema_feature_it_cannot_enforce_is_invalid_argument(smol_stack):
     schema = {"type": "object", "properties": {"a": {"type": "integer", "not": {"const": 3}}}}
     response_format = {"type": "json_schema", "json_schema": {"schema": schema}}

@@ -12,6 +12,8 @@ from planner_svc.validation import (
     Limits,
     check_generate,
     check_length,
+    check_min_tokens,
+    json_depth,
     longest_token_bytes,
     text_byte_limit,
 )
@@ -62,7 +64,14 @@ def request(**fields) -> client_pb2.GenerateRequest:
         (dict(token_ids=b"\x01\x00\x00\x00" * 64), "the prompt has 64 tokens; the model's context is 64"),
         (dict(request_id="r" * 300), "request_id has 300 characters; at most 256"),
         (dict(conversation_id="c" * 257), "conversation_id has 257 characters"),
-        (dict(shared_prefix=client_pb2.SharedPrefix(tokens=-1)), "shared_prefix.tokens must be >= 0, got -1"),
+        (
+            dict(shared_prefix=client_pb2.SharedPrefix(tokens=-1), conversation_id="c"),
+            "shared_prefix.tokens must be >= 0, got -1",
+        ),
+        (
+            dict(shared_prefix=client_pb2.SharedPrefix(messages=99)),
+            "shared_prefix pins the start of a conversation's history: give conversation_id too",
+        ),
         (dict(sampling=dict(min_p=1.5)), "sampling.min_p must be in [0, 1] (0 is off), got 1.5"),
         (dict(sampling=dict(min_p=math.nan)), "sampling.min_p"),
         (dict(sampling=dict(repetition_penalty=0.0)), "sampling.repetition_penalty must be in (0, 10]"),
@@ -94,6 +103,18 @@ def request(**fields) -> client_pb2.GenerateRequest:
             "response_format.json_schema.schema is not JSON",
         ),
         (dict(response_format=dict(json_schema=dict(schema="[1]"))), "must be a JSON object"),
+        (  # valid, but slow to compile: the depth is bounded
+            dict(
+                response_format=dict(
+                    json_schema=dict(schema='{"type": "array", "items": ' * 64 + "{}" + "}" * 64)
+                )
+            ),
+            "response_format.json_schema.schema nests deeper than 64 objects and arrays",
+        ),
+        (  # deeper than Python's JSON parser recurses
+            dict(response_format=dict(json_schema=dict(schema='{"x": ' + "[" * 5000 + "]" * 5000 + "}"))),
+            "response_format.json_schema.schema nests deeper than 64 objects and arrays",
+        ),
         (
             dict(response_format=dict(json_object=True), ignore_eos=True),
             "response_format and ignore_eos conflict",
@@ -134,6 +155,20 @@ def test_good_requests_pass():
     grammar = dict(json_schema=dict(name="s", schema='{"type": "object"}', strict=True))
     check_generate(request(**(controls | dict(min_tokens=0, response_format=grammar))), LIMITS)
     check_generate(request(ignore_eos=True, min_tokens=2, response_format=dict()), LIMITS)  # no grammar
+
+
+def test_json_depth_counts_nested_objects_and_arrays():
+    assert [json_depth(v) for v in (1, "x", {}, [], {"a": [1, {"b": 2}]}, [[[]]])] == [0, 0, 1, 1, 3, 3]
+    deep = '{"type": "array", "items": ' * 63 + "{}" + "}" * 63  # 64 objects deep: passes
+    check_generate(request(response_format=dict(json_schema=dict(schema=deep))), LIMITS)
+
+
+def test_min_tokens_within_the_rest_of_the_context():
+    check_min_tokens(4, 4)
+    with pytest.raises(
+        InvalidRequest, match="min_tokens is 5: more than the 4 output tokens the context leaves"
+    ):
+        check_min_tokens(5, 4)
 
 
 def test_length_against_the_context():
