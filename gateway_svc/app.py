@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from gateway_svc import openai_replies
+from gateway_svc.body_limit import BodyLimit
 from gateway_svc.http_errors import ApiError, install_error_handlers
 from gateway_svc.http_metrics import Count, CountResponses
 from gateway_svc.openai_replies import ChoiceState, ChunkWriter, Kind
@@ -27,6 +28,8 @@ log = structlog.get_logger("deltaserve.gateway")
 
 VERSION = "0.1.0"
 _PRINTABLE = re.compile(r"[ -~]*")
+# longer is no key (gRPC refuses metadata past 16 KiB, and sometimes past 8 KiB: a 429 by chance, not a 401)
+MAX_KEY_CHARS = 1024
 _HEADER_VALUE = re.compile(r"[!-~](?:[ -~]*[!-~])?")
 router = APIRouter()
 _bearer = HTTPBearer(auto_error=False, description="an API key of the planner's --api-keys file")
@@ -57,6 +60,11 @@ def _key(credentials: HTTPAuthorizationCredentials | None) -> str | None:
     """The bearer key; a 401 for one that cannot be a key (gRPC metadata is printable ASCII)."""
     if credentials is None:
         return None
+    if len(credentials.credentials) > MAX_KEY_CHARS:
+        raise ApiError(
+            401,
+            f"the API key has {len(credentials.credentials)} characters; no key has more than {MAX_KEY_CHARS}",
+        )
     if not _PRINTABLE.fullmatch(credentials.credentials):
         raise ApiError(401, "the API key has characters no key has (printable ASCII only)")
     return credentials.credentials
@@ -124,21 +132,35 @@ async def _answer(
         include_usage=body.stream_options is not None and body.stream_options.include_usage,
         with_logprobs=choices[0].options.logprobs,
     )
-    # The first response before the headers: a request the planner refuses gets its own HTTP status.
+    # Every prompt's first response before the headers: a request the planner refuses, or one prompt of a batch,
+    # gets the answer's HTTP status.
     try:
-        first = await unless_disconnected(request, anext(stream))
+        firsts = await unless_disconnected(request, _first_of_each(stream, states, len(choices)))
     except BaseException:
         await stream.aclose()
         raise
     return StreamingResponse(
-        _events(writer, stream, first, states), media_type="text/event-stream", headers=headers
+        _events(writer, stream, firsts, states), media_type="text/event-stream", headers=headers
     )
 
 
-async def _events(writer: ChunkWriter, stream, first, states: dict[int, ChoiceState]):
+async def _first_of_each(stream, states: dict[int, ChoiceState], prompts: int) -> list:
+    """The responses that arrive until each of the `prompts` prompts has answered once."""
+    arrived: list = []
+    answered: set[int] = set()
+    while len(answered) < prompts:
+        item = await anext(stream, None)
+        if item is None:
+            break
+        arrived.append(item)
+        answered.add(states[item[0]].prompt)
+    return arrived
+
+
+async def _events(writer: ChunkWriter, stream, firsts: list, states: dict[int, ChoiceState]):
     """The events of a streamed answer, those of responses that arrived together in one write; the client going
     away cancels this, and with it every call."""
-    async with contextlib.aclosing(arrived_together(stream, first)) as groups:
+    async with contextlib.aclosing(arrived_together(stream, firsts)) as groups:
         try:
             async for group in groups:
                 events = []
@@ -240,6 +262,7 @@ def create_app(planner: PlannerClient, count: Count | None = None) -> FastAPI:
     app.state.gateway = Gateway(planner)
     install_error_handlers(app)
     app.include_router(router)
+    app.add_middleware(BodyLimit)
     if count is not None:
         app.add_middleware(CountResponses, count=count)
     return app

@@ -24,12 +24,21 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,  # draining, no executor, a cut request
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
+# the gateway's own answers (no gRPC status behind them) -> the gRPC status name `code` says, as the planner's
+GATEWAY_CODE = {
+    400: "invalid_argument",
+    401: "unauthenticated",
+    404: "not_found",
+    405: "unimplemented",
+    413: "resource_exhausted",
+}
 ERROR_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",  # a method the path does not take
+    413: "invalid_request_error",  # a body over the gateway's bound
     409: "conflict_error",
     429: "rate_limit_error",
     501: "not_implemented_error",
@@ -44,7 +53,8 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param = status, message, param
+        self.code = code or GATEWAY_CODE.get(status)
 
     @classmethod
     def from_rpc(cls, error: grpc.aio.AioRpcError) -> ApiError:

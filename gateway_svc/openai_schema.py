@@ -2,7 +2,8 @@
 
 Fields the gateway cannot honour are declared so that a request using them is refused with a 400 naming
 them (translate.py), never served as if they were not there. Fields unknown to OpenAI are ignored (clients
-and SDKs send new harmless ones), and logged.
+and SDKs send new harmless ones), and logged. Types are strict (a string or a boolean is no number, a number no
+boolean), and NaN and infinities (which Python's JSON parser reads) are no numbers.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ Uint64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 class ContentPart(BaseModel):
     """One part of a message's content; only text parts are served (translate.py refuses the others)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     type: str
     text: str | None = None
 
@@ -27,21 +28,21 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message; `content` as a string or a list of text parts (joined), null for an empty one."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     role: Annotated[str, Field(min_length=1)]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     include_usage: bool = False
 
 
 class SharedPrefixSpec(BaseModel):
     """The read-only start of a conversation's prompt that many requests share (one of the three forms)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     messages: Int32 | None = None  # the first K chat messages
     message: Int32 | None = None  # with chars: the messages before I and N characters of message I
     chars: Int32 | None = None
@@ -54,7 +55,7 @@ class SharedPrefixSpec(BaseModel):
 class GenerationBody(BaseModel):
     """What chat and text completions share: sampling, streaming, and deltaserve's extensions."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     model: str
     # OpenAI's nullable fields: null is the default, as if the field were not sent
     max_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None

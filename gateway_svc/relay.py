@@ -136,9 +136,9 @@ async def responses(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def arrived_together(stream: AsyncGenerator[T, None], first: T) -> AsyncGenerator[list[T], None]:
-    """`first`, then the rest of `stream`, grouped: each list holds what had arrived by the time the previous one
-    was taken. Under load a stream's responses queue up here, and the caller sends each group in one write
+async def arrived_together(stream: AsyncGenerator[T, None], first: list[T]) -> AsyncGenerator[list[T], None]:
+    """`first` (what was taken from `stream` before), then the rest of `stream`, grouped: each list holds what
+    had arrived by the time the previous one was taken. Under load a stream's responses queue up here, and the caller sends each group in one write
     instead of one write each. Closing it closes `stream` (cancelling its calls); an error in `stream` is
     raised after the responses that came before it."""
     # each entry: a response, or (at the end) the error the stream ended with or None
@@ -155,7 +155,7 @@ async def arrived_together(stream: AsyncGenerator[T, None], first: T) -> AsyncGe
 
     task = asyncio.create_task(pump())
     try:
-        group: list[T] = [first]
+        group: list[T] = list(first)
         while True:
             ended, item = await arrived.get() if not group else (False, None)
             while not ended:

@@ -8,10 +8,14 @@ A field the gateway cannot honour is an UnsupportedField (a 400 naming it), neve
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, replace
 
 from gateway_svc.openai_schema import ChatCompletionBody, ChatMessage, CompletionBody, GenerationBody
 from planner_svc.client import GenerateOptions
+
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+MAX_COMPLETION_LOGPROBS = 20  # the alternatives the planner returns at most (its top_logprobs)
 
 # body field -> why it is refused; checked when the field is set to something other than its default
 UNSUPPORTED = {
@@ -92,10 +96,9 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias (token ids as JSON object keys) with integer ids; the planner checks the ranges."""
     if not bias:
         return None
-    try:
-        ids = {int(token): value for token, value in bias.items()}
-    except ValueError:
-        raise BadField("logit_bias", "logit_bias keys must be token ids (integers)") from None
+    if not all(_TOKEN_ID.fullmatch(token) for token in bias):  # int() would read other scripts' digits too
+        raise BadField("logit_bias", "logit_bias keys must be token ids (integers in ASCII digits)")
+    ids = {int(token): value for token, value in bias.items()}
     if any(not -(2**31) <= token < 2**31 for token in ids):
         raise BadField("logit_bias", "logit_bias keys must be token ids, within the vocabulary")
     return ids
@@ -147,15 +150,23 @@ def message_text(message: ChatMessage, index: int) -> str:
             raise UnsupportedField(
                 f"messages.{index}.{name}", f"messages[{index}]: tools and function calling are not supported"
             )
+    if message.name:
+        raise UnsupportedField(
+            f"messages.{index}.name",
+            f"messages[{index}].name is not supported: the chat template is given each message's role and "
+            "content only",
+        )
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     texts = []
     for part in message.content:
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise UnsupportedField(
                 f"messages.{index}.content",
                 f"messages[{index}]: only text content parts are supported, got a part of type {part.type!r}",
             )
+        if part.text is None:
+            raise BadField(f"messages.{index}.content", f"messages[{index}]: a text content part has no text")
         texts.append(part.text)
     return "".join(texts)
 
@@ -195,6 +206,8 @@ def completion_choices(
     if conversation and len(prompts) > 1:
         raise BadField("prompt", "a conversation continues with one prompt, not a batch")
     base = _base_options(body, conversation, body.max_tokens or 16)  # OpenAI's completions default: 16
+    if body.logprobs is not None and body.logprobs > MAX_COMPLETION_LOGPROBS:
+        raise BadField("logprobs", f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {body.logprobs}")
     if body.logprobs is not None:  # OpenAI's completions: logprobs N is the chosen token and N alternatives
         base = replace(base, logprobs=True, top_logprobs=body.logprobs)
     options = [

@@ -5,6 +5,7 @@ errors; a disconnect that frees pages; conversations and shared prefixes."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx2 as httpx
 import pytest
@@ -156,6 +157,29 @@ async def _error(http, path: str, body: dict, headers: dict | None = None) -> tu
             None,
             "a conversation's turn has one answer",
         ),
+        # strict types: a boolean or a string is no number, a string no boolean; NaN no number
+        ({"model": "{model}", "messages": QUESTION, "max_tokens": True}, 400, "max_tokens", "valid integer"),
+        ({"model": "{model}", "messages": QUESTION, "max_tokens": "2"}, 400, "max_tokens", "valid integer"),
+        ({"model": "{model}", "messages": QUESTION, "stream": "no"}, 400, "stream", "valid boolean"),
+        ({"model": "{model}", "messages": QUESTION, "temperature": "0"}, 400, "temperature", "valid number"),
+        (
+            {"model": "{model}", "messages": QUESTION, "logit_bias": {"\u0663": 1}},  # an Arabic-Indic 3
+            400,
+            "logit_bias",
+            "integers in ASCII digits",
+        ),
+        (
+            {"model": "{model}", "messages": [{"role": "user", "content": "Hi", "name": "alice"}]},
+            400,
+            "messages.0.name",
+            "messages[0].name is not supported",
+        ),
+        (
+            {"model": "{model}", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            400,
+            "messages.0.content",
+            "a text content part has no text",
+        ),
     ],
 )
 async def test_each_bad_request_is_a_4xx_with_openais_error_object(http, body, status, param, says):
@@ -164,6 +188,70 @@ async def test_each_bad_request_is_a_4xx_with_openais_error_object(http, body, s
     got_status, error = await _error(http, "/v1/chat/completions", body)
     assert (got_status, error["param"]) == (status, param), error
     assert says in error["message"]
+    await http.stack.wait_idle()
+
+
+async def test_the_gateways_own_errors_carry_their_status_name_as_code(http):
+    """As the planner's errors do: a malformed body, a field refused by name, an unknown path, a key no key can
+    be, an oversized body; and the completions API's logprobs bound named as its own field."""
+    chat = {"model": http.model, "messages": QUESTION}
+    async with httpx.AsyncClient(base_url=http.base) as client:
+        answers = [
+            await client.post("/v1/chat/completions", json={"messages": QUESTION}),
+            await client.post("/v1/chat/completions", json={**chat, "tools": [{"type": "function"}]}),
+            await client.post("/v1/nothing", json=chat),
+            await client.post(
+                "/v1/chat/completions", json=chat, headers={"Authorization": "Bearer " + "k" * 20000}
+            ),
+            await client.post("/v1/completions", json={"model": http.model, "prompt": "Hi", "logprobs": 25}),
+        ]
+    codes = [(a.status_code, a.json()["error"]["code"]) for a in answers]
+    assert codes == [
+        (400, "invalid_argument"),
+        (400, "invalid_argument"),
+        (404, "not_found"),
+        (401, "unauthenticated"),
+        (400, "invalid_argument"),
+    ], codes
+    assert (
+        "the API key has 20000 characters; no key has more than 1024" in answers[3].json()["error"]["message"]
+    )
+    assert answers[4].json()["error"]["message"] == "logprobs must be in [0, 20], got 25"
+    nan = json.dumps({**chat, "temperature": float("nan")})  # Python's JSON parser reads the NaN literal
+    async with httpx.AsyncClient(base_url=http.base) as client:
+        reply = await client.post(
+            "/v1/chat/completions", content=nan, headers={"content-type": "application/json"}
+        )
+    error = reply.json()["error"]
+    assert (reply.status_code, error["param"]) == (400, "temperature") and "finite number" in error["message"]
+
+
+async def test_a_body_over_the_bound_is_a_413_before_it_is_read_whole(http):
+    from gateway_svc.body_limit import MAX_BODY_BYTES
+
+    huge = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * MAX_BODY_BYTES + b'"}]}'
+
+    async def chunked():  # no Content-Length: counted as it arrives
+        for at in range(0, len(huge), 1 << 20):
+            yield huge[at : at + (1 << 20)]
+
+    async with httpx.AsyncClient(base_url=http.base, timeout=60) as client:
+        for content in (huge, chunked()):
+            reply = await client.post(
+                "/v1/chat/completions", content=content, headers={"content-type": "application/json"}
+            )
+            error = reply.json()["error"]
+            assert (reply.status_code, error["code"]) == (413, "resource_exhausted"), error
+            assert f"over {MAX_BODY_BYTES} bytes" in error["message"]
+    await http.stack.wait_idle()
+
+
+async def test_a_streamed_batch_with_one_refused_prompt_is_refused_with_its_status(http):
+    body = {"model": http.model, "prompt": ["Hi", "hello " * 9000], "max_tokens": 4, "stream": True}
+    async with httpx.AsyncClient(base_url=http.base) as client:
+        reply = await client.post("/v1/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    assert "context is 8192" in reply.json()["error"]["message"]
     await http.stack.wait_idle()
 
 

@@ -169,7 +169,7 @@ async def test_an_error_after_the_stream_began_is_an_event_then_done():
     stream = cut()
     first = await anext(stream)
     writer = ChunkWriter("chat", "chatcmpl-r", 1, "m", "", False, False, False)
-    events = [e async for e in _events(writer, stream, first, {0: ChoiceState(0, 0)})]
+    events = [e async for e in _events(writer, stream, [first], {0: ChoiceState(0, 0)})]
     assert [e.startswith(b"data: ") and e.endswith(b"\n\n") for e in events] == [True] * 3
     assert json.loads(events[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": "Hi"}
     assert json.loads(events[1][6:])["error"]["type"] == "service_unavailable_error"
@@ -221,8 +221,8 @@ async def test_responses_that_arrived_together_go_out_as_one_group():
         finally:
             closed.append(True)
 
-    groups = arrived_together(stream(), 1)
-    assert await anext(groups) == [1]
+    groups = arrived_together(stream(), [0, 1])  # what the gateway took before: every prompt's first
+    assert await anext(groups) == [0, 1]
     await asyncio.sleep(0)  # the pump takes 2 and 3 meanwhile
     await asyncio.sleep(0)
     assert await anext(groups) == [2, 3]
@@ -241,7 +241,7 @@ async def test_responses_that_arrived_together_go_out_as_one_group():
             closed.append(False)
 
     running = endless()
-    groups = arrived_together(running, await anext(running))  # as the gateway: the first taken before
+    groups = arrived_together(running, [await anext(running)])  # as the gateway: the first taken before
     await anext(groups)
     await groups.aclose()
     assert closed == [True, False]
