@@ -23,13 +23,12 @@ from gateway_svc.openai_schema import ChatCompletionBody, CompletionBody, Genera
 from gateway_svc.relay import ModelCatalog, arrived_together, responses, rpc, unless_disconnected
 from gateway_svc.translate import BadField, Choice, UnsupportedField, chat_choices, completion_choices
 from planner_svc.client import PlannerClient
+from protos.auth import MAX_KEY_CHARS
 
 log = structlog.get_logger("deltaserve.gateway")
 
 VERSION = "0.1.0"
 _PRINTABLE = re.compile(r"[ -~]*")
-# longer is no key (gRPC refuses metadata past 16 KiB, and sometimes past 8 KiB: a 429 by chance, not a 401)
-MAX_KEY_CHARS = 1024
 _HEADER_VALUE = re.compile(r"[!-~](?:[ -~]*[!-~])?")
 router = APIRouter()
 _bearer = HTTPBearer(auto_error=False, description="an API key of the planner's --api-keys file")

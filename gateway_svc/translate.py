@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from gateway_svc.openai_schema import ChatCompletionBody, ChatMessage, CompletionBody, GenerationBody
 from planner_svc.client import GenerateOptions
 
-_TOKEN_ID = re.compile(r"-?[0-9]+")
+_TOKEN_ID = re.compile(r"-?[0-9]{1,10}")  # an int32's digits at most (int() refuses 4,301 and more)
 MAX_COMPLETION_LOGPROBS = 20  # the alternatives the planner returns at most (its top_logprobs)
 
 # body field -> why it is refused; checked when the field is set to something other than its default

@@ -23,6 +23,8 @@ import grpc
 DEFAULT_TENANT = "default"
 SERVICE = "*"  # the tenant column of a service key
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # answer without a key
+# longest a key may be: gRPC refuses metadata past 16 KiB (and at times past 8 KiB), and HTTP carries the same key
+MAX_KEY_CHARS = 1024
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 
 
@@ -82,8 +84,8 @@ def parse_keys(text: str, source: str = "the key file") -> ApiKeys:
         if len(fields) != 2:
             raise KeyFileError(f"{where}: expected `<key> <tenant>`, found {len(fields)} fields")
         key, tenant = fields
-        if len(key) < 16:
-            raise KeyFileError(f"{where}: the key is shorter than 16 characters")
+        if not 16 <= len(key) <= MAX_KEY_CHARS:
+            raise KeyFileError(f"{where}: the key has {len(key)} characters; a key has 16 to {MAX_KEY_CHARS}")
         if not key.isascii() or not key.isprintable():  # gRPC metadata and HTTP headers carry no other
             raise KeyFileError(f"{where}: the key has characters a key cannot send (printable ASCII only)")
         if tenant != SERVICE and not _TENANT_NAME.fullmatch(tenant):

@@ -41,7 +41,8 @@ def test_a_key_file_maps_keys_to_tenants_and_the_service():
     [
         ("alice-key-0123456789\n", "line 1: expected `<key> <tenant>`, found 1 fields"),
         ("# c\nalice-key-0123456789 alice extra\n", "line 2: expected"),
-        ("short alice\n", "line 1: the key is shorter than 16 characters"),
+        ("short alice\n", "line 1: the key has 5 characters; a key has 16 to 1024"),
+        ("k" * 1025 + " alice\n", "line 1: the key has 1025 characters; a key has 16 to 1024"),
         ("alice-key-0123456789 al/ice\n", "line 1: tenant 'al/ice' is not a name"),
         ("alice-key-0123456789 a\nalice-key-0123456789 b\n", "line 2: the key is listed twice"),
         ("# nothing\n\n", "no keys"),

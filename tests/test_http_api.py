@@ -169,6 +169,12 @@ async def _error(http, path: str, body: dict, headers: dict | None = None) -> tu
             "integers in ASCII digits",
         ),
         (
+            {"model": "{model}", "messages": QUESTION, "logit_bias": {"1" * 4301: 1}},  # past int()'s digits
+            400,
+            "logit_bias",
+            "integers in ASCII digits",
+        ),
+        (
             {"model": "{model}", "messages": [{"role": "user", "content": "Hi", "name": "alice"}]},
             400,
             "messages.0.name",

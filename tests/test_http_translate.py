@@ -7,9 +7,10 @@ import asyncio
 import json
 
 import grpc
+import httpx2 as httpx
 import pytest
 
-from gateway_svc.app import _events
+from gateway_svc.app import _events, _first_of_each
 from gateway_svc.http_errors import HTTP_STATUS, ApiError
 from gateway_svc.openai_replies import ChoiceState, ChunkWriter
 from gateway_svc.openai_schema import ChatCompletionBody, CompletionBody
@@ -261,3 +262,58 @@ def test_text_offsets_are_the_same_streamed_or_whole_across_split_characters():
     streamed_state = ChoiceState(0, 0)
     streamed = [logprobs("text", [entry], streamed_state)["text_offset"][0] for entry in entries]
     assert whole == streamed == [0, 0, 1, 2, 2, 3]
+
+
+async def test_a_streamed_answer_waits_for_every_prompts_first_response():
+    """Before its headers, the responses until each prompt has answered once, in arrival order; the rest stays
+    in the stream. A stream that ends first gives what came."""
+    states = {
+        0: ChoiceState(0, 0),
+        1: ChoiceState(1, 0),
+        2: ChoiceState(2, 1),
+    }  # prompt 0's two choices, 1's one
+
+    async def stream():
+        for item in ((0, "a"), (1, "b"), (0, "c"), (2, "d"), (2, "e")):
+            yield item
+
+    arrived = stream()
+    assert await _first_of_each(arrived, states, 2) == [(0, "a"), (1, "b"), (0, "c"), (2, "d")]
+    assert await anext(arrived) == (2, "e")
+
+    async def short():
+        yield 0, "a"
+
+    assert await _first_of_each(short(), states, 2) == [(0, "a")]
+
+
+async def test_the_body_bound_refuses_a_declared_or_a_chunked_body_over_it():
+    from fastapi import FastAPI
+
+    from gateway_svc.body_limit import BodyLimit
+    from gateway_svc.http_errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/echo")
+    async def echo(body: dict) -> dict:
+        return body
+
+    app.add_middleware(BodyLimit, limit=16)
+    big = b'{"a": "' + b"x" * 20 + b'"}'
+
+    async def chunks():
+        yield big[:10]
+        yield big[10:]
+
+    json_type = {"content-type": "application/json"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+        fits = await client.post("/echo", json={"a": 1})
+        declared = await client.post("/echo", content=big, headers=json_type)
+        chunked = await client.post("/echo", content=chunks(), headers=json_type)
+    assert (fits.status_code, fits.json()) == (200, {"a": 1})
+    for refused in (declared, chunked):
+        error = refused.json()["error"]
+        assert (refused.status_code, error["code"]) == (413, "resource_exhausted"), error
+        assert error["message"] == "the request body is over 16 bytes, the gateway's bound"
