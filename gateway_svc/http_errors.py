@@ -96,6 +96,8 @@ def install_error_handlers(app: FastAPI) -> None:
             at = first.get("loc", ("body", "?"))[-1]
             return ApiError(400, f"the body is not valid JSON (at character {at})").response()
         where = _location(tuple(first.get("loc", ())))
+        if where == "body" and "application/json" not in request.headers.get("content-type", ""):
+            return ApiError(400, "the body must be a JSON object sent as application/json").response()
         return ApiError(400, f"{where}: {first.get('msg', 'invalid')}", param=where).response()
 
     async def http_error(request: Request, error: Exception) -> JSONResponse:

@@ -93,6 +93,10 @@ async def _one(planner: PlannerClient, choice: Choice, key: str | None) -> Async
                 yield choice.index + response.index, response
     except grpc.aio.AioRpcError as error:
         raise ApiError.from_rpc(error) from None
+    except UnicodeEncodeError:  # JSON's \ud800 escapes: a string protobuf cannot encode
+        raise ApiError(
+            400, "the request's text has a lone surrogate (\\ud800-\\udfff): not Unicode text"
+        ) from None
     except ValueError as error:  # build_generate_request: a malformed chat or shared prefix
         raise ApiError(400, str(error)) from None
 

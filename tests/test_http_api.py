@@ -232,6 +232,24 @@ async def test_the_gateways_own_errors_carry_their_status_name_as_code(http):
     assert (reply.status_code, error["param"]) == (400, "temperature") and "finite number" in error["message"]
 
 
+async def test_a_lone_surrogate_and_a_body_not_sent_as_json_are_named(http):
+    body = {"model": http.model, "messages": [{"role": "user", "content": "a\ud800b"}]}
+    surrogate = json.dumps(body)  # as JSON escapes it: "a\\ud800b"
+    async with httpx.AsyncClient(base_url=http.base) as client:
+        unpaired = await client.post(
+            "/v1/chat/completions", content=surrogate, headers={"content-type": "application/json"}
+        )
+        plain = await client.post(
+            "/v1/chat/completions",
+            content=json.dumps({"model": http.model, "messages": QUESTION}),
+            headers={"content-type": "text/plain"},
+        )
+    assert unpaired.status_code == 400 and "lone surrogate" in unpaired.json()["error"]["message"]
+    assert plain.status_code == 400
+    assert plain.json()["error"]["message"] == "the body must be a JSON object sent as application/json"
+    await http.stack.wait_idle()
+
+
 async def test_a_body_over_the_bound_is_a_413_before_it_is_read_whole(http):
     from gateway_svc.body_limit import MAX_BODY_BYTES
 
