@@ -142,9 +142,9 @@ async def responses(
 
 async def arrived_together(stream: AsyncGenerator[T, None], first: list[T]) -> AsyncGenerator[list[T], None]:
     """`first` (what was taken from `stream` before), then the rest of `stream`, grouped: each list holds what
-    had arrived by the time the previous one was taken. Under load a stream's responses queue up here, and the caller sends each group in one write
-    instead of one write each. Closing it closes `stream` (cancelling its calls); an error in `stream` is
-    raised after the responses that came before it."""
+    had arrived by the time the previous one was taken. Under load a stream's responses queue up here, and the
+    caller sends each group in one write instead of one write each. Closing it closes `stream` (cancelling its
+    calls); an error in `stream` is raised after the responses that came before it."""
     # each entry: a response, or (at the end) the error the stream ended with or None
     arrived: asyncio.Queue[tuple[bool, T | BaseException | None]] = asyncio.Queue()
 
