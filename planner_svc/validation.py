@@ -273,8 +273,8 @@ def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
     """After tokenizing, where max_tokens was 0 (the rest of the context): min_tokens fits in that rest."""
     if min_tokens > max_tokens:
         raise InvalidRequest(
-            f"min_tokens is {min_tokens}: more than the {max_tokens} output tokens the context leaves after the "
-            "prompt"
+            f"min_tokens is {min_tokens}: more than the {max_tokens} output tokens the context leaves after "
+            "the prompt"
         )
 
 

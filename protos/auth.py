@@ -23,7 +23,7 @@ import grpc
 DEFAULT_TENANT = "default"
 SERVICE = "*"  # the tenant column of a service key
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # answer without a key
-# longest a key may be: gRPC refuses metadata past 16 KiB (and at times past 8 KiB), and HTTP carries the same key
+# longest a key may be: gRPC refuses metadata past 16 KiB (at times past 8 KiB); HTTP carries the same key
 MAX_KEY_CHARS = 1024
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 
