@@ -19,7 +19,8 @@ and mean of each segment per arm and bucket, µs:
 
 and, per arm, the run's timeline by kind of step: the periods (tokens of N-1 back -> tokens of N back) of the
 steps that read prompt tokens and of those that only decode, summed, with the launch call's host time of each
-kind: where a run's wall time goes between prompts and decoding.
+kind: where a run's wall time goes between prompts and decoding; and how the batch began: its requests' arrivals
+at the planner and its first steps (read, tokens back, prompt tokens, bucket), in ms from the first arrival.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from bench.decode import arm_list, in_process  # noqa: E402
 
 SEGMENTS = ("exec_out", "grpc_out", "planner", "grpc_in", "to_launch", "launch", "chain", "period")
 BATCH_IDLE_MS = 1.0  # the executor idle this long before a step that reads prompts: a new batch of requests
+HEAD_STEPS = 8  # a batch's first steps shown one by one
 MIN_SAMPLES = 20  # buckets with fewer chains (warm-up, ramps), and batches with fewer steps, are not reported
 
 
@@ -105,13 +107,40 @@ def runs(executor: dict[int, dict[str, int]]) -> list[list[int]]:
     return out
 
 
+def prompt_tokens(marks: dict[str, int]) -> int:
+    return next((int(name[7:]) for name in marks if name.startswith("prefill")), 0)
+
+
+def beginning(executor: dict[int, dict[str, int]], seqs: list[int], submits: list[int], since: int) -> dict:
+    """How a batch began: its requests' arrivals at the planner (those after `since`, the batch before's end)
+    and its first steps, in ms from the first arrival."""
+    arrived = sorted(ns for ns in submits if since < ns <= executor[seqs[-1]]["done"])
+    if not arrived:
+        return {}
+
+    def ms(ns: int) -> float:
+        return round((ns - arrived[0]) / 1e6, 2)
+
+    head = []
+    for seq in seqs[:HEAD_STEPS]:
+        marks = executor[seq]
+        bucket = next((int(name[6:]) for name in marks if name.startswith("bucket")), 0)
+        read = marks.get("read", marks["launch0"])
+        head.append([ms(read), ms(marks["done"]), prompt_tokens(marks), bucket])
+    return {
+        "arrivals": len(arrived),
+        "arrivals_ms": [ms(arrived[len(arrived) // 2]), ms(arrived[-1])],  # median, last
+        "head_steps": head,  # [read ms, tokens back ms, prompt tokens, bucket]
+    }
+
+
 def timeline(arm: str, executor: dict[int, dict[str, int]], seqs: list[int]) -> dict:
     """One batch's steps by kind (reading prompt tokens or only decoding): count, periods summed and median
     (ms), the launch call's host time (µs, median), prompt tokens; and the time to the first step's tokens."""
     kinds: dict[str, dict[str, list]] = {"prefill": {}, "decode": {}}
     for before, seq in zip(seqs, seqs[1:]):
         marks = executor[seq]
-        tokens = next((int(name[7:]) for name in marks if name.startswith("prefill")), 0)
+        tokens = prompt_tokens(marks)
         kind = kinds["prefill" if tokens else "decode"]
         kind.setdefault("period", []).append((marks["done"] - executor[before]["done"]) / 1e6)
         kind.setdefault("launch", []).append((marks["launch1"] - marks["launch0"]) / 1e3)
@@ -159,7 +188,12 @@ def analyse(trace_dir: str, grpc_arm: str | None, inprocess_arm: str | None) -> 
     if grpc_arm and executor and planner:
         rows += summarize(grpc_arm, chains(by_seq(executor, "x"), by_seq(planner, "g")))
         marks = by_seq(executor, "x")
-        rows += [timeline(grpc_arm, marks, seqs) for seqs in runs(marks) if len(seqs) >= MIN_SAMPLES]
+        submits = [ns for tag, _, _, ns in planner if tag == "s"]
+        since = 0
+        for seqs in runs(marks):
+            if len(seqs) >= MIN_SAMPLES:
+                rows.append(timeline(grpc_arm, marks, seqs) | beginning(marks, seqs, submits, since))
+            since = marks[seqs[-1]]["done"]
     local = next((t for t in traces if any(tag == "i" for tag, _, _, _ in t)), None)
     if inprocess_arm and local:
         rows += summarize(inprocess_arm, chains(by_seq(local, "x"), by_seq(local, "i")))

@@ -6,7 +6,7 @@ trace-<pid>.json there; perf_counter is CLOCK_MONOTONIC, the same clock in every
 Marks: executor ("x"): read (plan off the stream), launch0/launch1 (around runner.launch), bucket<B>,
 prefill<T> (T prompt tokens in the step's chunks, when it has any), done (the step's tokens back: collect
 begins), yield (output handed to the stream). Planner links ("g" gRPC, "i" in-process): send0/send1 (around
-send), recv (output received)."""
+send), recv (output received). Planner engine ("s"): submit (a request queued, numbered in order)."""
 
 import atexit
 import json
@@ -31,6 +31,7 @@ if _TRACE_DIR:
     import bench.in_process as _in_process
     import executor_svc.runner as _runner
     import executor_svc.server as _server
+    import planner_svc.engine as _engine
     import planner_svc.link as _link
 
     def _wrap_launch(launch):
@@ -80,6 +81,17 @@ if _TRACE_DIR:
 
         cls.send, cls.recv = traced_send, traced_recv
 
+    def _wrap_submit(submit):
+        submitted = iter(range(1 << 62))
+
+        def traced(self, request):
+            queue = submit(self, request)
+            _mark("s", next(submitted), "submit")
+            return queue
+
+        return traced
+
+    _engine.Engine.submit = _wrap_submit(_engine.Engine.submit)
     _runner.StepRunner.launch = _wrap_launch(_runner.StepRunner.launch)
     _runner.StepRunner.collect = _wrap_collect(_runner.StepRunner.collect)
     _server.ExecutorServicer.Steps = _wrap_steps(_server.ExecutorServicer.Steps)
