@@ -122,7 +122,7 @@ class Scheduler:
         self._admit()
         self.marks.step_begins(self.committed)
         step = PlannedStep(seq)
-        finals = self._plan_prefill(step)
+        finals = [] if self._prompts_wait() else self._plan_prefill(step)
         room = self.layout.widest_bucket - len(finals)
         candidates = [r for r in self.decoding if r not in finals] if finals else self.decoding
         lens = stored_lengths(candidates, self.slots.slots_of(candidates), self.mirror.rows)
@@ -198,6 +198,16 @@ class Scheduler:
             victim.stale = True
         for request in assignment.fresh:
             request.stale = True
+
+    def _prompts_wait(self) -> bool:
+        """Whether this step's prompts wait for the next one: while a step reading prompts is in flight, rows
+        can decode meanwhile, and the prompts at hand would not fill a step. Every prefill step reads the whole
+        model's weights again, so a burst's prompts, arriving one by one, share the next step (planned once
+        the one in flight is done) instead of trickling into steps of their own."""
+        if not self.decoding or not any(step.prefill for step in self._steps.values()):
+            return False
+        at_hand = sum(request.prompt_len - request.prefilled for request in self.prefilling)
+        return at_hand < self.config.settings.token_budget
 
     def _plan_prefill(self, step: PlannedStep) -> list[Request]:
         """Chunks of admitted prompts up to the token budget; returns the requests whose prompt ends."""

@@ -189,6 +189,41 @@ def test_new_row_of_one_pool_model_is_one_run():
     device.apply(step)
 
 
+def unshared(i, prompt_len):
+    """A request whose prompt shares no page with req's or another unshared's."""
+    return Request(f"r{i}", [20 * i + t for t in range(prompt_len)], 8, Sampling())
+
+
+def test_prompts_arriving_while_a_prefill_runs_wait_for_the_next_step_together():
+    scheduler = make_scheduler(budget=16)
+    rng = random.Random(0)
+    scheduler.add(req(0, prompt_len=10))
+    first = scheduler.plan(0)
+    assert [c.request.request_id for c in first.prefill] == ["r0"]
+    scheduler.add(unshared(1, 6))
+    held = scheduler.plan(1)  # r0 can decode; r1's 6 tokens would not fill a step: they wait for step 0
+    assert not held.prefill and [r.request_id for r in held.rows] == ["r0"]
+    commit(scheduler, first, rng)
+    scheduler.add(unshared(2, 8))
+    joined = scheduler.plan(2)  # step 0 done: the prompts at hand go together
+    assert [(c.request.request_id, len(c.token_ids) // 4) for c in joined.prefill] == [("r1", 6), ("r2", 8)]
+
+
+def test_prompts_do_not_wait_when_they_fill_a_step_or_nothing_else_can_run():
+    scheduler = make_scheduler(budget=16)
+    scheduler.add(req(0, prompt_len=10))
+    scheduler.plan(0)
+    for i in (1, 2):
+        scheduler.add(unshared(i, 9))
+    full = scheduler.plan(1)  # 18 tokens at hand fill the 16 of a step
+    assert [c.request.request_id for c in full.prefill] == ["r1", "r2"]
+    alone = make_scheduler(budget=16)
+    alone.add(req(0, prompt_len=30))
+    alone.plan(0)
+    rest = alone.plan(1)  # no row decodes: the prompt's rest runs at once rather than leave the GPU idle
+    assert [(c.request.request_id, c.start) for c in rest.prefill] == [("r0", 16)]
+
+
 def test_capacity_and_bad_input_change_nothing():
     scheduler = make_scheduler(pool_pages=8)
     with pytest.raises(CapacityError, match="needs 10 KV pages and the pool has 7"):
