@@ -129,13 +129,23 @@ def paged_prefill_attention(
     v_layer: torch.Tensor,
     batch: PrefillBatch,
     scale: float,
+    *,
+    block_n: int = _BLOCK_N,
+    warps: int = 4,
+    stages: int = 3,
 ) -> torch.Tensor:
     """Causal attention of a packed batch: q[T, H, D] -> [T, H, D] in q's dtype. Chunk i's queries sit at
     positions [starts[i], kv_lens[i]) and see their chunk's pages up to themselves, K/V already written.
 
     k_layer, v_layer: [pages, page_size, kv_heads, D]. Padding tokens of a
-    graph's batch (past its chunks) get zeros.
+    graph's batch (past its chunks) get zeros. `block_n` (key positions an inner step), `warps` and `stages`
+    (Triton's software pipelining) tune the launch.
     """
+    if block_n not in (16, 32, 64, 128) or warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 4:
+        raise ValueError(
+            f"block_n must be 16-128 (a power of two), warps 1-16 (a power of two) and stages 1-4, got "
+            f"{block_n}, {warps}, {stages}"
+        )
     check_paged_qkv(q, k_layer, v_layer)
     tokens, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_layer.shape
@@ -161,8 +171,10 @@ def paged_prefill_attention(
         DIM_BLOCK=max(16, triton.next_power_of_2(head_dim)),
         PAGE=page_size,
         BLOCK_M=BLOCK_M,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=block_n,
         # The interpreter multiplies bfloat16 dot operands as raw bits (triton-lang/triton#11584).
         DOT_IN_F32=q.dtype == torch.bfloat16 and interpreting(),
+        num_warps=warps,
+        num_stages=stages,
     )
     return out
