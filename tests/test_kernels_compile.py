@@ -3,7 +3,8 @@ ptxas check what the CPU interpreter does not (a variable rebound with another s
 nowhere but runs interpreted). For now the paged decode attention and the skinny GEMM, each variant a launch
 can take, the hybrid's decode step and gated norm, and its prefill's conv and state moves, compiled in a process
 without TRITON_INTERPRET (with it, @triton.jit gives interpreted functions, which do not compile); and every
-kernel launched as a programmatic dependent, checked to store nothing before it waits for its inputs."""
+kernel launched as a programmatic dependent (the gated attention's as a decode step and as a prefill launch
+them), checked to store nothing before it waits for its inputs."""
 
 from __future__ import annotations
 
@@ -195,14 +196,20 @@ def _compile_dependents() -> None:
             4,
             False,
         ),
-        (
-            gated_attention._norm_rope_kv_write_kernel,
-            dict(HEADS=8, KV_HEADS=2, D=256, ROT=64),
-            {**floats, **positions, **pages, "q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32"},
-            4,
-            False,
+        *(  # a row a program on 4 warps (a decode step's launch), and a prefill's blocks of rows
+            case
+            for rows, warps in ((1, 4), (gated_attention.PREFILL_ROWS, gated_attention.PREFILL_WARPS))
+            for case in (
+                (
+                    gated_attention._norm_rope_kv_write_kernel,
+                    dict(HEADS=8, KV_HEADS=2, D=256, ROT=64, ROWS=rows),
+                    {**floats, **positions, **pages, "q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32"},
+                    warps,
+                    False,
+                ),
+                (gated_attention._gate_kernel, dict(HEADS=8, D=256, ROWS=rows), {}, warps, False),
+            )
         ),
-        (gated_attention._gate_kernel, dict(HEADS=8, D=256), {}, 4, False),
         (
             slots._step_at_slots_kernel,
             dict(HEADS=16, GROUP=1, DK=128, DV=128, BK=128, BV=32, RAW_GATES=True),
