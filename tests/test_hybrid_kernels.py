@@ -158,11 +158,17 @@ def test_a_decode_step_takes_the_measured_delta_net_kernels():
     assert [value_block(rows, 16, 128) for rows in (2, 16, 64, 128, 256)] == [8, 8, 8, 16, 32]
 
 
-def test_fused_prefill_equals_the_torch_forward():
+@pytest.mark.parametrize("blocks", [False, True])
+def test_fused_prefill_equals_the_torch_forward(blocks: bool, monkeypatch):
     """A prefill batch in the Triton kernels (the CUDA path; its gated delta nets' conv and rule in the model's
     prefill, the reference here) equals the torch forward: the logits of each chunk's last token, the K/V
     written, the states at each sequence's slot. A chunk continuing a sequence (its pages and state held), two
-    fresh ones, one of a single token."""
+    fresh ones, one of a single token. Its 16 tokens in the gated attention's kernels a row a program, or as a
+    prefill wider than a decode step launches them (blocks of rows)."""
+    from executor_svc.kernels import gated_attention
+
+    if blocks:
+        monkeypatch.setattr(gated_attention, "DECODE_ROWS", 0)
     model = _model()
     g = torch.Generator().manual_seed(3)
     kv = model.make_kv_pool(PAGES, PAGE)
@@ -200,6 +206,81 @@ def test_fused_prefill_equals_the_torch_forward():
     torch.testing.assert_close(kv_fused.v.cpu(), kv_ref.v.cpu(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool_fused.conv.cpu(), pool_ref.conv.cpu(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool_fused.recurrent.cpu(), pool_ref.recurrent.cpu(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_attention_kernels_in_blocks_of_rows_equal_a_row_a_program(dtype: torch.dtype):
+    """norm_rope_kv_write and output_gate over 11 rows in blocks of 4 (the last of 3) and in one block of 16
+    give what they give a row a program (the decode step's launch), bit for bit under the interpreter: q, the
+    K and V written at each row's page and offset, the pool elsewhere untouched, the gated output; and that
+    equals the torch model's norm, partial rope and gate. Rows strided in mixed, positions and pool slots
+    scattered."""
+    from executor_svc.kernels.gated_attention import norm_rope_kv_write, output_gate
+    from executor_svc.models.qwen3_5_model import rope_partial
+
+    heads, kv_heads, d, rot, rows, eps = 4, 2, 32, 8, 11, 1e-6
+    g = torch.Generator().manual_seed(5)
+    width = 2 * (heads + kv_heads) * d
+    mixed = torch.randn(rows, width + 6, generator=g).to(dtype)[:, :width]
+    q_norm, k_norm = (1 + 0.3 * torch.randn(d, generator=g) for _ in range(2))
+    angles = torch.rand(40, rot // 2, generator=g) * 6.3
+    angles = torch.cat((angles, angles), dim=-1)  # as the model's tables: [max_seq_len, rotary_dim]
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    positions = torch.randint(0, 40, (rows,), generator=g)
+    slots = torch.randperm(PAGES * PAGE, generator=g)[:rows]
+    write_page, write_offset = (slots // PAGE).int(), (slots % PAGE).int()
+    attended = torch.randn(rows, heads, d, generator=g).to(dtype)  # the attention's output
+
+    def run(rows_per_program: int) -> tuple[torch.Tensor, ...]:
+        pools = torch.randn(2, PAGES, PAGE, kv_heads, d, generator=torch.Generator().manual_seed(6)).to(dtype)
+        k_pool, v_pool = pools.to(DEVICE)
+        on = [t.to(DEVICE) for t in (mixed, q_norm, k_norm, cos, sin, positions, write_page, write_offset)]
+        launch = {"rows_per_program": rows_per_program}
+        q = norm_rope_kv_write(*on[:3], eps, *on[3:6], k_pool, v_pool, *on[6:], heads, **launch)
+        gated = output_gate(attended.to(DEVICE), on[0], **launch)
+        return q.cpu(), k_pool.cpu(), v_pool.cpu(), gated.cpu(), pools
+
+    # bf16: a unit in the last place from torch's (the interpreter rounds to bf16 toward zero, and the norm's
+    # sum of squares adds up in another order than torch's), and rope's sum of two such products as far
+    tolerance = {} if dtype == torch.float32 else {"atol": 2**-4, "rtol": 2**-7}
+    expected = run(1)
+    for rows_per_program in (4, 16):
+        q, k_pool, v_pool, gated, _ = run(rows_per_program)
+        assert torch.equal(v_pool, expected[2]) and torch.equal(gated, expected[3])
+        # The interpreter sums every row's squares alike; a GPU in its tile's layout's order (a row over 4
+        # warps, or within one), which can move a q or k value a unit in the last place
+        same = {"atol": 0, "rtol": 0} if interpreting() else tolerance
+        torch.testing.assert_close(q, expected[0], **same)
+        torch.testing.assert_close(k_pool, expected[1], **same)
+
+    q, k_pool, v_pool, gated, pools = expected
+    query_gate, k, v = mixed.split([2 * heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    query_gate = query_gate.reshape(rows, heads, 2 * d)
+
+    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # as OffsetRMSNorm, weight 1 + w
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight).to(dtype)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        return rope_partial(x, cos[positions][:, None], sin[positions][:, None])
+
+    torch.testing.assert_close(q, rope(norm(query_gate[..., :d], q_norm)), **tolerance)
+    expected_k, expected_v = pools[0].clone(), pools[1].clone()
+    expected_k[slots // PAGE, slots % PAGE] = rope(norm(k.reshape(rows, kv_heads, d), k_norm))
+    expected_v[slots // PAGE, slots % PAGE] = v.reshape(rows, kv_heads, d)
+    torch.testing.assert_close(k_pool, expected_k, **tolerance)
+    assert torch.equal(v_pool, expected_v)
+    torch.testing.assert_close(gated, attended.flatten(1) * torch.sigmoid(query_gate[..., d:].flatten(1)))
+
+
+def test_gated_attention_launch_overrides_are_checked():
+    from executor_svc.kernels.gated_attention import output_gate
+
+    out, mixed = torch.zeros(2, 1, 4, device=DEVICE), torch.zeros(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="rows_per_program must be a power of two, got 3"):
+        output_gate(out, mixed, rows_per_program=3)
+    with pytest.raises(ValueError, match="warps must be a power of two up to 32, got 6"):
+        output_gate(out, mixed, warps=6)
 
 
 class _HandOver(Stage):
