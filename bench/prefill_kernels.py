@@ -34,10 +34,8 @@ MAX_SEQ_LEN = 1024  # bench/decode.py's context: the batch's block tables are th
 ROUNDS, LAUNCHES = 7, 20  # timed rounds of launches each
 
 CONV: list[dict] = [{}] + [{"block_tokens": t, "warps": w} for t in (16, 32, 64) for w in (2, 4, 8)]
-ROWS: list[dict] = [{}] + [{"rows_per_program": r, "warps": w} for r in (4, 8, 16, 32) for w in (4, 8)]
-ATTENTION: list[dict] = [{}] + [
-    {"block_n": n, "warps": w, "stages": s} for n in (32, 64) for w in (4, 8) for s in (1, 2, 3)
-]
+ROWS: list[dict] = [{}] + [{"rows_per_program": r, "warps": w} for r in (1, 4, 8, 16, 32) for w in (4, 8)]
+ATTENTION: list[dict] = [{}] + [{"tiles": (n, w, s)} for n in (32, 64) for w in (4, 8) for s in (1, 2, 3)]
 
 
 def launch_us(launch: Callable[[], object]) -> float:

@@ -11,7 +11,10 @@ from executor_svc.kernels.attention import LOG2E, check_paged_qkv, paged_strides
 from executor_svc.prefill.batch import QUERY_BLOCK, PrefillBatch
 
 BLOCK_M = QUERY_BLOCK  # queries of one chunk per program (the batch lays out the blocks)
-_BLOCK_N = 64  # key positions per inner step
+# (key positions an inner step, warps, pipeline stages) by head size. At 256 dims the first choice (64, 4, 3)
+# spilled 440 bytes a thread on sm90; 32 keys in two stages took 0.69x its time on an H100
+# (bench/prefill_kernels.py). Smaller heads keep it, unmeasured.
+_WIDE_HEAD_TILES, _TILES = (32, 4, 2), (64, 4, 3)
 
 
 @triton.jit(do_not_specialize=["table_width"])  # it varies step to step: one compile serves all
@@ -130,24 +133,23 @@ def paged_prefill_attention(
     batch: PrefillBatch,
     scale: float,
     *,
-    block_n: int = _BLOCK_N,
-    warps: int = 4,
-    stages: int = 3,
+    tiles: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed batch: q[T, H, D] -> [T, H, D] in q's dtype. Chunk i's queries sit at
     positions [starts[i], kv_lens[i]) and see their chunk's pages up to themselves, K/V already written.
 
     k_layer, v_layer: [pages, page_size, kv_heads, D]. Padding tokens of a
-    graph's batch (past its chunks) get zeros. `block_n` (key positions an inner step), `warps` and `stages`
-    (Triton's software pipelining) tune the launch.
+    graph's batch (past its chunks) get zeros. `tiles` (key positions an inner step, warps, Triton's pipeline
+    stages) overrides the launch's, chosen by head size.
     """
-    if block_n not in (16, 32, 64, 128) or warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 4:
-        raise ValueError(
-            f"block_n must be 16-128 (a power of two), warps 1-16 (a power of two) and stages 1-4, got "
-            f"{block_n}, {warps}, {stages}"
-        )
     check_paged_qkv(q, k_layer, v_layer)
     tokens, heads, head_dim = q.shape
+    block_n, warps, stages = tiles or (_WIDE_HEAD_TILES if head_dim >= 256 else _TILES)
+    if block_n not in (16, 32, 64, 128) or warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 4:
+        raise ValueError(
+            f"tiles must hold 16-128 keys (a power of two), 1-16 warps (a power of two) and 1-4 stages, got "
+            f"{block_n}, {warps}, {stages}"
+        )
     _, page_size, kv_heads, _ = k_layer.shape
     if tokens != batch.token_ids.shape[0]:
         raise ValueError(f"q holds {tokens} tokens, the batch {batch.token_ids.shape[0]}")
