@@ -121,11 +121,11 @@ class Scheduler:
         self._dirty = False
         self._admit()
         self.marks.step_begins(self.committed)
-        step = PlannedStep(seq)
-        finals = [] if self._prompts_wait() else self._plan_prefill(step)
-        room = self.layout.widest_bucket - len(finals)
-        candidates = [r for r in self.decoding if r not in finals] if finals else self.decoding
+        candidates = list(self.decoding)  # the rows that may decode: not those whose prompt ends this step
         lens = stored_lengths(candidates, self.slots.slots_of(candidates), self.mirror.rows)
+        step = PlannedStep(seq)
+        finals = [] if self._prompts_wait(candidates, lens) else self._plan_prefill(step)
+        room = self.layout.widest_bucket - len(finals)
         # More rows than the widest bucket: the least recently run go first, and the rows rotate (dirty).
         ready, ends, rotate = ready_rows(candidates, lens, room)
         self._dirty = self._dirty or rotate
@@ -199,15 +199,16 @@ class Scheduler:
         for request in assignment.fresh:
             request.stale = True
 
-    def _prompts_wait(self) -> bool:
-        """Whether this step's prompts wait for the next one: while a step reading prompts is in flight, rows
-        can decode meanwhile, and the prompts at hand would not fill a step. Every prefill step reads the whole
-        model's weights again, so a burst's prompts, arriving one by one, share the next step (planned once
-        the one in flight is done) instead of trickling into steps of their own."""
-        if not self.decoding or not any(step.prefill for step in self._steps.values()):
+    def _prompts_wait(self, candidates: list[Request], lens: np.ndarray) -> bool:
+        """Whether this step's prompts wait for the next: while a step reading prompts is in flight, a row (of
+        `candidates`, stored `lens` long) can decode meanwhile, and they would not fill a step. Each prefill
+        step reads every weight again: a burst's prompts share the next step rather than trickle into their
+        own; with no row to decode they go at once, rather than leave the GPU idle."""
+        if not any(step.prefill for step in self._steps.values()):
             return False
         at_hand = sum(request.prompt_len - request.prefilled for request in self.prefilling)
-        return at_hand < self.config.settings.token_budget
+        can_decode = any(n < r.end_len for r, n in zip(candidates, lens.tolist(), strict=True))
+        return can_decode and at_hand < self.config.settings.token_budget
 
     def _plan_prefill(self, step: PlannedStep) -> list[Request]:
         """Chunks of admitted prompts up to the token budget; returns the requests whose prompt ends."""

@@ -48,9 +48,12 @@ def random_batch(page_size: int, seed: int) -> PrefillBatch:
     return PrefillBatch.build(random_chunks(page_size, seed), page_size, max_seq_len=4096, device=DEVICE)
 
 
-@pytest.mark.parametrize("head_dim", [8, 64, 128])
+@pytest.mark.parametrize("head_dim", [8, 64, 128, 256])  # 256: the wide heads' own tiles
 @pytest.mark.parametrize("page_size", [4, 16])
-def test_paged_prefill_attention_matches_the_reference(page_size: int, head_dim: int):
+@pytest.mark.parametrize("tiles", [None, (16, 4, 1), (128, 8, 4)])
+def test_paged_prefill_attention_matches_the_reference(page_size: int, head_dim: int, tiles):
+    if tiles and (head_dim, page_size) != (64, 16):
+        pytest.skip("other tiles at one shape")
     batch = random_batch(page_size, seed=page_size + head_dim)
     gen = torch.Generator().manual_seed(1)
     pool = KVPool(1, POOL_PAGES, page_size, KV_HEADS, head_dim, torch.float32, DEVICE)
@@ -58,7 +61,7 @@ def test_paged_prefill_attention_matches_the_reference(page_size: int, head_dim:
     pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
     q = torch.randn(batch.num_tokens, HEADS, head_dim, generator=gen).to(DEVICE)
     scale = head_dim**-0.5
-    got = paged_prefill_attention(q, pool.k[0], pool.v[0], batch, scale)
+    got = paged_prefill_attention(q, pool.k[0], pool.v[0], batch, scale, tiles=tiles)
     expected = prefill_attention_batch(q, pool.k[0], pool.v[0], batch, scale)
     torch.testing.assert_close(got, expected, **tolerance(torch.float32))
 
@@ -84,6 +87,8 @@ def test_refuses_mismatched_shapes():
         paged_prefill_attention(q, pool.k[0], pool.v[0], batch, 0.125)
     with pytest.raises(ValueError, match="does not fit"):
         paged_prefill_attention(q[:, :8], pool.k[0], pool.v[0], batch, 0.125)
+    with pytest.raises(ValueError, match="tiles must hold"):
+        paged_prefill_attention(q[:-1], pool.k[0], pool.v[0], batch, 0.125, tiles=(48, 4, 2))
 
 
 def small_model(**overrides):

@@ -224,6 +224,16 @@ def test_prompts_do_not_wait_when_they_fill_a_step_or_nothing_else_can_run():
     assert [(c.request.request_id, c.start) for c in rest.prefill] == [("r0", 16)]
 
 
+def test_prompts_do_not_wait_for_rows_that_cannot_decode():
+    scheduler = make_scheduler(budget=16)
+    rng = random.Random(0)
+    scheduler.add(Request("a", [1, 2, 3, 4, 5, 6], 1, Sampling()))  # its one token comes from its prefill
+    first = scheduler.plan(0)
+    scheduler.add(unshared(1, 6))
+    assert [c.request.request_id for c in scheduler.plan(1).prefill] == ["r1"]  # no row decodes meanwhile
+    commit(scheduler, first, rng)
+
+
 def test_capacity_and_bad_input_change_nothing():
     scheduler = make_scheduler(pool_pages=8)
     with pytest.raises(CapacityError, match="needs 10 KV pages and the pool has 7"):
