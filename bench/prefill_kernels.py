@@ -2,9 +2,8 @@
 shape: Qwen3.5-0.8B's, N fresh sequences of L tokens (default 16 x 512, the GPU planner's 8,192-token step).
 The gated delta net's causal conv (gated_delta_conv.conv_qkv, its one launch), the gated attention's
 norm-rope-write and output gate (gated_attention) and the paged prefill attention (prefill_attention), µs a
-launch: the median of rounds of
-CUDA-event timing, each configuration's output checked equal to the default's. `default` marks what the
-executor launches.
+launch: the median of rounds of CUDA-event timing, each configuration's output checked equal to the default's.
+`default` marks what the executor launches.
 
     python bench/prefill_kernels.py --out docs/bench/prefill_kernels.json
 """
