@@ -72,11 +72,11 @@ def _conv_head(
     BT: tl.constexpr,
     BD: tl.constexpr,
 ):
-    """One head's channels [channel, channel + SIZE) of the chunk's `rows` (its sequence [start, end)) through the
+    """One head's channels [channel, channel + SIZE) of the block's `rows` (its sequence [start, end)) through the
     conv with SiLU (l2-normed per row where NORM), stored at out_ptr's rows, 16 bytes a load and store.
-    `reaches_back`: the chunk begins its sequence and the sequence continues its slot's window, the only chunk
+    `reaches_back`: the block begins its sequence and the sequence continues its slot's window, the only block
     whose first rows read the window; the others skip those loads (2-byte ones, a window's channels lying
-    WIDTH - 1 entries apart: at 64 tokens on 8 warps, 128 a thread against the tokens' 16)."""
+    WIDTH - 1 entries apart: eight a thread for each 16-byte load of the tokens)."""
     cols = tl.arange(0, BD)
     live = (rows < end)[:, None] & (cols < SIZE)[None, :]
     channels = channel + cols
@@ -143,16 +143,22 @@ def _conv_kernel(
     HV: tl.constexpr,
     DV: tl.constexpr,
     WIDTH: tl.constexpr,
+    CHUNK: tl.constexpr,
     BT: tl.constexpr,
     BD: tl.constexpr,
 ):
-    chunk, head = tl.program_id(0), tl.program_id(1)
+    # BT tokens a program, CHUNK // BT programs to each of fla's chunks (whose index this reads)
+    block, head = tl.program_id(0), tl.program_id(1)
+    chunk = block // (CHUNK // BT)
     seq = tl.load(chunks_ptr + 2 * chunk)
     within = tl.load(chunks_ptr + 2 * chunk + 1)
     start = tl.load(cu_ptr + seq)
     end = tl.load(cu_ptr + seq + 1)
-    rows = start + within * BT + tl.arange(0, BT)
-    reaches_back = (within == 0) & (tl.load(kept_ptr + seq) != 0)
+    first = start + within * CHUNK + (block % (CHUNK // BT)) * BT
+    rows = first + tl.arange(0, BT)
+    # the window holds the WIDTH - 1 inputs before the sequence, all within reach of its first block alone
+    # (conv_qkv has WIDTH - 1 <= BT)
+    reaches_back = (first == start) & (tl.load(kept_ptr + seq) != 0)
     window = windows_ptr + tl.load(slots_ptr + seq) * CHANNELS * (WIDTH - 1)
     # this program's head: of q or k (DK channels each), or of v (DV); two call sites, as the norm and the head's
     # size are compile-time arguments of _conv_head
@@ -236,17 +242,25 @@ def _windows_kernel(
     tl.store(window + steps[None, :], tl.where(own, x.to(held.dtype), held), mask=live & real)
 
 
+BLOCK_TOKENS = (16, 32, 64)  # conv_qkv's block_tokens: each divides CHUNK
+WARPS = (1, 2, 4, 8)  # and its warps
+
+
 def conv_qkv(
     x: torch.Tensor,
     weight: torch.Tensor,
     windows: torch.Tensor,
     packed: Packed,
     heads: tuple[int, int, int, int],
+    *,
+    block_tokens: int = 64,
+    warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, C] (q | k | v before the conv; rows may be strided) through the causal depthwise conv (weight [C, K]
     contiguous) after each sequence's window windows[slots[i]] ([slots, C, K - 1] contiguous; zeros where not
     kept), SiLU applied, split into heads = (Hk, Dk, Hv, Dv): q, k [T, Hk, Dk] l2-normed and v [T, Hv, Dv],
-    contiguous, in x's dtype. Reads the windows, writes none (conv_windows moves them on)."""
+    contiguous, in x's dtype. Reads the windows, writes none (conv_windows moves them on). A program is one
+    head of `block_tokens` tokens of one of fla's chunks, on `warps` warps."""
     hk, dk, hv, dv = heads
     tokens, channels = x.shape
     width = weight.shape[1]
@@ -256,9 +270,16 @@ def conv_qkv(
         )
     if x.stride(1) != 1 or not weight.is_contiguous() or not windows.is_contiguous():
         raise ValueError("x must be contiguous along channels, weight and windows contiguous")
+    if block_tokens not in BLOCK_TOKENS or CHUNK % block_tokens:
+        raise ValueError(f"block_tokens must be one of {BLOCK_TOKENS} (dividing {CHUNK}), got {block_tokens}")
+    if width - 1 > block_tokens:  # the kernel lets a sequence's first block alone read its window
+        raise ValueError(f"a conv of width {width} reaches back past a block of {block_tokens} tokens")
+    if warps not in WARPS:
+        raise ValueError(f"warps must be one of {WARPS}, got {warps}")
     q, k = (torch.empty(tokens, hk, dk, dtype=x.dtype, device=x.device) for _ in range(2))
     v = torch.empty(tokens, hv, dv, dtype=x.dtype, device=x.device)
-    _conv_kernel[(packed.chunk_indices.shape[0], 2 * hk + hv)](
+    blocks = packed.chunk_indices.shape[0] * (CHUNK // block_tokens)
+    _conv_kernel[(blocks, 2 * hk + hv)](
         x,
         weight,
         windows,
@@ -276,10 +297,10 @@ def conv_qkv(
         HV=hv,
         DV=dv,
         WIDTH=width,
-        BT=CHUNK,
+        CHUNK=CHUNK,
+        BT=block_tokens,
         BD=triton.next_power_of_2(max(dk, dv)),
-        # a [64, 128] tile: on 4 warps ptxas (12.8, sm90) spills at Qwen3.5's heads, on 8 it does not
-        num_warps=8,
+        num_warps=warps,
     )
     return q, k, v
 
