@@ -139,7 +139,7 @@ def _compile_prefill() -> None:
 
     compiled = compile_for_sm90(
         _conv_kernel,
-        dict(CHANNELS=6144, HK=16, DK=128, HV=16, DV=128, WIDTH=4, CHUNK=64, BT=64, BD=128),
+        dict(CHANNELS=6144, HK=16, DK=128, HV=16, DV=128, WIDTH=4, CHUNK=64, BT=64, BW=4, BD=128),
         {name: "*i64" for name in ("cu_ptr", "chunks_ptr", "slots_ptr", "kept_ptr")},
         warps=8,  # conv_qkv's launch
     )

@@ -32,14 +32,14 @@ def _taps(
     SIZE: tl.constexpr,
     REACH: tl.constexpr,
     WIDTH: tl.constexpr,
-    BT: tl.constexpr,
+    ROWS: tl.constexpr,
     BD: tl.constexpr,
 ):
-    """The conv's sum [BT, BD] over its WIDTH taps, float32, oldest first: tap j reads the input WIDTH - 1 - j
+    """The conv's sum [ROWS, BD] over its WIDTH taps, float32, oldest first: tap j reads the input WIDTH - 1 - j
     tokens back, a token of the sequence, else (REACH) its window's entry. Straight-line code with REACH a
     compile-time argument, so every tap's loads can be in flight at once (behind a branch a tap's loads waited
     for the tap before)."""
-    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BD], dtype=tl.float32)
     for j in tl.static_range(WIDTH):
         at = rows - (WIDTH - 1) + j
         own = (at >= start)[:, None]
@@ -51,6 +51,56 @@ def _taps(
         tap = tl.load(weight_ptr + channels * WIDTH + j, mask=cols < SIZE, other=0.0).to(tl.float32)
         acc += x * tap[None, :]
     return acc
+
+
+@triton.jit
+def _conv_rows(
+    x_ptr,
+    weight_ptr,
+    window,
+    out_ptr,
+    rows,
+    start,
+    stored,
+    channel,
+    x_row_stride,
+    OUT_ROW_STRIDE: tl.constexpr,
+    SIZE: tl.constexpr,
+    NORM: tl.constexpr,
+    REACH: tl.constexpr,
+    WIDTH: tl.constexpr,
+    ROWS: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """One head's channels [channel, channel + SIZE) of `rows` [ROWS] (of the sequence from `start`) through the
+    conv with SiLU (l2-normed per row where NORM), those `stored` [ROWS] stored at out_ptr's rows (a block's
+    16 bytes a load and store); reading the window where REACH."""
+    cols = tl.arange(0, BD)
+    live = stored[:, None] & (cols < SIZE)[None, :]
+    channels = channel + cols
+    acc = _taps(
+        x_ptr,
+        weight_ptr,
+        window,
+        rows,
+        start,
+        live,
+        channels,
+        x_row_stride,
+        cols,
+        SIZE,
+        REACH,
+        WIDTH,
+        ROWS,
+        BD,
+    )
+    out = (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty)
+    if NORM:  # x / |x| per head in float32 from the rounded output, eps inside the root
+        normed = out.to(tl.float32)
+        out = (normed * tl.rsqrt(tl.sum(normed * normed, axis=1) + 1e-6)[:, None]).to(
+            out_ptr.dtype.element_ty
+        )
+    tl.store(out_ptr + rows[:, None] * OUT_ROW_STRIDE + cols[None, :], out, mask=live)
 
 
 @triton.jit
@@ -70,58 +120,55 @@ def _conv_head(
     NORM: tl.constexpr,
     WIDTH: tl.constexpr,
     BT: tl.constexpr,
+    BW: tl.constexpr,
     BD: tl.constexpr,
 ):
-    """One head's channels [channel, channel + SIZE) of the block's `rows` (its sequence [start, end)) through the
-    conv with SiLU (l2-normed per row where NORM), stored at out_ptr's rows, 16 bytes a load and store.
-    `reaches_back`: the block begins its sequence and the sequence continues its slot's window, the only block
-    whose first rows read the window; the others skip those loads (2-byte ones, a window's channels lying
-    WIDTH - 1 entries apart: eight a thread for each 16-byte load of the tokens)."""
-    cols = tl.arange(0, BD)
-    live = (rows < end)[:, None] & (cols < SIZE)[None, :]
-    channels = channel + cols
-    # two call sites alike but for REACH: a compile-time argument, so that each path is straight-line code
+    """One head of the block's `rows` [BT] (its sequence [start, end)) through _conv_rows. `reaches_back`: the
+    block begins its sequence and the sequence continues its slot's window, the only block whose first rows
+    read the window. Those WIDTH - 1 rows go on a [BW, BD] tile of their own, after the block's others: the
+    window's loads are 2-byte ones (a window's channels lie WIDTH - 1 entries apart), a register each, eight
+    for each 16-byte load of the tokens; across the block's tile they set the registers, so the occupancy, of
+    every program (at 16 tokens on 8 warps, ptxas 13.4 for sm90: 128 registers a thread, on the small tile 40).
+    Each row's arithmetic is the same on either tile; the norm's float32 sum follows its tile's layout."""
+    stored = (rows >= tl.where(reaches_back, start + WIDTH - 1, start)) & (rows < end)
+    _conv_rows(
+        x_ptr,
+        weight_ptr,
+        window,
+        out_ptr,
+        rows,
+        start,
+        stored,
+        channel,
+        x_row_stride,
+        OUT_ROW_STRIDE,
+        SIZE,
+        NORM,
+        False,
+        WIDTH,
+        BT,
+        BD,
+    )
     if reaches_back:
-        acc = _taps(
+        held = start + tl.arange(0, BW)
+        _conv_rows(
             x_ptr,
             weight_ptr,
             window,
-            rows,
+            out_ptr,
+            held,
             start,
-            live,
-            channels,
+            (held < start + WIDTH - 1) & (held < end),
+            channel,
             x_row_stride,
-            cols,
+            OUT_ROW_STRIDE,
             SIZE,
+            NORM,
             True,
             WIDTH,
-            BT,
+            BW,
             BD,
         )
-    else:
-        acc = _taps(
-            x_ptr,
-            weight_ptr,
-            window,
-            rows,
-            start,
-            live,
-            channels,
-            x_row_stride,
-            cols,
-            SIZE,
-            False,
-            WIDTH,
-            BT,
-            BD,
-        )
-    out = (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty)
-    if NORM:  # x / |x| per head in float32 from the rounded output, eps inside the root
-        normed = out.to(tl.float32)
-        out = (normed * tl.rsqrt(tl.sum(normed * normed, axis=1) + 1e-6)[:, None]).to(
-            out_ptr.dtype.element_ty
-        )
-    tl.store(out_ptr + rows[:, None] * OUT_ROW_STRIDE + cols[None, :], out, mask=live)
 
 
 @triton.jit
@@ -145,6 +192,7 @@ def _conv_kernel(
     WIDTH: tl.constexpr,
     CHUNK: tl.constexpr,
     BT: tl.constexpr,
+    BW: tl.constexpr,
     BD: tl.constexpr,
 ):
     # BT tokens a program, CHUNK // BT programs to each of fla's chunks (whose index this reads)
@@ -180,6 +228,7 @@ def _conv_kernel(
             True,
             WIDTH,
             BT,
+            BW,
             BD,
         )
     else:
@@ -201,6 +250,7 @@ def _conv_kernel(
             False,
             WIDTH,
             BT,
+            BW,
             BD,
         )
 
@@ -299,6 +349,7 @@ def conv_qkv(
         WIDTH=width,
         CHUNK=CHUNK,
         BT=block_tokens,
+        BW=triton.next_power_of_2(width - 1),
         BD=triton.next_power_of_2(max(dk, dv)),
         num_warps=warps,
     )
