@@ -129,29 +129,22 @@ def test_step_at_slots_equals_the_reference(dtype, block):
     assert (states[0] == 0).all() and (states[[2, 4]] == expected_states[[2, 4]]).all()
 
 
-@pytest.mark.skipif(
-    not (interpreting() or torch.cuda.is_available()), reason="Triton: its interpreter or a CUDA device"
-)
-@pytest.mark.parametrize(
-    ("dtype", "padded"), [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)]
-)
-def test_packed_conv_equals_the_conv_by_sequence(dtype, padded):
-    """gated_delta_conv's kernels (the CUDA prefill's conv) equal conv1d_sequence run sequence by sequence, q
-    and k l2-normed: continued and fresh windows (a fresh one's slot holding garbage), a sequence of one token,
-    windows that reach back past a short sequence, one of two chunks; each window moved on in place at its slot,
-    the other slots untouched. x's rows strided, as the model's joined projection gives them. Padded to a graph's
-    shape: the padding tokens (a sequence at the sink slot) leave the sink's window zero."""
+def _check_packed_conv(starts, host_slots, fresh, dtype, shape=None, **tiles) -> None:
+    """conv_qkv then conv_windows (with `tiles`: block_tokens, warps) on sequences [starts[i], starts[i + 1]) at
+    host_slots[i] (fresh[i]: from zeros, whatever the slot holds) equal conv1d_sequence run sequence by
+    sequence, q and k l2-normed; each window moved on in place at its slot, the other slots untouched. x's rows
+    strided, as the model's joined projection gives them. `shape` (tokens, sequences) pads to a graph's: the
+    padding tokens (a sequence at the sink slot) leave the sink's window zero."""
     from executor_svc.kernels.gated_delta_conv import conv_qkv, conv_windows
     from executor_svc.kernels.gated_delta_fla import Packed
 
     hk, dk, hv, dv = 2, 8, 3, 4  # DV narrower than DK: the v heads' programs mask
     channels = 2 * hk * dk + hv * dv
+    real = starts[-1]
     g = torch.Generator().manual_seed(6)
-    starts = np.array([0, 2, 3, 5, 75])
-    host_slots, fresh = np.array([4, 1, 5, 2]), np.array([False, True, False, False])
-    wide = torch.randn(90 if padded else 75, channels + 5, generator=g).to(dtype)  # tokens past 75: padding
+    wide = torch.randn(shape[0] if shape else real, channels + 5, generator=g).to(dtype)  # past real: padding
     x, weight = wide[:, :channels], torch.randn(channels, K, generator=g).to(dtype)
-    windows = torch.randn(6, channels, K - 1, generator=g).to(dtype)
+    windows = torch.randn(max(host_slots) + 1, channels, K - 1, generator=g).to(dtype)
     windows[0] = 0  # the sink's
     expected_windows, expected = windows.clone(), []
     for i, slot in enumerate(host_slots):
@@ -161,15 +154,69 @@ def test_packed_conv_equals_the_conv_by_sequence(dtype, padded):
     q, k, v = torch.cat(expected).split([hk * dk, hk * dk, hv * dv], dim=-1)
     device = "cpu" if interpreting() else "cuda"
     x, weight, windows = wide.to(device)[:, :channels], weight.to(device), windows.to(device)
-    shape = (len(wide), 6) if padded else None  # room for six sequences: two of none after the padding's
     packed = Packed.build(starts, fresh, host_slots, torch.device(device), shape)
-    outs = conv_qkv(x, weight, windows, packed, (hk, dk, hv, dv))
+    outs = conv_qkv(x, weight, windows, packed, (hk, dk, hv, dv), **tiles)
     conv_windows(x, windows, packed)
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     qk_expected = (ref.l2norm(t.float().view(-1, hk, dk)).to(dtype) for t in (q, k))
     for got, want in zip(outs, (*qk_expected, v.view(-1, hv, dv)), strict=True):
-        torch.testing.assert_close(got[:75].cpu().float(), want.float(), **tolerance)
+        torch.testing.assert_close(got[:real].cpu().float(), want.float(), **tolerance)
     torch.testing.assert_close(windows.cpu(), expected_windows)
+
+
+@pytest.mark.skipif(
+    not (interpreting() or torch.cuda.is_available()), reason="Triton: its interpreter or a CUDA device"
+)
+@pytest.mark.parametrize(
+    ("dtype", "padded"), [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)]
+)
+def test_packed_conv_equals_the_conv_by_sequence(dtype, padded):
+    """gated_delta_conv's kernels (the CUDA prefill's conv) at their defaults: continued and fresh windows, a
+    sequence of one token, windows that reach back past a short sequence, one of two chunks; padded, room for
+    six sequences (two of none after the padding's)."""
+    starts = np.array([0, 2, 3, 5, 75])
+    host_slots, fresh = np.array([4, 1, 5, 2]), np.array([False, True, False, False])
+    _check_packed_conv(starts, host_slots, fresh, dtype, (90, 6) if padded else None)
+
+
+@pytest.mark.skipif(
+    not (interpreting() or torch.cuda.is_available()), reason="Triton: its interpreter or a CUDA device"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_tokens", [16, 32, 64])  # every one conv_qkv takes
+def test_packed_conv_in_blocks_of_a_chunk(block_tokens, dtype):
+    """The packed conv in programs of block_tokens, each a block of one of fla's chunks, on lengths that no
+    block size divides: continued windows reached back into by a one-token sequence, one of WIDTH - 1 tokens
+    and longer ones (whose later blocks must not), a fresh sequence over two chunks, then padding to a graph's
+    shape (its tokens a sequence at the sink, then sequences of none)."""
+    starts = np.array([0, 37, 38, 41, 111, 160])  # 37, 1, 3, 70 and 49 tokens
+    host_slots, fresh = np.array([3, 1, 6, 2, 5]), np.array([False, False, False, True, False])
+    _check_packed_conv(starts, host_slots, fresh, dtype, (176, 7), block_tokens=block_tokens)
+
+
+@pytest.mark.skipif(
+    not (interpreting() or torch.cuda.is_available()), reason="Triton: its interpreter or a CUDA device"
+)
+@pytest.mark.parametrize(
+    ("tiles", "width", "message"),
+    [
+        ({"block_tokens": 8}, K, "block_tokens must be one of"),
+        ({"block_tokens": 48}, K, "block_tokens must be one of"),
+        ({"warps": 3}, K, "warps must be one of"),
+        ({"warps": 16}, K, "warps must be one of"),
+        ({"block_tokens": 16}, 18, "reaches back past a block of 16 tokens"),
+    ],
+)
+def test_packed_conv_refuses_other_tiles(tiles, width, message):
+    """conv_qkv takes the block sizes that divide fla's chunk and reach its window, on 1 to 8 warps."""
+    from executor_svc.kernels.gated_delta_conv import conv_qkv
+    from executor_svc.kernels.gated_delta_fla import Packed
+
+    channels = 2 * 2 * 8 + 3 * 4
+    packed = Packed.build(np.array([0, 5]), np.array([False]), np.array([1]), torch.device("cpu"))
+    x, weight = torch.zeros(5, channels), torch.zeros(channels, width)
+    with pytest.raises(ValueError, match=message):
+        conv_qkv(x, weight, torch.zeros(2, channels, width - 1), packed, (2, 8, 3, 4), **tiles)
 
 
 @pytest.mark.skipif(

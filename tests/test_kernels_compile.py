@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -122,9 +124,11 @@ def _compile_hybrid_step() -> None:
 
 
 def _compile_prefill() -> None:
-    """The prefill's packed conv at Qwen3.5-0.8B's heads: its token loads and q/k/v stores 16 bytes at a time;
-    and its states' moves."""
-    from executor_svc.kernels.gated_delta_conv import _conv_kernel
+    """The prefill's packed conv at Qwen3.5-0.8B's heads, each block_tokens on conv_qkv's default warps: its
+    token loads and q/k/v stores 16 bytes at a time, and no spills; and its states' moves."""
+    import triton
+
+    from executor_svc.kernels.gated_delta_conv import BLOCK_TOKENS, _conv_kernel, conv_qkv
     from executor_svc.kernels.state_moves import _gather_kernel, _scatter_kernel
 
     states = {
@@ -137,16 +141,30 @@ def _compile_prefill() -> None:
     for kernel in (_gather_kernel, _scatter_kernel):
         compile_for_sm90(kernel, dict(BLOCK=2048), states)
 
-    compiled = compile_for_sm90(
-        _conv_kernel,
-        dict(CHANNELS=6144, HK=16, DK=128, HV=16, DV=128, WIDTH=4, CHUNK=64, BT=64, BW=4, BD=128),
-        {name: "*i64" for name in ("cu_ptr", "chunks_ptr", "slots_ptr", "kept_ptr")},
-        warps=8,  # conv_qkv's launch
-    )
-    ptx = compiled.asm["ptx"]
-    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, (
-        "the packed conv's loads are not vectorized"
-    )
+    warps = inspect.signature(conv_qkv).parameters["warps"].default
+    for tokens in BLOCK_TOKENS:
+        compiled = compile_for_sm90(
+            _conv_kernel,
+            dict(CHANNELS=6144, HK=16, DK=128, HV=16, DV=128, WIDTH=4, CHUNK=64, BT=tokens, BW=4, BD=128),
+            {name: "*i64" for name in ("cu_ptr", "chunks_ptr", "slots_ptr", "kept_ptr")},
+            warps,
+        )
+        ptx = compiled.asm["ptx"]
+        assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, (
+            f"the packed conv's loads are not vectorized at {tokens} tokens"
+        )
+        # a spilling kernel has a stack frame (its local memory)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(compiled.asm["cubin"])
+            cubin.flush()
+            usage = subprocess.run(
+                [triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", cubin.name],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        stack = re.search(r"STACK:(\d+)", usage)
+        assert stack and stack.group(1) == "0", f"the packed conv spills at {tokens} tokens: {usage}"
 
 
 def _compile_dependents() -> None:
