@@ -1,6 +1,6 @@
 """The hybrid prefill step's own Triton kernels alone, each over a choice of launch configurations, at one step's
 shape: Qwen3.5-0.8B's, N fresh sequences of L tokens (default 16 x 512, the GPU planner's 8,192-token step).
-The gated delta net's causal conv (gated_delta_conv.conv_qkv, its one launch), the gated attention's
+The gated delta net's causal conv (gated_delta_conv.conv_qkv, its tokens a program and warps), the gated attention's
 norm-rope-write and output gate (gated_attention) and the paged prefill attention (prefill_attention), µs a
 launch: the median of rounds of CUDA-event timing, each configuration's output checked equal to the default's.
 `default` marks what the executor launches.
@@ -33,7 +33,7 @@ PAGE = 16
 MAX_SEQ_LEN = 1024  # bench/decode.py's context: the batch's block tables are that wide
 ROUNDS, LAUNCHES = 7, 20  # timed rounds of launches each
 
-CONV: list[dict] = [{}]  # conv_qkv has one launch: timed alone
+CONV: list[dict] = [{}] + [{"block_tokens": t, "warps": w} for t in (16, 32, 64) for w in (2, 4, 8)]
 ROWS: list[dict] = [{}] + [{"rows_per_program": r, "warps": w} for r in (1, 4, 8, 16, 32) for w in (4, 8)]
 ATTENTION: list[dict] = [{}] + [{"tiles": (n, w, s)} for n in (32, 64) for w in (4, 8) for s in (1, 2, 3)]
 
