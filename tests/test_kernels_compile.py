@@ -124,11 +124,11 @@ def _compile_hybrid_step() -> None:
 
 
 def _compile_prefill() -> None:
-    """The prefill's packed conv at Qwen3.5-0.8B's heads, each block_tokens on conv_qkv's default warps: its
-    token loads and q/k/v stores 16 bytes at a time, and no spills; and its states' moves."""
+    """The prefill's packed conv at Qwen3.5-0.8B's heads as conv_qkv launches it by default, and on the sweep's
+    runner-up: its token loads and q/k/v stores 16 bytes at a time, and no spills; and its states' moves."""
     import triton
 
-    from executor_svc.kernels.gated_delta_conv import BLOCK_TOKENS, _conv_kernel, conv_qkv
+    from executor_svc.kernels.gated_delta_conv import _conv_kernel, conv_qkv
     from executor_svc.kernels.state_moves import _gather_kernel, _scatter_kernel
 
     states = {
@@ -141,8 +141,9 @@ def _compile_prefill() -> None:
     for kernel in (_gather_kernel, _scatter_kernel):
         compile_for_sm90(kernel, dict(BLOCK=2048), states)
 
-    warps = inspect.signature(conv_qkv).parameters["warps"].default
-    for tokens in BLOCK_TOKENS:
+    defaults = inspect.signature(conv_qkv).parameters
+    # the default launch, and the sweep's runner-up (bench/prefill_kernels.py on an H200)
+    for tokens, warps in ((defaults["block_tokens"].default, defaults["warps"].default), (32, 4)):
         compiled = compile_for_sm90(
             _conv_kernel,
             dict(CHANNELS=6144, HK=16, DK=128, HV=16, DV=128, WIDTH=4, CHUNK=64, BT=tokens, BW=4, BD=128),

@@ -304,15 +304,15 @@ def conv_qkv(
     heads: tuple[int, int, int, int],
     *,
     block_tokens: int = 16,
-    warps: int = 8,
+    warps: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, C] (q | k | v before the conv; rows may be strided) through the causal depthwise conv (weight [C, K]
     contiguous) after each sequence's window windows[slots[i]] ([slots, C, K - 1] contiguous; zeros where not
     kept), SiLU applied, split into heads = (Hk, Dk, Hv, Dv): q, k [T, Hk, Dk] l2-normed and v [T, Hv, Dv],
     contiguous, in x's dtype. Reads the windows, writes none (conv_windows moves them on). A program is one
-    head of `block_tokens` tokens of one of fla's chunks, on `warps` warps. The default, 16 on 8: a 128-wide
-    head's [16, 128] tile is one 16-byte load a tap a thread, and of every size taken the most warps an SM
-    (ptxas 13.4 for sm90: 40 registers, no spills, 48 warps)."""
+    head of `block_tokens` tokens of one of fla's chunks, on `warps` warps. The default, 16 on 2, was the
+    fastest of bench/prefill_kernels.py's sweep on an H200 at 16 x 512 tokens (141.7 us a layer; 32 on 4 145.4;
+    16 on 8, the most warps an SM, 284.1; the one 64-token program on 8 before it 227.6)."""
     hk, dk, hv, dv = heads
     tokens, channels = x.shape
     width = weight.shape[1]
