@@ -3,7 +3,8 @@ eager path: the batch packed, the state slots, the forward over the prefill atte
 shape with random bf16 weights, N fresh sequences of L tokens a step. Reports the host's time to issue the step
 (no wait at its end), the wall time to its end, the GPU's kernel time and launches, the kernels taking most of
 it, and the argmax of each sequence's last logits (to compare two commits' outputs); `--profile` prints where
-the host's time goes, `--graph` adds the step replayed from a prefill graph of its size.
+the host's time goes, `--graph` adds the step replayed from a prefill graph of its size (or of `--graph-tokens`,
+the padding a step of bench/decode.py's c = 64 gets with `--shapes 11x512 --graph-tokens 8192 --graph-widest 64`).
 
     python bench/hybrid_prefill.py --graph --commit X --out docs/bench/hybrid_prefill.json
 """
@@ -45,9 +46,19 @@ def prefill_step(model: Qwen35Model, kv, pool, chunks: list, slots: np.ndarray) 
         return model.forward(batch.inputs._replace(states=states), attention, select=batch.last_index)
 
 
-def replayed(model: Qwen35Model, kv, pool, chunks: list, slots: np.ndarray, rounds: int) -> dict:
-    """The same step replayed from a prefill graph of its size (PrefillGraphs.launch: the batch and its state
-    index laid out, one replay): host and wall ms, and the argmax it samples."""
+def replayed(
+    model: Qwen35Model,
+    kv,
+    pool,
+    chunks: list,
+    slots: np.ndarray,
+    rounds: int,
+    bucket: int | None,
+    widest: int,
+) -> dict:
+    """The same step replayed from a prefill graph (PrefillGraphs.launch: the batch and its state index laid
+    out, one replay) of `bucket` tokens (None: the step's) beside decode buckets up to `widest` rows (which bound
+    the graph's sequences): host and wall ms, and the argmax it samples."""
     from executor_svc.prefill.graphs import PrefillGraphs
     from executor_svc.slot_store import GREEDY, SlotStore
     from protos.layout import RowLayout
@@ -56,8 +67,10 @@ def replayed(model: Qwen35Model, kv, pool, chunks: list, slots: np.ndarray, roun
     # an executor's context as bench/decode.py serves it: the graph's block tables are that wide (the model's
     # own 262,144 tokens would lay out 16,384 pages a chunk each step)
     max_seq_len = GRAPH_MAX_SEQ_LEN
-    store = SlotStore(RowLayout.build([n], max_seq_len, PAGE, kv.num_pages), model.device, cfg.vocab_size)
-    bucket = sum(len(ids) for ids, _, _ in chunks)
+    store = SlotStore(
+        RowLayout.build([max(n, widest)], max_seq_len, PAGE, kv.num_pages), model.device, cfg.vocab_size
+    )
+    bucket = bucket or sum(len(ids) for ids, _, _ in chunks)
     graphs = PrefillGraphs(model, kv, store, [bucket], max_seq_len=max_seq_len, state_pool=pool)
     if graphs.states.get(bucket) != "captured":
         return {"graph": graphs.states.get(bucket, "off")}
@@ -88,7 +101,8 @@ def top_kernels(kernels: list, count: int) -> list[dict]:
     ]
 
 
-def measure(model: Qwen35Model, sequences: int, tokens: int, rounds: int, profile: bool, graph: bool) -> dict:
+def measure(model: Qwen35Model, sequences: int, tokens: int, args: argparse.Namespace) -> dict:
+    rounds = args.rounds
     cfg = model.config
     span = -(-tokens // PAGE)
     kv = model.make_kv_pool(sequences * span + 1, PAGE)
@@ -129,15 +143,15 @@ def measure(model: Qwen35Model, sequences: int, tokens: int, rounds: int, profil
         "fell_back": bool(getattr(model._prefill, "failed", False)),
     }
     print(row, flush=True)
-    if profile:
+    if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
         prefill_step(model, kv, pool, chunks, slots)
         profiler.disable()
         torch.cuda.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    if graph:
-        row.update(replayed(model, kv, pool, chunks, slots, rounds))
+    if args.graph:
+        row.update(replayed(model, kv, pool, chunks, slots, rounds, args.graph_tokens, args.graph_widest))
         print(row, flush=True)
     del kv, pool
     torch.cuda.empty_cache()
@@ -154,6 +168,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of one step per shape")
     parser.add_argument("--graph", action="store_true", help="also the step replayed from a prefill graph")
+    parser.add_argument(
+        "--graph-tokens", type=int, default=None, help="the graph's token bucket (default: the step's tokens)"
+    )
+    parser.add_argument(
+        "--graph-widest",
+        type=int,
+        default=1,
+        help="the widest decode bucket beside it (default: the step's sequences)",
+    )
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     parser.add_argument("--out", default="docs/bench/hybrid_prefill.json")
     args = parser.parse_args()
@@ -162,7 +185,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         sequences, tokens = (int(x) for x in shape.split("x"))
-        rows.append(measure(model, sequences, tokens, args.rounds, args.profile, args.graph))
+        rows.append(measure(model, sequences, tokens, args))
     write_json(
         args.out,
         [{"commit": args.commit or commit_hash(), "device": torch.cuda.get_device_name(), "steps": rows}],

@@ -173,10 +173,48 @@ def _check_packed_conv(starts, host_slots, fresh, dtype, shape=None, **tiles) ->
 def test_packed_conv_equals_the_conv_by_sequence(dtype, padded):
     """gated_delta_conv's kernels (the CUDA prefill's conv) at their defaults: continued and fresh windows, a
     sequence of one token, windows that reach back past a short sequence, one of two chunks; padded, room for
-    six sequences (two of none after the padding's)."""
+    six sequences: the 225 padding tokens two at the sink (128 and 97), then one of none."""
     starts = np.array([0, 2, 3, 5, 75])
     host_slots, fresh = np.array([4, 1, 5, 2]), np.array([False, True, False, False])
-    _check_packed_conv(starts, host_slots, fresh, dtype, (90, 6) if padded else None)
+    _check_packed_conv(starts, host_slots, fresh, dtype, (300, 6) if padded else None)
+
+
+@pytest.mark.parametrize(
+    ("starts", "tokens", "spare", "cuts"),
+    [
+        (np.arange(0, 5633, 512), 8192, 54, np.arange(6144, 8192, 512)),  # 11 prompts of 512 in 8,192
+        (np.array([0, 100]), 1000, 2, np.array([612])),  # two spare: pieces of 512 and 388
+        (np.array([0, 3, 10]), 700, 11, np.arange(74, 700, 64)),  # never under a chunk
+        (np.array([0, 3, 10]), 700, 9, np.arange(138, 700, 128)),  # fewer spare: longer pieces
+        (np.array([0, 512]), 512, 3, np.array([], dtype=np.int64)),  # no padding
+    ],
+)
+def test_padding_starts_cut_the_padding_into_short_sequences(starts, tokens, spare, cuts):
+    """A graph's padding tokens in whole-chunk pieces, none longer than the longest prompt where the spare
+    sequences allow, so fla's state pass walks no more chunks in series than the prompts need."""
+    from executor_svc.kernels.gated_delta_fla import padding_starts
+
+    got = padding_starts(starts, tokens, spare)
+    assert np.array_equal(got, cuts) and len(got) < max(spare, 1)
+
+
+def test_packed_padding_sequences_sit_at_the_sink():
+    """A padded Packed: the real sequences, then the padding pieces fresh at the sink slot, then sequences of
+    none; every chunk of every sequence indexed once, the spare chunk entries at the last (empty) one."""
+    from executor_svc.kernels.gated_delta_fla import CHUNK, Packed
+
+    starts, tokens, sequences = np.array([0, 100, 612]), 2048, 8
+    packed = Packed.build(
+        starts, np.array([True, False]), np.array([3, 4]), torch.device("cpu"), (tokens, sequences)
+    )
+    cu = packed.cu_seqlens.tolist()
+    assert cu == [0, 100, 612, 1124, 1636, 2048, 2048, 2048, 2048, 2048, 2048]
+    assert packed.slots.tolist() == [3, 4] + [0] * 8 and packed.kept.tolist() == [0, 1] + [0] * 8
+    lengths = np.diff(cu)
+    chunks = packed.chunk_indices.tolist()
+    real = [[i, c] for i, n in enumerate(lengths) for c in range(-(-n // CHUNK))]
+    assert chunks[: len(real)] == real and all(chunk == [9, 0] for chunk in chunks[len(real) :])
+    assert len(chunks) == -(-tokens // CHUNK) + len(lengths)
 
 
 @pytest.mark.skipif(

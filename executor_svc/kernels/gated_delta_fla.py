@@ -60,16 +60,17 @@ class Packed(NamedTuple):
         """The index of sequences [seq_starts[i], seq_starts[i + 1]) at host_slots[i] (fresh[i]: from zeros),
         chunk indices and offsets made on the host (fla makes them once a call, with a read back) and copied in
         one copy from pinned memory, without a wait. `shape` (tokens, sequences) pads to a captured graph's
-        sizes: the tokens past the real ones make one more fresh sequence at the sink slot, then sequences of
-        none, and the padding chunks point at the last (their programs do nothing); `into` is the int64 device
-        buffer to lay it out in (default a new one)."""
+        sizes: the tokens past the real ones make fresh sequences at the sink slot (padding_starts), then
+        sequences of none, and the padding chunks point at the last (their programs do nothing); `into` is the
+        int64 device buffer to lay it out in (default a new one)."""
         starts = np.asarray(seq_starts, dtype=np.int64)
         slots = np.asarray(host_slots, dtype=np.int64)
         kept = (~np.asarray(fresh, dtype=bool)).astype(np.int64)
         if shape is not None:
             tokens, sequences = shape
             pad = sequences + 2 - len(slots)
-            starts = np.concatenate([starts, np.full(pad, tokens, dtype=np.int64)])
+            cuts = padding_starts(starts, tokens, pad - 1)
+            starts = np.concatenate([starts, cuts, np.full(pad - len(cuts), tokens, dtype=np.int64)])
             slots, kept = (np.concatenate([x, np.zeros(pad, dtype=np.int64)]) for x in (slots, kept))
         n = len(slots)
         counts = -(-np.diff(starts) // CHUNK)  # chunks of each sequence
@@ -90,6 +91,17 @@ class Packed(NamedTuple):
             [n + 1, n + 1, n, n, 2 * len(chunks)]
         )
         return Packed(cu, chunk_indices.view(-1, 2), slots_at, kept_at, chunk_offsets)
+
+
+def padding_starts(starts: np.ndarray, tokens: int, spare: int) -> np.ndarray:
+    """Where the padding tokens [starts[-1], tokens) are cut into up to `spare` sequences: pieces of whole
+    chunks, none longer than the longest real sequence where `spare` allows. fla's state pass walks each
+    sequence's chunks in series, so one long padding sequence (2,560 tokens where 11 prompts of 512 fill an
+    8,192-token bucket) would take that step five times the chunks in series that its prompts need."""
+    padding = tokens - int(starts[-1])
+    longest = int(np.diff(starts).max(initial=1))
+    piece = CHUNK * max(-(-longest // CHUNK), -(-padding // (CHUNK * max(spare, 1))))
+    return np.arange(int(starts[-1]) + piece, tokens, piece, dtype=np.int64)
 
 
 _last_packed: list[tuple[np.ndarray, Packed]] = []  # the step's, reused by its next layers

@@ -258,7 +258,7 @@ class PrefillGraphs:
         self, batch: PrefillBatch, shape: PrefillShape, state_slots: Sequence[int]
     ) -> StateInputs:
         """The batch's recurrent-state inputs, their sequence index laid out for the bucket where its graphs read
-        it (the padding tokens one sequence at the sink slot)."""
+        it (the padding tokens in sequences at the sink slot)."""
         host_slots, fresh = np.asarray(state_slots, dtype=np.int64), batch.starts == 0
         assert self.state_pool is not None
         index = Packed.build(
