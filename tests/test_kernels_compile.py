@@ -86,10 +86,12 @@ def _compile_all() -> None:
             ),
             {"slots_ptr": "*i64", "qk_scale": "fp32"},
         )
-    for split_k in (1, 4):  # one K range; four, summed in the kernel by the last to arrive
+    # one K range; four, summed in the kernel by the last to arrive; four left as sums for the next kernel
+    for split_k, sums_only in ((1, False), (4, False), (4, True)):
         compile_for_sm90(
             _skinny_gemm_kernel,
-            dict(SPLIT_K=split_k, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, DOT_IN_F32=False, LINE_ELEMENTS=64),
+            dict(SPLIT_K=split_k, SUMS_ONLY=sums_only, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, DOT_IN_F32=False)
+            | dict(LINE_ELEMENTS=64),
         )
 
 
@@ -182,7 +184,14 @@ def _compile_dependents() -> None:
     pages = {"write_page_ptr": "*i32", "write_offset_ptr": "*i32"}
     skinny = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, DOT_IN_F32=False, LINE_ELEMENTS=64)
     cases = (  # kernel, constexprs, pointer and float types, warps, prefetches before its wait
-        (fused._rmsnorm_residual_kernel, dict(HAS_RESIDUAL=True, BLOCK=1024), floats, 4, False),
+        (fused._rmsnorm_residual_kernel, dict(HAS_RESIDUAL=True, SPLITS=0, BLOCK=1024), floats, 4, False),
+        (
+            fused._rmsnorm_residual_kernel,
+            dict(HAS_RESIDUAL=True, SPLITS=4, BLOCK=1024),
+            {**floats, "x_ptr": "*fp32"},
+            4,
+            False,
+        ),
         (
             fused._rope_kv_write_kernel,
             dict(HALF=32, HEADS_POW2=16, KV_HEADS_POW2=4),
@@ -205,8 +214,9 @@ def _compile_dependents() -> None:
             8,
             False,
         ),
-        (skinny_gemm._skinny_gemm_kernel, dict(SPLIT_K=1, **skinny), {}, 4, True),
-        (skinny_gemm._skinny_gemm_kernel, dict(SPLIT_K=4, **skinny), {}, 4, True),
+        (skinny_gemm._skinny_gemm_kernel, dict(SPLIT_K=1, SUMS_ONLY=False, **skinny), {}, 4, True),
+        (skinny_gemm._skinny_gemm_kernel, dict(SPLIT_K=4, SUMS_ONLY=False, **skinny), {}, 4, True),
+        (skinny_gemm._skinny_gemm_kernel, dict(SPLIT_K=4, SUMS_ONLY=True, **skinny), {}, 4, True),
         (
             attention._paged_decode_kernel,
             dict(KV_LEN=1, GROUP=4, GROUP_ROWS=16, HEAD_DIM=256, PAGE=16, BLOCK_N=64, SPLITS=8, SPLITS_POW2=8)

@@ -110,3 +110,58 @@ def test_projections_route_narrow_bfloat16_projections_here_with_their_bias():
     h, expected_residual = rmsnorm_residual(x, residual, norm_weight, EPS)
     torch.testing.assert_close(new_residual, expected_residual, atol=0.0, rtol=0.0)
     torch.testing.assert_close(out, F.linear(h, weight, bias), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_split_sums_added_by_the_norm_equal_the_summed_projection(split_k: int, dtype: torch.dtype):
+    """The splits' sums left to rmsnorm_residual give, bit for bit, what the kernel's own last split sums."""
+    from executor_svc.kernels.fused import rmsnorm_residual
+    from executor_svc.kernels.skinny_gemm import skinny_sums
+
+    gen = torch.Generator().manual_seed(split_k)
+    rows, k_in, n_out = 9, 100, 70
+    x, weight = randn(rows, k_in, gen=gen, dtype=dtype), randn(n_out, k_in, gen=gen, dtype=dtype, scale=0.05)
+    residual, norm_weight = randn(rows, n_out, gen=gen, dtype=dtype), randn(n_out, gen=gen, dtype=dtype)
+    config = SkinnyConfig(block_n=16, block_k=16, split_k=split_k, warps=4, stages=2)
+    summed = skinny_gemm(x, weight, config)
+    sums = skinny_sums(x, weight, config)
+    assert sums.sums.shape == (split_k, rows, n_out) and sums.dtype == dtype
+    # torch rounds to bfloat16 to nearest, Triton's interpreter toward zero: a unit apart there
+    one_unit = (
+        dict(atol=0.0, rtol=2**-7) if interpreting() and dtype == torch.bfloat16 else dict(atol=0.0, rtol=0.0)
+    )
+    torch.testing.assert_close(sums.total(), summed, **one_unit)
+    expected = rmsnorm_residual(summed, residual, norm_weight, EPS)
+    for got, want in zip(rmsnorm_residual(sums, residual, norm_weight, EPS), expected, strict=True):
+        torch.testing.assert_close(got, want, atol=0.0, rtol=0.0)
+    with pytest.raises(ValueError, match="split sums take a residual"):
+        rmsnorm_residual(sums, None, norm_weight, EPS)
+
+
+@pytest.mark.parametrize("rows", [2, 8])  # the GEMV's, the skinny GEMM's
+def test_a_projection_into_a_norm_leaves_the_skinny_gemms_sums_to_it(rows: int):
+    from executor_svc.kernels.skinny_gemm import SplitSums
+    from executor_svc.models.dense_kernels import Projections, tensor
+
+    gen = torch.Generator().manual_seed(rows)
+    hidden, narrow = 2048, 1024
+    x = randn(rows, hidden, gen=gen, dtype=torch.bfloat16)
+    residual = randn(rows, narrow, gen=gen, dtype=torch.bfloat16)
+    weight = randn(narrow, hidden, gen=gen, dtype=torch.bfloat16, scale=0.05)
+    norm_weight, next_weight = (
+        randn(narrow, gen=gen, dtype=torch.bfloat16),
+        randn(narrow, narrow, gen=gen, dtype=torch.bfloat16, scale=0.05),
+    )
+    bias = randn(narrow, gen=gen, dtype=torch.bfloat16)
+    projections = Projections(rows, EPS)
+    into_norm = projections.project_to_norm(x, weight)
+    assert isinstance(into_norm, SplitSums) == (rows > 4)
+    plain = projections.project(x, weight)
+    one_unit = dict(atol=0.0, rtol=2**-7) if interpreting() else dict(atol=0.0, rtol=0.0)  # as above
+    torch.testing.assert_close(tensor(into_norm), plain, **one_unit)
+    got = projections.norm_project(into_norm, residual, norm_weight, next_weight)
+    for a, b in zip(got, projections.norm_project(plain, residual, norm_weight, next_weight), strict=True):
+        torch.testing.assert_close(a, b, atol=0.0, rtol=0.0)
+    # a bias follows the product: the sum is made first
+    assert isinstance(projections.project_to_norm(x, weight, bias), torch.Tensor)

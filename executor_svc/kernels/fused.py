@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from executor_svc.kernels.dependent import await_inputs, dependent
+from executor_svc.kernels.skinny_gemm import SplitSums
 
 _MLP_BLOCK = 1024
 
@@ -21,58 +22,92 @@ def _rmsnorm_residual_kernel(
     new_residual_ptr,
     stride_x,
     stride_residual,
+    split_stride,
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
+    """A row of x (with SPLITS, x_ptr holds a skinny GEMM's float32 sums [SPLITS, B, hidden], added here in split
+    order and rounded, as its last split would have) plus its residual, normed."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     live = cols < hidden
+    dtype = normed_ptr.dtype.element_ty
     weight = tl.load(weight_ptr + cols, mask=live, other=0.0).to(tl.float32)
     await_inputs(DEPENDENT)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0)
+    if SPLITS:
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            total += tl.load(x_ptr + s * split_stride + row * stride_x + cols, mask=live, other=0.0)
+        x = total.to(dtype)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=live, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
         tl.store(new_residual_ptr + row * hidden + cols, x, mask=live)
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / hidden + eps)
     # As the torch RMSNorm: normalise in float32, round to the input dtype, then scale by the weight.
-    normed = (x32 * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32) * weight
-    tl.store(normed_ptr + row * hidden + cols, normed.to(normed_ptr.dtype.element_ty), mask=live)
+    normed = (x32 * inv_rms).to(dtype).to(tl.float32) * weight
+    tl.store(normed_ptr + row * hidden + cols, normed.to(dtype), mask=live)
 
 
 def rmsnorm_residual(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x[B, hidden] (+ residual[B, hidden]) -> (rmsnorm(sum) * weight, sum); residual None = no add, sum = x."""
-    batch, hidden = x.shape
-    if weight.shape != (hidden,) or (residual is not None and residual.shape != x.shape):
+    """x[B, hidden] (+ residual[B, hidden]) -> (rmsnorm(sum) * weight, sum); residual None = no add, sum = x.
+    x may be a skinny GEMM's split sums (with a residual), added up here."""
+    splits = x.sums.shape[0] if isinstance(x, SplitSums) else 0
+    values = (
+        x.sums[0] if isinstance(x, SplitSums) else x
+    )  # values: [B, hidden], the first split's where split
+    dtype = x.dtype
+    batch, hidden = values.shape
+    if weight.shape != (hidden,) or (residual is not None and residual.shape != values.shape):
         raise ValueError(
             f"weight must be [{hidden}] and residual [{batch}, {hidden}], got {tuple(weight.shape)}, "
             f"{None if residual is None else tuple(residual.shape)}"
         )
-    if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1) or not weight.is_contiguous():
+    if isinstance(x, SplitSums) and (
+        residual is None
+        or residual.dtype != dtype
+        or not x.sums.is_contiguous()
+        or x.sums.dtype != torch.float32
+    ):
+        raise ValueError("split sums take a residual of their dtype, and are contiguous float32")
+    if (
+        values.stride(1) != 1
+        or (residual is not None and residual.stride(1) != 1)
+        or not weight.is_contiguous()
+    ):
         raise ValueError("x, residual and weight must be contiguous along hidden")
-    normed = torch.empty(batch, hidden, dtype=x.dtype, device=x.device)
-    new_residual = x if residual is None else torch.empty(batch, hidden, dtype=x.dtype, device=x.device)
+    normed = torch.empty(batch, hidden, dtype=dtype, device=values.device)
+    new_residual = (
+        values if residual is None else torch.empty(batch, hidden, dtype=dtype, device=values.device)
+    )
     block = triton.next_power_of_2(hidden)
     _rmsnorm_residual_kernel[(batch,)](
-        x,
-        x if residual is None else residual,
+        values,
+        values if residual is None else residual,
         weight,
         normed,
         new_residual,
-        x.stride(0),
-        x.stride(0) if residual is None else residual.stride(0),
+        values.stride(0),
+        values.stride(0) if residual is None else residual.stride(0),
+        batch * hidden
+        if splits
+        else 0,  # (an unused argument that does not specialize the kernel on the batch)
         hidden,
         eps,
         HAS_RESIDUAL=residual is not None,
+        SPLITS=splits,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),  # about 8 values a thread, whatever the hidden size
-        **dependent(x.device),
+        **dependent(values.device),
     )
     return normed, new_residual
 

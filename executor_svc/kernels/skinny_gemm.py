@@ -3,7 +3,9 @@ x[M, K] @ weight[N, K].T on the tensor cores, one block of rows covering all M s
 once, and the K dimension split between programs so even a 1,024-wide projection fills the GPU. The splits
 meet inside the same kernel: each stores its float32 partial sum, and the last of a column block's splits to
 arrive (an atomic counter) adds them in split order, so the result does not depend on which arrives last and
-a CUDA graph holds one kernel a projection, no reduction launch."""
+a CUDA graph holds one kernel a projection, no reduction launch. Or (skinny_sums) the splits' sums are left
+for the kernel that reads the product to add up the same way (fused.rmsnorm_residual), and the kernel ends
+without the counter."""
 
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ def _skinny_gemm_kernel(
     stride_out,
     k_per_split,
     SPLIT_K: tl.constexpr,
+    SUMS_ONLY: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -55,7 +58,8 @@ def _skinny_gemm_kernel(
 ):
     """out[m, n] = sum_k x[m, k] * weight[n, k] for outputs [pid0 * BLOCK_N, +BLOCK_N), every row m, over the
     K range [pid1 * k_per_split, +k_per_split); with SPLIT_K > 1, the partial goes to partial[pid1] and the
-    column block's last split sums partial[0..SPLIT_K) in order into out and resets its counter."""
+    column block's last split sums partial[0..SPLIT_K) in order into out and resets its counter. SUMS_ONLY: each
+    split's partial goes to partial[pid1] and the kernel ends there, the sum left to the kernel that reads it."""
     column_block, split = tl.program_id(0), tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
     n = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,11 +93,13 @@ def _skinny_gemm_kernel(
         acc = tl.dot(x, w, acc, input_precision="ieee")
     tile = live_m[:, None] & live_n[None, :]
     out_ptrs = out_ptr + m[:, None] * stride_out + n[None, :]
-    if SPLIT_K == 1:
+    partial_tile = m[:, None] * n_out + n[None, :]
+    split_stride = rows * n_out
+    if SUMS_ONLY:
+        tl.store(partial_ptr + split * split_stride + partial_tile, acc, mask=tile)
+    elif SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=tile)
     else:
-        partial_tile = m[:, None] * n_out + n[None, :]
-        split_stride = rows * n_out
         tl.store(partial_ptr + split * split_stride + partial_tile, acc, mask=tile)
         # every thread's store is made before the release: the barrier orders them before the atomic
         tl.debug_barrier()
@@ -152,8 +158,36 @@ def wins(rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> bool:
     return MIN_ROWS <= rows <= MAX_ROWS and dtype == torch.bfloat16 and narrow
 
 
+class SplitSums(NamedTuple):
+    """A projection's output as its K splits' float32 sums, left for the kernel that reads it to add up in split
+    order and round to `dtype` (fused.rmsnorm_residual), as the skinny GEMM's last split would have."""
+
+    sums: torch.Tensor  # [splits, M, N] float32
+    dtype: torch.dtype
+
+    def total(self) -> torch.Tensor:
+        """The output [M, N] in `dtype`, the sums added in split order as the kernels add them."""
+        total = self.sums[0]
+        for split in self.sums[1:]:
+            total = total + split
+        return total.to(self.dtype)
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
     """x[M, K] @ weight[N, K].T -> out[M, N] in x's dtype (float32 accumulation), for M <= MAX_ROWS."""
+    return _launch(x, weight, config, sums_only=False)[0]
+
+
+def skinny_sums(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> SplitSums:
+    """skinny_gemm's product as its splits' float32 sums, for a reader that adds them up itself: the kernel ends
+    without the last split's wait on an atomic counter and its read-back of the others."""
+    return SplitSums(_launch(x, weight, config, sums_only=True)[1], x.dtype)
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None, sums_only: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's launch: (out, partial); where sums_only, partial holds the product and out is not written."""
     rows, k_in = x.shape
     n_out, weight_k = weight.shape
     if rows > MAX_ROWS or weight_k != k_in:
@@ -165,12 +199,14 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
         raise ValueError("x and weight must share a dtype, x contiguous along K and weight contiguous")
     config = config or default_config(rows, n_out, k_in, x.dtype)
     columns = triton.cdiv(n_out, config.block_n)
-    if config.split_k > 1 and columns > _COUNTERS:
+    counted = config.split_k > 1 and not sums_only
+    if counted and columns > _COUNTERS:
         raise ValueError(f"a split projection has at most {_COUNTERS} column blocks, got {columns}")
-    out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
-    # partial: [split_k, M, N] float32 sums, each split's K range (unused with one split)
-    partial = out if config.split_k == 1 else torch.empty(config.split_k, rows, n_out, device=x.device)
-    counters = _counters_on(x.device) if config.split_k > 1 else out
+    # partial: [split_k, M, N] float32 sums, each split's K range (unused with one split, unless sums_only)
+    out = torch.empty(0 if sums_only else rows, n_out, dtype=x.dtype, device=x.device)
+    split = config.split_k > 1 or sums_only
+    partial = torch.empty(config.split_k, rows, n_out, device=x.device) if split else out
+    counters = _counters_on(x.device) if counted else out
     k_per_split = triton.cdiv(triton.cdiv(k_in, config.split_k), config.block_k) * config.block_k
     _skinny_gemm_kernel[(columns, config.split_k)](
         x,
@@ -185,6 +221,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
         out.stride(0),
         k_per_split,
         SPLIT_K=config.split_k,
+        SUMS_ONLY=sums_only,
         BLOCK_M=block_m(rows),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -194,4 +231,4 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | No
         num_stages=config.stages,
         **dependent(x.device),
     )
-    return out
+    return out, partial

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from executor_svc.attention import Attention, StepInputs
+    from executor_svc.kernels.skinny_gemm import SplitSums
     from executor_svc.models.dense import DenseLayer, DenseModel
 
 
@@ -60,7 +61,8 @@ def _fuse_layer(layer: DenseLayer) -> FusedLayer:
 class Projections:
     """A fused decode step's projections, by its row count: a few rows, each projection one GEMV kernel that
     also norms its input (and gates gate_up's output); more, GEMMs between the norm and SiLU kernels: the
-    skinny GEMM kernel where it beats cuBLAS (skinny_gemm.wins), cuBLAS elsewhere."""
+    skinny GEMM kernel where it beats cuBLAS (skinny_gemm.wins), cuBLAS elsewhere. A projection whose output
+    only feeds the next norm (project_to_norm) leaves the skinny GEMM's split sums for the norm to add up."""
 
     def __init__(self, rows: int, eps: float) -> None:
         from executor_svc.kernels import gemv
@@ -82,9 +84,21 @@ class Projections:
             return F.linear(x, weight, bias)
         return out if bias is None else out + bias
 
+    def project_to_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | SplitSums:
+        """project's output, for norm_project alone to read: the skinny GEMM's split sums where it takes the
+        projection (and no bias follows)."""
+        from executor_svc.kernels import skinny_gemm
+
+        n_out, k_in = weight.shape
+        if not self.few and bias is None and skinny_gemm.wins(self.rows, n_out, k_in, weight.dtype):
+            return skinny_gemm.skinny_sums(x, weight)
+        return self.project(x, weight, bias)
+
     def norm_project(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | SplitSums,
         residual: torch.Tensor | None,
         norm_weight: torch.Tensor,
         weight: torch.Tensor,
@@ -96,6 +110,7 @@ class Projections:
         from executor_svc.kernels.fused import rmsnorm_residual, silu_mul
 
         if self.few:
+            x = tensor(x)  # (a few rows' projections are the GEMV's: never split sums)
             if bias is None:
                 return gemv.gemv(x, weight, norm=(residual, norm_weight, self.eps), gated=gated)
             # the bias goes in before the gate: the GEMV's own gating cannot take it
@@ -105,6 +120,11 @@ class Projections:
             h, residual = rmsnorm_residual(x, residual, norm_weight, self.eps)
             out = self.project(h, weight, bias)
         return (silu_mul(out) if gated else out), residual
+
+
+def tensor(x: torch.Tensor | SplitSums) -> torch.Tensor:
+    """x, its split sums added up where it is a skinny GEMM's (as the kernels that read them add them)."""
+    return x if isinstance(x, torch.Tensor) else x.total()
 
 
 def forward_kernels(
@@ -118,16 +138,17 @@ def forward_kernels(
     heads, kv_heads, head_dim, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps
     q_end = heads * head_dim
     k_end = q_end + kv_heads * head_dim
-    x = model.enter(inputs.tokens)  # x: [B, hidden]
-    batch = x.shape[0]
+    embedded = model.enter(inputs.tokens)  # embedded: [B, hidden]
+    batch = embedded.shape[0]
     projections = Projections(batch, eps)
-    project, norm_project = projections.project, projections.norm_project
+    project_to_norm, norm_project = projections.project_to_norm, projections.norm_project
 
     def head_norm(x: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
         """x[B, heads, D] -> each head RMS-normed (Qwen3's q/k norm), contiguous."""
         return rmsnorm_residual(x.reshape(-1, head_dim), None, norm_weight, eps)[0].view(x.shape)
 
     residual = None  # the first norm's "sum" is the embedding itself
+    x: torch.Tensor | SplitSums = embedded  # a layer's output, for the next layer's norm
     for index, (layer, fused) in enumerate(zip(model.decoder_layers(), fused_layers(model), strict=True)):
         attn = layer.self_attn
         # qkv: [B, (H + 2 KVH) * D]
@@ -151,18 +172,19 @@ def forward_kernels(
             inputs.write_page,
             inputs.write_offset,
         )
-        x = project(attention.forward(index, q).flatten(1), attn.o_proj.weight, attn.o_proj.bias)
+        attended = attention.forward(index, q).flatten(1)
+        x = project_to_norm(attended, attn.o_proj.weight, attn.o_proj.bias)
         # act: [B, I], SiLU(gate) * up
         act, residual = norm_project(
             x, residual, layer.post_attention_layernorm.weight, fused.gate_up_weight, fused.gate_up_bias, True
         )
-        x = project(act, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)
+        x = project_to_norm(act, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)
     assert residual is not None, "no layer ran: a stage holds at least one layer"
     if not model.stage.layers.last:  # the next stage starts from the sum, as a first stage from its embedding
-        model.stage.hand_on(x + residual)
+        model.stage.hand_on(tensor(x) + residual)
         return None
     if select is not None:
-        x, residual = x.index_select(0, select), residual.index_select(0, select)
+        x, residual = tensor(x).index_select(0, select), residual.index_select(0, select)
     norm, head = model.head
     h, _ = rmsnorm_residual(x, residual, norm.weight, eps)
     return F.linear(h, cast("torch.Tensor", head.weight))

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from executor_svc.models.dense_kernels import Projections, join_rows
+from executor_svc.models.dense_kernels import Projections, join_rows, tensor
 from executor_svc.models.qwen3_5_config import LINEAR
 
 if TYPE_CHECKING:
     from executor_svc.attention import Attention, StepInputs
+    from executor_svc.kernels.skinny_gemm import SplitSums
     from executor_svc.models.qwen3_5_model import Qwen35Model, _Layer
     from executor_svc.state_pool import StateInputs
 
@@ -83,35 +84,38 @@ def forward_kernels(
     cfg, states = model.config, inputs.states
     assert states is not None, "a Qwen3.5 step carries its state slots"
     eps = cfg.rms_eps
-    x = model.enter(inputs.tokens)  # x: [B, hidden] (prefill: B tokens)
-    projections = Projections(x.shape[0], eps)
-    project, norm_project = projections.project, projections.norm_project
+    embedded = model.enter(inputs.tokens)  # embedded: [B, hidden] (prefill: B tokens)
+    projections = Projections(embedded.shape[0], eps)
+    project_to_norm, norm_project = projections.project_to_norm, projections.norm_project
 
     weights = fused_weights(model)
     # the narrowest decode steps' arrival counters for the gated delta nets' one-kernel step, one a row and key
     # head, which each layer's kernel leaves zero for the next: one memset a step
     arrivals = None
-    if states.seq_starts is None and joined_step_wins(x.shape[0], cfg.linear_value_heads):
-        arrivals = torch.zeros(x.shape[0] * cfg.linear_key_heads, dtype=torch.int32, device=x.device)
+    if states.seq_starts is None and joined_step_wins(embedded.shape[0], cfg.linear_value_heads):
+        arrivals = torch.zeros(
+            embedded.shape[0] * cfg.linear_key_heads, dtype=torch.int32, device=embedded.device
+        )
     residual = None  # the first norm's "sum" is the embedding itself
+    x: torch.Tensor | SplitSums = embedded  # a layer's output, for the next layer's norm
     for layer, fused, pool_index in zip(
         model._decoder_layers(), weights.layers, model.pool_index, strict=True
     ):
         mixed, residual = norm_project(x, residual, fused.input_norm, fused.in_weight)
         if layer.kind == LINEAR:
             core = _delta_net_core(model, layer, fused, mixed, states, pool_index, arrivals)
-            x = project(core, layer.linear_attn.out_proj.weight)
+            x = project_to_norm(core, layer.linear_attn.out_proj.weight)
         else:
             gated = _attention_core(model, fused, mixed, inputs, attention, pool_index)
-            x = project(gated, layer.self_attn.o_proj.weight)
+            x = project_to_norm(gated, layer.self_attn.o_proj.weight)
         act, residual = norm_project(x, residual, fused.post_norm, fused.gate_up_weight, gated=True)
-        x = project(act, layer.mlp.down_proj.weight)
+        x = project_to_norm(act, layer.mlp.down_proj.weight)
     assert residual is not None, "no layer ran: a stage holds at least one layer"
     if not model.stage.layers.last:  # the next stage starts from the sum, as a first stage from its embedding
-        model.stage.hand_on(x + residual)
+        model.stage.hand_on(tensor(x) + residual)
         return None
     if select is not None:
-        x, residual = x.index_select(0, select), residual.index_select(0, select)
+        x, residual = tensor(x).index_select(0, select), residual.index_select(0, select)
     assert weights.final_norm is not None, "the last stage holds the final norm"
     h, _ = rmsnorm_residual(x, residual, weights.final_norm, eps)
     return F.linear(h, model.head[1])
