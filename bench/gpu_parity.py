@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -172,31 +171,6 @@ def check(args: argparse.Namespace) -> None:
     report(args, records, args.out)
 
 
-def hybrid_reference(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """transformers' greedy tokens from tests/hybrid_model's model (seeded: the one the caller saved), computed
-    in a child process that cannot import fla. On a CUDA machine with fla installed, a transformers release (the
-    device's, 2026-12) routes its gated delta rule to fla's Triton kernels whatever the inputs' device, and they
-    refuse the reference's CPU tensors."""
-    script = (
-        "import json, sys\n"
-        "sys.modules['fla'] = None  # import fla fails: transformers keeps its torch gated delta rule\n"
-        "from tests.hybrid_model import build_text_model, greedy\n"
-        "prompts, max_tokens = json.load(sys.stdin)\n"
-        "model = build_text_model()\n"
-        "print(json.dumps([greedy(model, p, max_tokens) for p in prompts]))\n"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    child = subprocess.run(
-        [sys.executable, "-c", script],
-        input=json.dumps([[list(map(int, p)) for p in prompts], max_tokens]),
-        stdout=subprocess.PIPE,
-        text=True,
-        check=True,
-        cwd=root,
-    )
-    return json.loads(child.stdout.splitlines()[-1])
-
-
 def families(args: argparse.Namespace) -> None:
     """Each tiny family variant: checkpoint, transformers' tokens on the CPU, deltaserve on args.device."""
     import tempfile
@@ -229,12 +203,13 @@ def families(args: argparse.Namespace) -> None:
             ):
                 records.append({"variant": variant, **record})
         if "qwen3_5" in wanted:  # the hybrid, both layouts of one model
-            from tests.hybrid_model import build_text_model, save_layouts
+            from tests.hybrid_model import build_text_model, greedy, save_layouts
 
             began = time.perf_counter()
             hybrid = build_text_model()
             layouts = save_layouts(hybrid, str(Path(root) / "qwen3_5"), tokenizer)
-            expected = hybrid_reference(prompts, args.max_tokens)
+            # build_text_model's model keeps transformers' torch gated delta rule where fla is installed too
+            expected = [greedy(hybrid, list(map(int, p)), args.max_tokens) for p in prompts]
             print(f"qwen3_5: checkpoint and reference in {time.perf_counter() - began:.1f} s", flush=True)
             options = [GenerateOptions(token_ids=p, max_tokens=args.max_tokens) for p in prompts]
             for variant, directory in zip(("qwen3_5_text", "qwen3_5"), layouts, strict=True):

@@ -29,10 +29,12 @@ TEXT_CONFIG = dict(
 def build_text_model(seed: int = 0, **overrides):
     """Qwen3_5ForCausalLM with random weights, its norms random too (their init is the identity); `overrides`
     change TEXT_CONFIG's fields."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5TextConfig
+
+    from tests.torch_only import qwen3_5_modeling
 
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TEXT_CONFIG, **overrides})).eval()
+    model = qwen3_5_modeling().Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TEXT_CONFIG, **overrides})).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

@@ -17,9 +17,9 @@ T, HK, H, DK, DV, C, K = 150, 2, 4, 16, 8, 24, 4  # T spans three blocks of the 
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from tests.torch_only import qwen3_5_modeling
 
-    return modeling_qwen3_5
+    return qwen3_5_modeling()
 
 
 def _inputs(seed: int = 0):
