@@ -62,9 +62,7 @@ def rmsnorm_residual(
     """x[B, hidden] (+ residual[B, hidden]) -> (rmsnorm(sum) * weight, sum); residual None = no add, sum = x.
     x may be a skinny GEMM's split sums (with a residual), added up here."""
     splits = x.sums.shape[0] if isinstance(x, SplitSums) else 0
-    values = (
-        x.sums[0] if isinstance(x, SplitSums) else x
-    )  # values: [B, hidden], the first split's where split
+    values = x.sums[0] if isinstance(x, SplitSums) else x  # values: [B, hidden] (the first split's)
     dtype = x.dtype
     batch, hidden = values.shape
     if weight.shape != (hidden,) or (residual is not None and residual.shape != values.shape):
@@ -90,6 +88,7 @@ def rmsnorm_residual(
         values if residual is None else torch.empty(batch, hidden, dtype=dtype, device=values.device)
     )
     block = triton.next_power_of_2(hidden)
+    split_stride = batch * hidden if splits else 0  # 0 unused: no specialization on the batch without splits
     _rmsnorm_residual_kernel[(batch,)](
         values,
         values if residual is None else residual,
@@ -98,9 +97,7 @@ def rmsnorm_residual(
         new_residual,
         values.stride(0),
         values.stride(0) if residual is None else residual.stride(0),
-        batch * hidden
-        if splits
-        else 0,  # (an unused argument that does not specialize the kernel on the batch)
+        split_stride,
         hidden,
         eps,
         HAS_RESIDUAL=residual is not None,
