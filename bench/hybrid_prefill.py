@@ -70,7 +70,10 @@ def replayed(
     store = SlotStore(
         RowLayout.build([max(n, widest)], max_seq_len, PAGE, kv.num_pages), model.device, cfg.vocab_size
     )
-    bucket = bucket or sum(len(ids) for ids, _, _ in chunks)
+    tokens = sum(len(ids) for ids, _, _ in chunks)
+    if bucket is not None and bucket < tokens:
+        return {"graph": f"the step's {tokens} tokens do not fit a {bucket}-token bucket"}
+    bucket = bucket or tokens
     graphs = PrefillGraphs(model, kv, store, [bucket], max_seq_len=max_seq_len, state_pool=pool)
     if graphs.states.get(bucket) != "captured":
         return {"graph": graphs.states.get(bucket, "off")}

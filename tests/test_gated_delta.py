@@ -173,7 +173,7 @@ def _check_packed_conv(starts, host_slots, fresh, dtype, shape=None, **tiles) ->
 def test_packed_conv_equals_the_conv_by_sequence(dtype, padded):
     """gated_delta_conv's kernels (the CUDA prefill's conv) at their defaults: continued and fresh windows, a
     sequence of one token, windows that reach back past a short sequence, one of two chunks; padded, room for
-    six sequences: the 225 padding tokens two at the sink (128 and 97), then one of none."""
+    six sequences: the 225 padding tokens two at the sink (128 and 97), then two of none."""
     starts = np.array([0, 2, 3, 5, 75])
     host_slots, fresh = np.array([4, 1, 5, 2]), np.array([False, True, False, False])
     _check_packed_conv(starts, host_slots, fresh, dtype, (300, 6) if padded else None)
@@ -190,7 +190,7 @@ def test_packed_conv_equals_the_conv_by_sequence(dtype, padded):
     ],
 )
 def test_padding_starts_cut_the_padding_into_short_sequences(starts, tokens, spare, cuts):
-    """A graph's padding tokens in whole-chunk pieces, none longer than the longest prompt where the spare
+    """A graph's padding tokens in whole-chunk pieces, none of more chunks than the longest prompt where the spare
     sequences allow, so fla's state pass walks no more chunks in series than the prompts need."""
     from executor_svc.kernels.gated_delta_fla import padding_starts
 

@@ -11,7 +11,7 @@ from types import ModuleType
 @functools.cache
 def qwen3_5_modeling() -> ModuleType:
     """A private copy of transformers' modeling_qwen3_5, loaded while `import fla` fails. Where fla-core is
-    installed, transformers' own module routes its gated delta rule and conv to fla's Triton kernels (which a
+    installed, transformers' own module routes its gated delta rule to fla's Triton kernels (which a
     CUDA machine's transformers does for CPU tensors too, and they refuse them); the reference these tests
     compare against is the torch one, the same on every machine."""
     from transformers.models.qwen3_5 import modeling_qwen3_5

@@ -45,7 +45,9 @@ class Packed(NamedTuple):
     @staticmethod
     def words(tokens: int, sequences: int) -> int:
         """The int64 words of a batch padded to `tokens` and `sequences`: its layout in a graph's buffer."""
-        held = sequences + 2  # the real ones, the padding tokens' one, an empty one for the padding chunks
+        held = (
+            sequences + 2
+        )  # the real ones and the padding tokens' (padding_starts), at least one empty last
         return 4 * held + 2 + 2 * (-(-tokens // CHUNK) + held)
 
     @staticmethod
@@ -95,7 +97,7 @@ class Packed(NamedTuple):
 
 def padding_starts(starts: np.ndarray, tokens: int, spare: int) -> np.ndarray:
     """Where the padding tokens [starts[-1], tokens) are cut into up to `spare` sequences: pieces of whole
-    chunks, none longer than the longest real sequence where `spare` allows. fla's state pass walks each
+    chunks, none of more chunks than the longest real sequence where `spare` allows. fla's state pass walks each
     sequence's chunks in series, so one long padding sequence (2,560 tokens where 11 prompts of 512 fill an
     8,192-token bucket) would take that step five times the chunks in series that its prompts need."""
     padding = tokens - int(starts[-1])

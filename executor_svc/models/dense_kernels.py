@@ -87,8 +87,8 @@ class Projections:
     def project_to_norm(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor | SplitSums:
-        """project's output, for norm_project alone to read: the skinny GEMM's split sums where it takes the
-        projection (and no bias follows)."""
+        """project's output for the next norm (norm_project's, or the final one) to read: the skinny GEMM's split
+        sums where it takes the projection (and no bias follows); tensor() adds them up for any other reader."""
         from executor_svc.kernels import skinny_gemm
 
         n_out, k_in = weight.shape
