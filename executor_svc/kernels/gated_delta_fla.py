@@ -45,9 +45,8 @@ class Packed(NamedTuple):
     @staticmethod
     def words(tokens: int, sequences: int) -> int:
         """The int64 words of a batch padded to `tokens` and `sequences`: its layout in a graph's buffer."""
-        held = (
-            sequences + 2
-        )  # the real ones and the padding tokens' (padding_starts), at least one empty last
+        # the real ones and the padding tokens' (padding_starts), at least one empty one last
+        held = sequences + 2
         return 4 * held + 2 + 2 * (-(-tokens // CHUNK) + held)
 
     @staticmethod
