@@ -22,6 +22,12 @@ def hf():
     return qwen3_5_modeling()
 
 
+def _heads(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k repeated to the value heads, as the model does before transformers' rule (older releases'
+    torch rule takes as many key heads as value heads)."""
+    return q.repeat_interleave(H // HK, dim=2), k.repeat_interleave(H // HK, dim=2)
+
+
 def _inputs(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(1, T, HK, DK, generator=g), torch.randn(1, T, HK, DK, generator=g)
@@ -35,7 +41,13 @@ def test_sequence_equals_transformers_chunked(hf, from_zeros):
     q, k, v, g, beta, state = _inputs()
     initial = None if from_zeros else state
     expected, final = hf.torch_chunk_gated_delta_rule(
-        q, k, v, g, beta, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True
+        *_heads(q, k),
+        v,
+        g,
+        beta,
+        initial_state=initial,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
     )
     # ours value-major ([H, Dv, Dk], the pool's), transformers' key-major
     initial = None if from_zeros else state[0].transpose(-1, -2)
@@ -47,7 +59,7 @@ def test_sequence_equals_transformers_chunked(hf, from_zeros):
 def test_steps_equal_transformers_recurrent(hf):
     q, k, v, g, beta, state = _inputs(1)
     expected, final = hf.torch_recurrent_gated_delta_rule(
-        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+        *_heads(q, k), v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
     outs, state = [], state.transpose(-1, -2)  # ours value-major, transformers' key-major
     for t in range(T):
