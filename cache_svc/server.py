@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import sqlite3
 import time
@@ -32,13 +31,12 @@ from cache_svc.manifest import (
 from cache_svc.quarantine import quarantined
 from cache_svc.store import PendingSnapshot, ShardReader
 from protos import cache_pb2, cache_pb2_grpc
-from protos.auth import key_tenant, request_tenant
+from protos.auth import drain_refused, key_tenant, request_tenant
 from protos.rpc import ServerSecurity, StartedServer, log_access, start_server
 from protos.wire import pack_i32, unpack_i32
 
 log = structlog.get_logger("deltaserve.cache.server")
 
-PUT_DRAIN_S = 30.0  # at most this long spent reading the rest of a refused Put
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
 
 _STATUS = {
@@ -125,15 +123,6 @@ async def _abort(context: grpc.aio.ServicerContext, err: SnapshotError) -> None:
     await context.abort(code, str(err))
 
 
-async def _drain(parts: AsyncIterator[cache_pb2.SnapshotPart]) -> None:
-    """Reads (and drops) the rest of a refused Put before its status goes out: a status sent while the
-    client still writes large chunks reaches it as INTERNAL "Internal error from Core", not as itself."""
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(PUT_DRAIN_S):
-            async for _ in parts:
-                pass
-
-
 class CacheServicer(cache_pb2_grpc.CacheServicer):
     def __init__(self, index: SnapshotIndex) -> None:
         self.index = index
@@ -165,12 +154,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         except SnapshotError as err:
             if pending is not None:
                 pending.abort()
-            await _drain(request_iterator)
+            await drain_refused(request_iterator)
             await _abort(context, err)
         except (OSError, sqlite3.Error) as err:  # the disk under the cache (and its index): full, failing
             if pending is not None:
                 pending.abort()
-            await _drain(request_iterator)
+            await drain_refused(request_iterator)
             # A snapshot published before its index write failed stays on disk: the index adopts it when it
             # next opens (index.py's reconcile), and this put is refused, so its pages stay in the pool.
             full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "full" in str(err)

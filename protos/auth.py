@@ -12,9 +12,11 @@ on how much of a key matched); they are never logged and no error repeats one.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ SERVICE = "*"  # the tenant column of a service key
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # answer without a key
 # longest a key may be: gRPC refuses metadata past 16 KiB (at times past 8 KiB); HTTP carries the same key
 MAX_KEY_CHARS = 1024
+REFUSED_DRAIN_S = 30.0  # at most this long spent reading the rest of a refused client stream
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 
 
@@ -150,10 +153,24 @@ def as_caller(caller: Caller | None) -> None:
     _caller.set(caller)
 
 
+async def drain_refused(requests: AsyncIterator) -> None:
+    """Reads (and drops) the rest of a refused client stream before its status goes out: a status sent while
+    the client still writes large messages reaches it as INTERNAL "Internal error from Core", not as itself."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(REFUSED_DRAIN_S):
+            async for _ in requests:
+                pass
+
+
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
+    """A handler of the same kind as `handler` that answers UNAUTHENTICATED. A client stream (a cache Put of a
+    snapshot) is drained first; a two-way stream is not, as its client writes on until it hears back."""
 
     async def unary(request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def client_stream(requests, context: grpc.aio.ServicerContext):
+        await drain_refused(requests)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     async def streaming(request, context: grpc.aio.ServicerContext):
@@ -161,14 +178,14 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
         yield  # pragma: no cover  (an async generator: abort raises first)
 
     kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
+        (False, False): (grpc.unary_unary_rpc_method_handler, unary),
+        (False, True): (grpc.unary_stream_rpc_method_handler, streaming),
+        (True, False): (grpc.stream_unary_rpc_method_handler, client_stream),
+        (True, True): (grpc.stream_stream_rpc_method_handler, streaming),
     }
-    make = kinds[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    make, behavior = kinds[(bool(handler.request_streaming), bool(handler.response_streaming))]
     return make(
-        streaming if handler.response_streaming else unary,
+        behavior,
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )

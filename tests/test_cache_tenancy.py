@@ -78,3 +78,19 @@ async def test_one_tenants_parks_never_evict_anothers_snapshots_over_grpc(tmp_pa
         await alice.close()
         await bob.close()
         await server.stop(None)
+
+
+async def test_a_large_put_with_an_unknown_key_is_unauthenticated_not_a_broken_connection(tmp_path):
+    """The refusal comes while the client still sends the snapshot's chunks: it is read to its end first, so
+    the client hears UNAUTHENTICATED, not INTERNAL "Internal error from Core" (taken for a broken link)."""
+    server = await start_cache_server(str(tmp_path), 1 << 30, security=ServerSecurity(keys=KEYS))
+    stranger = client(server.port, "not-a-key-0123456789")
+    try:
+        await expect_status(
+            stranger.put(*snapshot("big", (24 << 20, 24 << 20), tenant="")),
+            grpc.StatusCode.UNAUTHENTICATED,
+            "unknown API key",
+        )
+    finally:
+        await stranger.close()
+        await server.stop(None)
