@@ -128,8 +128,8 @@ async def test_no_key_or_an_unknown_key_is_unauthenticated_and_health_stays_open
                     await stub.Stat(cache_pb2.StatRequest(), timeout=5)
                 assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 assert words in error.value.details() and ALICE not in error.value.details()
-                # A client stream is refused the same way, once it has been read to its end (a write racing
-                # a refusal sent earlier fails in the client, which then reports INTERNAL itself)
+                # A client stream is refused the same way, once it has been read to its end (refused at once, a
+                # write still going out would fail in the client, which then reports INTERNAL itself)
                 call = stub.Put(timeout=5)
                 for _ in range(3):
                     await call.write(cache_pb2.SnapshotPart())
