@@ -11,6 +11,7 @@ import torch
 
 from executor_svc.plan import SAMPLER_F32, SAMPLER_I32, CheckedPlan, RowWrites
 from executor_svc.sampler_controls import SamplerControls
+from executor_svc.staging import Staging
 from protos.layout import RowLayout
 
 _SAMPLER_WORDS = 1 + SAMPLER_F32 + SAMPLER_I32  # staged per slot: the slot, then its values
@@ -31,60 +32,6 @@ class DecodeInputs(NamedTuple):
     positions: torch.Tensor  # i64[B]: KV_LEN + POS_OFFSET
     kv_lens: torch.Tensor  # i32[B]: stored length before the step
     block_tables: torch.Tensor  # i32[B, W]
-
-
-class _Staging:
-    """One int32 host buffer (pinned on CUDA) cut into named regions, with a device twin on CUDA.
-
-    A region is refilled only once its last upload has finished (an event per region), so a plan that
-    reads nothing back cannot have its bytes overwritten by the next one mid-copy. On the CPU the host
-    buffer is the device buffer and nothing is copied.
-    """
-
-    def __init__(self, regions: dict[str, int], device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        total = sum(regions.values())
-        self._host = torch.zeros(total, dtype=torch.int32, pin_memory=self._cuda)
-        self._twin = torch.zeros(total, dtype=torch.int32, device=device) if self._cuda else self._host
-        self._host_np = self._host.numpy()
-        self._bounds: dict[str, tuple[int, int]] = {}
-        self._uploaded: dict[str, torch.cuda.Event] = {}
-        # Uploads run on the step thread's stream, the device's default one; named in each record, since
-        # finding the current stream costs a record ~20 µs of Python.
-        self._stream = torch.cuda.default_stream(device) if self._cuda else None
-        start = 0
-        for name, words in regions.items():
-            self._bounds[name] = (start, words)
-            if self._cuda:
-                self._uploaded[name] = torch.cuda.Event()
-            start += words
-
-    def capacity(self, region: str) -> int:
-        return self._bounds[region][1]
-
-    def host(self, region: str) -> np.ndarray:
-        """The region's host words, free to fill (waits only for this region's previous upload)."""
-        start, words = self._bounds[region]
-        if self._cuda:
-            self._uploaded[region].synchronize()
-        return self._host_np[start : start + words]
-
-    def device(self, region: str) -> torch.Tensor:
-        """The whole region on the device (the host buffer itself on the CPU), at a fixed address."""
-        start, words = self._bounds[region]
-        return self._twin[start : start + words]
-
-    def upload(self, region: str, words: int) -> torch.Tensor:
-        """The first `words` of the region on the device (one non-blocking copy on CUDA)."""
-        start, capacity = self._bounds[region]
-        if words > capacity:
-            raise ValueError(f"{words} ints do not fit the {region} staging of {capacity}")
-        if not self._cuda:
-            return self._host[start : start + words]
-        staged = self._twin[start : start + words]
-        staged.copy_(self._host[start : start + words], non_blocking=True)
-        self._uploaded[region].record(self._stream)
-        return staged
 
 
 class SlotStore:
@@ -117,7 +64,7 @@ class SlotStore:
             int, str
         ] = {}  # bucket -> variant(bucket), until a plan changes slots or sampling
         # The largest flush: B whole rows as runs, every slot's sampler state.
-        self._staging = _Staging(
+        self._staging = Staging(
             {"slots": widest, "runs": widest * columns, "sampler": _SAMPLER_WORDS * (slots - 1)}, device
         )
         self._flat_rows = self.rows.view(-1)

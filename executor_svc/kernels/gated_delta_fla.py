@@ -17,6 +17,7 @@ import structlog
 import torch
 
 from executor_svc.kernels import gated_delta_ref
+from executor_svc.staging import upload_once
 
 if TYPE_CHECKING:
     from executor_svc.state_pool import StateInputs
@@ -56,14 +57,14 @@ class Packed(NamedTuple):
         host_slots: np.ndarray,
         device: torch.device,
         shape: tuple[int, int] | None = None,
-        into: torch.Tensor | None = None,
+        upload: Callable[[np.ndarray], torch.Tensor] | None = None,
     ) -> Packed:
         """The index of sequences [seq_starts[i], seq_starts[i + 1]) at host_slots[i] (fresh[i]: from zeros),
         chunk indices and offsets made on the host (fla makes them once a call, with a read back) and copied in
         one copy from pinned memory, without a wait. `shape` (tokens, sequences) pads to a captured graph's
         sizes: the tokens past the real ones make fresh sequences at the sink slot (padding_starts), then
-        sequences of none, and the padding chunks point at the last (their programs do nothing); `into` is the
-        int64 device buffer to lay it out in (default a new one)."""
+        sequences of none, and the padding chunks point at the last (their programs do nothing). `upload` puts the
+        int64 words on the device and returns them there (a graph's staging); default: a buffer of their own."""
         starts = np.asarray(seq_starts, dtype=np.int64)
         slots = np.asarray(host_slots, dtype=np.int64)
         kept = (~np.asarray(fresh, dtype=bool)).astype(np.int64)
@@ -82,13 +83,9 @@ class Packed(NamedTuple):
         if shape is not None:
             spare = -(-shape[0] // CHUNK) + n - len(chunks)
             chunks = np.concatenate([chunks, np.tile(np.array([[n - 1, 0]]), (spare, 1))])
-        host = torch.from_numpy(np.concatenate([starts, offsets, kept, slots, chunks.reshape(-1)]))
-        if device.type == "cuda":
-            host = host.pin_memory()  # the caching host allocator keeps the block till the copy has run
-        if into is None:
-            into = torch.empty(len(host), dtype=torch.int64, device=device)
-        into[: len(host)].copy_(host, non_blocking=True)
-        cu, chunk_offsets, kept_at, slots_at, chunk_indices = into[: len(host)].split(
+        host = np.concatenate([starts, offsets, kept, slots, chunks.reshape(-1)])
+        words = upload_once(host, device) if upload is None else upload(host)
+        cu, chunk_offsets, kept_at, slots_at, chunk_indices = words.split(
             [n + 1, n + 1, n, n, 2 * len(chunks)]
         )
         return Packed(cu, chunk_indices.view(-1, 2), slots_at, kept_at, chunk_offsets)

@@ -3,13 +3,14 @@ the attention's query blocks and the chunks that sample; exact, or padded to a c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from executor_svc.attention import StepInputs
+from executor_svc.staging import upload_once
 
 QUERY_BLOCK = 64  # queries of one chunk per program of the prefill attention kernel: the block map's unit
 
@@ -112,12 +113,13 @@ class PrefillBatch:
         *,
         sample_slots: Sequence[int] = (),
         shape: PrefillShape | None = None,
-        into: torch.Tensor | None = None,
+        upload: Callable[[np.ndarray], torch.Tensor] | None = None,
     ) -> PrefillBatch:
         """chunks: (token_ids int[n], start, pages int[p] covering positions [0, start + n)); sample_slots: the
         slot each chunk samples into, 0 where it does not (default: none samples). `shape` pads to a graph's
-        sizes (default the batch's own), `into` is the int64 device buffer to lay it out in (default a new one).
-        One host-to-device copy for the lot, from pinned memory on CUDA: no wait for the device."""
+        sizes (default the batch's own). `upload` puts the batch's int64 words on the device and returns them
+        there (a graph's staging, whose device buffer the graph reads); default: a buffer of their own. One
+        host-to-device copy for the lot, from pinned memory on CUDA: no wait for the device."""
         if not chunks and shape is None:
             raise ValueError("a prefill batch needs at least one chunk")
         starts = np.array([start for _, start, _ in chunks], dtype=np.int64)
@@ -178,19 +180,9 @@ class PrefillBatch:
         slots_out[: len(sampled)] = slots[sampled]
         counters[: len(sampled)] = ends[sampled]
 
-        packed = torch.from_numpy(np.concatenate(parts))
-        if device.type == "cuda":
-            # A pinned block of the caching host allocator: the copy is queued without a wait, and the block is
-            # not handed out again before the copy has run.
-            packed = packed.pin_memory()
-        if into is None:
-            into = torch.empty(shape.words, dtype=torch.int64, device=device)
-        if into.dtype != torch.int64 or into.numel() < shape.words:
-            raise ValueError(
-                f"the batch needs {shape.words} int64 words, the buffer holds {into.numel()} {into.dtype}"
-            )
-        into[: shape.words].copy_(packed, non_blocking=True)
-        views = into[: shape.words].split(shape.sizes)
+        packed = np.concatenate(parts)
+        words = upload_once(packed, device) if upload is None else upload(packed)
+        views = words.split(shape.sizes)
         return cls(
             token_ids=views[0],
             positions=views[1],

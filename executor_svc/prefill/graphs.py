@@ -3,6 +3,7 @@ holds it (captured on CUDA), else eager: forward -> sample -> loop-back."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ from executor_svc.prefill.batch import PrefillBatch, PrefillShape
 from executor_svc.sampler import sample
 from executor_svc.sampler_controls import sample_controlled
 from executor_svc.slot_store import GREEDY, SAMPLED, SlotStore
+from executor_svc.staging import Staging
 from executor_svc.state_pool import StateInputs, StatePool
 
 if TYPE_CHECKING:
@@ -130,14 +132,17 @@ class PrefillGraphs:
             kv_pool.page_size,
             recurrent=state_pool is not None,
         )
-        self._input = torch.zeros(
-            max((s.words for s in self.shapes), default=0), dtype=torch.int64, device=device
-        )
-        # A recurrent model's sequences (where each starts, its chunks and state slot), where its graphs read them
-        self._state_index = torch.zeros(
-            max((Packed.words(s.tokens, s.chunks) for s in self.shapes if state_pool), default=0),
-            dtype=torch.int64,
-            device=device,
+        # The batch's words, and a recurrent model's sequences (where each starts, its chunks and state slot),
+        # staged where the graphs read them
+        self._staging = Staging(
+            {
+                "batch": max((s.words for s in self.shapes), default=0),
+                "index": max(
+                    (Packed.words(s.tokens, s.chunks) for s in self.shapes if state_pool), default=0
+                ),
+            },
+            device,
+            torch.int64,
         )
         # The sampled tokens, outside the graphs' memory pool: the step's decode replay, between this replay and
         # the read-back, may reuse the pool's memory (the pool is the decode graphs', and a graph's outputs in
@@ -212,7 +217,7 @@ class PrefillGraphs:
             self.store.device,
             sample_slots=sample_slots,
             shape=shape,
-            into=self._input,
+            upload=functools.partial(self._staging.put, "batch"),
         )
         if self.state_pool is not None:
             self._graph_states(batch, shape, state_slots)
@@ -223,7 +228,12 @@ class PrefillGraphs:
         """Warm the bucket's two steps up on a batch of padding alone (it writes only the sink page and slot),
         then capture them."""
         batch = PrefillBatch.build(
-            [], self.kv_pool.page_size, self.max_seq_len, self.store.device, shape=shape, into=self._input
+            [],
+            self.kv_pool.page_size,
+            self.max_seq_len,
+            self.store.device,
+            shape=shape,
+            upload=functools.partial(self._staging.put, "batch"),
         )
         attention = PrefillAttention(self.kv_pool, self.model.scale, batch, fused=True)
         states = None if self.state_pool is None else self._graph_states(batch, shape, ())
@@ -267,6 +277,6 @@ class PrefillGraphs:
             host_slots,
             self.store.device,
             shape=(shape.tokens, shape.chunks),
-            into=self._state_index,
+            upload=functools.partial(self._staging.put, "index"),
         )
         return StateInputs(self.state_pool, index.slots, batch.seq_starts_host, host_slots, fresh, index)
