@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deltaserve.aio
 from bench.common import commit_hash, qwen3_5_0_8b_config, smollm2_config, write_json
 from bench.in_process import InProcessLink
+from bench.step_timeline import ExecutorTimeline, PlannerTimeline, in_ms, joined, summary
 from executor_svc.config import DEFAULT_BUCKETS, DEFAULT_PREFILL_BUCKETS, ExecutorConfig
 from executor_svc.models.dense import DenseModel
 from executor_svc.models.family import ExecutorModel
@@ -254,6 +255,10 @@ class ExecutorChild(LineChild):
         """Its RunnerTimes, as a dict."""
         return await self.ask({"times": True}, TIMES_TIMEOUT_S)
 
+    async def timeline(self) -> list[dict]:
+        """The steps its ExecutorTimeline noted since the last ask (--serve-timeline)."""
+        return (await self.ask({"timeline": True}, TIMES_TIMEOUT_S))["steps"]
+
 
 class ClientsChild(LineChild):
     """The load generator (--serve-clients), apart from the planners as real clients are: for each
@@ -289,6 +294,7 @@ class RecordingLink:
         self.address = link.address
         self.steady_bytes: list[int] = []
         self.slot_change_bytes: list[int] = []
+        self.timeline: PlannerTimeline | None = None  # --timeline
 
     def __getattr__(self, name: str):
         return getattr(self._link, name)
@@ -296,7 +302,15 @@ class RecordingLink:
     async def send(self, plan: executor_pb2.StepPlan) -> None:
         if plan.bucket and not (plan.prefill or plan.row_runs or plan.sampler_slots):
             (self.slot_change_bytes if plan.slots else self.steady_bytes).append(plan.ByteSize())
+        if self.timeline is not None:
+            self.timeline.sent(plan)
         await self._link.send(plan)
+
+    async def recv(self) -> executor_pb2.StepOutput:
+        output = await self._link.recv()
+        if self.timeline is not None:
+            self.timeline.received(output)
+        return output
 
 
 @dataclass
@@ -309,6 +323,7 @@ class Arm:
     runner: StepRunner | None = None  # an in-process arm's
     child: ExecutorChild | None = None  # a gRPC arm's executor
     client_trust: dict | None = None  # what its clients send: client_security
+    executor_timeline: ExecutorTimeline | None = None  # an in-process arm's, with --timeline
 
     @property
     def engine(self):
@@ -316,6 +331,16 @@ class Arm:
 
     async def runner_times(self) -> dict:
         return asdict(self.runner.times) if self.child is None else await self.child.times()
+
+    async def timeline_steps(self) -> list[dict]:
+        """The steps both sides noted since the last call, joined (--timeline), else none."""
+        if self.link.timeline is None:
+            return []
+        if self.child is not None:
+            executor = await self.child.timeline()
+        else:
+            executor = self.executor_timeline.take() if self.executor_timeline else []
+        return joined(self.link.timeline.take(), executor)
 
 
 @dataclass
@@ -352,6 +377,7 @@ async def measure(
     arm: Arm, clients: ClientsChild, prompts: list[np.ndarray], max_tokens: int
 ) -> tuple[dict, list[list[int]]]:
     engine_before, runner_before = asdict(arm.engine.times), await arm.runner_times()
+    await arm.timeline_steps()  # what came before the round (the warm-up's steps) is no part of it
     arm.link.steady_bytes.clear()
     arm.link.slot_change_bytes.clear()
     # The wall time of the requests' gather in the clients' process, not this round trip: the lines' transfer
@@ -408,6 +434,10 @@ async def measure(
         "steady_plan_bytes_max": max(steady) if steady else None,
         "slot_change_plan_bytes_median": int(statistics.median(slot_change)) if slot_change else None,
     }
+    steps = await arm.timeline_steps()
+    if steps:  # the summary stays in the round's figures; the steps go to the --timeline file
+        figures["timeline"] = summary(steps)
+        figures["timeline_steps"] = steps
     return figures, [r.tokens for r in results]
 
 
@@ -526,8 +556,16 @@ async def serve_executor(args: argparse.Namespace, stop: asyncio.Event) -> None:
     protocol.write(json.dumps({"port": server.port, "capture": states}) + "\n")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     freeze_startup_heap()  # as `deltaserve executor` does once serving
-    # The only request is {"times": true}; the runner's floats are safe to read from answer_lines' thread.
-    await answer_lines(protocol, lambda request: asdict(runner.times), stop)
+    timeline = ExecutorTimeline(runner) if args.serve_timeline else None
+
+    def answer(request: dict) -> dict:
+        """{"times": true} or {"timeline": true}: the runner's floats and notes are safe to read from
+        answer_lines' thread."""
+        if request.get("timeline"):
+            return {"steps": timeline.take() if timeline else []}
+        return asdict(runner.times)
+
+    await answer_lines(protocol, answer, stop)
     await server.stop(None)
 
 
@@ -576,6 +614,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
     capture: dict[str, dict] = {}
     arms: dict[str, Arm] = {}
     clients: ClientsChild | None = None
+    timeline: list[dict] = []  # --timeline: each round's steps
     certs = make_certs(tempfile.mkdtemp(prefix="bench-tls-")) if TLS_ARM in args.arms else None
     try:
         # The clients' process first, before this one has a gRPC thread: a fork (the subprocess's spawn) while
@@ -607,6 +646,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
                     args.model_shape,
                     "--prefill-buckets",
                     args.prefill_buckets,
+                    *(["--serve-timeline"] if args.timeline else []),
                     *(
                         ["--tls-cert", certs["cert"], "--tls-key", certs["key"]]
                         if name == TLS_ARM and certs
@@ -629,9 +669,13 @@ async def run(args: argparse.Namespace) -> list[dict]:
         # Planners start once every capture is done.
         for name in args.arms:
             if name in runners or name in children:
-                arms[name] = await start_arm(
+                arm = arms[name] = await start_arm(
                     name, planner_config, runners.get(name), children.get(name), certs
                 )
+                if args.timeline:
+                    arm.link.timeline = PlannerTimeline()
+                    if arm.runner is not None:
+                        arm.executor_timeline = ExecutorTimeline(arm.runner)
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
         freeze_startup_heap()  # as `deltaserve planner` does once serving
         await clients.ready()
@@ -659,6 +703,11 @@ async def run(args: argparse.Namespace) -> list[dict]:
                 ]
                 for name, arm in arms.items():
                     figures, tokens = await measure(arm, clients, prompts, args.output_tokens)
+                    steps = figures.pop("timeline_steps", None)
+                    if steps:
+                        timeline.append(
+                            {"arm": name, "concurrency": c, "round": round_index + 1, "steps": in_ms(steps)}
+                        )
                     results.setdefault((name, c), []).append(figures)
                     outputs[(name, c, round_index)] = tokens
                     print(
@@ -672,6 +721,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
                         f"steady plan {figures['steady_plan_bytes_median']} B",
                         flush=True,
                     )
+                    if "timeline" in figures:
+                        print(f"  timeline {figures['timeline']}", flush=True)
     finally:
         if clients is not None:
             await clients.close()
@@ -721,6 +772,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
                     "gpu": gpu,
                 }
             )
+    if args.timeline:
+        write_json(args.timeline, timeline)
     return records
 
 
@@ -786,6 +839,10 @@ def main() -> None:
     parser.add_argument("--out", default="docs/bench/decode.json")
     parser.add_argument("--plot", default="docs/decode.png")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
+    parser.add_argument(
+        "--timeline",
+        help="write each round's steps (bench/step_timeline.py) to this JSON file, and a summary per round",
+    )
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the harness (eager, no graphs)")
     # The executor child's mode (ExecutorChild starts it): the arm, its pool and its buckets.
@@ -796,6 +853,9 @@ def main() -> None:
     parser.add_argument("--tls-cert", help=argparse.SUPPRESS)  # the TLS arm's executor child
     parser.add_argument("--tls-key", help=argparse.SUPPRESS)
     parser.add_argument("--serve-clients", action="store_true", help=argparse.SUPPRESS)  # ClientsChild's mode
+    parser.add_argument(
+        "--serve-timeline", action="store_true", help=argparse.SUPPRESS
+    )  # its executor's notes
     args = parser.parse_args()
     if args.serve_clients:  # the load generator needs no device
         deltaserve.aio.run(serve_clients)
