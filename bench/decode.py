@@ -436,7 +436,9 @@ async def measure(
     }
     steps = await arm.timeline_steps()
     if steps:  # the summary stays in the round's figures; the steps go to the --timeline file
-        figures["timeline"] = summary(steps)
+        arrived = [r.arrivals[-1][0] for r in results if r.arrivals]
+        requests = (min(r.sent for r in results), max(arrived)) if arrived else None
+        figures["timeline"] = summary(steps, requests)
         figures["timeline_steps"] = steps
     return figures, [r.tokens for r in results]
 

@@ -8,7 +8,9 @@ What a round's summary says:
 - `prefill_launch_ms`: the host time of each prefill step's launch (a GPU with nothing queued waits that long);
 - `gpu_gap_ms`: the GPU's idle time between steps, before and after the last prefill step;
 - `output_to_commit_ms`: from the executor handing a step's output to gRPC to the planner receiving it (the wire,
-  and the planner's event loop busy elsewhere), median and largest.
+  and the planner's event loop busy elsewhere), median and largest;
+- `clients_ms`: the load generator's own share of the round's wall time, from its first request to the planner's
+  first plan and from the planner's last output received to the clients' last token (their clock is the same).
 """
 
 from __future__ import annotations
@@ -112,9 +114,10 @@ def joined(planner: list[dict], executor: list[dict]) -> list[dict]:
     return [by_seq[seq] for seq in sorted(by_seq)]
 
 
-def summary(steps: list[dict]) -> dict:
+def summary(steps: list[dict], requests: tuple[float, float] | None = None) -> dict:
     """The round's figures (the module's docstring says what each is), in milliseconds; those of the GPU's spans
-    only where there are spans (CUDA)."""
+    only where there are spans (CUDA). `requests`: when the clients sent their first request and got their last
+    token."""
     prefills = [step for step in steps if step.get("prefill_chunks")]
     wire = sorted(
         step["received"] - step["collected"] for step in steps if "received" in step and "collected" in step
@@ -130,6 +133,13 @@ def summary(steps: list[dict]) -> dict:
             else None
         ),
     }
+    sent = [step["sent"] for step in steps if "sent" in step]
+    received = [step["received"] for step in steps if "received" in step]
+    if requests is not None and sent and received:
+        figures["clients_ms"] = {
+            "before_first_plan": round((min(sent) - requests[0]) * 1e3, 2),
+            "after_last_output": round((requests[1] - max(received)) * 1e3, 2),
+        }
     ran = [step for step in steps if "gpu" in step]
     if not ran:
         return figures

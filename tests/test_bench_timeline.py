@@ -27,8 +27,10 @@ def test_the_summary_splits_the_gpus_gaps_at_the_last_prefill_and_times_the_wire
     ]
     for s, record in enumerate(executor):
         record["collected"] = 0.010 + s * 0.01
-    figures = summary(joined(planner, executor))
+    figures = summary(joined(planner, executor), requests=(-0.002, 0.0435))
     assert figures["prefill_steps"] == 2 and figures["prefill_launch_ms"] == [4.0, 1.0]
+    # the clients sent 2 ms before the first plan and got their last token 3 ms after the last output came
+    assert figures["clients_ms"] == {"before_first_plan": 2.0, "after_last_output": 3.0}
     assert figures["prefill_done_ms"] == 19.0
     assert figures["gpu_gap_ms"] == {"until_prefill_done": 1.0, "after": 3.0}
     assert figures["output_to_commit_ms"] == {"p50": 0.5, "max": 0.5}
@@ -65,3 +67,4 @@ def test_decode_writes_each_rounds_steps_with_timeline_on_the_cpu(tmp_path) -> N
             assert {"sent", "received", "launch", "collected"} <= noted.keys(), noted
     figures = [r for r in json.loads((tmp_path / "decode.json").read_text()) if "rounds" in r]
     assert all(r["rounds"][0]["timeline"]["prefill_steps"] >= 1 for r in figures), figures
+    assert all(r["rounds"][0]["timeline"]["clients_ms"]["before_first_plan"] >= 0 for r in figures), figures
