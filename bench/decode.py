@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import gc
 import json
 import logging
 import os
@@ -265,6 +266,8 @@ class ClientsChild(LineChild):
     {"address", "prompts", "max_tokens"} it runs every request at once and answers their results and the
     wall time of the lot, by its own clock."""
 
+    gc_ms = 0.0  # the last measurement's garbage collection pauses in the clients' process
+
     async def ready(self) -> None:
         message = await self._first_line(READY_TIMEOUT_S)
         if "error" in message:
@@ -277,6 +280,7 @@ class ClientsChild(LineChild):
         API key and the CA the clients use (client_security)."""
         request = {"address": address, "prompts": [p.tolist() for p in prompts], "max_tokens": max_tokens}
         answer = await self.ask({**request, "security": security or {}}, MEASURE_TIMEOUT_S)
+        self.gc_ms = answer["gc_ms"]
         results = [
             RequestResult(r["sent"], [tuple(a) for a in r["arrivals"]], r["tokens"], r["error"])
             for r in answer["results"]
@@ -398,6 +402,7 @@ async def measure(
     steady, slot_change = arm.link.steady_bytes, arm.link.slot_change_bytes
     figures = {
         "tok_s": round(tokens / wall, 1),
+        "clients_gc_ms": clients.gc_ms,  # inside the wall: the load generator's own pauses
         "itl_p50_ms": round(statistics.median(itl) * 1e3, 3) if itl else None,
         "itl_mean_ms": round(statistics.fmean(itl) * 1e3, 3) if itl else None,
         "ttft_p50_ms": round(statistics.median(ttft) * 1e3, 2) if ttft else None,
@@ -586,13 +591,26 @@ async def serve_clients(stop: asyncio.Event) -> None:
             channels.append(open_channel(address, ChannelSecurity(tls=tls, api_key=trust.get("api_key"))))
             stubs[address] = client_pb2_grpc.PlannerStub(channels[-1])
         prompts = [np.asarray(p, dtype=np.int32) for p in request["prompts"]]
+        paused.clear()
         began = time.perf_counter()
         results = await asyncio.gather(
             *(one_request(stubs[address], p, request["max_tokens"]) for p in prompts)
         )
         wall = time.perf_counter() - began  # this process's clock, as the arrivals'
-        return {"results": [asdict(r) for r in results], "wall": wall}
+        return {"results": [asdict(r) for r in results], "wall": wall, "gc_ms": round(sum(paused) * 1e3, 2)}
 
+    # The collector's pauses in this process during a measurement: they stretch its wall, not the service's.
+    paused: list[float] = []
+    started = [0.0]
+
+    def note_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            paused.append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(note_collection)
+    freeze_startup_heap()  # as the services' processes do
     protocol.write(json.dumps({"ready": True}) + "\n")
     # The requests run on the event loop; answer_lines' thread waits for each measurement's lot.
     await answer_lines(
