@@ -9,8 +9,9 @@ What a round's summary says:
 - `gpu_gap_ms`: the GPU's idle time between steps, before and after the last prefill step;
 - `output_to_commit_ms`: from the executor handing a step's output to gRPC to the planner receiving it (the wire,
   and the planner's event loop busy elsewhere), median and largest;
-- `clients_ms`: the load generator's own share of the round's wall time, from its first request to the planner's
-  first plan and from the planner's last output received to the clients' last token (their clock is the same).
+- `clients_ms`: the round's wall outside the steps, from the clients' first request to the planner's first plan
+  (the request's way in, intake and admission included) and from the planner's last output received to the
+  clients' last token (the clients' clock is the same).
 """
 
 from __future__ import annotations
