@@ -197,10 +197,10 @@ def test_split_wide_heads_take_32_token_steps():
     assert _tokens_per_step(64, 256, 8) == 64  # never less than a page
 
 
-@pytest.mark.parametrize("launch", [(16, 8, None), (32, 2, None)])
-def test_paged_decode_attention_by_another_launch(launch: tuple[int, int, None]):
-    """Other tokens an inner step and warps (what bench/decode_attention.py times) give the same attention;
-    fewer tokens than a page are refused."""
+@pytest.mark.parametrize("launch", [(16, 8, None, None), (32, 2, None, 2)])
+def test_paged_decode_attention_by_another_launch(launch: tuple[int, int, None, int | None]):
+    """Other tokens an inner step, warps and stages (what bench/decode_attention.py times) give the same
+    attention; fewer tokens than a page are refused."""
     store, slots, q, k_layer, v_layer = attention_case(16, 64, torch.float32, 40)
     expected = reference_attention(store, q, k_layer, v_layer, 0.125)
     got = paged_decode_attention(
@@ -209,7 +209,7 @@ def test_paged_decode_attention_by_another_launch(launch: tuple[int, int, None])
     torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="at least a page"):
         paged_decode_attention(
-            q, k_layer, v_layer, store.rows, slots, BLOCK_TABLE, 16, 0.125, 2, None, (8, 4, None)
+            q, k_layer, v_layer, store.rows, slots, BLOCK_TABLE, 16, 0.125, 2, None, (8, 4, None, None)
         )
 
 

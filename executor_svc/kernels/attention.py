@@ -240,7 +240,7 @@ def paged_decode_attention(
     scale: float,
     splits: int = 1,
     counters: torch.Tensor | None = None,
-    launch: tuple[int, int, int | None] | None = None,
+    launch: tuple[int, int, int | None, int | None] | None = None,
 ) -> torch.Tensor:
     """One query per row over its KV_LEN + 1 positions: q[B, H, D] -> [B, H, D] in q's dtype.
 
@@ -249,8 +249,9 @@ def paged_decode_attention(
     `splits` > 1 partitions each row's pages (flash-decoding), the last partition of each row and KV head
     combining them. `counters`: int32[>= B * kv_heads], zero, which the kernel leaves zero again (pass a
     persistent one where the call is captured, so the graph sets nothing up); None: a fresh one. `launch`:
-    (tokens an inner step, warps, register cap or None) to time other launches (bench/decode_attention.py);
-    None: max(64, page_size) tokens (32 for split heads of 256 dims and more) on 4 warps, uncapped.
+    (tokens an inner step, warps, register cap or None, pipeline stages or None) to time other launches
+    (bench/decode_attention.py); None: max(64, page_size) tokens (32 for split heads of 256 dims and more) on
+    4 warps, uncapped, Triton's default stages.
     """
     check_paged_qkv(q, k_layer, v_layer)
     batch, heads, head_dim = q.shape
@@ -280,8 +281,8 @@ def paged_decode_attention(
         part_out = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     columns = rows.shape[1]
-    tokens, warps, registers = (
-        (_tokens_per_step(page_size, head_dim, splits), 4, None) if launch is None else launch
+    tokens, warps, registers, stages = (
+        (_tokens_per_step(page_size, head_dim, splits), 4, None, None) if launch is None else launch
     )
     if tokens < max(16, page_size) or tokens & (tokens - 1):
         raise ValueError(
@@ -316,6 +317,7 @@ def paged_decode_attention(
         DOT_IN_F32=q.dtype == torch.bfloat16 and interpreting(),
         num_warps=warps,
         **({} if registers is None else {"maxnreg": registers}),
+        **({} if stages is None else {"num_stages": stages}),
         **dependent(q.device),
     )
     return out
