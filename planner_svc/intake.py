@@ -16,7 +16,7 @@ from planner_svc.json_grammar import SchemaCompiler
 from planner_svc.requests import Request, Sampling
 from planner_svc.shared_prefix import resolve_shared_prefix
 from planner_svc.tokenizer import chat_ids, text_ids
-from planner_svc.validation import check_generate, check_length, check_min_tokens, limits_for
+from planner_svc.validation import GREEDY_BELOW, check_generate, check_length, check_min_tokens, limits_for
 from protos import client_pb2, executor_pb2
 from protos.wire import unpack_i32
 
@@ -117,7 +117,7 @@ class Intake:
         check_min_tokens(request.min_tokens, max_tokens)
         params = request.sampling
         sampling = Sampling(
-            temperature=params.temperature,
+            temperature=params.temperature if params.temperature >= GREEDY_BELOW else 0.0,
             top_p=params.top_p if params.HasField("top_p") else 1.0,
             top_k=params.top_k,
             seed=params.seed,

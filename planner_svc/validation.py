@@ -17,10 +17,15 @@ import json
 import math
 from dataclasses import dataclass
 
+from planner_svc.schema_limits import MAX_SCHEMA_DEPTH, schema_limit_error
 from protos import client_pb2
 
 TEMPERATURE_MAX = 100.0  # beyond it every token is as likely as any other: no use, only a typo
 REPETITION_PENALTY_MAX = 10.0  # as for the temperature: beyond it, a typo
+# below it, a typo too; near 0 a logit divided by it overflows to infinity and the draw degenerates
+REPETITION_PENALTY_MIN = 1 / REPETITION_PENALTY_MAX
+# a temperature below it samples as greedy (as vLLM's): dividing the logits by less overflows them
+GREEDY_BELOW = 1e-5
 PENALTY_BOUND = 2.0  # frequency and presence penalties, as OpenAI bounds them
 LOGIT_BIAS_BOUND = 100.0
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
@@ -30,9 +35,6 @@ MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_IDS = 1024
 MAX_ID_CHARS = 256  # request ids, conversation ids and tenants
-# a JSON schema's nesting (objects and arrays): the grammar's compile time grows steeply with it (an array of
-# arrays 200 deep takes 0.5 s, 800 deep 20 s, holding the compiler the while)
-MAX_SCHEMA_DEPTH = 64
 TEXT_MARGIN = 2
 
 
@@ -89,11 +91,11 @@ def check_sampling(params: client_pb2.SamplingParams, vocab_size: int) -> None:
         raise _bad("sampling.min_p", params.min_p, "must be in [0, 1] (0 is off)")
     if params.HasField("repetition_penalty"):
         penalty = params.repetition_penalty
-        if not (math.isfinite(penalty) and 0.0 < penalty <= REPETITION_PENALTY_MAX):
+        if not (math.isfinite(penalty) and REPETITION_PENALTY_MIN <= penalty <= REPETITION_PENALTY_MAX):
             raise _bad(
                 "sampling.repetition_penalty",
                 penalty,
-                f"must be in (0, {REPETITION_PENALTY_MAX:g}] (1 is off)",
+                f"must be in [{REPETITION_PENALTY_MIN:g}, {REPETITION_PENALTY_MAX:g}] (1 is off)",
             )
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(params, name)
@@ -176,20 +178,9 @@ def check_response_format(response_format: client_pb2.ResponseFormat) -> None:
             raise InvalidRequest(f"{field} nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays") from None
         if not isinstance(schema, dict):
             raise _bad(field, schema, "must be a JSON object")
-        if json_depth(schema) > MAX_SCHEMA_DEPTH:
-            raise InvalidRequest(f"{field} nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays")
-
-
-def json_depth(value: object) -> int:
-    """How deep objects and arrays nest in a parsed JSON value (a scalar: 0), without recursing."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
-        if children is not None:
-            deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for child in children)
-    return deepest
+        reason = schema_limit_error(schema)
+        if reason is not None:
+            raise InvalidRequest(f"{field} {reason}")
 
 
 def _check_id(field: str, value: str) -> None:
@@ -235,6 +226,13 @@ def check_generate(request: client_pb2.GenerateRequest, limits: Limits) -> None:
             len(m.role.encode("utf-8")) + len(m.content.encode("utf-8")) for m in request.chat.messages
         )
         _check_text_size("chat", size, limits)
+        if (
+            len(request.chat.messages) > limits.max_seq_len
+        ):  # a chat template spends a token or more a message
+            raise InvalidRequest(
+                f"chat has {len(request.chat.messages)} messages: more than the model's context of "
+                f"{limits.max_seq_len} tokens could hold (each message takes at least one)"
+            )
         for index, message in enumerate(request.chat.messages):
             if not message.role:
                 raise InvalidRequest(f"chat.messages[{index}].role is empty; every chat message needs a role")

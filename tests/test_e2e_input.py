@@ -86,6 +86,11 @@ async def expect(coro, code: grpc.StatusCode, message: str) -> str:
         (dict(stop=["a"] * 5), "stop has 5 strings; at most 4"),
         (dict(logprobs=True, top_logprobs=21), "top_logprobs must be in [0, 20], got 21"),
         (dict(response_format={"type": "json_schema", "json_schema": {"schema": "["}}), "is not JSON"),
+        (  # it would hold the grammar compiler (and every request behind it) for seconds
+            dict(response_format={"type": "json_schema", "json_schema": {"schema": {"pattern": "c{12000}"}}}),
+            "counted repeats ({n}, {n,m}) add up to 12000; at most 4096",
+        ),
+        (dict(repetition_penalty=1e-30), "sampling.repetition_penalty must be in [0.1, 10] (1 is off)"),
     ],
 )
 async def test_bad_sampling_fields_are_refused_and_change_nothing(smol_stack, fields, message):
@@ -94,6 +99,31 @@ async def test_bad_sampling_fields_are_refused_and_change_nothing(smol_stack, fi
         before = await state(smol_stack, client)
         options = GenerateOptions(text=NORMAL.text, max_tokens=fields.pop("max_tokens", 4), **fields)
         await expect(client.generate_all(options), grpc.StatusCode.INVALID_ARGUMENT, message)
+        assert await state(smol_stack, client) == before
+        assert await normal_tokens(client) == expected
+
+
+async def test_a_temperature_too_small_to_divide_by_samples_greedy(smol_stack):
+    """Dividing the logits by 1e-39 would overflow them and the draw would settle on token 0: below 1e-5 the
+    planner samples greedy, as vLLM does."""
+    async with PlannerClient(smol_stack.addr) as client:
+        expected = await normal_tokens(client)
+        tiny = GenerateOptions(text=NORMAL.text, max_tokens=NORMAL.max_tokens, temperature=1e-39, seed=3)
+        assert (await client.generate_all(tiny)).token_ids == expected
+
+
+async def test_a_chat_of_more_messages_than_the_context_is_refused_before_templating(smol_stack):
+    """Empty messages are a few bytes each but a token or more once templated: more than the context's tokens
+    are refused by count, before the template runs, changing nothing."""
+    async with PlannerClient(smol_stack.addr) as client:
+        expected = await normal_tokens(client)
+        before = await state(smol_stack, client)
+        chat = [{"role": "user", "content": ""}] * 8193
+        await expect(
+            client.generate_all(GenerateOptions(chat=chat, max_tokens=1)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "chat has 8193 messages: more than the model's context of 8192 tokens could hold",
+        )
         assert await state(smol_stack, client) == before
         assert await normal_tokens(client) == expected
 

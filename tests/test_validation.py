@@ -13,7 +13,6 @@ from planner_svc.validation import (
     check_generate,
     check_length,
     check_min_tokens,
-    json_depth,
     longest_token_bytes,
     text_byte_limit,
 )
@@ -60,6 +59,10 @@ def request(**fields) -> client_pb2.GenerateRequest:
             dict(chat=client_pb2.ChatMessages(messages=[client_pb2.ChatMessage(role="", content="y")])),
             "chat.messages[0].role is empty",
         ),
+        (  # empty messages are few bytes, but each is a token or more once templated
+            dict(chat=client_pb2.ChatMessages(messages=[client_pb2.ChatMessage(role="u")] * 65)),
+            "chat has 65 messages: more than the model's context of 64 tokens could hold",
+        ),
         (dict(token_ids=b"\x01\x00\x00"), "token_ids has 3 bytes: not packed int32"),
         (dict(token_ids=b"\x01\x00\x00\x00" * 64), "the prompt has 64 tokens; the model's context is 64"),
         (dict(request_id="r" * 300), "request_id has 300 characters; at most 256"),
@@ -74,7 +77,11 @@ def request(**fields) -> client_pb2.GenerateRequest:
         ),
         (dict(sampling=dict(min_p=1.5)), "sampling.min_p must be in [0, 1] (0 is off), got 1.5"),
         (dict(sampling=dict(min_p=math.nan)), "sampling.min_p"),
-        (dict(sampling=dict(repetition_penalty=0.0)), "sampling.repetition_penalty must be in (0, 10]"),
+        (dict(sampling=dict(repetition_penalty=0.0)), "sampling.repetition_penalty must be in [0.1, 10]"),
+        (
+            dict(sampling=dict(repetition_penalty=1e-30)),
+            "repetition_penalty must be in [0.1",
+        ),  # logits overflow
         (dict(sampling=dict(repetition_penalty=math.inf)), "sampling.repetition_penalty"),
         (
             dict(sampling=dict(frequency_penalty=2.5)),
@@ -114,6 +121,14 @@ def request(**fields) -> client_pb2.GenerateRequest:
         (  # deeper than Python's JSON parser recurses
             dict(response_format=dict(json_schema=dict(schema='{"x": ' + "[" * 5000 + "]" * 5000 + "}"))),
             "response_format.json_schema.schema nests deeper than 64 objects and arrays",
+        ),
+        (  # valid, but its pattern would take the grammar compiler seconds
+            dict(response_format=dict(json_schema=dict(schema='{"type": "string", "pattern": "c{12000}"}'))),
+            "response_format.json_schema.schema has patterns whose counted repeats ({n}, {n,m}) add up to 12000",
+        ),
+        (  # the compiler's own refusal would say only "RuntimeError"
+            dict(response_format=dict(json_schema=dict(schema='{"type": "integer", "minimum": 1e400}'))),
+            "response_format.json_schema.schema has a number that is not finite (inf",
         ),
         (
             dict(response_format=dict(json_object=True), ignore_eos=True),
@@ -157,10 +172,17 @@ def test_good_requests_pass():
     check_generate(request(ignore_eos=True, min_tokens=2, response_format=dict()), LIMITS)  # no grammar
 
 
-def test_json_depth_counts_nested_objects_and_arrays():
-    assert [json_depth(v) for v in (1, "x", {}, [], {"a": [1, {"b": 2}]}, [[[]]])] == [0, 0, 1, 1, 3, 3]
-    deep = '{"type": "array", "items": ' * 63 + "{}" + "}" * 63  # 64 objects deep: passes
+def test_a_schema_at_its_limits_passes():
+    deep = '{"type": "array", "items": ' * 63 + "{}" + "}" * 63  # 64 objects deep
     check_generate(request(response_format=dict(json_schema=dict(schema=deep))), LIMITS)
+    repeats = '{"type": "string", "pattern": "^[a-z]{4000}\\\\d{96}$"}'  # 4,096 repeats
+    check_generate(request(response_format=dict(json_schema=dict(schema=repeats))), LIMITS)
+    chat = client_pb2.ChatMessages(messages=[client_pb2.ChatMessage(role="u")] * 64)
+    check_generate(request(chat=chat, max_tokens=1), LIMITS)
+
+
+def test_a_tiny_temperature_passes_as_it_samples_greedy():
+    check_generate(request(sampling=dict(temperature=1e-39)), LIMITS)  # intake makes it 0 (GREEDY_BELOW)
 
 
 def test_min_tokens_within_the_rest_of_the_context():
