@@ -40,6 +40,9 @@ def default_cache_dir(environ: Mapping[str, str]) -> str:
 
 # ---- value parsers ----
 
+INT32_MAX = 2**31 - 1  # the wire's int32 fields (max_tokens, top_k, token ids, ...)
+UINT64_MAX = 2**64 - 1  # the seed's
+
 
 class BadValue(argparse.ArgumentTypeError, ValueError):
     """A bad flag or variable value; argparse shows the message as is (a plain ValueError it would not)."""
@@ -92,12 +95,16 @@ def float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[st
 
 
 def int_list(text: str) -> list[int]:
-    """'1,2,3' (spaces allowed) -> [1, 2, 3]."""
+    """'1,2,3' (spaces allowed) -> [1, 2, 3], each a 32-bit integer (what the wire's fields hold)."""
     parts = [part for part in text.replace(" ", ",").split(",") if part]
     try:
-        return [int(part) for part in parts]
+        values = [int(part) for part in parts]
     except ValueError:
         raise BadValue(f"expected comma-separated integers, got {text!r}") from None
+    for value in values:
+        if not -INT32_MAX - 1 <= value <= INT32_MAX:
+            raise BadValue(f"expected integers that fit in 32 bits, got {value}")
+    return values
 
 
 def token_ids(text: str) -> list[int]:
@@ -166,9 +173,12 @@ def shared_prefix(text: str) -> dict[str, int]:
     if match is None:
         raise BadValue(f"expected messages:K, message:I:N or tokens:N (non-negative integers), got {text!r}")
     kind, count, index, chars = match.groups()
+    numbers = [int(n) for n in (count, index, chars) if n is not None]
+    if max(numbers) > INT32_MAX:
+        raise BadValue(f"expected numbers that fit in 32 bits, got {text!r}")
     if kind is not None:
-        return {kind: int(count)}
-    return {"message": int(index), "chars": int(chars)}
+        return {kind: numbers[0]}
+    return {"message": numbers[0], "chars": numbers[1]}
 
 
 # ---- argparse pieces ----

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 from deltaserve.flag_groups import add_client_trust_flags
 from deltaserve.flags import (
+    INT32_MAX,
     Flags,
     address,
     env_name,
@@ -42,7 +43,11 @@ def add_generate_command(generate: Flags) -> None:
         help=f"the prompt as token ids [env {env_name('--token-ids')}]",
     )
     generate.option(
-        "--max-tokens", type=int_at_least(1), required=True, metavar="N", help="tokens to generate at most"
+        "--max-tokens",
+        type=int_at_least(1, INT32_MAX),
+        required=True,
+        metavar="N",
+        help="tokens to generate at most",
     )
     add_sampling_flags(generate)
     generate.option(
@@ -106,8 +111,10 @@ def _read_chat(parser: argparse.ArgumentParser, path: str) -> list[dict[str, str
         else:
             with open(path, encoding="utf-8") as file:
                 chat = json.load(file)
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, ValueError) as error:  # ValueError: JSONDecodeError, UnicodeDecodeError
         parser.error(f"--chat-json {path}: {error}")
+    except RecursionError:
+        parser.error(f"--chat-json {path}: it nests too deep for a chat")
     well_formed = (
         isinstance(chat, list)
         and chat

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from deltaserve.flags import BadValue, Flags, float_in, int_at_least, int_list
+from deltaserve.flags import INT32_MAX, UINT64_MAX, BadValue, Flags, float_in, int_at_least, int_list
 
 
 def stop_string(text: str) -> list[str]:
@@ -24,6 +24,8 @@ def logit_biases(text: str) -> list[tuple[int, float]]:
             pairs.append((int(token), float(bias)))
         except ValueError:
             raise BadValue(f"expected ID:BIAS pairs (like 50256:-100), got {text!r}") from None
+        if not 0 <= pairs[-1][0] <= INT32_MAX:
+            raise BadValue(f"expected token ids in 0..{INT32_MAX}, got {pairs[-1][0]}")
     return pairs
 
 
@@ -32,8 +34,10 @@ def json_schema_file(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as file:
             schema = json.load(file)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise BadValue(f"cannot read a JSON schema from {path}: {error}") from None
+    except RecursionError:
+        raise BadValue(f"cannot read a JSON schema from {path}: it nests too deep") from None
     return {"type": "json_schema", "json_schema": {"name": path, "schema": schema, "strict": True}}
 
 
@@ -46,7 +50,9 @@ def add_sampling_flags(generate: Flags) -> None:
         metavar="P",
         help="nucleus sampling mass",
     )
-    generate.option("--top-k", type=int_at_least(0), default=0, metavar="K", help="0 means no top-k cut")
+    generate.option(
+        "--top-k", type=int_at_least(0, INT32_MAX), default=0, metavar="K", help="0 means no top-k cut"
+    )
     generate.option(
         "--min-p",
         type=float_in(0.0, 1.0),
@@ -56,14 +62,14 @@ def add_sampling_flags(generate: Flags) -> None:
     )
     generate.option(
         "--seed",
-        type=int_at_least(0),
+        type=int_at_least(0, UINT64_MAX),
         default=0,
         metavar="S",
         help="the request's own random stream: a seeded request repeats exactly",
     )
     generate.option(
         "--repetition-penalty",
-        type=float_in(0.0, 10.0, low_open=True),
+        type=float_in(0.1, 10.0),
         default=1.0,
         metavar="R",
         help="divide positive (multiply negative) logits of tokens already in the prompt or output (1 is off)",
@@ -100,16 +106,18 @@ def add_sampling_flags(generate: Flags) -> None:
     generate.switch("--ignore-eos", help="do not stop at the model's end-of-sequence token")
     generate.option(
         "--min-tokens",
-        type=int_at_least(0),
+        type=int_at_least(0, INT32_MAX),
         default=0,
         metavar="N",
         help="no end-of-sequence or stop token before N tokens",
     )
-    generate.option("--n", type=int_at_least(1), default=1, metavar="N", help="choices from the one prompt")
+    generate.option(
+        "--n", type=int_at_least(1, INT32_MAX), default=1, metavar="N", help="choices from the one prompt"
+    )
     generate.switch("--logprobs", help="return each token's log-probability (printed with --json)")
     generate.option(
         "--top-logprobs",
-        type=int_at_least(0),
+        type=int_at_least(0, INT32_MAX),
         default=0,
         metavar="K",
         help="and the K (up to 20) most likely alternatives at each step (needs --logprobs)",

@@ -221,6 +221,40 @@ def test_generate_takes_exactly_one_prompt(capsys, tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--max-tokens", "3000000000"], "--max-tokens: expected an integer in 1..2147483647"),
+        (["--seed", str(2**64)], "--seed: expected an integer in 0..18446744073709551615"),
+        (["--top-k", "3000000000"], "--top-k: expected an integer in 0..2147483647"),
+        (["--logit-bias", "3000000000:1"], "--logit-bias: expected token ids in 0..2147483647"),
+        (["--stop-token-ids", "3000000000"], "--stop-token-ids: expected integers that fit in 32 bits"),
+        (["--repetition-penalty", "1e-39"], "--repetition-penalty: expected a number in [0.1, 10]"),
+        (["--shared-prefix", "tokens:99999999999"], "--shared-prefix: expected numbers that fit in 32 bits"),
+    ],
+)
+def test_generate_numbers_the_wire_cannot_hold_are_usage_errors(capsys, flags, said):
+    """Not a traceback from the protobuf encoder once the request is built."""
+    argv = ["generate", "--text", "a", "--max-tokens", "3", *flags]
+    assert said in usage_error(capsys, argv)
+
+
+def test_generate_unreadable_json_files_are_usage_errors(capsys, tmp_path):
+    not_utf8, deep = tmp_path / "bytes.json", tmp_path / "deep.json"
+    not_utf8.write_bytes(b"\xff")
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    for path in (not_utf8, deep):
+        chat = usage_error(capsys, ["generate", "--chat-json", str(path), "--max-tokens", "3"])
+        schema = usage_error(
+            capsys, ["generate", "--text", "a", "--max-tokens", "3", "--json-schema", str(path)]
+        )
+        assert f"--chat-json {path}:" in chat and "Traceback" not in chat
+        assert "--json-schema: cannot read a JSON schema" in schema and "Traceback" not in schema
+    assert "nests too deep" in usage_error(
+        capsys, ["generate", "--chat-json", str(deep), "--max-tokens", "3"]
+    )
+
+
 def test_generate_sampling_and_stop_flags():
     args = parse(
         [
