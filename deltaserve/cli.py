@@ -34,6 +34,7 @@ from deltaserve.flags import (
 )
 from deltaserve.generate_flags import GENERATE_HELP, add_generate_command, resolve_prompt
 from deltaserve.logs import configure_logging, get_logger
+from deltaserve.memory_errors import POOL_FLAGS, memory_detail, out_of_memory
 from deltaserve.serve import CACHE_PORT, EXECUTOR_PORT, HTTP_PORT, PLANNER_PORT
 from deltaserve.stage_flags import add_executor_group_flag, add_layer_split_flag, add_stage_flags
 from deltaserve.trust import trust_from_args
@@ -287,16 +288,17 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         return aio.run(serving)
-    except (OSError, ValueError, KernelUnavailable) as error:
-        if (
-            serve.LISTENED.is_set()
-        ):  # a fault while serving or stopping, not a start-up mistake: its traceback
+    except (OSError, ValueError, KernelUnavailable, MemoryError, RuntimeError) as error:
+        mendable = not isinstance(error, RuntimeError) or isinstance(error, KernelUnavailable)
+        if serve.LISTENED.is_set() or not (mendable or out_of_memory(error)):
+            # a fault while serving or stopping, not a start-up mistake: its traceback
             log.exception("failed", command=name)
             return 1
-        # What a user mends at start (a model path, a port taken, a cache directory, a limit): the message,
-        # not a traceback; --log-level debug still shows where it came from.
+        # What a user mends at start (a model path, a port taken, a cache directory, a limit, pools too large
+        # for the memory): the message, not a traceback; --log-level debug still shows where it came from.
         log.debug("failed", command=name, exc_info=True)
-        print(f"deltaserve {name}: error: {error}", file=sys.stderr)
+        said = error if mendable else f"not enough memory to start ({memory_detail(error)}); {POOL_FLAGS}"
+        print(f"deltaserve {name}: error: {said}", file=sys.stderr)
         return 1
     except Exception:
         log.exception("failed", command=name)

@@ -487,8 +487,8 @@ def test_generate_conversation_tenant_and_shared_prefix(capsys):
 
 
 def test_a_users_mistake_at_start_is_one_line_not_a_traceback(tmp_path):
-    """A model path that is not one, a cache directory that is a file, a port taken: `deltaserve up: error:`
-    and the reason, exit 1, no traceback (kept for --log-level debug)."""
+    """A model path that is not one, a cache directory that is a file, a port taken, a pool too large for the
+    memory: `deltaserve up: error:` and the reason, exit 1, no traceback (kept for --log-level debug)."""
     empty, a_file = tmp_path / "empty", tmp_path / "file"
     empty.mkdir()
     a_file.write_text("")
@@ -501,6 +501,11 @@ def test_a_users_mistake_at_start_is_one_line_not_a_traceback(tmp_path):
             (["up", "--model", str(empty)], "config.json"),
             (["cache", "serve", "--cache-dir", str(a_file)], "File exists"),
             (["cache", "serve", "--cache-dir", str(tmp_path / "c"), "--port", str(port)], "taken"),
+            (  # a pool past any memory: torch's allocator refuses it
+                ["up", "--no-cache", "--port", "0", "--http-port", "0", "--pool-pages", "100000000"],
+                "not enough memory to start (an allocation of 33.5 TiB failed); the memory a server takes is "
+                "sized by --pool-pages",
+            ),
         ):
             done = deltaserve("--log-json", *argv)
             command = " ".join(argv[:2] if argv[0] == "cache" else argv[:1])
