@@ -28,9 +28,15 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # A client's channel (PlannerClient, the gateway's, the CLI's) keeps gRPC's keepalive defaults: it may reach a
 # server or proxy of another ping policy, whose default answers pings more often than every 5 minutes with
 # GOAWAY "too_many_pings", ending a long call. A client bounds a hung planner by its call's deadline.
+# Its reconnects back off to at most RECONNECT_MAX_MS apart (gRPC's default grows to 120 s): a gateway or client
+# started before its planner, or outliving a restart of it, would answer UNAVAILABLE for up to two minutes after
+# the planner was back (10 s after an outage of 60 s, 22 s after one of 150 s).
+RECONNECT_MAX_MS = 1000
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_MAX_MS),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
 ]
 # Between one deployment's own services (the planner's step streams and calls to its executors, planner and
 # executors to the cache), whose servers take these pings: a peer that stops answering (SIGSTOP, a frozen VM, a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import pytest
@@ -50,6 +51,34 @@ async def start(port: int = 0, on_stop=(), servicer=None):
     )
 
 
+async def test_a_channel_finds_a_server_that_came_up_late_within_a_second_or_so():
+    """A channel whose server was down for 8 s (gRPC's default backoff would then wait up to ~4 s more, and
+    minutes after a long outage) retries at most RECONNECT_MAX_MS apart (jittered by up to 20%)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        loop = asyncio.get_running_loop()
+        down_until = loop.time() + 8.0
+        while loop.time() < down_until:  # calls fail fast while the channel backs off
+            with pytest.raises(grpc.aio.AioRpcError):
+                await health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+            await asyncio.sleep(0.2)
+        started = await start(port)
+        try:
+            up = loop.time()
+            while True:
+                try:
+                    await health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.05)
+            assert loop.time() - up < protos.rpc.RECONNECT_MAX_MS * 1.2 / 1000 + 0.6
+        finally:
+            await started.stop(None)
+
+
 async def test_a_started_server_says_serving_on_its_port_and_closes_on_stop():
     closed = []
 
@@ -85,7 +114,7 @@ async def test_a_second_server_on_a_busy_port_fails_naming_the_port():
 
 
 def test_one_message_limit_everywhere_and_no_port_reuse():
-    limits = {value for name, value in CHANNEL_OPTIONS if name.startswith("grpc.max_")}
+    limits = {value for name, value in CHANNEL_OPTIONS if name.endswith("_message_length")}
     assert len(limits) == 1
     assert ("grpc.so_reuseport", 0) in SERVER_OPTIONS
 
