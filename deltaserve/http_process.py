@@ -45,19 +45,20 @@ def _child(spec: GatewaySpec, conn: Connection) -> None:
     from deltaserve import aio
     from deltaserve.logs import configure_logging
 
-    # A terminal's Ctrl-C or hang-up reaches the whole process group: the parent drains and stops this one
-    # (SIGTERM, or its pipe closing); a child exiting on its own would read as one that died.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # A terminal's Ctrl-C or hang-up, and a SIGTERM to the whole group (systemd's stop, `kill -- -PGID`), reach
+    # this process too: the parent drains (its streams finish through here, for up to --drain-timeout) and then
+    # stops this one by a word down its pipe. Stopping at the signal would cut them after STOP_GRACE_S.
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     configure_logging(spec.log_level, spec.log_json, route_transformers=False, service="up")
-    aio.run(lambda stop: _serve(spec, conn, stop), signals=(signal.SIGTERM,))  # uvloop, as every process
+    aio.run(lambda stop: _serve(spec, conn, stop), signals=())  # uvloop, as every process
 
 
 async def _serve(spec: GatewaySpec, conn: Connection, stop: asyncio.Event) -> None:
     from gateway_svc.http_server import start_gateway
 
     loop = asyncio.get_running_loop()
-    loop.add_reader(conn.fileno(), stop.set)  # the parent never writes: readable means it is gone
+    loop.add_reader(conn.fileno(), stop.set)  # readable: the parent said stop, or is gone
     count = (lambda path, status: conn.send((path, status))) if spec.counted else None
     try:
         started = await start_gateway(
@@ -82,7 +83,7 @@ async def _serve(spec: GatewaySpec, conn: Connection, stop: asyncio.Event) -> No
 class GatewayProcess:
     """One child serving the HTTP API; one that dies (killed, crashed: a non-zero exit) is logged and started
     again on its port, so the API does not stay down behind a parent that still looks healthy. One that exits
-    0 was stopped (a SIGTERM to the whole group, the parent's next): warned, not restarted."""
+    0 was stopped (the parent's word down its pipe): warned, not restarted."""
 
     spec: GatewaySpec  # its port the one it listens on
     count: Count | None
@@ -115,7 +116,7 @@ class GatewayProcess:
         self.conn.close()
         if self.stopping:
             return
-        if self.process.exitcode == 0:  # stopped, not died: a SIGTERM to the whole group, the parent's next
+        if self.process.exitcode == 0:  # stopped, not died
             log.warning("the HTTP API's process stopped (exit 0); not started again", port=self.port)
             return
         log.error("the HTTP API's process exited; starting another", exitcode=self.process.exitcode)
@@ -128,11 +129,15 @@ class GatewayProcess:
         self.watch()
 
     async def stop(self) -> None:
-        """SIGTERM: the child stops listening and gives open streams their grace, then exits."""
+        """A word down its pipe: the child stops listening and gives open streams their grace, then exits (its
+        answers meanwhile still counted)."""
         self.stopping = True
         if self.restarting is not None:  # let a restart under way finish: then there is one process to stop
             await asyncio.wait([self.restarting])
-        self.process.terminate()
+        try:
+            self.conn.send("stop")
+        except OSError:  # it is gone already
+            pass
         await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
         if self.process.is_alive():
             self.process.kill()

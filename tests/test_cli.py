@@ -907,7 +907,8 @@ def default_hangup() -> Iterator[None]:
 class Serving:
     """A serving `deltaserve` command in its own process, JSON log lines to a file."""
 
-    def __init__(self, log_path: Path, *argv: str):
+    def __init__(self, log_path: Path, *argv: str, own_group: bool = False):
+        """own_group: in a process group (and session) of its own, as a service manager starts it."""
         self.log_path = log_path
         with open(log_path, "w") as log_file:
             self.process = subprocess.Popen(
@@ -916,6 +917,7 @@ class Serving:
                 stderr=log_file,
                 env=cli_env(),
                 cwd=REPO,
+                start_new_session=own_group,
             )
 
     def events(self) -> list[dict]:

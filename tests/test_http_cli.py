@@ -6,6 +6,10 @@ prometheus-client's parser."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import time
 
 import httpx2 as httpx
 import openai
@@ -89,6 +93,42 @@ def test_up_serves_http_beside_grpc_and_http_runs_alone_with_the_same_keys(tmp_p
     finally:
         codes = [alone.stop() if alone is not None else 0, up.stop()]
     assert codes == [0, 0], (up.log_path.read_text()[-2000:], alone and alone.log_path.read_text()[-2000:])
+
+
+def test_a_sigterm_to_ups_whole_group_lets_an_http_stream_finish_in_the_drain(tmp_path):
+    """systemd's stop (and `kill -- -PGID`) signals every process of the group, the HTTP child too: it waits for
+    the parent's drain, which lets the stream run to its end, where it used to stop at once and cut the stream
+    after its 5 s grace (no [DONE], the request aborted)."""
+    port, http_port = free_port(), free_port()
+    up = Serving(
+        tmp_path / "up.log",
+        *("up", "--port", str(port), "--http-port", str(http_port), "--no-cache", "--device", "cpu"),
+        *("--pool-pages", "160", "--buckets", "1,2", "--max-seq-len", "2048", "--drain-timeout", "120"),
+        own_group=True,
+    )
+    try:
+        up.wait_listening(180)
+        base = f"http://127.0.0.1:{http_port}/v1"
+        model = httpx.get(f"{base}/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", f"{base}/completions", json=body | {"stream": True}, timeout=180) as stream:
+            for line in filter(None, stream.iter_lines()):
+                events.append(line)
+                if len(events) == 20:  # streaming: now the group's SIGTERM
+                    signalled = time.monotonic()
+                    os.killpg(up.process.pid, signal.SIGTERM)
+        lasted = time.monotonic() - signalled
+        data = [json.loads(line[6:]) for line in events if line.startswith("data: {")]
+        assert events[-1] == "data: [DONE]", (lasted, events[-3:])
+        assert data[-1]["choices"][0]["finish_reason"] == "length", data[-1]
+        assert up.process.wait(timeout=150) == 0
+        drained = [e for e in up.events() if e["event"] == "drained"]
+        assert drained and drained[0]["finished"] == 1 and drained[0]["cut"] == 0, drained
+    finally:
+        if up.process.poll() is None:
+            os.killpg(up.process.pid, signal.SIGKILL)
+            up.process.wait()
 
 
 def scrape(metrics_port: int) -> dict[tuple[str, tuple], float]:
