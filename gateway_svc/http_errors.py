@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from protos.rpc import NEVER_FITS_METADATA
+
 # gRPC status -> HTTP status; anything else is 500
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -19,7 +21,7 @@ HTTP_STATUS = {
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.FAILED_PRECONDITION: 409,  # a turn already runs on the conversation
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,  # the waiting queue is full, a request that can never fit
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,  # the waiting queue is full (400 if it can never fit: from_rpc)
     grpc.StatusCode.UNIMPLEMENTED: 501,
     grpc.StatusCode.UNAVAILABLE: 503,  # draining, no executor, a cut request
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
@@ -59,7 +61,12 @@ class ApiError(Exception):
     @classmethod
     def from_rpc(cls, error: grpc.aio.AioRpcError) -> ApiError:
         code = error.code()
-        return cls(HTTP_STATUS.get(code, 500), error.details() or code.name, code=code.name.lower())
+        status = HTTP_STATUS.get(code, 500)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(
+            key == NEVER_FITS_METADATA for key, _ in error.trailing_metadata() or ()
+        ):  # larger than the pool: a retry cannot help, and a 429 is retried by OpenAI's client
+            status = 400
+        return cls(status, error.details() or code.name, code=code.name.lower())
 
     def body(self) -> dict[str, Any]:
         return {

@@ -15,7 +15,11 @@ from planner_svc.state_slots import StateSlots
 
 
 class CapacityError(Exception):
-    """The request can never be served by this pool (RESOURCE_EXHAUSTED)."""
+    """RESOURCE_EXHAUSTED: the request can never be served by this pool, or (retryable) not now."""
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 @dataclass(slots=True)

@@ -30,7 +30,14 @@ from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.auth import request_tenant
 from protos.layout import RowLayout
 from protos.model_files import load_tokenizer
-from protos.rpc import ChannelSecurity, ServerSecurity, StartedServer, log_access, start_server
+from protos.rpc import (
+    NEVER_FITS_METADATA,
+    ChannelSecurity,
+    ServerSecurity,
+    StartedServer,
+    log_access,
+    start_server,
+)
 
 log = structlog.get_logger("deltaserve.planner")
 
@@ -138,7 +145,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             if waiting >= self.max_waiting:
                 raise CapacityError(
                     f"the waiting queue is full: {waiting} requests wait for admission (--max-waiting "
-                    f"{self.max_waiting}); retry later"
+                    f"{self.max_waiting}); retry later",
+                    retryable=True,
                 )
             req, messages = await self.intake.prepare(request, request_id)
             if request.conversation_id:
@@ -153,7 +161,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except CapacityError as error:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            never = () if error.retryable else ((NEVER_FITS_METADATA, "1"),)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), trailing_metadata=never)
         except ConnectionError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except ConversationError as error:

@@ -63,10 +63,13 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_ping_strikes", 0),
 ]
 
-# Statuses that mean "not up yet": keep polling.
 # Metadata of a Steps stream: the opening planner's id (one per planner process), so that a newer stream of the
 # same planner replaces one the planner gave up on, and another planner's is refused.
 PLANNER_ID_METADATA = "deltaserve-planner-id"
+# Trailing metadata of a RESOURCE_EXHAUSTED that a retry cannot mend (a request larger than the pool): the
+# gateway answers it 400, not 429 with Retry-After, which OpenAI's client would retry.
+NEVER_FITS_METADATA = "deltaserve-never-fits"
+# Statuses that mean "not up yet": keep polling.
 _NOT_YET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 Servicer = TypeVar("Servicer")

@@ -1,6 +1,6 @@
 """The HTTP statuses of the planner's refusals, end to end with OpenAI's client over a small keyed stack
-(SmolLM2 on the CPU, 7 KV pages of 16 tokens, one request may wait): 429 with Retry-After for a request that
-can never fit and for a full waiting queue (RESOURCE_EXHAUSTED), 403 for a tenant key acting for another
+(SmolLM2 on the CPU, 7 KV pages of 16 tokens, one request may wait): 400 for a request that can never fit and
+429 with Retry-After for a full waiting queue (both RESOURCE_EXHAUSTED), a batch sent a window at a time, 403 for a tenant key acting for another
 tenant (PERMISSION_DENIED, as over gRPC), and the service key acting for any tenant; the same for deleting a
 conversation."""
 
@@ -44,13 +44,41 @@ async def keyed():
     await stop_stack(servers)
 
 
-async def test_a_request_that_can_never_fit_is_429(keyed):
-    stack, client, _, model = keyed
-    with pytest.raises(openai.RateLimitError) as caught:  # 300 tokens: 19+ pages, the pool has 7
-        await client.chat.completions.create(model=model, messages=QUESTION, max_tokens=300)
-    assert caught.value.status_code == 429 and caught.value.response.headers["retry-after"] == "1"
+async def test_a_request_that_can_never_fit_is_400_and_not_retried(keyed):
+    """RESOURCE_EXHAUSTED marked as one no retry mends: OpenAI's client (its default retries on) asks once."""
+    stack, _, base, model = keyed
+    asked = []
+
+    async def record(request: httpx.Request) -> None:
+        asked.append(request.url)
+
+    retrying = openai.AsyncOpenAI(
+        api_key=ALICE, base_url=base, http_client=httpx.AsyncClient(event_hooks={"request": [record]})
+    )
+    with pytest.raises(openai.BadRequestError) as caught:  # 300 tokens: 19+ pages, the pool has 7
+        await retrying.chat.completions.create(model=model, messages=QUESTION, max_tokens=300)
+    assert caught.value.status_code == 400 and "retry-after" not in caught.value.response.headers
     assert "KV pages and the pool has 7" in caught.value.message
-    assert caught.value.body["type"] == "rate_limit_error"
+    assert (caught.value.body["type"], caught.value.body["code"]) == (
+        "invalid_request_error",
+        "resource_exhausted",
+    )
+    assert len(asked) == 1
+
+
+async def test_a_batch_wider_than_the_waiting_queue_runs_a_window_at_a_time(keyed, monkeypatch):
+    """Eight prompts against a queue of one: sent all at once they would fill it alone, and every retry too."""
+    from gateway_svc import relay
+
+    stack, _, base, model = keyed
+    monkeypatch.setattr(relay, "BATCH_IN_FLIGHT", 1)
+    await stack.wait_idle()
+    async with httpx.AsyncClient(timeout=120, headers={"authorization": f"Bearer {ALICE}"}) as http:
+        answer = await http.post(
+            f"{base}/completions", json={"model": model, "prompt": ["Hi"] * 8, "max_tokens": 1}
+        )
+    assert answer.status_code == 200, answer.text
+    assert sorted(choice["index"] for choice in answer.json()["choices"]) == list(range(8))
 
 
 async def test_a_full_waiting_queue_is_429(keyed):
