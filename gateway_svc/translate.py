@@ -38,6 +38,7 @@ _HARMLESS = {
     "functions": (None, []),
     "modalities": (None, ["text"]),
     "tool_choice": (None, "none"),
+    "function_call": (None, "none"),  # the deprecated spelling of tool_choice
 }
 
 

@@ -96,7 +96,14 @@ def test_what_cannot_be_honoured_is_refused_by_name(fields, param):
 
 def test_values_that_ask_for_nothing_pass():
     chat_choices(
-        chat(logprobs=False, response_format={"type": "text"}, tool_choice="none", stop=[], tools=[]),
+        chat(
+            logprobs=False,
+            response_format={"type": "text"},
+            tool_choice="none",
+            function_call="none",
+            stop=[],
+            tools=[],
+        ),
         None,
         "r",
     )
