@@ -14,9 +14,8 @@ MAX_SCHEMA_DEPTH = 64
 MAX_PATTERN_REPEATS = 4096
 
 _QUANTIFIER = re.compile(r"\\.|\{(\d+)(?:,(\d*))?\}")  # an escape (skipped), or a counted quantifier
-_COUNT_DIGITS = (
-    9  # a count this long is already far over the bound (and int() of thousands of digits refuses)
-)
+# a count this long is already far over the bound (and int() of thousands of digits refuses)
+_COUNT_DIGITS = 9
 
 
 def json_depth(value: object) -> int:
