@@ -29,7 +29,7 @@ from cache_svc.store import PendingSnapshot, ShardReader, SnapshotStore
 log = structlog.get_logger("deltaserve.cache.index")
 
 INDEX_NAME = "index.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: `restored`
 _SCHEMA = """
 CREATE TABLE snapshots (
     key TEXT PRIMARY KEY,
@@ -42,7 +42,10 @@ CREATE TABLE snapshots (
     model_fingerprint TEXT NOT NULL,
     created_ns INTEGER NOT NULL,
     generation TEXT NOT NULL,
-    manifest_stamp TEXT NOT NULL  -- size:mtime_ns of manifest.json when indexed
+    manifest_stamp TEXT NOT NULL,  -- size:mtime_ns of manifest.json when indexed
+    -- read by a restore since it was put: its conversation is back in a KV pool, this a spare copy, evicted
+    -- before the only copies of parked conversations
+    restored INTEGER NOT NULL
 );
 CREATE INDEX snapshots_by_owner ON snapshots (tenant, conversation_id);
 CREATE INDEX snapshots_by_use ON snapshots (pinned, last_used_ns);
@@ -59,6 +62,7 @@ _COLUMNS = (
     "created_ns",
     "generation",
     "manifest_stamp",
+    "restored",
 )
 
 
@@ -75,6 +79,7 @@ class IndexEntry:
     created_ns: int
     generation: str
     manifest_stamp: str
+    restored: bool
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,7 +94,7 @@ class CacheStat:
 
 def _entry(row: Sequence) -> IndexEntry:
     fields = dict(zip(_COLUMNS, row))
-    fields["pinned"] = bool(fields["pinned"])
+    fields["pinned"], fields["restored"] = bool(fields["pinned"]), bool(fields["restored"])
     return IndexEntry(**fields)
 
 
@@ -231,6 +236,7 @@ class SnapshotIndex:
                 manifest.created_unix_ns,
                 manifest.generation,
                 stamp,
+                0,  # a new snapshot: the only copy of what its conversation held when parked
             ),
         )
 
@@ -244,10 +250,13 @@ class SnapshotIndex:
     # -- budget ---------------------------------------------------------------------------------------
 
     def _victims(self, manifest: Manifest) -> list[IndexEntry]:
-        """The tenant's least recently used unpinned snapshots to evict so that `manifest` fits its tenant's
-        budget and the global one (budget.py); OverBudget when it cannot."""
+        """The tenant's unpinned snapshots to evict so that `manifest` fits its tenant's budget and the global
+        one (budget.py), the restored ones (spare copies) first, then the least recently used; OverBudget when
+        it cannot."""
         key, tenant = manifest.key, manifest.tenant
-        own = self._select("WHERE tenant = ? AND key != ? ORDER BY last_used_ns, key", (tenant, key))
+        own = self._select(
+            "WHERE tenant = ? AND key != ? ORDER BY restored DESC, last_used_ns, key", (tenant, key)
+        )
         others = self._db.execute(
             "SELECT COALESCE(SUM(size_bytes), 0) FROM snapshots WHERE tenant != ? AND key != ?", (tenant, key)
         ).fetchone()[0]
@@ -301,7 +310,8 @@ class SnapshotIndex:
         model_fingerprint: str | None = None,
     ) -> tuple[Manifest, list[ShardReader]]:
         """Opens the shards covering `layers` [a, b) (all when None; b None: to the last layer) of the
-        tenant's snapshot, and marks it used.
+        tenant's snapshot, and marks it used and restored (evicted first from now on: a restore mounts it back
+        into a KV pool, where its conversation lives on until it is parked again, a newer put).
 
         SnapshotNotFound, CorruptSnapshot (manifest or a missing blob), ModelMismatch, LayerRangeError.
         The readers check each blob as it is read; close them when done.
@@ -324,7 +334,9 @@ class SnapshotIndex:
                 layer_begin, manifest.num_layers if layer_end is None else layer_end
             )
             readers = self.store.open_shards(manifest, indices)
-            self._db.execute("UPDATE snapshots SET last_used_ns = ? WHERE key = ?", (self._tick(), entry.key))
+            self._db.execute(
+                "UPDATE snapshots SET last_used_ns = ?, restored = 1 WHERE key = ?", (self._tick(), entry.key)
+            )
         return manifest, readers
 
     def read(

@@ -35,7 +35,7 @@ def index(tmp_path):
 def test_puts_past_the_budget_evict_the_least_recently_used(index):
     for name in "abc":
         put(index, name, 300)
-    index.read("default", "a")  # a is now the most recently used
+    put(index, "a", 300)  # parked again: a is now the most recently used
     _, evicted = put(index, "d", 300)
     assert [e.conversation_id for e in evicted] == ["b"]
     assert listed(index) == ["a", "c", "d"]
@@ -46,6 +46,22 @@ def test_puts_past_the_budget_evict_the_least_recently_used(index):
     assert index.stat("default").size_bytes == 1000
     on_disk = [k for k in index.store.keys() if index.store.manifest_stamp(k)]
     assert on_disk == sorted(snapshot_key("default", n) for n in ("big", "d"))
+
+
+def test_restored_snapshots_are_evicted_before_the_only_copies_of_parked_conversations(index):
+    """Park a, park b, resume b (its pages back in the pool: its snapshot a spare copy), park c: c's put evicts
+    b's spare, not a's only copy, though a was used longest ago. Parking b again makes its snapshot the only
+    copy once more."""
+    for name in "ab":
+        put(index, name, 400)
+    index.read("default", "b")
+    assert [e.restored for e in index.list("default")] == [True, False]  # b (most recently used), a
+    _, evicted = put(index, "c", 400)
+    assert [e.conversation_id for e in evicted] == ["b"]
+    index.read("default", "c")
+    put(index, "c", 400)  # parked again: the only copy
+    _, evicted = put(index, "d", 300)
+    assert [e.conversation_id for e in evicted] == ["a"] and listed(index) == ["c", "d"]
 
 
 def test_list_is_most_recently_used_first(index):
@@ -120,7 +136,7 @@ def test_restores_check_the_model_and_the_layer_range(index):
 def entries(index: SnapshotIndex) -> list:
     return sorted(
         (
-            dataclasses.replace(e, last_used_ns=0, manifest_stamp="")
+            dataclasses.replace(e, last_used_ns=0, manifest_stamp="", restored=False)
             for t in ("alice", "bob")
             for e in index.list(t)
         ),

@@ -30,12 +30,12 @@ PAGE = 16
 class CachedStack:
     """Cache, executor and planner on loopback, restartable on the same cache directory."""
 
-    def __init__(self, cache_dir: str, pool_pages: int = 400):
-        self.cache_dir, self.pool_pages = cache_dir, pool_pages
+    def __init__(self, cache_dir: str, pool_pages: int = 400, cache_bytes: int = 2 << 30):
+        self.cache_dir, self.pool_pages, self.cache_bytes = cache_dir, pool_pages, cache_bytes
         self.servers = []
 
     async def start(self):
-        cache = await start_cache_server(self.cache_dir, budget_bytes=2 << 30)
+        cache = await start_cache_server(self.cache_dir, budget_bytes=self.cache_bytes)
         address = f"127.0.0.1:{cache.port}"
         self.stack, servers = await start_stack(
             ExecutorConfig(
@@ -339,6 +339,31 @@ async def test_cache_down_generation_works_and_parking_is_refused(tmp_path):
             # nothing changed: the conversation still holds its pages and continues from them
             conversation = stack.stack.scheduler.conversations.get("default", "nocache")
             assert conversation.pages and not conversation.parked
+    finally:
+        await stack.stop()
+
+
+async def test_a_full_cache_evicts_a_resumed_conversations_spare_copy_before_a_parked_ones_only_one(tmp_path):
+    """A cache with room for two snapshots: park A, park B, resume B (its pages back in the pool, its snapshot a
+    spare), park C. C's put evicts B's spare, not A's only copy, so A still resumes (it used to be evicted, the
+    least recently used, and its KV lost)."""
+    stack = CachedStack(str(tmp_path), cache_bytes=5_000_000)  # a snapshot here is ~2.2 MB
+    await stack.start()
+    try:
+        s = stack.stack
+        async with PlannerClient(s.addr) as client:
+            for name in ("A", "B", "C"):
+                await turn(
+                    client, [SYSTEM, {"role": "user", "content": f"Conversation {name}: a fact."}], name
+                )
+                await s.wait_idle()
+                if name != "C":
+                    await client.park(name)
+            await client.resume("B")
+            await client.park("C")
+            resumed = await client.resume("A")
+            assert resumed.tokens == len(s.scheduler.conversations.get("default", "A").tokens)
+            assert s.scheduler.conversations.get("default", "B").pages  # B lives on in the pool
     finally:
         await stack.stop()
 
