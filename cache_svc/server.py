@@ -32,6 +32,7 @@ from cache_svc.quarantine import quarantined
 from cache_svc.store import PendingSnapshot, ShardReader
 from protos import cache_pb2, cache_pb2_grpc
 from protos.auth import drain_refused, key_tenant, request_tenant
+from protos.decode_guard import guarded
 from protos.rpc import ServerSecurity, StartedServer, log_access, start_server
 from protos.wire import pack_i32, unpack_i32
 
@@ -309,7 +310,7 @@ async def start_cache_server(
         servicer.metrics = CacheMetrics(metrics, index)
     started = await start_server(
         servicer,
-        cache_pb2_grpc.add_CacheServicer_to_server,
+        guarded(cache_pb2_grpc.add_CacheServicer_to_server),  # invalid UTF-8: INVALID_ARGUMENT
         (SERVICE_NAME,),
         host,
         port,

@@ -13,7 +13,6 @@ from prometheus_client import CollectorRegistry
 
 from planner_svc.config import DEFAULT_MAX_WAITING, PlannerConfig
 from planner_svc.conversations import Conversations, Mount
-from planner_svc.decode_guard import guarded
 from planner_svc.engine import Engine
 from planner_svc.group_link import GroupLink
 from planner_svc.intake import Intake, model_eos_ids
@@ -28,6 +27,7 @@ from planner_svc.turns import Turns
 from planner_svc.validation import InvalidRequest, check_named
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.auth import request_tenant
+from protos.decode_guard import guarded
 from protos.layout import RowLayout
 from protos.model_files import load_tokenizer
 from protos.rpc import (

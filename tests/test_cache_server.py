@@ -149,6 +149,25 @@ async def test_other_tenants_get_not_found(served):
     assert (stat["count"], stat["tenant_count"], stat["tenant_size_bytes"]) == (1, 0, 0)
 
 
+async def test_strings_that_are_not_utf8_are_invalid_argument_naming_the_field(served):
+    """Protobuf refuses them while gRPC parses the request, which answered UNKNOWN "Unexpected DecodeError"."""
+    server, client, _ = served
+    manifest, blobs = snapshot()
+    await client.put(manifest, blobs)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        for method in ("Delete", "List", "Get"):
+            request = getattr(cache_pb2, f"{method}Request")
+            number = request.DESCRIPTOR.fields_by_name["conversation_id"].number
+            raw = bytes([number << 3 | 2, 2, 0xFF, 0xFE])  # conversation_id: two bytes, not UTF-8
+            call = channel.unary_unary if method != "Get" else channel.unary_stream
+            rpc = call(f"/{SERVICE_NAME}/{method}", request_serializer=bytes, response_deserializer=bytes)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await (rpc(raw) if method != "Get" else anext(aiter(rpc(raw))))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, refused.value.details())
+            assert "conversation_id is not valid UTF-8" in refused.value.details(), refused.value.details()
+    assert (await client.get("default", "conv"))[1] == blobs  # nothing changed
+
+
 async def test_restore_refusals(served):
     _, client, _ = served
     await client.put(*snapshot())

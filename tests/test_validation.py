@@ -6,7 +6,6 @@ import math
 
 import pytest
 
-from planner_svc.decode_guard import undecodable_field
 from planner_svc.validation import (
     InvalidRequest,
     Limits,
@@ -17,6 +16,7 @@ from planner_svc.validation import (
     text_byte_limit,
 )
 from protos import client_pb2
+from protos.decode_guard import undecodable_field
 
 LIMITS = Limits(vocab_size=100, max_seq_len=64, max_text_bytes=1000)
 
