@@ -281,6 +281,10 @@ def _run(args: argparse.Namespace) -> int:
         except TLSConfigError as error:  # e.g. --tls-ca naming no file, --tls-cert without --tls-key
             print(f"deltaserve {name}: error: {error}", file=sys.stderr)
             return 2
+        except UnicodeEncodeError as error:  # argv bytes that are not UTF-8 (surrogates): the wire takes text
+            shown = ascii(error.object)[:80] if isinstance(error.object, str) else "an argument"
+            print(f"deltaserve {name}: error: {shown} is not valid UTF-8 text", file=sys.stderr)
+            return 2
     try:
         serving = _serving(args)
     except ValueError as error:  # a config's own check, e.g. a page size that is not a power of two

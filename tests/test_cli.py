@@ -530,6 +530,25 @@ def test_a_client_commands_bad_tls_option_is_one_line(tmp_path):
     assert "deltaserve generate: error: cannot read the TLS CA" in done.stderr
 
 
+def test_client_arguments_that_are_not_utf8_are_one_line():
+    """argv bytes that are not UTF-8 reach Python as surrogates, which protobuf cannot encode: a usage error,
+    not a traceback from the encoder."""
+    for argv in (["cache", "rm", "\udcff"], ["park", "ab\udcff"], ["generate", "--text", "hi\udcff"]):
+        argv += ["--addr", "127.0.0.1:9"] + (["--max-tokens", "2"] if argv[0] == "generate" else [])
+        done = subprocess.run(
+            [sys.executable, "-m", "deltaserve", *(os.fsencode(arg) for arg in argv)],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            env=cli_env(),
+            cwd=REPO,
+            timeout=120,
+        )
+        command = " ".join(argv[:2] if argv[0] == "cache" else argv[:1])
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert f"deltaserve {command}: error: " in done.stderr and "is not valid UTF-8 text" in done.stderr
+
+
 def test_a_config_check_fails_the_command_before_loading_anything(capsys, restore_logging):
     assert main(["--log-level", "error", "up", "--page-size", "3"]) == 2
     assert "page_size must be a power of two" in capsys.readouterr().err
