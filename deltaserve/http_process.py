@@ -6,6 +6,7 @@ answers are still counted in the parent's metrics registry: the child sends (pat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import multiprocessing
 from dataclasses import dataclass
@@ -76,6 +77,9 @@ async def _serve(spec: GatewaySpec, conn: Connection, stop: asyncio.Event) -> No
     conn.send(("port", started.port))
     await stop.wait()
     loop.remove_reader(conn.fileno())
+    with contextlib.suppress(EOFError, OSError):
+        while conn.poll():  # the parent's "stop", read: a socket closed with unread bytes resets its peer
+            conn.recv()
     await started.stop()
 
 
@@ -105,7 +109,7 @@ class GatewayProcess:
                 path, status = self.conn.recv()
                 if self.count is not None:
                     self.count(path, status)
-        except EOFError:  # the child is gone
+        except (EOFError, OSError):  # the child is gone
             loop = asyncio.get_running_loop()
             loop.remove_reader(self.conn.fileno())
             if not self.stopping:
