@@ -109,6 +109,12 @@ def snapshot_info(entry: IndexEntry) -> cache_pb2.SnapshotInfo:
     )
 
 
+TENANT_PUT_REFUSED = (
+    "snapshots are put with the service key (the planner parks conversations); a tenant's key may list, "
+    "restore, delete and stat its own"
+)
+
+
 async def _owner(request, context: grpc.aio.ServicerContext) -> tuple[str, str]:
     """(tenant, conversation id) of a request that names one snapshot: the tenant is the caller's key's
     (protos/auth.py), or the one the request names for the service key and an open API."""
@@ -132,6 +138,10 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     async def Put(
         self, request_iterator: AsyncIterator[cache_pb2.SnapshotPart], context: grpc.aio.ServicerContext
     ) -> cache_pb2.PutReply:
+        if key_tenant() is not None:  # parks come from the planner: a tenant's key putting could fill the
+            # cache, and probe by its refusals what the other tenants hold
+            await drain_refused(request_iterator)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, TENANT_PUT_REFUSED)
         pending: PendingSnapshot | None = None
         began = time.perf_counter()
         try:

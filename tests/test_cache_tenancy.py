@@ -31,14 +31,15 @@ async def test_tenants_see_nothing_of_each_other_and_the_service_key_names_the_t
     try:
         await expect_status(nobody.stat(), grpc.StatusCode.UNAUTHENTICATED, "no API key")
         await nobody.wait_ready(5)  # health stays open
-        manifest, blobs = snapshot("conv", (1000, 2000), tenant="")  # the key says whose
-        await alice.put(manifest, blobs)
-        manifest, blobs = snapshot("conv", (1000, 2000), tenant="bob")  # as the planner parks for bob
-        await service.put(manifest, blobs)
-        await expect_status(  # alice's key cannot write as bob
-            alice.put(snapshot("x", (10,), tenant="bob")[0], snapshot("x", (10,))[1]),
-            grpc.StatusCode.PERMISSION_DENIED,
-        )
+        for tenant in ("alice", "bob"):  # as the planner parks for each
+            await service.put(*snapshot("conv", (1000, 2000), tenant=tenant))
+        for tenant in ("", "bob"):  # a tenant's key puts nothing, for itself or another
+            await expect_status(
+                alice.put(*snapshot("x", (10,), tenant=tenant)),
+                grpc.StatusCode.PERMISSION_DENIED,
+                "snapshots are put with the service key",
+            )
+        assert [s["conversation_id"] for s in await service.list("alice")] == ["conv"]
         assert [s["conversation_id"] for s in await alice.list("")] == ["conv"]
         await expect_status(alice.list("bob"), grpc.StatusCode.PERMISSION_DENIED)
         await expect_status(alice.get("", "other"), grpc.StatusCode.NOT_FOUND)
@@ -61,22 +62,22 @@ async def test_one_tenants_parks_never_evict_anothers_snapshots_over_grpc(tmp_pa
     server = await start_cache_server(
         str(tmp_path), 20_000, tenant_budget_bytes=7_000, security=ServerSecurity(keys=KEYS)
     )
-    alice, bob = client(server.port, ALICE), client(server.port, BOB)
+    alice, service = client(server.port, ALICE), client(server.port, SERVICE)
     try:
-        await alice.put(*snapshot("a", (3000, 3000), tenant=""))
+        await service.put(*snapshot("a", (3000, 3000), tenant="alice"))
         evicted = 0
         for n in range(5):
-            evicted += (await bob.put(*snapshot(f"b{n}", (3000, 3000), tenant="")))["evicted"]
+            evicted += (await service.put(*snapshot(f"b{n}", (3000, 3000), tenant="bob")))["evicted"]
         assert evicted == 4  # bob's own older snapshot each time
         assert [s["conversation_id"] for s in await alice.list("")] == ["a"]
         await expect_status(
-            bob.put(*snapshot("big", (4000, 4000), tenant="")),
+            service.put(*snapshot("big", (4000, 4000), tenant="bob")),
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             "exceeds the tenant's budget of 7000 bytes",
         )
     finally:
         await alice.close()
-        await bob.close()
+        await service.close()
         await server.stop(None)
 
 
