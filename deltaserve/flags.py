@@ -194,6 +194,9 @@ class ExtendReplacingDefault(argparse.Action):
         setattr(namespace, self.dest, [*kept, *values])
 
 
+SECRET_METAVAR = "KEY"  # the API key flags: a default from the environment is a secret, never printed
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -204,6 +207,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
             or not action.option_strings
         ):
             return text
+        if action.metavar == SECRET_METAVAR:
+            return text + " (default: set from the environment, not shown)"
         return text + " (default: %(default)s)"
 
 

@@ -164,6 +164,19 @@ def test_bad_values_name_the_flag_or_variable(capsys):
     assert parse(["generate", "--text", "a", "--max-tokens", "1"], DELTASERVE_PAGE_SIZE="x").max_tokens == 1
 
 
+def test_help_never_prints_an_api_key_taken_from_the_environment(capsys):
+    keys = dict(
+        DELTASERVE_API_KEY="sk-SECRET-a-0123456789",
+        DELTASERVE_CACHE_API_KEY="sk-SECRET-c-0123456789",
+        DELTASERVE_EXECUTOR_API_KEY="sk-SECRET-e-0123456789",
+    )
+    for command in ("generate", "planner", "up"):
+        with pytest.raises(SystemExit):
+            parse([command, "--help"], **keys)
+        shown = " ".join(capsys.readouterr().out.split())  # as one line: the help wraps to the terminal
+        assert "SECRET" not in shown and "(default: set from the environment, not shown)" in shown, command
+
+
 def test_planner_executors_repeat_split_and_replace_the_env(capsys):
     assert parse(["planner", "--executor", "a:1", "--executor", "b:2,c:3"]).executor == ["a:1", "b:2", "c:3"]
     assert parse(["planner"], DELTASERVE_EXECUTOR="a:1, b:2").executor == ["a:1", "b:2"]
