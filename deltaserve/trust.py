@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from protos.auth import SERVICE, ApiKeys, Caller, KeyFileError, load_keys, parse_keys
 from protos.rpc import ChannelSecurity, ServerSecurity
-from protos.tls import ClientTLS, server_tls
+from protos.tls import ClientTLS, check_roots, server_tls
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +57,8 @@ def trust_from_args(args: argparse.Namespace) -> Trust:
         tls.credentials()  # read the files now: a missing one fails the start, naming it
         tls.check()
     ca = getattr(args, "tls_ca", None)
+    if ca is not None:
+        check_roots(ca, "--tls-ca")
     cache_key = getattr(args, "cache_api_key", None)
     executor_key = getattr(args, "executor_api_key", None)
     if args.command == "up" and keys is not None and cache_key is not None and args.cache == "auto":
@@ -93,6 +95,8 @@ def client_security(args: argparse.Namespace) -> ChannelSecurity:
     """A client command's channel: TLS when --tls-ca is given (with a client certificate when given), and
     its --api-key."""
     tls = None
+    if args.tls_ca:
+        check_roots(args.tls_ca, "--tls-ca")
     if args.tls_ca or args.tls_cert or args.tls_key:
         tls = ClientTLS(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
     return ChannelSecurity(tls=tls, api_key=args.api_key or None)

@@ -23,6 +23,18 @@ def _read(path: str, what: str) -> bytes:
         raise TLSConfigError(f"cannot read the {what} {path}: {error.strerror or error}") from error
 
 
+def check_roots(path: str, flag: str) -> None:
+    """TLSConfigError naming the flag and file where `path` holds no CA certificate a TLS context can load
+    (gRPC would only fail each handshake: a server reads as a port taken, a client waits on for ever)."""
+    import ssl
+
+    _read(path, "TLS CA")  # a file that is not there, said as such
+    try:
+        ssl.create_default_context(cafile=path)
+    except (ssl.SSLError, OSError, ValueError) as error:
+        raise TLSConfigError(f"{flag} {path} is not a file of PEM CA certificates: {error}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class ServerTLS:
     cert: str  # PEM certificate chain
@@ -40,6 +52,8 @@ class ServerTLS:
             raise TLSConfigError(
                 f"--tls-cert {self.cert} and --tls-key {self.key} are not a certificate and its key: {error}"
             ) from None
+        if self.client_ca is not None:
+            check_roots(self.client_ca, "--tls-client-ca")
 
     def credentials(self) -> grpc.ServerCredentials:
         pair = (_read(self.key, "TLS key"), _read(self.cert, "TLS certificate"))

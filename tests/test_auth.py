@@ -191,6 +191,18 @@ async def test_tls_refuses_plaintext_and_serves_a_client_that_trusts_its_ca(tmp_
         await server.stop(0)
 
 
+def test_a_client_ca_that_is_not_one_fails_the_check_naming_it(tmp_path):
+    """gRPC would only fail to listen (read as a port taken); the check says which file is wrong."""
+    pki = make_pki(str(tmp_path))
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("garbage\n")
+    ServerTLS(pki.server.cert, pki.server.key, client_ca=pki.ca.cert).check()
+    with pytest.raises(
+        TLSConfigError, match=f"--tls-client-ca {not_pem} is not a file of PEM CA certificates"
+    ):
+        ServerTLS(pki.server.cert, pki.server.key, client_ca=str(not_pem)).check()
+
+
 async def test_mtls_needs_a_client_certificate_signed_by_the_client_ca(tmp_path):
     pki = make_pki(str(tmp_path))
     tls = ServerTLS(pki.server.cert, pki.server.key, client_ca=pki.ca.cert)

@@ -1119,11 +1119,21 @@ def test_trust_flags_and_a_bad_key_file_fail_the_start_naming_the_line(tmp_path)
         trust_from_args(parse(["executor", "--api-keys", str(keys)]))
     planner = parse(["planner", "--executor", "h:1", "--executor-api-key", "service-key-0123456789"])
     assert trust_from_args(planner).executor_link.api_key == "service-key-0123456789"
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("garbage\n")
     client = parse(
-        ["generate", "--max-tokens", "1", "--text", "x"], DELTASERVE_API_KEY="k-1", DELTASERVE_TLS_CA="ca"
+        ["generate", "--max-tokens", "1", "--text", "x"],
+        DELTASERVE_API_KEY="k-1",
+        DELTASERVE_TLS_CA=str(not_pem),
     )
-    security = client_security(client)
-    assert security.api_key == "k-1" and security.tls is not None and security.tls.ca == "ca"
+    # A CA file that is not one: said at start, not as each handshake failing (a client waited for ever, a
+    # server read as a port taken).
+    with pytest.raises(TLSConfigError, match=f"--tls-ca {not_pem} is not a file of PEM CA certificates"):
+        client_security(client)
+    with pytest.raises(TLSConfigError, match="--tls-ca .* is not a file of PEM CA certificates"):
+        trust_from_args(parse(["planner", "--executor", "h:1", "--tls-ca", str(not_pem)]))
+    with pytest.raises(TLSConfigError, match="cannot read the TLS CA"):
+        client_security(parse(["cache", "stat", "--tls-ca", str(tmp_path / "missing.pem")]))
     assert client_security(parse(["cache", "stat"])).tls is None
 
 
