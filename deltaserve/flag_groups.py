@@ -10,6 +10,7 @@ from deltaserve.flags import (
     SECRET_METAVAR,
     Flags,
     address,
+    api_key,
     buckets,
     default_cache_dir,
     device,
@@ -266,7 +267,10 @@ def add_client_flags(flags: Flags, *, service: str, port_number: int, addr_env: 
 def add_client_trust_flags(flags: Flags) -> None:
     """How a client command reaches a service: its API key and TLS."""
     flags.option(
-        "--api-key", metavar=SECRET_METAVAR, help="the API key sent as `authorization: Bearer <key>`"
+        "--api-key",
+        type=api_key,
+        metavar=SECRET_METAVAR,
+        help="the API key sent as `authorization: Bearer <key>`",
     )
     flags.option("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA's certificates")
     flags.option("--tls-cert", metavar="PEM", help="a client certificate, for a service that requires one")
@@ -299,6 +303,7 @@ def add_server_trust_flags(flags: Flags, *, api_keys: bool, links: bool) -> None
         )
         flags.option(
             "--cache-api-key",
+            type=api_key,
             metavar=SECRET_METAVAR,
             help="the service key sent to the cache (a `* ` line of the cache's --api-keys)",
         )
@@ -308,6 +313,7 @@ def add_executor_key_flag(flags: Flags) -> None:
     """`planner`: the service key its executors require (`up` makes its own)."""
     flags.option(
         "--executor-api-key",
+        type=api_key,
         metavar=SECRET_METAVAR,
         help="the service key sent to the executors (a `* ` line of their --api-keys)",
     )

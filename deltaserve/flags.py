@@ -8,6 +8,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from protos.auth import MAX_KEY_CHARS
+
 ENV_PREFIX = "DELTASERVE_"
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -70,6 +72,16 @@ def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def api_key(text: str) -> str:
+    """A key as gRPC metadata and HTTP headers carry one (printable ASCII, at most MAX_KEY_CHARS); the message
+    never repeats it."""
+    if len(text) > MAX_KEY_CHARS:
+        raise BadValue(f"the key has {len(text)} characters; no key has more than {MAX_KEY_CHARS}")
+    if not (text.isascii() and text.isprintable()):
+        raise BadValue("the key has characters a key cannot send (printable ASCII only)")
+    return text
 
 
 def port(text: str) -> int:
@@ -236,7 +248,8 @@ class Flags:
         try:
             value = parse(raw)
         except ValueError as error:
-            self.env_errors.append(f"{name}={raw!r}: {error}")
+            shown = "(not shown)" if parse is api_key else repr(raw)  # a key is a secret, even a bad one
+            self.env_errors.append(f"{name}={shown}: {error}")
             return False, None
         if choices is not None and value not in choices:
             self.env_errors.append(f"{name}={raw!r}: expected one of {', '.join(map(str, choices))}")

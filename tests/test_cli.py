@@ -164,6 +164,17 @@ def test_bad_values_name_the_flag_or_variable(capsys):
     assert parse(["generate", "--text", "a", "--max-tokens", "1"], DELTASERVE_PAGE_SIZE="x").max_tokens == 1
 
 
+def test_a_key_no_key_can_be_is_a_usage_error_that_never_shows_it(capsys):
+    """gRPC metadata is printable ASCII: such a key ended in a 50-line traceback from gRPC's core."""
+    for argv in (["cache", "stat"], ["conversations"], ["generate", "--text", "a", "--max-tokens", "1"]):
+        said = usage_error(capsys, [*argv, "--api-key", "sëcret-0123456789abcdef"])
+        assert "--api-key: the key has characters a key cannot send (printable ASCII only)" in said
+        assert "sëcret" not in said
+    said = usage_error(capsys, ["cache", "stat"], DELTASERVE_API_KEY="sëcret-0123456789abcdef")
+    assert "DELTASERVE_API_KEY=(not shown): the key has characters" in said and "sëcret" not in said
+    assert "no key has more than 1024" in usage_error(capsys, ["cache", "stat", "--api-key", "k" * 1025])
+
+
 def test_help_never_prints_an_api_key_taken_from_the_environment(capsys):
     keys = dict(
         DELTASERVE_API_KEY="sk-SECRET-a-0123456789",
