@@ -55,6 +55,9 @@ def _listen(host: str, port: int, reuse_port: bool) -> socket.socket:
     reuse_port: several worker processes listen on the port, the kernel spreads connections over them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
+    # as uvicorn's and gRPC's own binds: connections this side closed (at a drain, `Connection: close`) wait out
+    # TIME-WAIT on the port for a minute, and a restart would find it "taken"; another listener still is
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:

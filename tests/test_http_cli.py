@@ -133,6 +133,29 @@ def test_a_sigterm_to_ups_whole_group_lets_an_http_stream_finish_in_the_drain(tm
             up.process.wait()
 
 
+def test_the_http_port_binds_again_while_closed_connections_wait_out_time_wait():
+    """A drain closes the gateway's connections from its side, which leaves them in TIME-WAIT on the port for a
+    minute: a restart found the port "taken" after loading the whole model. Another listener is still refused."""
+    import socket
+
+    from gateway_svc.http_server import _listen, check_free
+
+    listener = _listen("127.0.0.1", 0, reuse_port=False)
+    port = listener.getsockname()[1]
+    listener.setblocking(True)
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        accepted, _ = listener.accept()
+        accepted.close()  # the server's side closes first: its end waits in TIME-WAIT
+        client.recv(1)
+    listener.close()
+    again = _listen("127.0.0.1", port, reuse_port=False)
+    try:
+        with pytest.raises(OSError, match=f"port {port} is taken"):
+            check_free("127.0.0.1", port)
+    finally:
+        again.close()
+
+
 def scrape(metrics_port: int) -> dict[tuple[str, tuple], float]:
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
     return {
