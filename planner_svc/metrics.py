@@ -91,7 +91,10 @@ class RequestClock:
 
     def __init__(self, metrics: PlannerMetrics) -> None:
         self.metrics = metrics
-        self.arrived = self.last = time.perf_counter()
+        self.arrived = time.perf_counter()
+        self.last: dict[
+            int, float
+        ] = {}  # by choice: n > 1 merges the choices' messages, a step's side by side
         self.tokens = 0
 
     def sent(self, response: client_pb2.GenerateResponse) -> None:
@@ -101,11 +104,12 @@ class RequestClock:
         now = time.perf_counter()
         if self.tokens == 0:
             self.metrics.ttft.observe(now - self.arrived)
-        else:
-            gap = (now - self.last) / n
+        last = self.last.get(response.index)  # None: the choice's first tokens (the request's: the TTFT)
+        if last is not None:
+            gap = (now - last) / n
             for _ in range(n):
                 self.metrics.itl.observe(gap)
-        self.last, self.tokens = now, self.tokens + n
+        self.last[response.index], self.tokens = now, self.tokens + n
 
     def ended(self, req: Request | None, mount: Mount, reason: str) -> None:
         """`reason`: stop | length | abort, or error for a request refused or failed."""

@@ -4,6 +4,7 @@ parser before and after requests (a plain one, and a conversation's second turn 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import httpx2 as httpx
 import pytest
@@ -63,3 +64,23 @@ async def test_counters_histograms_and_gauges_move_with_requests(smol_stack):
         == len(first.token_ids) + len(second.token_ids) - 2
     )
     assert after[("deltaserve_kv_pages_used", ())] > 0  # the conversation keeps its pages
+
+
+async def test_inter_token_latency_is_each_choices_own(monkeypatch):
+    """n > 1 merges the choices' messages: a step's come side by side, which were read as gaps of 0 (a mean
+    about n times too low). Each choice's gap is from its own previous message; its first tokens make none."""
+    from planner_svc import metrics as planner_metrics
+    from protos import client_pb2
+    from protos.wire import pack_i32
+
+    now = [0.0]
+    monkeypatch.setattr(planner_metrics, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    registry = CollectorRegistry()
+    clock = PlannerMetrics(registry).request()
+    for now[0] in (1.0, 2.0, 3.0):  # each step, a token for each of two choices
+        for index in (0, 1):
+            clock.sent(client_pb2.GenerateResponse(token_ids=pack_i32([7]), index=index))
+    count = registry.get_sample_value("deltaserve_inter_token_latency_seconds_count")
+    total = registry.get_sample_value("deltaserve_inter_token_latency_seconds_sum")
+    assert (count, total) == (4, 4.0)
+    assert registry.get_sample_value("deltaserve_time_to_first_token_seconds_count") == 1
