@@ -292,8 +292,8 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         return aio.run(serving)
-    except (OSError, ValueError, KernelUnavailable, MemoryError, RuntimeError) as error:
-        mendable = not isinstance(error, RuntimeError) or isinstance(error, KernelUnavailable)
+    except (OSError, ValueError, MemoryError, RuntimeError) as error:  # KernelUnavailable: a RuntimeError
+        mendable = isinstance(error, (OSError, ValueError, KernelUnavailable))
         if serve.LISTENED.is_set() or not (mendable or out_of_memory(error)):
             # a fault while serving or stopping, not a start-up mistake: its traceback
             log.exception("failed", command=name)

@@ -226,9 +226,8 @@ def check_generate(request: client_pb2.GenerateRequest, limits: Limits) -> None:
             len(m.role.encode("utf-8")) + len(m.content.encode("utf-8")) for m in request.chat.messages
         )
         _check_text_size("chat", size, limits)
-        if (
-            len(request.chat.messages) > limits.max_seq_len
-        ):  # a chat template spends a token or more a message
+        # a chat template spends a token or more a message
+        if len(request.chat.messages) > limits.max_seq_len:
             raise InvalidRequest(
                 f"chat has {len(request.chat.messages)} messages: more than the model's context of "
                 f"{limits.max_seq_len} tokens could hold (each message takes at least one)"
