@@ -67,9 +67,9 @@ def main() -> None:
     kv.k.normal_(), kv.v.normal_()  # stored K/V as if a prompt had been read: only the cost is measured
     # arm -> (attention, C step)
     arms = {
-        "C step": (TorchDecode(None, kv, model.scale), True),
-        "torch, in place": (TorchDecode(None, kv, model.scale), False),
-        "torch, gathered": (TorchDecode(None, kv, model.scale), False),
+        "C step": (TorchDecode(None, kv, model.scale, model.config.max_seq_len), True),
+        "torch, in place": (TorchDecode(None, kv, model.scale, model.config.max_seq_len), False),
+        "torch, gathered": (TorchDecode(None, kv, model.scale, model.config.max_seq_len), False),
     }
     assert arms["C step"][0].in_place, "the paged_cpu kernel does not build here"
     arms["torch, gathered"][0].in_place = False

@@ -511,7 +511,7 @@ def compile_only(shape: str) -> None:
     layout = RowLayout(slots=3, block_span=4)
     attention = FlashInferDecode((1,), kv, cfg.num_heads, layout.block_span, cfg.head_dim**-0.5)
     rows = np.zeros((layout.slots, layout.columns), dtype=np.int32)
-    attention.plan(1, plan_from_rows(rows, np.zeros(1, dtype=np.int32), PAGE_SIZE))
+    attention.plan(1, plan_from_rows(rows, np.zeros(1, dtype=np.int32), PAGE_SIZE, 4 * PAGE_SIZE))
     q = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device=device)
     attention.attend(1, 0, q)
     torch.cuda.synchronize()

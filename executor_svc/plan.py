@@ -9,85 +9,13 @@ from typing import NamedTuple
 import numpy as np
 
 from executor_svc.control_writes import ControlError, ControlWrites, check_controls
+from executor_svc.row_runs import RowWrites, join_runs, parse_runs, run_cells
 from protos import executor_pb2
 from protos.layout import MAX_DECODE_STEPS, RowLayout
 from protos.wire import unpack_f32, unpack_i32
 
-RUN_HEADER = 3  # (slot, first_col, n_cells) before a run's cells
 SAMPLER_F32 = 2  # temperature, top_p
 SAMPLER_I32 = 4  # top_k, seed_lo, seed_hi, last_token
-
-
-class Run(NamedTuple):
-    slot: int
-    first_col: int
-    n_cells: int
-    offset: int  # index of the run's first cell in the packed array
-
-
-class Segment(NamedTuple):
-    flat_start: int  # slot * C + first_col of its first run, in the flattened rows
-    n_cells: int
-
-
-class RunCells(NamedTuple):
-    flat: np.ndarray  # int64[n]: each cell's place in the flattened rows (slot * C + col, runs continuing on)
-    values: np.ndarray  # int32[n]: what it holds
-
-
-class RowWrites(NamedTuple):
-    """A plan's row runs, parsed: every cell's value in run order, and where they go as segments of the
-    flattened rows (runs that continue one another joined), so each segment is one copy."""
-
-    values: np.ndarray  # int32[n]
-    segments: list[Segment]  # their lengths sum to n
-
-
-def parse_runs(runs: np.ndarray) -> list[Run]:
-    """Split packed runs `(slot, first_col, n_cells, cells...)...` into headers; ValueError if truncated."""
-    parsed = []
-    at, end = 0, len(runs)
-    while at < end:
-        if at + RUN_HEADER > end:
-            raise ValueError(f"row_runs: a run header at int {at} is cut short ({end - at} ints left)")
-        slot, first_col, n_cells = int(runs[at]), int(runs[at + 1]), int(runs[at + 2])
-        if n_cells < 1:
-            raise ValueError(f"row_runs: the run at int {at} has {n_cells} cells; a run has at least one")
-        if at + RUN_HEADER + n_cells > end:
-            raise ValueError(f"row_runs: the run at int {at} names {n_cells} cells but the bytes end first")
-        parsed.append(Run(slot, first_col, n_cells, at + RUN_HEADER))
-        at += RUN_HEADER + n_cells
-    return parsed
-
-
-def run_cells(runs: np.ndarray, parsed: list[Run], columns: int) -> RunCells:
-    """Every cell of the parsed runs at once, in run order: a few numpy passes, whatever the number of runs
-    (a plan of new rows has one run each)."""
-    count = len(parsed)
-    starts = np.fromiter((run.slot * columns + run.first_col for run in parsed), np.int64, count)
-    offsets = np.fromiter((run.offset for run in parsed), np.int64, count)
-    lengths = np.fromiter((run.n_cells for run in parsed), np.int64, count)
-    # within[i]: cell i's index inside its own run
-    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return RunCells(np.repeat(starts, lengths) + within, runs[np.repeat(offsets, lengths) + within])
-
-
-def join_runs(parsed: list[Run], columns: int) -> list[Segment]:
-    """Runs in order, each joined to the one before when it starts where that one ended (row-major)."""
-    segments: list[Segment] = []
-    for run in parsed:
-        flat_start = run.slot * columns + run.first_col
-        if segments and segments[-1].flat_start + segments[-1].n_cells == flat_start:
-            segments[-1] = Segment(segments[-1].flat_start, segments[-1].n_cells + run.n_cells)
-        else:
-            segments.append(Segment(flat_start, run.n_cells))
-    return segments
-
-
-def row_writes(runs: np.ndarray, columns: int) -> RowWrites:
-    """Packed runs parsed into RowWrites, unchecked (check_plan checks a plan's; tests build their own)."""
-    parsed = parse_runs(runs)
-    return RowWrites(run_cells(runs, parsed, columns).values, join_runs(parsed, columns))
 
 
 class PlanError(ValueError):
@@ -158,8 +86,10 @@ def _check_distinct(slots: np.ndarray, field: str) -> None:
 def _check_cell_values(columns: np.ndarray, values: np.ndarray, limits: PlanLimits, field: str) -> None:
     """Values the forward uses as indices must be in range: a wrong one would fault on the device."""
     checks = (
-        (columns == RowLayout.KV_LEN, 0, limits.max_seq_len + 1, "KV_LEN"),
-        (columns == RowLayout.POS_OFFSET, 0, limits.max_seq_len + 1, "POS_OFFSET"),
+        # A decode row's token goes to position KV_LEN + POS_OFFSET: each must leave room for it. (Their sum,
+        # and lengths that steady steps grow on the device, the gathers clamp: no row indexes past a table.)
+        (columns == RowLayout.KV_LEN, 0, limits.max_seq_len, "KV_LEN"),
+        (columns == RowLayout.POS_OFFSET, 0, limits.max_seq_len, "POS_OFFSET"),
         (columns == RowLayout.STATE_SLOT, 0, max(limits.state_slots, 1), "STATE_SLOT"),
         (columns >= RowLayout.BLOCK_TABLE, 0, limits.pool_pages, "a block-table page"),
     )
@@ -225,6 +155,19 @@ def _check_sampler(
             f"sampler_i32: last_token {int(ints[:, 3].max())} is outside the vocabulary ({limits.vocab_size})"
         )
     return slots, floats, ints
+
+
+def _check_prefill_size(plan: executor_pb2.StepPlan, limits: PlanLimits) -> None:
+    """A step's prompt chunks: each but the last ends its prompt, and at most the widest bucket's prompts end
+    (the prefill graphs' shapes assume as much); their tokens, no more than the pool's pages hold. Checked
+    before any chunk is read: the eager prefill would run whatever came, memory and all."""
+    most = limits.layout.widest_bucket + 1
+    if len(plan.prefill) > most:
+        raise PlanError(f"prefill: {len(plan.prefill)} chunks, more than the widest bucket and one ({most})")
+    tokens = sum(len(chunk.token_ids) for chunk in plan.prefill) // 4
+    room = limits.pool_pages * limits.page_size
+    if tokens > room:
+        raise PlanError(f"prefill: {tokens} tokens, more than the KV pool holds ({room})")
 
 
 def _check_prefill(chunk: executor_pb2.PrefillChunk, index: int, limits: PlanLimits) -> PrefillWork:
@@ -350,6 +293,7 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
         controls = check_controls(plan, sampler_slots, limits.vocab_size)
     except ControlError as error:
         raise PlanError(str(error)) from None
+    _check_prefill_size(plan, limits)
     prefill = [_check_prefill(chunk, index, limits) for index, chunk in enumerate(plan.prefill)]
     # The planner samples at most the widest bucket's prompts in a step (and the decode rows): the read-back
     # buffers are sized for that.
@@ -359,6 +303,8 @@ def check_plan(plan: executor_pb2.StepPlan, limits: PlanLimits, decode_bucket: i
         raise PlanError(
             f"prefill: {sampling} chunks sample, more than the widest bucket ({limits.layout.widest_bucket})"
         )
+    # One token a slot: two chunks sampling into one would leave the loop-back holding only one of them.
+    _check_distinct(np.array([slot for slot in sample_slots if slot], dtype=np.int32), "prefill sample_slot")
     state_slots = [chunk.state_slot for chunk in plan.prefill]
     state_copies = _check_state_copies(plan.state_copies, limits) if plan.state_copies else None
     mirror = None

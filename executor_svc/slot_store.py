@@ -9,7 +9,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from executor_svc.plan import SAMPLER_F32, SAMPLER_I32, CheckedPlan, RowWrites
+from executor_svc.plan import SAMPLER_F32, SAMPLER_I32, CheckedPlan
+from executor_svc.row_runs import RowWrites
 from executor_svc.sampler_controls import SamplerControls
 from executor_svc.staging import Staging
 from protos.layout import RowLayout

@@ -113,7 +113,7 @@ def decode_logits(model, kv, tokens, positions, kv_lens, block_tables):
     (stored before this step); block_tables int32[B, W]. Float32 logits [B, V]."""
     from executor_svc.attention.torch_ref import TorchDecode
 
-    attention = TorchDecode(None, kv, model.scale)
+    attention = TorchDecode(None, kv, model.scale, model.config.max_seq_len)
     return model.forward(attention.over(tokens, positions, kv_lens, block_tables), attention)
 
 

@@ -59,7 +59,7 @@ def _model(variant: str, tmp_path: Path, type_name: str | None) -> DenseModel:
 def _step(model: DenseModel, kv, tokens, kv_lens, tables, torch_layers: bool) -> torch.Tensor:
     if torch_layers:
         model.cpu_layers = (kv, None)  # what `over` answers where the C step cannot serve
-    attention = TorchDecode(None, kv, model.scale)
+    attention = TorchDecode(None, kv, model.scale, model.config.max_seq_len)
     inputs = attention.over(tokens, kv_lens.long(), kv_lens, tables)
     return model.forward(inputs, attention)
 

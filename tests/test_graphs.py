@@ -27,8 +27,8 @@ from executor_svc.decode_graphs import DecodeGraphs, capture_order
 from executor_svc.kernels.attention import paged_decode_attention
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.dense import DenseModel
-from executor_svc.plan import row_writes
 from executor_svc.prefill.batch import PrefillShape
+from executor_svc.row_runs import row_writes
 from executor_svc.runner import StepRunner, runner_for_model
 from executor_svc.slot_store import GREEDY, SAMPLED, SlotStore
 from protos.layout import RowLayout
@@ -148,8 +148,11 @@ def test_host_plan_inputs_from_rows():
     rows = np.zeros((layout.slots, layout.columns), dtype=np.int32)
     rows[3] = [8, 2, 3, 11, 12, 13, 0]  # 8 stored of page 4: the step's token starts page 3 (13)
     rows[5] = [5, 0, 5, 21, 22, 0, 0]  # 5 stored: the step writes offset 1 of page 22
-    plan = plan_from_rows(rows, np.array([3, 0, 5], dtype=np.int32), page_size=4)
+    plan = plan_from_rows(rows, np.array([3, 0, 5], dtype=np.int32), page_size=4, max_seq_len=16)
     np.testing.assert_array_equal(plan.positions, [10, 0, 5])
+    # Past the context, a row stays at the tables' last position (as the gather kernel keeps it).
+    short = plan_from_rows(rows, np.array([3, 0, 5], dtype=np.int32), page_size=4, max_seq_len=10)
+    np.testing.assert_array_equal(short.positions, [9, 0, 5])
     np.testing.assert_array_equal(plan.write_page, [13, 0, 22])
     np.testing.assert_array_equal(plan.write_offset, [0, 0, 1])
     np.testing.assert_array_equal(plan.lengths, [9, 1, 6])
@@ -358,5 +361,5 @@ def test_flashinfer_attention_matches_the_resident_kernel():
         q, kv.k[0], kv.v[0], store.rows, store.step_slots[:4], BLOCK_TABLE, page, scale
     )
     flashinfer = FlashInferDecode((4,), kv, heads, span, scale)
-    flashinfer.plan(4, plan_from_rows(rows, slots, page))
+    flashinfer.plan(4, plan_from_rows(rows, slots, page, span * page))
     torch.testing.assert_close(flashinfer.attend(4, 0, q), resident, atol=2e-2, rtol=2e-2)

@@ -117,10 +117,14 @@ def test_gather_inputs_matches_the_slot_store(page_size: int):
     store.rows[6, KV_LEN] = page_size  # exactly at a page crossing: the write goes to the second page
     store.rows[7, KV_LEN] = 0
     slots = set_step(store, [6, 0, 3, 7])  # slot 0 = a padding row
-    got = gather_inputs(store.rows, slots, store.last_token, page_size)
+    context = SPAN * page_size + 5  # room for every row's length and offset
+    got = gather_inputs(store.rows, slots, store.last_token, page_size, context)
     expected = store.gather(4)
     for name in ("tokens", "positions", "kv_lens"):
         torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=0, atol=0, msg=name)
+    # Past a shorter context, positions stay at the tables' last (a bad row, or steady steps run too long).
+    short = gather_inputs(store.rows, slots, store.last_token, page_size, 3)
+    torch.testing.assert_close(short.positions, expected.positions.clamp(max=2), rtol=0, atol=0)
     # As the torch decode (TorchDecode) places the step's K/V.
     kv_lens = expected.kv_lens
     write_page = expected.block_tables.gather(1, (kv_lens // page_size).long()[:, None])[:, 0]

@@ -383,7 +383,9 @@ BAD_PLANS = [
     (dict(row_runs=pack_i32([8, 5, 15, *[0] * 15])), "runs past the last row"),
     (dict(row_runs=pack_i32([1, 0, 4, 0, 0])), "bytes end first"),
     (dict(row_runs=pack_runs((1, [3, 0, 0, 32]))), "block-table page value 32 is outside [0, 32)"),
-    (dict(row_runs=pack_i32([1, KV_LEN, 1, 65])), "KV_LEN value 65 is outside [0, 65)"),
+    # A decode row's token goes to position KV_LEN + POS_OFFSET, so a full context is no room for it.
+    (dict(row_runs=pack_i32([1, KV_LEN, 1, 64])), "KV_LEN value 64 is outside [0, 64)"),
+    (dict(row_runs=pack_i32([1, KV_LEN + 1, 1, 64])), "POS_OFFSET value 64 is outside [0, 64)"),
     (
         dict(sampler_slots=pack_i32([1]), sampler_f32=pack_f32([1.0]), sampler_i32=pack_i32([0, 0, 0, -1])),
         "1 slots need 8 bytes of sampler_f32",
@@ -404,6 +406,18 @@ BAD_PLANS = [
     ),
     (dict(prefill=[prefill_chunk([1], 0, [1], 9)]), "sample_slot 9 is outside [0, 9)"),
     (
+        dict(prefill=[prefill_chunk([1], 0, [1], 3), prefill_chunk([2], 0, [2], 3)]),
+        "prefill sample_slot: slot 3 appears more than once",
+    ),
+    (
+        dict(prefill=[prefill_chunk([1], 0, [1], 0) for _ in range(6)]),
+        "prefill: 6 chunks, more than the widest bucket and one (5)",
+    ),
+    (
+        dict(prefill=[prefill_chunk([1] * 64, 0, [1] * 16, 0)] * 2 + [prefill_chunk([1], 0, [1], 0)]),
+        "prefill: 129 tokens, more than the KV pool holds (128)",
+    ),
+    (
         dict(prefill=[prefill_chunk([1], 0, [1], slot) for slot in range(1, 6)]),
         "prefill: 5 chunks sample, more than the widest bucket (4)",
     ),
@@ -411,6 +425,28 @@ BAD_PLANS = [
     (dict(bucket=2, steps=17), "steps: 17, more than 16"),
     (dict(bucket=2, steps=2), "steps: 2 for a plan that is not a steady decode step"),
 ]
+
+
+def test_rows_past_the_context_step_clamped_and_leave_the_runner_whole(model: DenseModel):
+    """Steady steps grow lengths on the device, where no host check sees them, and a row's KV_LEN and
+    POS_OFFSET may each be in range while their sum is not: such rows run at the tables' last position and
+    write their span's end to the sink page. Nothing indexes past a table, so the step and the next work."""
+    runner = tiny_runner(model)
+    for plan in scripted_plans([1, 2])[:2]:
+        runner.run(plan)
+    every_page = list(range(1, LAYOUT.block_span + 1))
+    near_the_end = executor_pb2.StepPlan(
+        seq=3, bucket=1, slots=pack_i32([1]), row_runs=pack_runs((1, whole_row(60, every_page)))
+    )
+    runner.run(near_the_end)
+    runner.run(executor_pb2.StepPlan(seq=4, bucket=1, steps=16))  # 61 -> 77: past the 64 positions
+    assert int(runner.store.rows[1, KV_LEN]) == 77
+    offset_past = executor_pb2.StepPlan(seq=5, bucket=1, row_runs=pack_runs((1, [6, 60, 0, 3, 4])))
+    runner.run(offset_past)  # position 66
+    fresh = tiny_runner(model)
+    for plan, expected in zip(scripted_plans([1, 2]), map(fresh.run, scripted_plans([1, 2]))):
+        plan.seq += 5
+        assert runner.run(plan).tokens == expected.tokens
 
 
 @pytest.mark.parametrize(("fields", "message"), BAD_PLANS, ids=[message for _, message in BAD_PLANS])

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc.plan import CheckedPlan, Run, Segment, join_runs, parse_runs, row_writes, run_cells
+from executor_svc.plan import CheckedPlan
+from executor_svc.row_runs import Run, Segment, join_runs, parse_runs, row_writes, run_cells
 from executor_svc.slot_store import SlotStore
 from protos.layout import RowLayout
 

@@ -81,7 +81,7 @@ def decode_attention(
     if kind == "torch":
         from executor_svc.attention.torch_ref import TorchDecode
 
-        return TorchDecode(store, kv, model.scale)
+        return TorchDecode(store, kv, model.scale, max_seq_len)
     if kind == "resident":
         from executor_svc.attention.resident import ResidentDecode
 
@@ -91,5 +91,5 @@ def decode_attention(
     if kind == "host-planned":
         from executor_svc.attention.host_planned import HostPlannedDecode
 
-        return HostPlannedDecode(store, kv, model.scale, buckets, config.num_heads)
+        return HostPlannedDecode(store, kv, model.scale, buckets, config.num_heads, max_seq_len)
     raise ValueError(f"decode attention must be one of {DECODE_ATTENTION}, got {kind!r}")

@@ -12,7 +12,8 @@ import torch
 from executor_svc.attention import StepInputs
 from executor_svc.attention.torch_ref import decode_attention
 from executor_svc.kv_pool import KVPool
-from executor_svc.plan import CheckedPlan, RowWrites
+from executor_svc.plan import CheckedPlan
+from executor_svc.row_runs import RowWrites
 from executor_svc.slot_store import SlotStore
 from protos.layout import RowLayout
 
@@ -32,8 +33,9 @@ class HostDecodePlan(NamedTuple):
     tables: np.ndarray  # int32[B, W]: the same pages as dense block tables (the torch arm's input)
 
 
-def plan_from_rows(rows: np.ndarray, slots: np.ndarray, page_size: int) -> HostDecodePlan:
-    """Each step row's pages, length and position from a host copy of the rows (int32[S, C]), by slot."""
+def plan_from_rows(rows: np.ndarray, slots: np.ndarray, page_size: int, max_seq_len: int) -> HostDecodePlan:
+    """Each step row's pages, length and position from a host copy of the rows (int32[S, C]), by slot.
+    Positions are clamped below max_seq_len, as the gather kernel clamps them."""
     picked = rows[slots]  # picked: [B, C]
     kv_len = picked[:, RowLayout.KV_LEN].astype(np.int64)
     tables = np.ascontiguousarray(picked[:, RowLayout.BLOCK_TABLE :])
@@ -48,7 +50,7 @@ def plan_from_rows(rows: np.ndarray, slots: np.ndarray, page_size: int) -> HostD
     inside = page_index < span
     write_page = np.where(inside, tables[np.arange(len(slots)), np.minimum(page_index, span - 1)], 0)
     return HostDecodePlan(
-        positions=kv_len + picked[:, RowLayout.POS_OFFSET],
+        positions=np.minimum(kv_len + picked[:, RowLayout.POS_OFFSET], max_seq_len - 1),
         write_page=write_page.astype(np.int32),
         write_offset=(kv_len % page_size).astype(np.int32),
         lengths=lengths.astype(np.int32),
@@ -171,12 +173,21 @@ class HostPlannedDecode:
     fused = True
     kind = "host-planned (attention planned on the host)"
 
-    def __init__(self, store: SlotStore, kv: KVPool, scale: float, buckets: tuple[int, ...], num_heads: int):
+    def __init__(
+        self,
+        store: SlotStore,
+        kv: KVPool,
+        scale: float,
+        buckets: tuple[int, ...],
+        num_heads: int,
+        max_seq_len: int,
+    ):
         layout = store.layout
         device = store.device
         cuda = device.type == "cuda"
         self.store = store
         self.kv = kv
+        self.max_seq_len = max_seq_len
         self.host_rows = HostRows(layout)
         widest, span = layout.widest_bucket, layout.block_span
         # The host's inputs of a step: [positions (i64) | write_page | write_offset], filled then uploaded.
@@ -201,7 +212,8 @@ class HostPlannedDecode:
         the attention."""
         if self._replayed is not None:
             self._replayed.synchronize()
-        plan = plan_from_rows(self.host_rows.rows, self.store.host_slots(bucket), self.kv.page_size)
+        slots = self.store.host_slots(bucket)
+        plan = plan_from_rows(self.host_rows.rows, slots, self.kv.page_size, self.max_seq_len)
         staged = self._host_inputs[:bucket].numpy()
         staged[:, 0:2] = plan.positions.astype(np.int64)[:, None].view(np.int32)
         staged[:, 2] = plan.write_page

@@ -31,6 +31,7 @@ class ResidentDecode:
         self.store = store
         self.kv = kv
         self.scale = scale
+        self.max_seq_len = max_seq_len
         device = store.device
         cuda = device.type == "cuda"
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 0
@@ -53,7 +54,7 @@ class ResidentDecode:
     def inputs(self, bucket: int) -> StepInputs:
         store = self.store
         self._slots = store.step_slots[:bucket]
-        return gather_inputs(store.rows, self._slots, store.last_token, self.kv.page_size)
+        return gather_inputs(store.rows, self._slots, store.last_token, self.kv.page_size, self.max_seq_len)
 
     def forward(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         kv = self.kv

@@ -142,10 +142,11 @@ class TorchDecode:
     fused = False
     kind = "torch"
 
-    def __init__(self, store: SlotStore | None, kv: KVPool, scale: float) -> None:
+    def __init__(self, store: SlotStore | None, kv: KVPool, scale: float, max_seq_len: int) -> None:
         self.store = store  # None: the inputs are given with `over` (the reference tests)
         self.kv = kv
         self.scale = scale
+        self.max_seq_len = max_seq_len
         self.in_place = paged_cpu.serves(kv.k)
         # Set by `over` for the layers' attention of the same step, one of:
         self._gather: DecodeGather | None = None  # the step's pages and mask (the gathering path)
@@ -169,14 +170,21 @@ class TorchDecode:
         step), block_tables i32[B, W]. The token's K/V goes to page block_tables[b, kv_lens[b] // P], offset
         kv_lens[b] % P, and the row attends over kv_lens[b] + 1 positions. Padding rows: token 0, length 0,
         block table of zeros (the sink page)."""
-        page_size = self.kv.page_size
+        page_size, span = self.kv.page_size, block_tables.shape[1]
+        # A row past its span or the context (a bad row, or steady steps run too long: the planner never
+        # sends one) writes to the sink page, reads its own span and stays at the tables' last position,
+        # as the gather kernel does.
+        page_index = (kv_lens // page_size).long()
+        inside = page_index < span
+        write_page = block_tables.gather(1, page_index.clamp(max=span - 1)[:, None])[:, 0]
+        write_page = torch.where(inside, write_page, torch.zeros_like(write_page))
+        positions = positions.clamp(max=self.max_seq_len - 1)
         # kv_lens + 1: the positions each row attends, its own included
+        attn_lens = (kv_lens + 1).clamp(max=span * page_size).to(torch.int32)
         if self.in_place:
-            attn_lens = (kv_lens + 1).to(torch.int32)
             self._tables = (block_tables.to(torch.int32).contiguous(), attn_lens)
         else:
-            self._gather = DecodeGather.build(block_tables, kv_lens + 1, page_size, self.kv.k.dtype)
-        write_page = block_tables.gather(1, (kv_lens // page_size).long()[:, None])[:, 0]
+            self._gather = DecodeGather.build(block_tables, attn_lens, page_size, self.kv.k.dtype)
         return StepInputs(tokens, positions, kv_lens, write_page, kv_lens % page_size)
 
     @property

@@ -28,6 +28,7 @@ def _gather_inputs_kernel(
     columns,
     block_table_col,
     span,
+    last_position,
     KV_LEN: tl.constexpr,
     POS_OFFSET: tl.constexpr,
     PAGE: tl.constexpr,
@@ -43,7 +44,9 @@ def _gather_inputs_kernel(
     # A row already at its span's end (the planner never sends one) writes to the sink page, not past the row.
     page = tl.load(row + block_table_col + page_index, mask=live & (page_index < span), other=0)
     tl.store(tokens_ptr + index, tl.load(last_token_ptr + slot, mask=live, other=0).to(tl.int64), mask=live)
-    tl.store(positions_ptr + index, kv_len.to(tl.int64) + pos_offset.to(tl.int64), mask=live)
+    # Past the context (a bad row, or steady steps run too long) the position stays at the tables' last.
+    position = tl.minimum(kv_len.to(tl.int64) + pos_offset.to(tl.int64), last_position)
+    tl.store(positions_ptr + index, position, mask=live)
     tl.store(kv_lens_ptr + index, kv_len, mask=live)
     tl.store(write_page_ptr + index, page, mask=live)
     tl.store(write_offset_ptr + index, kv_len % PAGE, mask=live)
@@ -121,11 +124,13 @@ def gather_inputs(
     step_slots: torch.Tensor,
     last_token: torch.Tensor,
     page_size: int,
+    max_seq_len: int,
     block_table_col: int = RowLayout.BLOCK_TABLE,
 ) -> StepInputs:
     """The decode inputs of the rows of step_slots[B] (i64 or i32; 0 = padding, which reads the sink row).
 
     last_token: i64[S], the loop-back buffer. The K/V write goes to block-table cell kv_len // page_size.
+    Positions are clamped below max_seq_len (the rope tables' length).
     """
     _check_rows(rows)
     batch = step_slots.shape[0]
@@ -152,6 +157,7 @@ def gather_inputs(
         columns,
         block_table_col,
         columns - block_table_col,
+        max_seq_len - 1,
         KV_LEN=RowLayout.KV_LEN,
         POS_OFFSET=RowLayout.POS_OFFSET,
         PAGE=page_size,
