@@ -134,7 +134,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._runner.bind_thread()  # this thread launches the steps
         # A stream starts from zero tables, as after a restart: the planner that opens it again (after a
         # loss or a refused plan) writes every row whole. Behind any step still running from the last one.
-        await asyncio.get_running_loop().run_in_executor(self._compute, self._runner.store.rows.zero_)
+        await asyncio.get_running_loop().run_in_executor(self._compute, self._runner.store.reset)
         in_flight = asyncio.Semaphore(PLANS_IN_FLIGHT)
         launcher = StepLauncher(self._runner, self._compute)
 

@@ -105,6 +105,14 @@ class SlotStore:
         self.bucket = bucket
         self._variants.clear()
 
+    def reset(self) -> None:
+        """Zero rows and no decode step held, as after a restart (a new stream of plans starts here)."""
+        self.rows.zero_()
+        self.step_slots.zero_()
+        self._host_slots[:] = 0
+        self.bucket = 0
+        self._variants.clear()
+
     def pad_slots(self, bucket: int) -> None:
         """Every row of the bucket padding and no bucket held (the graphs' warm-up and capture: their steps
         write only the sink page and change no row)."""

@@ -84,6 +84,26 @@ async def test_a_bad_plan_ends_the_stream_with_invalid_argument(served):
     assert await call.code() == grpc.StatusCode.OK
 
 
+async def test_a_new_stream_holds_no_decode_step_of_the_last(served):
+    """A stream starts from zero tables, as after a restart: a bare steady plan first is refused there as it
+    is by a fresh executor, not run over zeroed rows with the last stream's slots."""
+    runner, channel, _ = served
+    stub = executor_pb2_grpc.ExecutorStub(channel)
+    call = stub.Steps()
+    for plan in scripted_plans([1, 2])[:4]:  # the prompts, then decode steps of bucket 2
+        await call.write(plan)
+        await call.read()
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+    call = stub.Steps()
+    await call.write(executor_pb2.StepPlan(seq=1, bucket=2))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await call.read()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "differs from the rows held (no decode step yet)" in refused.value.details()
+    assert runner.store.bucket == 0 and not runner.store.step_slots.any()
+
+
 async def test_a_second_stream_is_refused_while_one_is_open(served):
     _, channel, _ = served
     stub = executor_pb2_grpc.ExecutorStub(channel)
