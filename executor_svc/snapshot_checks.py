@@ -74,9 +74,11 @@ def check_pages(data: bytes, pool_pages: int) -> np.ndarray:
 
 
 def check_park(
-    request: executor_pb2.ParkPagesRequest, page_size: int, pool_pages: int
+    request: executor_pb2.ParkPagesRequest, page_size: int, pool_pages: int, vocab_size: int, max_seq_len: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids, pages) of a well-formed ParkPagesRequest; SnapshotRefused(INVALID_ARGUMENT) otherwise."""
+    """(token ids, pages) of a well-formed ParkPagesRequest; SnapshotRefused(INVALID_ARGUMENT) otherwise.
+    The ids are what a resume reads again: one the model or its context cannot take would be refused then,
+    every turn after, so it is refused here."""
     if not request.conversation_id:
         raise invalid("conversation_id is empty")
     if len(request.token_ids) % 4:
@@ -86,6 +88,11 @@ def check_park(
     tokens = unpack_i32(request.token_ids)
     if not len(tokens):
         raise invalid("token_ids is empty: there is nothing to park")
+    if len(tokens) > max_seq_len:
+        raise invalid(f"{len(tokens)} tokens, more than the context holds ({max_seq_len})")
+    outside = tokens[(tokens < 0) | (tokens >= vocab_size)]
+    if len(outside):
+        raise invalid(f"token id {int(outside[0])} is outside the vocabulary ({vocab_size})")
     pages = check_pages(request.pages, pool_pages)
     needed = -(-len(tokens) // page_size)
     if len(pages) != needed:

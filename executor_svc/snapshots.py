@@ -69,6 +69,7 @@ class Snapshots:
         self._device = runner.device
         self._layer_begin, self._layer_end = described.layer_begin, described.layer_end
         self._num_layers = described.num_layers
+        self._vocab_size, self._max_seq_len = described.vocab_size, described.max_seq_len
         self._pool_pages = pool.num_pages
         self._page_shape = tuple(pool.k.shape[2:])  # (page_size, kv_heads, head_dim)
         self._shards = shard_ranges(self._layer_begin, self._layer_end, shard_layers)
@@ -101,7 +102,9 @@ class Snapshots:
 
     async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:
         addr = self._require_cache()
-        tokens, pages = check_park(request, self._page_shape[0], self._pool_pages)
+        tokens, pages = check_park(
+            request, self._page_shape[0], self._pool_pages, self._vocab_size, self._max_seq_len
+        )
         # A hybrid's checkpoints each carry their state: one slot each, in position order.
         states = check_state_slots(request.state_slots, self._state_slots, len(request.checkpoints))
         started = time.perf_counter()

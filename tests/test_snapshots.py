@@ -243,6 +243,11 @@ async def test_bad_pages_are_invalid_argument_and_change_nothing(parked):
         "strictly increasing",
     )
     await refused(served.park(token_ids=b""), invalid, "nothing to park")
+    # Ids a resume could not read again: every later turn of the conversation would be refused.
+    bad_id = pack_i32([5, 7, 3, 40, 22, 9, 11, 60, 2, 64])
+    await refused(served.park(token_ids=bad_id), invalid, "token id 64 is outside the vocabulary (64)")
+    too_long = dict(token_ids=pack_i32([1] * 65), pages=pack_i32(range(1, 18)), checkpoints=[])
+    await refused(served.park(**too_long), invalid, "65 tokens, more than the context holds (64)")
     assert_same_bytes(served.whole_pool(), before)
 
 
