@@ -164,7 +164,11 @@ def test_safetensors_directory_matches_hf(tmp_path):
     hf.save_pretrained(tmp_path)
     ours = load_model(str(tmp_path), "cpu", torch.float32)
     assert ours.lm_head is not None and ours.config.num_kv_heads == 2 and ours.config.rope_theta == 500.0
+    assert_greedy_as_hf(hf, ours)
 
+
+def assert_greedy_as_hf(hf: torch.nn.Module, ours: DenseModel) -> None:
+    """12 greedy tokens of a prompt read in two chunks, then decoded one by one, equal to HF's generate."""
     prompt = [5, 17, 42, 99, 3, 250, 8, 61, 14, 77, 200]
     with torch.inference_mode():
         out = hf.generate(
@@ -194,6 +198,52 @@ def test_safetensors_directory_matches_hf(tmp_path):
         )
         generated.append(int(logits[0].argmax()))
     assert generated == expected
+
+
+@pytest.mark.parametrize("stored", ["a head unlike the embedding", "the head alone"])
+def test_a_tied_config_with_a_stored_head_serves_what_transformers_does(tmp_path, stored: str):
+    """transformers ties only what is equal: a stored head unlike the embedding (a fine-tune that trained it
+    untied under a tied config) is served untied, and a head stored alone is the embedding too."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf_config = HFLlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    tensors = {name: t.contiguous() for name, t in LlamaForCausalLM(hf_config).state_dict().items()}
+    if stored == "the head alone":
+        tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    else:
+        tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    hf_config.save_pretrained(tmp_path)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    hf = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = load_model(str(tmp_path), "cpu", torch.float32)
+    assert ours.config.tie_embeddings == (stored == "the head alone")
+    assert_greedy_as_hf(hf, ours)
+
+
+def test_the_fingerprint_covers_every_byte_of_the_weights(tmp_path):
+    """A fine-tune differs from its base in weights anywhere in a file: a snapshot's KV must not pass as the
+    other's. (The first and last MiB alone, hashed before, were the same here.)"""
+    from safetensors.torch import save_file
+
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    outer = {"a": torch.zeros(1 << 19), "c": torch.ones(1 << 19)}  # 2 MiB each side
+    for path, middle in ((base, 0.0), (tuned, 0.5)):
+        path.mkdir()
+        (path / "config.json").write_text('{"model_type": "llama"}')
+        save_file({**outer, "b": torch.full((1024,), middle)}, str(path / "model.safetensors"))
+    assert model_fingerprint(str(base)) != model_fingerprint(str(tuned))
 
 
 def test_unsupported_models_are_refused_clearly(tmp_path):

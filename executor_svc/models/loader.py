@@ -3,6 +3,7 @@ not): the family says how to read its config and name its weights; the loading a
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -23,7 +24,8 @@ from protos.layer_split import LayerRange
 
 log = logging.getLogger(__name__)
 
-_MIB = 1 << 20
+_READ_BLOCK = 8 << 20
+_EMBEDDING = "embed_tokens.weight"  # the families' name for it, as hf_weight_name gives it
 
 
 def load_model(
@@ -123,10 +125,11 @@ def layer_count(path: str) -> int:
 
 
 def model_fingerprint(path: str) -> str:
-    """sha256 over the config and the name, size and first/last MiB of each weight file.
+    """sha256 over the config and the name, size and whole contents of each weight file.
 
-    Cheap (no full read) yet different for any other model or quantisation in practice; a GGUF keeps
-    its config in its header, inside the first MiB."""
+    What a snapshot's KV is checked against before it is restored: a fine-tune differs from its base only
+    in weights, anywhere in a file, so every byte counts (~1 s a GB, read from the page cache the load
+    just filled). A GGUF keeps its config in its header."""
     digest = hashlib.sha256()
     if os.path.isdir(path):
         with open(os.path.join(path, "config.json"), "rb") as f:
@@ -138,9 +141,8 @@ def model_fingerprint(path: str) -> str:
         size = os.path.getsize(file)
         digest.update(os.path.basename(file).encode() + size.to_bytes(8, "little"))
         with open(file, "rb") as f:
-            digest.update(f.read(_MIB))
-            f.seek(max(0, size - _MIB))
-            digest.update(f.read(_MIB))
+            while block := f.read(_READ_BLOCK):
+                digest.update(block)
     return digest.hexdigest()
 
 
@@ -174,6 +176,7 @@ def _read_hf_dir(path: str) -> tuple[ModelFamily, Any, dict[str, torch.Tensor]]:
     if not files:
         raise ValueError(f"{path}: no *.safetensors file")
     weights = {}
+    stored_head = None  # a tied model's lm_head.weight, where the checkpoint stores one
     for file in files:  # a sharded checkpoint's files hold disjoint tensors
         try:
             tensors = load_file(file)
@@ -181,9 +184,32 @@ def _read_hf_dir(path: str) -> tuple[ModelFamily, Any, dict[str, torch.Tensor]]:
             raise ValueError(f"{file} cannot be read (truncated or corrupt?): {err}") from None
         for stored, tensor in tensors.items():
             name = family.hf_weight_name(stored)
-            if name is None or (config.tie_embeddings and name == "lm_head.weight"):
-                continue  # not this model's (a tied head is the embedding; some checkpoints store a copy anyway)
+            if name is None:
+                continue  # not this model's
+            if config.tie_embeddings and name == "lm_head.weight":
+                stored_head = tensor
+                continue
             if name in weights:  # two files hold it: a stale file beside the checkpoint's own
                 raise ValueError(f"{path}: {stored} is in more than one *.safetensors file (a stale one?)")
             weights[name] = tensor
+    if stored_head is not None:
+        config = _tie_as_transformers_does(config, weights, stored_head, path)
     return family, config, weights
+
+
+def _tie_as_transformers_does(
+    config: Any, weights: dict[str, torch.Tensor], head: torch.Tensor, path: str
+) -> Any:
+    """A tied config whose checkpoint stores a head too. transformers ties only what is equal: a head that
+    differs from the embedding (a fine-tune that trained it untied) is served untied, and a head alone is
+    the embedding too. The same here, so that the tokens are transformers'."""
+    embedding = weights.get(_EMBEDDING)
+    if embedding is None:
+        weights[_EMBEDDING] = head
+    elif not torch.equal(embedding, head):
+        log.warning(
+            "%s: lm_head.weight differs from the embedding, so it is not tied (as transformers)", path
+        )
+        weights["lm_head.weight"] = head
+        return dataclasses.replace(config, tie_embeddings=False)
+    return config
