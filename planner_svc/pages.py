@@ -130,8 +130,8 @@ class PagePool:
         self.share(pages)
         return pages
 
-    def register(self, hashes: Sequence[bytes], pages: Sequence[int]) -> None:
-        """Index the full pages of a sequence once written: hashes[i] names pages[i].
+    def register(self, hashes: Sequence[bytes], pages: Sequence[int]) -> list[int]:
+        """Index the full pages of a sequence once written: hashes[i] names pages[i]. The pages newly indexed.
 
         A hash already indexed keeps its page (two sequences that wrote the same prefix at once:
         the later copy stays unindexed and goes back to the free list when freed).
@@ -145,10 +145,23 @@ class PagePool:
             known = self._hash_of_page.get(page)
             if known is not None and known != page_hash:
                 raise ValueError(f"page {page} is already indexed under another hash")
+        indexed = []
         for page_hash, page in zip(hashes, pages):
             if page_hash not in self._page_of_hash:
                 self._page_of_hash[page_hash] = page
                 self._hash_of_page[page] = page_hash
+                indexed.append(page)
+        return indexed
+
+    def unindex(self, pages: Sequence[int]) -> None:
+        """Out of the index (their KV was never written after all): a cached one is plainly free now."""
+        for page in pages:
+            page_hash = self._hash_of_page.pop(page, None)
+            if page_hash is not None:
+                del self._page_of_hash[page_hash]
+                if page in self._cached:
+                    del self._cached[page]
+                    self._free.append(page)
 
     def check(self) -> None:
         """Assert that every page 1..N-1 is exactly one of free, cached, in use, and the index agrees."""

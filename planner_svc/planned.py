@@ -45,6 +45,7 @@ class PlannedStep:
     mirror: bytes = b""  # row check: the rows read, as the planner holds them
     state_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) state slots
     steps: int = 1  # decode steps over the same rows (more than one: a repeat of a steady step)
+    indexed: list[int] = field(default_factory=list)  # pages its prompt chunks put in the prefix index
 
 
 @dataclass(slots=True)

@@ -46,8 +46,10 @@ def recover(
     result = Recovery()
     lost = refused_seq is None
     refused_step = scheduler._steps.get(refused_seq) if refused_seq is not None else None
+    unwritten: set[int] = set()
     if refused_step is not None:
         result.refused = [r for r in _carried(scheduler, refused_step) if r.finish is None]
+        unwritten = _unplan(scheduler, [s for seq, s in scheduler._steps.items() if seq >= refused_step.seq])
     # No step in flight: whatever was planned after the last commit is forgotten, its reads and copies included.
     scheduler.marks.forget(scheduler.committed)
     scheduler._steps.clear()
@@ -71,7 +73,7 @@ def recover(
             request.stale = True
         else:
             result.requeued.append(request)
-            _read_again(scheduler, request, keep_pages=not lost)
+            _read_again(scheduler, request, keep_pages=not lost, unwritten=unwritten)
     if lost:
         waiting = [r for r in scheduler.waiting if r not in result.requeued]
         for request in waiting:  # mounted pages are garbage too
@@ -135,9 +137,22 @@ def _carried(scheduler: Scheduler, step: PlannedStep) -> list[Request]:
     return list(dict.fromkeys(carried)) or list(step.rows)
 
 
-def _read_again(scheduler: Scheduler, request: Request, keep_pages: bool) -> None:
+def _unplan(scheduler: Scheduler, steps: list[PlannedStep]) -> set[int]:
+    """What steps that never ran claimed, taken back: their prompt chunks' progress (a turn's conversation
+    keeps only tokens whose KV was written) and the pages they put in the prefix index (whose KV never was).
+    Returns those pages."""
+    for step in steps:
+        for chunk in step.prefill:
+            chunk.request.prefilled = min(chunk.request.prefilled, chunk.start)
+    unwritten = {page for step in steps for page in step.indexed}
+    scheduler.pages.unindex(list(unwritten))
+    return unwritten
+
+
+def _read_again(scheduler: Scheduler, request: Request, keep_pages: bool, unwritten: set[int]) -> None:
     """A request that produced nothing starts its prompt again: from its mount with its pages (the pool
-    lives), or from the queue with none (the pool is gone; its conversation's KV with it)."""
+    lives), or from the queue with none (the pool is gone; its conversation's KV with it). A prefix it
+    took from the index that no step wrote (`unwritten`) it reads itself."""
     if request.phase is Phase.PREFILL:
         scheduler.prefilling.remove(request)
     else:
@@ -145,6 +160,8 @@ def _read_again(scheduler: Scheduler, request: Request, keep_pages: bool) -> Non
     request.kv_len, request.stale, request.last_seq = 0, True, -1
     if keep_pages:
         if request.state_slot and request.reused and not request.state_source:  # its state went on: read all
+            request.reused = 0
+        if unwritten.intersection(request.pages[: request.reused // scheduler.config.page_size]):
             request.reused = 0
         request.prefilled = request.reused
         request.phase = Phase.PREFILL

@@ -65,8 +65,7 @@ class Scheduler:
     # --- requests in and out -------------------------------------------------------------------
 
     def check(self, request: Request) -> None:
-        """Refuse what could never run (ValueError: bad input, CapacityError: too big), and clamp max_tokens
-        to the context. Changes nothing but the request."""
+        """Refuse what could never run, and clamp max_tokens to the context (planned.check_request)."""
         check_request(request, self.config, self.pages.total, self.states)
 
     def add(self, request: Request) -> None:
@@ -234,7 +233,8 @@ class Scheduler:
             request.prefilled = end
             if self.prefix_cache:
                 full = end // page_size
-                self.pages.register(request.prefix_hashes(full * page_size, page_size), request.pages[:full])
+                hashes = request.prefix_hashes(full * page_size, page_size)
+                step.indexed += self.pages.register(hashes, request.pages[:full])
             if end == request.prompt_len:
                 chunk.sample_slot = -1  # set from this step's slot assignment
                 finals.append(request)

@@ -284,7 +284,7 @@ def test_a_refused_plan_fails_its_request_with_internal_and_the_engine_serves_ev
         executor.process.kill()
         executor.process.wait(30)
     refusals = [e for e in executor.events() if e["event"] == "plan refused"]
-    assert len(refusals) == 1 and "outside the vocabulary" in refusals[0]["error"]
+    assert len(refusals) == 2 and all("outside the vocabulary" in r["error"] for r in refusals)
 
 
 async def refused_plan(executor: str) -> None:
@@ -322,5 +322,13 @@ async def refused_plan(executor: str) -> None:
             assert engine.serving and engine.losses == 1
             health = health_pb2_grpc.HealthStub(channel)
             assert (await health.Check(health_pb2.HealthCheckRequest())).status == SERVING
+
+            # The refused step's full prompt pages never got their KV: a later prompt with that prefix reads
+            # it itself rather than take them from the prefix index (another tenant's pages hash apart).
+            prefix, tail = list(range(100, 140)), [300, 301]  # two full pages of 16, and more
+            expected = await generate(8, token_ids=pack_i32(prefix + tail), tenant="elsewhere")
+            with pytest.raises(grpc.aio.AioRpcError):
+                await generate(4, token_ids=pack_i32([*prefix, vocab + 10]))
+            assert await generate(8, token_ids=pack_i32(prefix + tail)) == expected
     finally:
         await planner.stop(None)

@@ -186,6 +186,18 @@ def test_cached_pages_are_evicted_after_free_ones_least_recently_freed_first():
     pool.check()
 
 
+def test_unindexed_pages_are_matched_no_more_and_a_cached_one_is_plain_free():
+    pool = PagePool(8)
+    hashes, pages = written(pool, list(range(8)))
+    pool.free(pages[:1])  # cached (refcount 0, indexed); the second stays in use
+    pool.unindex(pages)
+    pool.check()
+    assert pool.match_prefix(hashes) == [] and pool.cached_count == 0 and pool.free_count == 6
+    pool.free(pages[1:])
+    pool.check()
+    assert pool.free_count == 7
+
+
 def test_register_keeps_the_first_page_of_a_hash():
     pool = PagePool(8)
     prompt = list(range(8))

@@ -127,6 +127,28 @@ def test_refused_step_fails_the_request_it_carried_and_the_others_go_on_with_row
     assert scheduler.idle and scheduler.pages.free_count == scheduler.pages.total
 
 
+def test_a_refused_step_takes_back_what_the_steps_that_never_ran_claimed():
+    """Their prompt chunks' progress (what a turn's conversation would keep) and the full pages they put in
+    the prefix index: no KV was written for either, so no later prompt may take those pages."""
+    scheduler = make_scheduler(pool_pages=64, budget=8)
+    loop = Loop(scheduler)
+    bad = req(9, prompt_len=20)
+    scheduler.add(bad)
+    loop.plan()  # tokens [0, 8): run and committed
+    loop.commit()
+    loop.plan()  # [8, 16): the step the executor refuses
+    loop.plan()  # [16, 20): planned behind it
+    refused_seq = loop.pending[0].seq
+    hashes = bad.prefix_hashes(16, PAGE)
+    assert bad.prefilled == 20 and len(scheduler.pages.match_prefix(hashes)) == 4
+    scheduler.pages.free(bad.pages[:4])  # the refs match_prefix took for the check above
+
+    result = recover(scheduler, last_seq=loop.seq - 1, refused_seq=refused_seq)
+    assert result.refused == [bad] and bad.prefilled == 8
+    assert scheduler.pages.match_prefix(hashes) == scheduler.pages.match_prefix(hashes[:2])  # [0, 8) stays
+    scheduler.pages.check()
+
+
 def test_refused_steady_step_fails_its_rows():
     """A repeated step carries only its seq and bucket: nothing to blame but its rows."""
     scheduler = make_scheduler(pool_pages=64, budget=16)
