@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -59,38 +60,51 @@ def _source_with_includes(path: str) -> bytes:
 @functools.cache
 def build(source_path: str, flags: tuple[str, ...]) -> ctypes.CDLL:
     """The C file at source_path built with flags (and -shared -fPIC, linked with libm) and loaded; KernelUnavailable saying why
-    when it cannot be built."""
+    when it cannot be built. A cached build that will not load (cut short by a crash, made against another
+    libc) is built again once."""
     name = os.path.splitext(os.path.basename(source_path))[0]
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    # $CC as make reads it: a program and its arguments ("ccache gcc", "gcc -m64")
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not compiler[0]:
         raise KernelUnavailable(f"no C compiler (cc) on PATH to build the {name} kernel")
     source = _source_with_includes(source_path)
-    command = [compiler, *flags, "-shared", "-fPIC"]
+    command = [*compiler, *flags, "-shared", "-fPIC"]
     key = hashlib.sha256(source + " ".join(command).encode() + _cpu_flags()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"{name}-{key}.so")
     if not os.path.exists(path):
-        try:
-            os.makedirs(_cache_dir(), exist_ok=True)
-            # Built under a temporary name and renamed: executors starting together never load a half-written
-            # file.
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
-        except OSError as e:  # a home that is not this user's, a read-only disk
-            raise KernelUnavailable(f"no place to build the {name} kernel: {e}") from None
-        os.close(fd)
-        try:
-            result = subprocess.run([*command, "-o", tmp, source_path, "-lm"], capture_output=True, text=True)
-        except OSError as e:  # $CC naming no program, or one that cannot run
-            os.unlink(tmp)
-            raise KernelUnavailable(f"running the C compiler {compiler} failed: {e}") from None
-        if result.returncode:
-            os.unlink(tmp)
-            raise KernelUnavailable(f"building the {name} kernel failed: {result.stderr.strip()[:500]}")
-        os.replace(tmp, path)
-        log.info("built the %s kernel into %s", name, path)
+        _compile(name, command, source_path, path)
     try:
         return ctypes.CDLL(path)
-    except OSError as e:  # a cached build this machine cannot load (truncated, another libc)
+    except OSError as e:
+        log.warning("loading the cached %s kernel from %s failed (%s); building it again", name, path, e)
+    _compile(name, command, source_path, path)
+    try:
+        return ctypes.CDLL(path)
+    except OSError as e:  # built here, and still not loadable
         raise KernelUnavailable(f"loading the {name} kernel from {path} failed: {e}") from None
+
+
+def _compile(name: str, command: list[str], source_path: str, path: str) -> None:
+    try:
+        os.makedirs(_cache_dir(), exist_ok=True)
+        # Built under a temporary name, flushed to disk and renamed: executors starting together never load a
+        # half-written file, nor does one after a crash.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+    except OSError as e:  # a home that is not this user's, a read-only disk
+        raise KernelUnavailable(f"no place to build the {name} kernel: {e}") from None
+    os.close(fd)
+    try:
+        result = subprocess.run([*command, "-o", tmp, source_path, "-lm"], capture_output=True, text=True)
+    except OSError as e:  # $CC naming no program, or one that cannot run
+        os.unlink(tmp)
+        raise KernelUnavailable(f"running the C compiler {shlex.join(command[:1])} failed: {e}") from None
+    if result.returncode:
+        os.unlink(tmp)
+        raise KernelUnavailable(f"building the {name} kernel failed: {result.stderr.strip()[:500]}")
+    with open(tmp, "rb") as built:
+        os.fsync(built.fileno())
+    os.replace(tmp, path)
+    log.info("built the %s kernel into %s", name, path)
 
 
 def build_or_none(source_path: str, flags: tuple[str, ...], instead: str) -> ctypes.CDLL | None:

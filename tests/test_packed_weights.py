@@ -5,6 +5,10 @@ and the packed matmul equals the de-quantized matmul within float32 tolerance, f
 from __future__ import annotations
 
 import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -119,6 +123,27 @@ def test_a_compiler_that_cannot_run_leaves_the_torch_path_serving(tmp_path, monk
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert c_kernels.build_or_none(str(source), (), "torch") is None
     assert not list((tmp_path / "cache").rglob("*.so")), "no half-made build left behind"
+
+
+def test_a_cached_build_that_will_not_load_is_built_again(tmp_path, monkeypatch):
+    source = tmp_path / "tiny.c"
+    source.write_text("int one(void) { return 1; }\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    # An earlier start built it (another process: one that loaded it may not see its file cut under it).
+    earlier = f"from executor_svc import c_kernels; c_kernels.build({str(source)!r}, ())"
+    subprocess.run([sys.executable, "-c", earlier], check=True, cwd=Path(__file__).parents[1])
+    (built,) = (tmp_path / "cache").rglob("*.so")
+    built.write_bytes(b"")  # cut short, as a crash before the file reached the disk leaves it
+    assert c_kernels.build(str(source), ()).one() == 1
+
+
+def test_cc_is_a_program_and_its_arguments(tmp_path, monkeypatch):
+    """As make reads $CC: "ccache gcc" or "gcc -m64" name a program and what it is given first."""
+    source = tmp_path / "tiny.c"
+    source.write_text("int one(void) { return 1; }\n")
+    monkeypatch.setenv("CC", f"{shutil.which('cc') or shutil.which('gcc')} -O1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert c_kernels.build(str(source), ()).one() == 1
 
 
 def test_a_kernel_cache_that_cannot_be_written_leaves_the_torch_path_serving(tmp_path, monkeypatch):
