@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import random
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -297,6 +299,16 @@ def test_a_checkpoint_a_user_mangled_is_refused_naming_what_is_wrong(tmp_path):
     for name, says in cases.items():
         with pytest.raises(ValueError, match=says):
             load_model(str(tmp_path / name), "cpu", torch.float32)
+    cut = tmp_path / "cut.gguf"  # an interrupted download of a GGUF: the file named, not numpy's words alone
+    writer = gguf.GGUFWriter(str(cut), "llama")
+    writer.add_tensor("token_embd.weight", np.ones((101, 144), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cut.write_bytes(cut.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=f"{cut}: not a GGUF this can read .*cut short"):
+        load_model(str(cut), "cpu", torch.float32)
     from protos.model_files import load_tokenizer
 
     with pytest.raises(ValueError, match="cannot load its tokenizer"):  # the planner's: no tokenizer files

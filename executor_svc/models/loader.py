@@ -115,9 +115,7 @@ def layer_count(path: str) -> int:
         with open(os.path.join(path, "config.json")) as f:
             hf = json.load(f)
         return int(hf.get("text_config", hf)["num_hidden_layers"])
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    reader = _gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
     # llama.cpp counts a multi-token-prediction block (Qwen3.5's) among the blocks; the decoder has the rest
     mtp = reader.fields.get(f"{arch}.nextn_predict_layers")
@@ -146,10 +144,19 @@ def model_fingerprint(path: str) -> str:
     return digest.hexdigest()
 
 
-def _read_gguf(path: str, pack: bool) -> tuple[ModelFamily, Any, dict[str, Any]]:
+def _gguf_reader(path: str) -> Any:
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, KeyError, IndexError) as err:  # gguf's own words: a type id it lacks, a size off
+        raise ValueError(
+            f"{path}: not a GGUF this can read (a tensor type unknown to gguf, or cut short?): {err}"
+        ) from None
+
+
+def _read_gguf(path: str, pack: bool) -> tuple[ModelFamily, Any, dict[str, Any]]:
+    reader = _gguf_reader(path)
     field = reader.fields.get("general.architecture")
     family = family_for_gguf("" if field is None else str(field.contents()), path)
     assert family.read_gguf is not None  # family_for_gguf returns only families that read GGUF
