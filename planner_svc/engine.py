@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import structlog
 
 from planner_svc.conversations import Conversation, Conversations
+from planner_svc.group_link import SHARED_FIELDS, differences
 from planner_svc.link import ExecutorLink, LinkLost, StepRefused
 from planner_svc.logprobs import logprob_rows
 from planner_svc.prefill_progress import log_prefill_progress
@@ -52,11 +53,13 @@ class Engine:
         self,
         scheduler: Scheduler,
         link: ExecutorLink,
+        attached: executor_pb2.ExecutorDescription,
         inflight_plans: int = 2,
         executor_timeout: float = EXECUTOR_TIMEOUT_S,
     ):
         self.scheduler = scheduler
         self.link = link
+        self.attached = attached  # what the executor (group) described when attached: checked on reconnect
         self.inflight_plans = inflight_plans
         self.times = StepTimes()
         self.steps = 0
@@ -364,10 +367,9 @@ class Engine:
             queue.put_nowait(TokenEvent([], Finish.ABORT, error=message, code=code))
 
     async def _reconnect(self) -> None:
-        """Until the executor answers again, with the same tables (backoff doubling up to its cap)."""
+        """Until the executor answers again as it was attached: the same model and tables (backoff doubling
+        up to its cap). One back with another model would stream its token ids under this one's tokenizer."""
         wait, longest = RECONNECT_BACKOFF_S
-        config = self.scheduler.config
-        expected = (config.page_size, config.pool_pages, config.max_seq_len, self.scheduler.layout.slots)
         while True:
             await asyncio.sleep(wait)
             wait = min(wait * 2, longest)
@@ -376,13 +378,13 @@ class Engine:
             except Exception as error:  # not back yet
                 log.debug("executor not back", executor=self.link.address, error=type(error).__name__)
                 continue
-            found = (described.page_size, described.pool_pages, described.max_seq_len, described.slots)
-            if found != expected:
+            changed = differences(self.attached, described, (*SHARED_FIELDS, "pool_pages"))
+            if changed:
                 log.error(
-                    "the executor came back with other tables; restart the planner to attach to it",
+                    "the executor came back as another model or with other tables; restart the planner "
+                    "to attach to it",
                     executor=self.link.address,
-                    expected=expected,
-                    found=found,
+                    changed=changed,
                 )
                 continue
             await self.link.open()

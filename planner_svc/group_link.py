@@ -34,6 +34,17 @@ SHARED_FIELDS = (
 )
 
 
+def differences(
+    first: executor_pb2.ExecutorDescription, other: executor_pb2.ExecutorDescription, names: Sequence[str]
+) -> list[str]:
+    """'name first -> other' for each of `names` the two describe apart."""
+    return [
+        f"{name} {getattr(first, name)!r} -> {getattr(other, name)!r}"
+        for name in names
+        if getattr(first, name) != getattr(other, name)
+    ]
+
+
 def describe_group(stages: Sequence[executor_pb2.ExecutorDescription]) -> executor_pb2.ExecutorDescription:
     """The group as one executor: the stages must agree on SHARED_FIELDS and hold [0, num_layers) in rank
     order; the pool is the smallest stage's (a page number is valid on every stage); the end-of-sequence

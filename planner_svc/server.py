@@ -71,7 +71,11 @@ def build_engine(
             "no recurrent state); conversations resume from checkpoints holding a state copy"
         )
     return Engine(
-        scheduler, link, inflight_plans=config.inflight_plans, executor_timeout=config.executor_timeout
+        scheduler,
+        link,
+        description,
+        inflight_plans=config.inflight_plans,
+        executor_timeout=config.executor_timeout,
     )
 
 

@@ -35,7 +35,8 @@ class FaultyLink(GrpcLink):
     engine idles (`lose`, `end_stream`), the engine's reconnect probes unanswered while `back` is clear (it
     stays lost), a restore or park held until the test answers `hold` ("answered": the executor's answer,
     "failed": the link error of an executor gone), the plan `fail_next_send` picks failing to go out (as a
-    write racing the stream's end does), the next reopen raising `fail_open`."""
+    write racing the stream's end does), the next reopen raising `fail_open`, the executor describing itself
+    with the fields of `described_as` changed (one restarted with another model or tables)."""
 
     def __init__(self, address: str):
         super().__init__(address)
@@ -45,6 +46,7 @@ class FaultyLink(GrpcLink):
         self.fail_open: Exception | None = None
         self.back = asyncio.Event()
         self.back.set()
+        self.described_as: dict[str, object] = {}
         self._lost = asyncio.Event()
         self._reopened = asyncio.Event()
 
@@ -68,7 +70,10 @@ class FaultyLink(GrpcLink):
 
     async def describe(self) -> executor_pb2.ExecutorDescription:
         await self.back.wait()
-        return await super().describe()
+        described = await super().describe()
+        for name, value in self.described_as.items():
+            setattr(described, name, value)
+        return described
 
     async def until_ended(self) -> str:
         await self._lost.wait()
@@ -150,6 +155,26 @@ def _check_pools(stack, held_pages: list[int], held_states: list[int]) -> None:
     assert [pages.refcount(p) for p in held_pages] == [1] * len(held_pages)
     assert pages.free_count == pages.total - len(held_pages)
     assert states.free_count == states.total - len(held_states)
+
+
+@pytest.mark.parametrize("changed", [{"model_fingerprint": "another"}, {"vocab_size": 4096}])
+async def test_an_executor_back_as_another_model_is_not_attached(stack, changed):
+    """Its tokens would stream under this model's tokenizer and stop ids: the engine stays lost, saying why,
+    until the executor it attached to is back."""
+    link, engine = stack.engine.link, stack.engine
+    link.described_as = changed
+    with capture_logs() as logs:
+        link.end_stream()
+        while not any(e["event"].startswith("the executor came back as another model") for e in logs):
+            await asyncio.sleep(0.05)
+        assert not engine.serving
+        link.described_as = {}
+        await link.reopened()
+    assert engine.serving
+    (name,) = changed
+    assert any(name in change for e in logs if "changed" in e for change in e["changed"])
+    async with PlannerClient(stack.addr) as client:
+        assert (await client.generate_all(GenerateOptions(token_ids=PROMPT, max_tokens=2))).token_ids
 
 
 def _forget(stack, *conversations) -> None:
