@@ -119,6 +119,8 @@ class ResponseStreams:
 
 def _mounted(req: Request, mount: Mount) -> str:
     """What the request reused: its conversation's checkpoint, else shared prefix pages, and why not."""
+    if req.reused < mount.reused:  # its mount given back under KV pressure (or the executor lost)
+        return f"none ({mount.checkpoint} given up: the prompt was read again)"
     if mount.reused or not req.reused:
         return mount.checkpoint
     return "prefix" if mount.checkpoint == "none" else f"prefix, {mount.checkpoint}"

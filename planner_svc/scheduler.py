@@ -107,13 +107,14 @@ class Scheduler:
     def running(self) -> int:
         return len(self.prefilling) + len(self.decoding)
 
+    @property
+    def stalled(self) -> bool:  # nothing runs nor awaits its last commit: no page comes back on its own
+        return not (self.prefilling or self.decoding or self._pending_free)
+
     # --- planning ------------------------------------------------------------------------------
 
     def plan(self, seq: int) -> PlannedStep | None:
-        """Step `seq`, or None when nothing can run until an output arrives.
-
-        Call only after the commit of step `seq - 2` (two plans in flight at most).
-        """
+        """Step `seq`, or None when nothing can run until an output arrives (after step `seq - 2` commits)."""
         if not self._dirty and self._steady is not None and self._steady_left > 0:
             return self._repeat(seq)
         self._sync_reads()
@@ -155,8 +156,7 @@ class Scheduler:
         return step
 
     def _repeat(self, seq: int) -> PlannedStep:
-        """A steady step: the same rows, nothing new. Only the seq and bucket travel (no row ever crosses
-        onto a page it lacks: a request holds all its pages from admission)."""
+        """A steady step: the same rows, nothing new; only the seq and bucket travel (_admit: every page)."""
         steps = min(self._steady_steps, self._steady_left)
         self._steady_left -= steps
         last = self._steady

@@ -257,14 +257,40 @@ class Turns:
     # ---- KV pressure ----
 
     def relieve(self, engine: Engine) -> None:
-        """KV pressure: park the coldest idle conversation (or drop its pages without a cache), once at a time."""
+        """KV pressure: park the coldest idle conversation (or drop its pages without a cache), once at a time;
+        with none idle, a waiting turn may give its mount back (`_unmount`)."""
         if engine in self._relieving or engine.scheduler.conversations is None:
             return
         conversation = engine.scheduler.conversations.coldest_idle()
         if conversation is None:
+            self._unmount(engine)
             return
         self._relieving.add(engine)
         asyncio.get_running_loop().create_task(self._relieve(engine, conversation))
+
+    @staticmethod
+    def _unmount(engine: Engine) -> None:
+        """Turns waiting with their conversations' pages mounted may each wait for pages another holds, with
+        nothing running to free any: then the coldest behind the head gives them back (its conversation forgets
+        them; it reads its whole prompt), until the head fits."""
+        scheduler, conversations = engine.scheduler, engine.conversations
+        if not scheduler.stalled or any(c.parking for c in conversations.every()):
+            return  # pages come back on their own
+        mounted = [r for r in list(scheduler.waiting)[1:] if r.conversation is not None and r.pages]
+        if not mounted:
+            return
+        request = min(mounted, key=lambda r: r.conversation.last_used if r.conversation else 0)
+        assert request.conversation is not None
+        pages, request.pages = request.pages, []
+        request.reused = request.prefilled = request.state_source = 0  # its checkpoint's copy goes back too
+        scheduler.return_pages(pages + request.conversation.forget())
+        log.warning(
+            "KV pressure: a waiting turn gives back its conversation's pages and reads its whole prompt",
+            conversation=request.conversation.conversation_id,
+            pages=len(pages),
+        )
+        # Called from the engine's loop, which clears its wake-up as it goes idle next: wake it after that.
+        asyncio.get_running_loop().call_soon(engine.wake)
 
     async def _relieve(self, engine: Engine, conversation: Conversation) -> None:
         try:

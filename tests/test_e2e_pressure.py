@@ -64,3 +64,36 @@ async def test_request_larger_than_the_pool_is_refused_at_once(small_pool_stack)
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert caught.value.details() == "the request needs 194 KV pages and the pool has 160"
     assert small_pool_stack.scheduler.idle
+
+
+async def test_turns_waiting_on_each_others_mounts_give_them_up_rather_than_wait_for_ever():
+    """Two conversations keep 15 pages each; their next turns mount them and each needs 13 more, with 10
+    free and nothing running to free any. Neither fits while the other holds its mount: the one behind the
+    head gives its pages back and reads its whole prompt."""
+    stack, servers = await start_stack(
+        ExecutorConfig(device="cpu", dtype="float32", pool_pages=41, buckets=(1, 2, 4)),
+        PlannerConfig(scheduling=SchedulingConfig(prefill_token_budget=256)),
+    )
+    try:
+        async with PlannerClient(stack.addr) as client:
+
+            async def turn(prompt: list[int], conversation: str = ""):
+                options = GenerateOptions(token_ids=prompt, max_tokens=2, ignore_eos=True)
+                if conversation:
+                    options.conversation_id = conversation
+                return await asyncio.wait_for(client.generate_all(options), 60)
+
+            histories = {}
+            for name, base in (("c1", 100), ("c2", 300)):
+                prompt = [base + i % 50 for i in range(240)]
+                histories[name] = prompt + (await turn(prompt, name)).token_ids
+            nexts = {name: history + [7 + i % 40 for i in range(190)] for name, history in histories.items()}
+            # Whether both mount before either is planned is up to timing (tests/test_turn_mounts.py makes it so);
+            # either way both answer, as a fresh read of their prompts would.
+            answers = await asyncio.gather(*(turn(prompt, name) for name, prompt in nexts.items()))
+            for answer, prompt in zip(answers, nexts.values()):
+                assert answer.token_ids == (await turn(prompt)).token_ids
+        await stack.wait_idle()
+        stack.scheduler.pages.check()
+    finally:
+        await stop_stack(servers)
