@@ -87,8 +87,9 @@ class Stage:
         stage._via_host = backend == "gloo" and device.type == "cuda"
         # Parked pages cross on a group of their own, on the host, from the page-copy thread: apart from the
         # steps' transfers on the step thread.
-        stage._host_group = dist.new_group(backend="gloo")
-        stage._heartbeat_group = dist.new_group(backend="gloo")
+        # Their timeout is the transfers' (torch's default is 30 min): a stage that never answers fails them.
+        stage._host_group = dist.new_group(backend="gloo", timeout=TRANSFER_TIMEOUT)
+        stage._heartbeat_group = dist.new_group(backend="gloo", timeout=TRANSFER_TIMEOUT)
         return stage
 
     def watch(self, on_lost: Callable[[str], None]) -> None:
