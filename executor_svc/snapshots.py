@@ -101,12 +101,17 @@ class Snapshots:
         return self._cache
 
     async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:
-        addr = self._require_cache()
-        tokens, pages = check_park(
-            request, self._page_shape[0], self._pool_pages, self._vocab_size, self._max_seq_len
-        )
-        # A hybrid's checkpoints each carry their state: one slot each, in position order.
-        states = check_state_slots(request.state_slots, self._state_slots, len(request.checkpoints))
+        try:
+            addr = self._require_cache()
+            tokens, pages = check_park(
+                request, self._page_shape[0], self._pool_pages, self._vocab_size, self._max_seq_len
+            )
+            # A hybrid's checkpoints each carry their state: one slot each, in position order.
+            states = check_state_slots(request.state_slots, self._state_slots, len(request.checkpoints))
+        except SnapshotRefused:
+            if self._stage.split:  # the other stages of the park wait for this one's part: it sends none
+                await asyncio.get_running_loop().run_in_executor(self._copies, self._gather_nothing)
+            raise
         started = time.perf_counter()
         gathered = await asyncio.get_running_loop().run_in_executor(
             self._copies, self._read_for_park, pages, states
@@ -259,10 +264,16 @@ class Snapshots:
         try:
             blobs = self._read_pages(pages, states)
         except Exception:
-            with contextlib.suppress(RuntimeError):  # the transfers of this park, kept in step
-                self._stage.gather_shards(self._shards, None)
+            self._gather_nothing()
             raise
         return self._stage.gather_shards(self._shards, blobs)
+
+    def _gather_nothing(self) -> None:
+        """On the page-copy thread: this stage's part in a split park that it refused or could not read. Every
+        stage takes part in each park's transfers, so none waits on another (a stage without a cache used to
+        leave the first waiting in its receive) and the next park's transfers do not read this one's."""
+        with contextlib.suppress(RuntimeError):  # the first stage's "the park is incomplete": refused already
+            self._stage.gather_shards(self._shards, None)
 
     def _read_pages(self, pages: np.ndarray, states: np.ndarray) -> list[bytes]:
         stream = self.copy_stream

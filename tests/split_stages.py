@@ -16,8 +16,8 @@ STAGE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--pool-pages", "400", "
 
 
 class StageGroup:
-    """The stages of one split, as processes; `cache` the cache service they park to (None: none); `ports`
-    to restart a group where the planner knows it (default: free ones)."""
+    """The stages of one split, as processes; `cache` the cache service they park to (None: none), except the
+    ranks in `without_cache`; `ports` to restart a group where the planner knows it (default: free ones)."""
 
     def __init__(
         self,
@@ -27,6 +27,7 @@ class StageGroup:
         *,
         flags: tuple[str, ...] = STAGE_FLAGS,
         ports: list[int] | None = None,
+        without_cache: tuple[int, ...] = (),
     ) -> None:
         rendezvous = f"127.0.0.1:{free_port()}"
         self.ports = ports or [free_port() for _ in ranges]
@@ -34,7 +35,11 @@ class StageGroup:
         for rank, ((begin, end), port) in enumerate(zip(ranges, self.ports, strict=True)):
             argv = ["executor", "--port", str(port), *flags, "--row-check"]
             argv += ["--layers", f"{begin}:{end}", "--stage-rank", str(rank), "--stages", str(len(ranges))]
-            argv += ["--stage-group", rendezvous, *(["--cache", cache] if cache else [])]
+            argv += [
+                "--stage-group",
+                rendezvous,
+                *(["--cache", cache] if cache and rank not in without_cache else []),
+            ]
             self.stages.append(Serving(log_dir / f"stage{rank}-{begin}-{end}-{rendezvous[10:]}.log", *argv))
 
     @property
