@@ -173,6 +173,7 @@ class StepRunner:
         """Queue one step's work; raises PlanError (having changed nothing) for a malformed plan. Steps launch
         in order, from one thread."""
         began = time.perf_counter()
+        self.model.stage.seq = plan.seq  # named by its transfers (a split's)
         checked = check_plan(plan, self.limits, self.store.bucket)
         if checked.steps > 1 and self.store.variant(checked.bucket) == CONTROLLED:
             raise PlanError(

@@ -20,7 +20,7 @@ from executor_svc.launched_step import LaunchedStep
 from executor_svc.plan import PlanError
 from executor_svc.runner import StepRunner
 from executor_svc.snapshots import SnapshotRefused, Snapshots
-from executor_svc.stage import StageLost
+from executor_svc.stage import StageLost, stream_tag
 from executor_svc.step_loop import StepLauncher, collect_when_ready, failed_launch
 from protos import executor_pb2, executor_pb2_grpc
 from protos.rpc import (
@@ -115,7 +115,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         stream = self._stream = _OpenStream(planner, task, asyncio.Queue(), asyncio.Event())
         peer = context.peer()  # read while the call lives: the finally may run after the server stopped
         try:
-            steps = self._serve_steps(request_iterator, stream.launched, context, peer)
+            steps = self._serve_steps(request_iterator, stream.launched, context, peer, planner)
             async with contextlib.aclosing(steps) as outputs:
                 async for output in outputs:
                     yield output
@@ -130,11 +130,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         launched: asyncio.Queue[asyncio.Future[LaunchedStep] | StreamReplaced | None],
         context: grpc.aio.ServicerContext,
         peer: str,
+        planner: str,
     ) -> AsyncGenerator[executor_pb2.StepOutput, None]:
         self._runner.bind_thread()  # this thread launches the steps
         # A stream starts from zero tables, as after a restart: the planner that opens it again (after a
         # loss or a refused plan) writes every row whole. Behind any step still running from the last one.
-        await asyncio.get_running_loop().run_in_executor(self._compute, self._runner.store.reset)
+        await asyncio.get_running_loop().run_in_executor(self._compute, self._open_stream, planner)
         in_flight = asyncio.Semaphore(PLANS_IN_FLIGHT)
         launcher = StepLauncher(self._runner, self._compute)
 
@@ -184,6 +185,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             # Steps launched and not collected finish on the device; their outputs are dropped.
             reader.cancel()
             launcher.forget_launched()
+
+    def _open_stream(self, planner: str) -> None:
+        """On the thread that runs the steps, behind those of the last stream: zero tables, and the stream's
+        tag in the transfers' headers of a split (a stage that ran a step another never read fails the group)."""
+        self._runner.store.reset()
+        self._runner.model.stage.stream = stream_tag(planner)
 
     async def PrepareGrammar(
         self, request: executor_pb2.Grammar, context: grpc.aio.ServicerContext

@@ -6,11 +6,19 @@ Every stage applies the same plan, so each knows every transfer's shape without 
 rows are its bucket, a prefill batch's its tokens and sampling chunks. Transfers go on the process group's
 backend: NCCL between GPUs, gloo on the CPU, or gloo through host memory between processes on one GPU (NCCL
 refuses two ranks on one device). A whole model is the stage [0, num_layers) with no group.
+
+Each transfer goes behind a header naming its step (the stream's planner, the plan's seq, the payload's size),
+on a gloo group of its own, checked on the host before the payload is read: a stream cancelled mid-step (its
+planner timed the group out as hung) can leave one stage having run a plan that another never read, and the
+next stream's transfers would then each read the step before's (wrong tokens, or gloo aborting on a size
+mismatch). A stage that finds the group out of step so raises StageLost: the group is lost and restarts.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -30,11 +38,15 @@ BACKENDS = ("auto", "gloo", "nccl")
 # A stage that waits this long for its neighbour's transfer gives up (the step fails, the group is lost).
 TRANSFER_TIMEOUT = datetime.timedelta(seconds=120)
 HEARTBEAT_S = 1.0  # between the stages' liveness barriers
+# A stage whose transfer failed exits this long after, whether or not a stream reports it: the step may be one
+# of a stream already ended, whose failure nobody collects (a stream that does exits sooner, having said why).
+LOST_EXIT_S = 1.0
 
 
 class StageLost(Exception):
-    """A transfer with another stage failed: that stage is gone, and the group with it (a process group
-    cannot take a restarted rank back, so every stage of it restarts)."""
+    """A transfer with another stage failed, or found the stages out of step: that stage is gone, or the group
+    cannot be trusted, and the group is lost (a process group cannot take a restarted rank back, so every
+    stage of it restarts)."""
 
 
 class Stage:
@@ -47,6 +59,12 @@ class Stage:
         self._via_host = False  # gloo between processes on GPUs: tensors cross through host memory
         self._host_group: dist.ProcessGroup | None = None
         self._heartbeat_group: dist.ProcessGroup | None = None
+        self._step_group: dist.ProcessGroup | None = None  # the transfers' headers
+        self._on_lost: Callable[[str], None] | None = None
+        # The step whose transfers run, as their headers name it: the stream's (stream_tag of its planner), set
+        # as a stream opens, and the plan's seq, set as it launches; both on the thread that runs the steps.
+        self.stream = 0
+        self.seq = 0
 
     @classmethod
     def whole(cls, num_layers: int) -> Stage:
@@ -90,12 +108,15 @@ class Stage:
         # Their timeout is the transfers' (torch's default is 30 min): a stage that never answers fails them.
         stage._host_group = dist.new_group(backend="gloo", timeout=TRANSFER_TIMEOUT)
         stage._heartbeat_group = dist.new_group(backend="gloo", timeout=TRANSFER_TIMEOUT)
+        stage._step_group = dist.new_group(backend="gloo", timeout=TRANSFER_TIMEOUT)
         return stage
 
     def watch(self, on_lost: Callable[[str], None]) -> None:
         """Calls on_lost(why) from a thread of its own once another stage is gone: a barrier on a group of its
         own every HEARTBEAT_S fails at once when a stage's process died (its connections close), so a stage
-        that is idle learns it too, and exits to restart with its group."""
+        that is idle learns it too, and exits to restart with its group. So does a failed transfer, LOST_EXIT_S
+        after it, seen or not."""
+        self._on_lost = on_lost
         group = self._heartbeat_group
 
         def beat() -> None:
@@ -114,20 +135,40 @@ class Stage:
         if self.split and dist.is_initialized():
             dist.destroy_process_group()
 
+    def _lost(self, why: str) -> StageLost:
+        """StageLost(why), this stage's exit LOST_EXIT_S from now armed (once watched)."""
+        if self._on_lost is not None:
+            timer = threading.Timer(LOST_EXIT_S, self._on_lost, (why,))
+            timer.daemon = True
+            timer.start()
+        return StageLost(why)
+
     def _send(self, tensor: torch.Tensor, to: int) -> None:
+        header = torch.tensor([self.stream, self.seq, tensor.numel()], dtype=torch.int64)
         try:
+            dist.send(header, dst=to, group=self._step_group)
             dist.send(tensor.cpu() if self._via_host else tensor.contiguous(), dst=to)
         except RuntimeError as error:  # gloo and NCCL raise RuntimeError (DistBackendError) for a lost peer
-            raise StageLost(f"stage {self.rank}: sending to stage {to} failed: {error}") from error
+            raise self._lost(f"stage {self.rank}: sending to stage {to} failed: {error}") from error
 
     def _receive(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int
     ) -> torch.Tensor:
+        header = torch.empty(3, dtype=torch.int64)
         buffer = torch.empty(shape, dtype=dtype, device="cpu" if self._via_host else device)
         try:
+            dist.recv(header, src=src, group=self._step_group)
+            stream, seq, size = header.tolist()
+            if (stream, seq, size) != (self.stream, self.seq, math.prod(shape)):
+                # The payload behind it is left unread: the group is lost either way.
+                raise self._lost(
+                    f"stage {self.rank}: stage {src} sent step {seq} (stream {stream:x}, {size} values) while "
+                    f"this stage runs step {self.seq} (stream {self.stream:x}, {math.prod(shape)} values): the "
+                    "stages are out of step (a stream ended mid-step on one and not the other)"
+                )
             dist.recv(buffer, src=src)
         except RuntimeError as error:
-            raise StageLost(f"stage {self.rank}: receiving from stage {src} failed: {error}") from error
+            raise self._lost(f"stage {self.rank}: receiving from stage {src} failed: {error}") from error
         return buffer.to(device, non_blocking=True)
 
     def enter(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -223,6 +264,12 @@ def stage_of(config: ExecutorConfig, device: torch.device) -> StageOf | None:
         return Stage.join(layers, config.stage_rank, config.stages, address, backend, device)
 
     return join
+
+
+def stream_tag(planner: str) -> int:
+    """The tag of a Steps stream opened by `planner` (its id; "" for none) in the transfers' headers: a planner
+    numbers its plans from 0, so a seq alone could name a step of the planner before a restart."""
+    return int.from_bytes(hashlib.blake2b(planner.encode(), digest_size=7).digest()) if planner else 0
 
 
 def _shards_header(shards: list[tuple[int, int]], blobs: list[bytes]) -> torch.Tensor:

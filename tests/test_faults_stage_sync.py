@@ -5,15 +5,18 @@ on it), and a stage that stalls mid-step and resumes never streams wrong tokens.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import grpc
 import pytest
 
 from cache_svc.server import start_cache_server
+from planner_svc.client import GenerateOptions, PlannerClient
 from protos import executor_pb2, executor_pb2_grpc
 from protos.wire import pack_i32
-from tests.split_stages import StageGroup
-from tests.test_faults_layer_split import RANGES, tiny_checkpoint
+from tests.split_stages import StageGroup, start_group_planner
+from tests.test_faults_layer_split import RANGES, _exited, tiny_checkpoint, until
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -64,3 +67,51 @@ async def test_a_stage_without_a_cache_refuses_a_park_and_leaves_no_stage_waitin
     finally:
         group.stop()
         await cache.stop(None)
+
+
+@pytest.mark.parametrize("prompt", [[5], [5, 9, 17, 3, 8, 2]])
+async def test_a_stage_stalled_mid_step_then_resumed_loses_its_group_and_streams_no_wrong_token(
+    tmp_path, prompt
+):
+    """Stage 1 frozen (SIGSTOP) while a request's first plan is sent, so stage 0 runs it and stage 1 never reads
+    it: the planner times the group out as hung, re-queues the request and reconnects once stage 1 resumes. The
+    stages are then a step apart: stage 1's first transfer names the step before its own, so it fails the group
+    (both stages exit 3) and the request runs again, on the restarted group, to the same tokens. Without the
+    steps named, stage 1 read stage 0's hidden states of that plan as its own: other tokens, 0 row mismatches
+    (one token of prompt: the shapes agree), or gloo aborting stage 1 on the size (six) and a request that
+    waited for a group that never came back."""
+    flags = ("--model", tiny_checkpoint(tmp_path / "tiny", "llama3"), *FLAGS)
+    group = StageGroup(tmp_path, RANGES, flags=flags)
+    planner = None
+    try:
+        group.wait_listening()
+        stack, planner = await start_group_planner(group.addresses, executor_timeout=2.0)
+        async with PlannerClient(stack.addr) as client:
+            options = GenerateOptions(token_ids=prompt, max_tokens=12, ignore_eos=True)
+            before = (await client.generate_all(options)).token_ids
+            stalled = group.stages[1].process.pid
+            os.kill(stalled, signal.SIGSTOP)
+            request = asyncio.ensure_future(client.generate_all(options))
+            await until(lambda: _lost(stack), 15, "the group timed out as hung")
+            os.kill(stalled, signal.SIGCONT)
+            waited = await until(lambda: _all_exited(group), 30, "both stages' exit")
+            print(f"both stages exited {waited:.2f} s after SIGCONT")
+            assert [stage.process.returncode for stage in group.stages] == [3, 3]
+            assert not request.done()  # re-queued: nothing was streamed
+            group.stop()
+            group = StageGroup(tmp_path, RANGES, flags=flags, ports=group.ports)
+            group.wait_listening()
+            assert (await asyncio.wait_for(request, 60)).token_ids == before
+            assert stack.engine.row_mismatches == 0
+    finally:
+        if planner is not None:
+            await planner.stop(None)
+        group.stop()
+
+
+async def _lost(stack) -> bool:
+    return stack.engine.losses > 0
+
+
+async def _all_exited(group: StageGroup) -> bool:
+    return all([await _exited(stage.process) for stage in group.stages])
