@@ -89,7 +89,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def Describe(
         self, request: executor_pb2.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.ExecutorDescription:
-        return self._runner.describe()
+        described = self._runner.describe()
+        described.snapshots = self.snapshots.enabled
+        return described
 
     async def Steps(
         self, request_iterator: AsyncIterator[executor_pb2.StepPlan], context: grpc.aio.ServicerContext

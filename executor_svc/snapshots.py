@@ -95,6 +95,11 @@ class Snapshots:
         if self._states is not None:
             self._states.warm(self.copy_stream)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether parks and restores reach a cache service."""
+        return self._cache is not None
+
     def _require_cache(self) -> str:
         if self._cache is None:
             raise SnapshotRefused(grpc.StatusCode.FAILED_PRECONDITION, "no cache service configured")

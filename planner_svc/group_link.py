@@ -51,6 +51,14 @@ def describe_group(stages: Sequence[executor_pb2.ExecutorDescription]) -> execut
     token is the last stage's (it samples). ValueError saying what differs otherwise."""
     first = stages[0]
     for rank, stage in enumerate(stages[1:], start=1):
+        if (
+            stage.snapshots != first.snapshots
+        ):  # a park gathers every stage's pages: one without would fail it
+            has = {True: "a cache service (--cache)", False: "no cache service (no --cache)"}
+            raise ValueError(
+                f"stage {rank} has {has[stage.snapshots]}, stage 0 {has[first.snapshots]}: every stage of a "
+                "group parks its own pages, so every stage needs one or none"
+            )
         for name in SHARED_FIELDS:
             if getattr(stage, name) != getattr(first, name):
                 raise ValueError(

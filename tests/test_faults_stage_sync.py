@@ -64,6 +64,9 @@ async def test_a_stage_without_a_cache_refuses_a_park_and_leaves_no_stage_waitin
             assert later == grpc.StatusCode.FAILED_PRECONDITION
             assert first == grpc.StatusCode.INTERNAL  # "stages [1] could not read their pages"
         assert [stage.process.poll() for stage in group.stages] == [None, None]
+        # And a planner refuses to attach to such a group, saying why.
+        with pytest.raises(ValueError, match=r"stage 1 has no cache service \(no --cache\), stage 0 a cache"):
+            await start_group_planner(group.addresses, f"127.0.0.1:{cache.port}")
     finally:
         group.stop()
         await cache.stop(None)

@@ -76,6 +76,8 @@ def test_the_group_describes_itself_as_one_executor():
         describe_group([describe(0, 13, state_slots=17), describe(13, 30, state_slots=9)])
     with pytest.raises(ValueError, match="expected it to start at 13"):
         describe_group([describe(0, 13), describe(14, 30)])
+    with pytest.raises(ValueError, match=r"stage 1 has no cache service \(no --cache\), stage 0 a cache"):
+        describe_group([describe(0, 13, snapshots=True), describe(13, 30)])
 
 
 def test_outputs_merge_to_the_last_stages_tokens_and_every_stages_mismatches():
