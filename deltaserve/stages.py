@@ -136,16 +136,17 @@ def stage_processes(
             keys_file.flush()
             env[env_name("--api-keys")] = keys_file.name
         for stage, port, metrics_port in zip(plans, ports, metrics_ports, strict=True):
-            log.info(
-                "starting stage",
-                rank=stage.rank,
-                layers=f"{stage.layers[0]}:{stage.layers[1]}",
-                device=stage.device,
-            )
             processes.append(
                 subprocess.Popen(
                     stage_argv(config, stage, len(plans), port, rendezvous, metrics_port), env=env
                 )
+            )
+            log.info(  # its pid: a stage is a process to look at or to signal
+                "starting stage",
+                rank=stage.rank,
+                layers=f"{stage.layers[0]}:{stage.layers[1]}",
+                device=stage.device,
+                pid=processes[-1].pid,
             )
         yield StageAddresses(
             [f"127.0.0.1:{port}" for port in ports],
