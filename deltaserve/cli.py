@@ -37,6 +37,7 @@ from deltaserve.logs import configure_logging, get_logger
 from deltaserve.memory_errors import POOL_FLAGS, memory_detail, out_of_memory
 from deltaserve.serve import CACHE_PORT, EXECUTOR_PORT, HTTP_PORT, PLANNER_PORT
 from deltaserve.stage_flags import add_executor_group_flag, add_layer_split_flag, add_stage_flags
+from deltaserve.stages import StageExited
 from deltaserve.trust import trust_from_args
 from executor_svc.c_kernels import KernelUnavailable
 from protos.tls import TLSConfigError
@@ -292,6 +293,9 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         return aio.run(serving)
+    except StageExited as error:  # what the user of `up` acts on (a supervisor restarts it): one line
+        print(f"deltaserve {name}: error: {error}", file=sys.stderr)
+        return 1
     except (OSError, ValueError, MemoryError, RuntimeError) as error:  # KernelUnavailable: a RuntimeError
         mendable = isinstance(error, (OSError, ValueError, KernelUnavailable))
         if serve.LISTENED.is_set() or not (mendable or out_of_memory(error)):

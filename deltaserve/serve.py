@@ -14,7 +14,7 @@ from cache_svc.config import CacheServiceConfig
 from deltaserve.aio import until_stopped
 from deltaserve.http_launch import start_http_api
 from deltaserve.logs import get_logger
-from deltaserve.stages import stage_processes
+from deltaserve.stages import StageExited, stage_processes, stopped_by, watch_stages
 from deltaserve.trust import Trust
 from executor_svc.config import ExecutorConfig
 from planner_svc.config import PlannerConfig, SchedulingConfig
@@ -195,6 +195,7 @@ async def serve_up(
             )
             executor_cfg.cache = planner_cfg.cache = cache_addr
             cache_fields = {"cache": cache_addr, "snapshots": cache_cfg.root_dir}
+        lost: asyncio.Task[StageExited | None] | None = None
         if getattr(args, "layer_split", None):  # the stages as processes, one executor group to the planner
             stages = servers.enter_context(
                 stage_processes(
@@ -206,9 +207,11 @@ async def serve_up(
                     log_json=args.log_json,
                 )
             )
+            lost = asyncio.create_task(watch_stages(stages, stop))
+            servers.callback(lost.cancel)
             for addr in stages.executors:
                 if not await wait_for_executor(addr, stop, args.trust.executor_link):
-                    return 0
+                    return stopped_by(lost)
             planner_cfg.executor_groups, executor_addr = [stages.executors], stages.executors[-1]
             if stages.metrics:
                 metrics_fields["stage_metrics"] = ",".join(stages.metrics)
@@ -263,6 +266,8 @@ async def serve_up(
             executor=executor_addr,
             **cache_fields,
         )
+        if lost is not None:
+            stopped_by(lost)  # a lost stage took its group's pool: nothing to park
         await _drain_planner(planner, args.drain_timeout)
     log.info("stopped")
     return 0

@@ -3,8 +3,10 @@ local GPU in turn (gloo between stages that share a GPU, NCCL otherwise), or on 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,9 +18,10 @@ from deltaserve.logs import get_logger
 from deltaserve.trust import Trust
 from executor_svc.config import ExecutorConfig
 from protos.auth import SERVICE
-from protos.layer_split import split_layers
+from protos.layer_split import EXIT_GROUP_LOST, split_layers
 
 log = get_logger("deltaserve.stages")
+STAGE_POLL_S = 0.5  # how often `up` looks whether a stage process ended
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +90,45 @@ def stage_argv(
     return argv
 
 
+class StageExited(Exception):
+    """A stage process of `up` ended: its group is lost (a process group takes no restarted rank back)."""
+
+
+def exit_word(status: int) -> str:
+    """A Popen return code in words: a negative one is the signal that killed the process."""
+    if status < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-status).name}"
+        return f"was killed by signal {-status}"
+    return f"exited with status {status}"
+
+
 @dataclass(frozen=True, slots=True)
 class StageAddresses:
-    """Where the stages listen, in rank order: their step API, and their metrics where asked for."""
+    """Where the stages listen, in rank order: their step API, and their metrics where asked for; and their
+    processes, to see one end."""
 
     executors: list[str]
     metrics: list[str]
+    plans: list[StagePlan]
+    processes: list[subprocess.Popen]
+
+    def exited(self) -> StageExited | None:
+        """A stage whose process has ended, or None while every one runs: one that ended of itself before one
+        that ended because its group was lost (it followed: the other is the cause), then by rank."""
+        ended = [
+            (status == EXIT_GROUP_LOST, stage.rank, stage, process.pid, status)
+            for stage, process in zip(self.plans, self.processes, strict=True)
+            if (status := process.poll()) is not None
+        ]
+        if not ended:
+            return None
+        _, _, stage, pid, status = min(ended, key=lambda e: e[:2])
+        layers = f"{stage.layers[0]}:{stage.layers[1]}"
+        return StageExited(
+            f"stage {stage.rank} (layers {layers}, pid {pid}) {exit_word(status)}; its group is lost, so `up` "
+            "stops: start it again"
+        )
 
 
 @contextlib.contextmanager
@@ -128,7 +164,7 @@ def stage_processes(
     if trust.cache_link.api_key:  # up's own service key for its cache, never on a command line
         env[env_name("--cache-api-key")] = trust.cache_link.api_key
     keys_file = None
-    processes = []
+    processes: list[subprocess.Popen] = []
     try:  # from the key file's creation on: it goes however the start fails
         if trust.executor_link.api_key:  # the stages take up's own service key alone, in a file only it reads
             keys_file = tempfile.NamedTemporaryFile("w", prefix="deltaserve-stage-keys-", suffix=".txt")
@@ -151,6 +187,8 @@ def stage_processes(
         yield StageAddresses(
             [f"127.0.0.1:{port}" for port in ports],
             [f"127.0.0.1:{port}" for port in metrics_ports if port is not None],
+            plans,
+            processes,
         )
     finally:
         for process in processes:
@@ -162,3 +200,24 @@ def stage_processes(
                 process.kill()
         if keys_file is not None:
             keys_file.close()  # deletes it
+
+
+async def watch_stages(stages: StageAddresses, stop: asyncio.Event) -> StageExited | None:
+    """Until `stop`: the first stage process to end, which sets `stop` (`up` cannot serve without it, nor
+    restart it into the group)."""
+    while not stop.is_set():
+        exited = stages.exited()
+        if exited is not None:
+            log.error("stage lost", error=str(exited))
+            stop.set()
+            return exited
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), STAGE_POLL_S)
+    return None
+
+
+def stopped_by(lost: asyncio.Task[StageExited | None]) -> int:
+    """0 when a signal stopped `up`; raises the StageExited when a stage's end did."""
+    if lost.done() and not lost.cancelled() and (exited := lost.result()) is not None:
+        raise exited
+    return 0

@@ -23,6 +23,7 @@ from executor_svc.snapshots import SnapshotRefused, Snapshots
 from executor_svc.stage import StageLost, stream_tag
 from executor_svc.step_loop import StepLauncher, collect_when_ready, failed_launch
 from protos import executor_pb2, executor_pb2_grpc
+from protos.layer_split import EXIT_GROUP_LOST
 from protos.rpc import (
     PLANNER_ID_METADATA,
     ChannelSecurity,
@@ -33,7 +34,6 @@ from protos.rpc import (
 
 log = structlog.get_logger("deltaserve.executor.server")
 
-EXIT_GROUP_LOST = 3  # the exit status of a stage whose group is lost
 EXIT_DELAY_S = 0.2  # time for the stream's status to reach the planner before the stage exits
 PLANS_IN_FLIGHT = 2  # the step running and the next one (DESIGN §3)
 # A refused plan's stream ends once the planner's next plan is read, or after this long: a write that races

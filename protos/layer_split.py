@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+EXIT_GROUP_LOST = 3  # the exit status of a stage whose group is lost (another stage's end, not its own fault)
+
 
 @dataclass(frozen=True, slots=True)
 class LayerRange:

@@ -1,0 +1,133 @@
+"""`up --layer-split` watches its stage processes (a tiny random Llama on the CPU, each stage a process): a stage
+that cannot start, or that dies while serving, stops `up` with status 1 and one line naming the stage (its
+group cannot take a restarted rank back, and the stages' ports are internal: a supervisor restarts `up`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import Serving, deltaserve_json, free_port
+
+UP_START_S = 120  # two stage processes importing torch on a shared 2-core machine
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    from tests.hf_reference import hf_tokenizer
+    from tests.test_faults_layer_split import tiny_checkpoint
+
+    path = tiny_checkpoint(tmp_path_factory.mktemp("up-stages") / "tiny", "llama3")
+    hf_tokenizer().save_pretrained(path)  # `up`'s planner reads its tokenizer from --model
+    return path
+
+
+def _up(tmp_path: Path, model: str, *flags: str, own_group: bool = False) -> tuple[Serving, int]:
+    port = free_port()
+    up = Serving(
+        tmp_path / "up.log",
+        "up",
+        *("--model", model, "--device", "cpu", "--dtype", "float32", "--layer-split", "2"),
+        *("--pool-pages", "64", "--buckets", "1,2", "--page-size", "4", "--port", str(port)),
+        *flags,
+        own_group=own_group,
+    )
+    return up, port
+
+
+def _listening(up: Serving, port: int) -> None:
+    """Up's own listening line (its stages log theirs to the same stderr)."""
+    deadline = time.monotonic() + UP_START_S
+    while not any(e["event"] == "listening" and e["addr"].endswith(f":{port}") for e in up.events()):
+        assert up.process.poll() is None, up.log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"up not listening within {UP_START_S} s"
+        time.sleep(0.2)
+
+
+def _stage_pids(up: Serving) -> list[int]:
+    return [e["pid"] for e in up.events() if e["event"] == "starting stage"]
+
+
+def _gone(pid: int) -> bool:
+    """Ended (a zombie no one reaped yet is ended too)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _until_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(_gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"stage processes {pids} still running after {timeout:g} s"
+        time.sleep(0.2)
+
+
+def _error_line(up: Serving) -> str:
+    lines = [
+        line for line in up.log_path.read_text().splitlines() if line.startswith("deltaserve up: error:")
+    ]
+    assert len(lines) == 1, up.log_path.read_text()[-3000:]
+    return lines[0]
+
+
+def test_up_stops_with_an_error_when_a_stage_cannot_start(tmp_path, model):
+    """It used to wait for the executor forever."""
+    up, _ = _up(
+        tmp_path, model, "--no-cache", "--decode-path", "host-planned"
+    )  # CUDA only: refused on the CPU
+    try:
+        code = up.process.wait(UP_START_S)
+    finally:
+        if up.process.poll() is None:
+            up.process.kill()
+    assert code == 1
+    assert re.fullmatch(
+        r"deltaserve up: error: stage [01] \(layers [0-9:]+, pid \d+\) exited with status 1; .*",
+        _error_line(up),
+    )
+    _until_gone(_stage_pids(up), 5)
+
+
+def test_up_stops_with_an_error_when_a_stage_dies(tmp_path, model):
+    """It used to stay up NOT_SERVING forever, and exit 0 when stopped."""
+    up, port = _up(tmp_path, model, "--no-cache", "--executor-timeout", "3")
+    try:
+        _listening(up, port)
+        asked = ("--token-ids", "5,9,11", "--max-tokens", "4", "--addr", f"127.0.0.1:{port}")
+        assert len(deltaserve_json("generate", *asked)["token_ids"]) == 4
+        pids = _stage_pids(up)
+        os.kill(pids[1], signal.SIGKILL)
+        code = up.process.wait(60)
+    finally:
+        if up.process.poll() is None:
+            up.process.kill()
+    assert code == 1
+    assert _error_line(up).startswith(
+        f"deltaserve up: error: stage 1 (layers 2:4, pid {pids[1]}) was killed by SIGKILL; "
+    )
+    _until_gone(pids, 5)
+
+
+def test_the_stage_named_is_the_cause_not_the_one_that_followed_it():
+    """A stage killed takes the others down with it (EXIT_GROUP_LOST): the line names the killed one, which a
+    poll finds ended beside the others."""
+    from types import SimpleNamespace
+
+    from deltaserve.stages import StageAddresses, StagePlan
+
+    plans = [StagePlan(r, (2 * r, 2 * r + 2), "cpu", "gloo") for r in range(3)]
+
+    def stages(*statuses: int | None) -> StageAddresses:
+        processes = [SimpleNamespace(pid=100 + r, poll=lambda s=s: s) for r, s in enumerate(statuses)]
+        return StageAddresses([], [], plans, processes)  # type: ignore[arg-type]
+
+    assert stages(None, None, None).exited() is None
+    assert "stage 2 (layers 4:6, pid 102) was killed by SIGKILL" in str(stages(3, 3, -9).exited())
+    assert "stage 1 (layers 2:4, pid 101) exited with status 1" in str(stages(3, 1, None).exited())
+    assert "stage 0 (layers 0:2, pid 100) exited with status 3" in str(stages(3, 3, None).exited())
