@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Literal, TypeVar
 
@@ -25,7 +27,10 @@ def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
 
 
 def run(
-    main: Callable[[asyncio.Event], Awaitable[T]], signals: tuple[signal.Signals, ...] = STOP_SIGNALS
+    main: Callable[[asyncio.Event], Awaitable[T]],
+    signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
+    *,
+    stop_on_stdin_close: bool = False,
 ) -> T:
     """Runs `main(stop)` to completion and returns its result.
 
@@ -33,12 +38,22 @@ def run(
     period.
     The handlers are removed at that point, so a second signal acts as usual (Ctrl-C raises
     KeyboardInterrupt, SIGTERM terminates) when a shutdown hangs.
+
+    stop_on_stdin_close: the end of standard input sets `stop` instead, and the stop signals are ignored: a
+    process its parent stops by closing the pipe (an `up` stage), which a signal to the parent's group or
+    control group must not stop before the parent drains, and which stops when the parent dies, however.
     """
+    if stop_on_stdin_close:
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
+        signals = ()
 
     async def main_with_signals() -> T:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         installed: list[signal.Signals] = []
+        if stop_on_stdin_close:
+            _stop_at_end_of_stdin(loop, stop)
 
         def on_signal() -> None:
             stop.set()
@@ -62,6 +77,17 @@ def run(
 
     with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
         return runner.run(main_with_signals())
+
+
+def _stop_at_end_of_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    fd = sys.stdin.fileno()
+
+    def on_readable() -> None:
+        if not os.read(fd, 4096):  # the end: the writer closed it or is gone
+            loop.remove_reader(fd)
+            stop.set()
+
+    loop.add_reader(fd, on_readable)
 
 
 async def until_stopped(

@@ -292,7 +292,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"deltaserve {name}: error: {error}", file=sys.stderr)
         return 2
     try:
-        return aio.run(serving)
+        return aio.run(serving, stop_on_stdin_close=getattr(args, "stop_on_stdin_close", False))
     except StageExited as error:  # what the user of `up` acts on (a supervisor restarts it): one line
         print(f"deltaserve {name}: error: {error}", file=sys.stderr)
         return 1

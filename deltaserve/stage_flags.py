@@ -48,6 +48,11 @@ def add_stage_flags(flags: Flags) -> None:
         help="the transfers between stages: auto is nccl on CUDA, gloo on the CPU; gloo for stages sharing "
         "one GPU (through host memory)",
     )
+    flags.switch(
+        "--stop-on-stdin-close",
+        help="stop when standard input closes, not on SIGINT, SIGTERM or SIGHUP: how `up` runs its stages, so "
+        "they stop after its drain and never outlive it",
+    )
 
 
 def add_executor_group_flag(flags: Flags) -> None:

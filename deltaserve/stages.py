@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 from deltaserve.flags import env_name
@@ -22,6 +23,7 @@ from protos.layer_split import EXIT_GROUP_LOST, split_layers
 
 log = get_logger("deltaserve.stages")
 STAGE_POLL_S = 0.5  # how often `up` looks whether a stage process ended
+STOP_GRACE_S = 30.0  # for every stage together, then the rest are killed
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,7 @@ def stage_argv(
     argv += ["--grammar-cache", str(config.grammar_cache)]
     argv += ["--layers", f"{stage.layers[0]}:{stage.layers[1]}", "--stage-rank", str(stage.rank)]
     argv += ["--stages", str(stages), "--stage-group", rendezvous, "--stage-backend", stage.backend]
+    argv.append("--stop-on-stdin-close")  # `up` holds the pipe's other end (stage_processes)
     if config.model:
         argv += ["--model", config.model]
     if config.max_seq_len:
@@ -131,6 +134,21 @@ class StageAddresses:
         )
 
 
+def _stop(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """Closes each stage's standard input (its stop: it ignores the stop signals), waits `grace_s` in all for
+    them to end, and kills those still running."""
+    for process in processes:
+        with contextlib.suppress(OSError):  # a stage already gone
+            process.stdin.close()  # type: ignore[union-attr]
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 @contextlib.contextmanager
 def stage_processes(
     config: ExecutorConfig,
@@ -172,9 +190,15 @@ def stage_processes(
             keys_file.flush()
             env[env_name("--api-keys")] = keys_file.name
         for stage, port, metrics_port in zip(plans, ports, metrics_ports, strict=True):
+            # A session of its own: the terminal's Ctrl-C to `up`'s process group must not stop the stages
+            # before `up` has drained through them; `up` stops them by closing their standard input, which
+            # also ends when `up` dies, however, so no stage outlives it.
             processes.append(
                 subprocess.Popen(
-                    stage_argv(config, stage, len(plans), port, rendezvous, metrics_port), env=env
+                    stage_argv(config, stage, len(plans), port, rendezvous, metrics_port),
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    start_new_session=True,
                 )
             )
             log.info(  # its pid: a stage is a process to look at or to signal
@@ -191,13 +215,7 @@ def stage_processes(
             processes,
         )
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        _stop(processes, STOP_GRACE_S)
         if keys_file is not None:
             keys_file.close()  # deletes it
 

@@ -1,6 +1,8 @@
-"""`up --layer-split` watches its stage processes (a tiny random Llama on the CPU, each stage a process): a stage
-that cannot start, or that dies while serving, stops `up` with status 1 and one line naming the stage (its
-group cannot take a restarted rank back, and the stages' ports are internal: a supervisor restarts `up`)."""
+"""`up --layer-split` watches its stage processes and owns them (a tiny random Llama on the CPU, each stage a
+process): a stage that cannot start, or that dies while serving, stops `up` with status 1 and one line naming
+the stage (its group cannot take a restarted rank back, and the stages' ports are internal: a supervisor
+restarts `up`); Ctrl-C to `up`'s process group drains through the stages (they run in a session of their own)
+and parks the conversation; and no stage outlives `up`, even one SIGKILLed."""
 
 from __future__ import annotations
 
@@ -131,3 +133,38 @@ def test_the_stage_named_is_the_cause_not_the_one_that_followed_it():
     assert "stage 2 (layers 4:6, pid 102) was killed by SIGKILL" in str(stages(3, 3, -9).exited())
     assert "stage 1 (layers 2:4, pid 101) exited with status 1" in str(stages(3, 1, None).exited())
     assert "stage 0 (layers 0:2, pid 100) exited with status 3" in str(stages(3, 3, None).exited())
+
+
+def test_ctrl_c_to_up_drains_through_its_stages(tmp_path, model):
+    """The terminal's SIGINT reaches `up`'s whole process group: the stages used to stop with `up`, before its
+    drain could park through them."""
+    cache = ("--cache-dir", str(tmp_path / "snapshots"), "--cache-port", str(free_port()))
+    up, port = _up(tmp_path, model, *cache, "--drain-timeout", "5", own_group=True)
+    try:
+        _listening(up, port)
+        asked = ("--token-ids", "5,9,11,7,3", "--max-tokens", "4", "--conversation", "chat")
+        deltaserve_json("generate", *asked, "--addr", f"127.0.0.1:{port}")
+        pids = _stage_pids(up)
+        os.killpg(up.process.pid, signal.SIGINT)  # Ctrl-C
+        code = up.process.wait(90)
+    finally:
+        if up.process.poll() is None:
+            os.killpg(up.process.pid, signal.SIGKILL)
+    (drained,) = [e for e in up.events() if e["event"] == "drained"]
+    assert (code, drained["parked"], drained["not_parked"]) == (0, 1, []), up.log_path.read_text()[-3000:]
+    _until_gone(pids, 5)
+
+
+def test_no_stage_outlives_up_killed(tmp_path, model):
+    """Its stages stop when their standard input, a pipe from `up`, ends: however `up` ends."""
+    up, port = _up(tmp_path, model, "--no-cache")
+    try:
+        _listening(up, port)
+        pids = _stage_pids(up)
+        up.process.kill()
+        up.process.wait(10)
+        _until_gone(pids, 30)
+    finally:
+        for pid in _stage_pids(up):  # only on failure: the test's own orphans
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
