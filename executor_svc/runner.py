@@ -155,6 +155,7 @@ class StepRunner:
             eos_token_id=config.eos_token_ids[0],
             eos_token_ids=list(config.eos_token_ids),
             state_slots=limits.state_slots,
+            stage_group=self.model.stage.group_id,
         )
 
     def bind_thread(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +56,7 @@ class Stage:
     def __init__(self, layers: LayerRange, rank: int = 0, stages: int = 1, backend: str = "") -> None:
         self.layers = layers
         self.rank, self.stages = rank, stages
+        self.group_id = ""  # the torch.distributed group joined (`join`); "" for a whole model
         self.backend = backend  # "" = no group (a whole model)
         self._via_host = False  # gloo between processes on GPUs: tensors cross through host memory
         self._host_group: dist.ProcessGroup | None = None
@@ -109,6 +111,10 @@ class Stage:
         stage._host_group = dist.new_group(backend="gloo", timeout=TRANSFER_TIMEOUT)
         stage._heartbeat_group = dist.new_group(backend="gloo", timeout=TRANSFER_TIMEOUT)
         stage._step_group = dist.new_group(backend="gloo", timeout=TRANSFER_TIMEOUT)
+        # The group's name, drawn by rank 0: a planner checks that the stages it lists as a group joined one.
+        drawn = torch.tensor([secrets.randbits(63) if rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(drawn, src=0, group=stage._host_group)
+        stage.group_id = f"{int(drawn[0]):016x}"
         return stage
 
     def watch(self, on_lost: Callable[[str], None]) -> None:

@@ -51,6 +51,11 @@ def describe_group(stages: Sequence[executor_pb2.ExecutorDescription]) -> execut
     token is the last stage's (it samples). ValueError saying what differs otherwise."""
     first = stages[0]
     for rank, stage in enumerate(stages[1:], start=1):
+        if stage.stage_group != first.stage_group:
+            raise ValueError(
+                f"stage {rank} joined another torch.distributed group than stage 0 (stage_group "
+                f"{stage.stage_group!r}, not {first.stage_group!r}): list the stages of one group together"
+            )
         if (
             stage.snapshots != first.snapshots
         ):  # a park gathers every stage's pages: one without would fail it

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import cache_pb2 as protos_dot_cache__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/executor.proto\x12\rdeltaserve.v1\x1a\x12protos/cache.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xa3\x03\n\x13\x45xecutorDescription\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x12\n\npool_pages\x18\x07 \x01(\x05\x12\x0f\n\x07\x62uckets\x18\x08 \x03(\x05\x12\r\n\x05slots\x18\t \x01(\x05\x12\x13\n\x0brow_columns\x18\n \x01(\x05\x12\x12\n\nblock_span\x18\x0b \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x13\n\x0blayer_begin\x18\x0e \x01(\x05\x12\x11\n\tlayer_end\x18\x0f \x01(\x05\x12\x19\n\x0c\x65os_token_id\x18\x10 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x11 \x03(\x05\x12\x13\n\x0bstate_slots\x18\x12 \x01(\x05\x12\x11\n\tsnapshots\x18\x13 \x01(\x08\x42\x0f\n\r_eos_token_id\"h\n\x0cPrefillChunk\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12\r\n\x05start\x18\x02 \x01(\x05\x12\r\n\x05pages\x18\x03 \x01(\x0c\x12\x13\n\x0bsample_slot\x18\x04 \x01(\x05\x12\x12\n\nstate_slot\x18\x05 \x01(\x05\"\x99\x03\n\x08StepPlan\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\x05\x12\r\n\x05slots\x18\x03 \x01(\x0c\x12\x10\n\x08row_runs\x18\x04 \x01(\x0c\x12\x15\n\rsampler_slots\x18\x06 \x01(\x0c\x12\x13\n\x0bsampler_f32\x18\x07 \x01(\x0c\x12\x13\n\x0bsampler_i32\x18\x08 \x01(\x0c\x12,\n\x07prefill\x18\t \x03(\x0b\x32\x1b.deltaserve.v1.PrefillChunk\x12\x0e\n\x06mirror\x18\n \x01(\x0c\x12\x15\n\rcontrol_slots\x18\x0b \x01(\x0c\x12\x13\n\x0b\x63ontrol_f32\x18\x0c \x01(\x0c\x12\x13\n\x0b\x63ontrol_i32\x18\r \x01(\x0c\x12\x16\n\x0e\x63ontrol_tokens\x18\x0e \x01(\x0c\x12\x14\n\x0c\x63ontrol_bias\x18\x0f \x01(\x0c\x12/\n\x0f\x63ontrol_grammar\x18\x10 \x03(\x0b\x32\x16.deltaserve.v1.Grammar\x12\x14\n\x0cstate_copies\x18\x11 \x01(\x0c\x12\r\n\x05steps\x18\x12 \x01(\rJ\x04\x08\x05\x10\x06R\x05\x63\x65lls\"?\n\x07Grammar\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"\x11\n\x0fGrammarPrepared\"\x98\x01\n\nStepOutput\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\x0c\x12\x16\n\x0erow_mismatches\x18\x04 \x01(\x05\x12\x16\n\x0e\x64\x65vice_wait_us\x18\x05 \x01(\r\x12\x10\n\x08logprobs\x18\x06 \x01(\x0c\x12\x13\n\x0blogprob_ids\x18\x07 \x01(\x0c\"\xa2\x01\n\x10ParkPagesRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12.\n\x0b\x63heckpoints\x18\x04 \x03(\x0b\x32\x19.deltaserve.v1.Checkpoint\x12\r\n\x05pages\x18\x05 \x01(\x0c\x12\x13\n\x0bstate_slots\x18\x06 \x01(\x0c\"\x1f\n\x0eParkPagesReply\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\"b\n\x13RestorePagesRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\r\n\x05pages\x18\x03 \x01(\x0c\x12\x13\n\x0bstate_slots\x18\x04 \x01(\x0c\"V\n\x11RestorePagesReply\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12.\n\x0b\x63heckpoints\x18\x02 \x03(\x0b\x32\x19.deltaserve.v1.Checkpoint2\xfe\x02\n\x08\x45xecutor\x12N\n\x08\x44\x65scribe\x12\x1e.deltaserve.v1.DescribeRequest\x1a\".deltaserve.v1.ExecutorDescription\x12?\n\x05Steps\x12\x17.deltaserve.v1.StepPlan\x1a\x19.deltaserve.v1.StepOutput(\x01\x30\x01\x12\x46\n\x04Park\x12\x1f.deltaserve.v1.ParkPagesRequest\x1a\x1d.deltaserve.v1.ParkPagesReply\x12O\n\x07Restore\x12\".deltaserve.v1.RestorePagesRequest\x1a .deltaserve.v1.RestorePagesReply\x12H\n\x0ePrepareGrammar\x12\x16.deltaserve.v1.Grammar\x1a\x1e.deltaserve.v1.GrammarPreparedb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/executor.proto\x12\rdeltaserve.v1\x1a\x12protos/cache.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xb8\x03\n\x13\x45xecutorDescription\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x12\n\npool_pages\x18\x07 \x01(\x05\x12\x0f\n\x07\x62uckets\x18\x08 \x03(\x05\x12\r\n\x05slots\x18\t \x01(\x05\x12\x13\n\x0brow_columns\x18\n \x01(\x05\x12\x12\n\nblock_span\x18\x0b \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x13\n\x0blayer_begin\x18\x0e \x01(\x05\x12\x11\n\tlayer_end\x18\x0f \x01(\x05\x12\x19\n\x0c\x65os_token_id\x18\x10 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x11 \x03(\x05\x12\x13\n\x0bstate_slots\x18\x12 \x01(\x05\x12\x11\n\tsnapshots\x18\x13 \x01(\x08\x12\x13\n\x0bstage_group\x18\x14 \x01(\tB\x0f\n\r_eos_token_id\"h\n\x0cPrefillChunk\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12\r\n\x05start\x18\x02 \x01(\x05\x12\r\n\x05pages\x18\x03 \x01(\x0c\x12\x13\n\x0bsample_slot\x18\x04 \x01(\x05\x12\x12\n\nstate_slot\x18\x05 \x01(\x05\"\x99\x03\n\x08StepPlan\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\x05\x12\r\n\x05slots\x18\x03 \x01(\x0c\x12\x10\n\x08row_runs\x18\x04 \x01(\x0c\x12\x15\n\rsampler_slots\x18\x06 \x01(\x0c\x12\x13\n\x0bsampler_f32\x18\x07 \x01(\x0c\x12\x13\n\x0bsampler_i32\x18\x08 \x01(\x0c\x12,\n\x07prefill\x18\t \x03(\x0b\x32\x1b.deltaserve.v1.PrefillChunk\x12\x0e\n\x06mirror\x18\n \x01(\x0c\x12\x15\n\rcontrol_slots\x18\x0b \x01(\x0c\x12\x13\n\x0b\x63ontrol_f32\x18\x0c \x01(\x0c\x12\x13\n\x0b\x63ontrol_i32\x18\r \x01(\x0c\x12\x16\n\x0e\x63ontrol_tokens\x18\x0e \x01(\x0c\x12\x14\n\x0c\x63ontrol_bias\x18\x0f \x01(\x0c\x12/\n\x0f\x63ontrol_grammar\x18\x10 \x03(\x0b\x32\x16.deltaserve.v1.Grammar\x12\x14\n\x0cstate_copies\x18\x11 \x01(\x0c\x12\r\n\x05steps\x18\x12 \x01(\rJ\x04\x08\x05\x10\x06R\x05\x63\x65lls\"?\n\x07Grammar\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"\x11\n\x0fGrammarPrepared\"\x98\x01\n\nStepOutput\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\x0c\x12\x16\n\x0erow_mismatches\x18\x04 \x01(\x05\x12\x16\n\x0e\x64\x65vice_wait_us\x18\x05 \x01(\r\x12\x10\n\x08logprobs\x18\x06 \x01(\x0c\x12\x13\n\x0blogprob_ids\x18\x07 \x01(\x0c\"\xa2\x01\n\x10ParkPagesRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\x12.\n\x0b\x63heckpoints\x18\x04 \x03(\x0b\x32\x19.deltaserve.v1.Checkpoint\x12\r\n\x05pages\x18\x05 \x01(\x0c\x12\x13\n\x0bstate_slots\x18\x06 \x01(\x0c\"\x1f\n\x0eParkPagesReply\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\"b\n\x13RestorePagesRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\r\n\x05pages\x18\x03 \x01(\x0c\x12\x13\n\x0bstate_slots\x18\x04 \x01(\x0c\"V\n\x11RestorePagesReply\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12.\n\x0b\x63heckpoints\x18\x02 \x03(\x0b\x32\x19.deltaserve.v1.Checkpoint2\xfe\x02\n\x08\x45xecutor\x12N\n\x08\x44\x65scribe\x12\x1e.deltaserve.v1.DescribeRequest\x1a\".deltaserve.v1.ExecutorDescription\x12?\n\x05Steps\x12\x17.deltaserve.v1.StepPlan\x1a\x19.deltaserve.v1.StepOutput(\x01\x30\x01\x12\x46\n\x04Park\x12\x1f.deltaserve.v1.ParkPagesRequest\x1a\x1d.deltaserve.v1.ParkPagesReply\x12O\n\x07Restore\x12\".deltaserve.v1.RestorePagesRequest\x1a .deltaserve.v1.RestorePagesReply\x12H\n\x0ePrepareGrammar\x12\x16.deltaserve.v1.Grammar\x1a\x1e.deltaserve.v1.GrammarPreparedb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,25 +35,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=60
   _globals['_DESCRIBEREQUEST']._serialized_end=77
   _globals['_EXECUTORDESCRIPTION']._serialized_start=80
-  _globals['_EXECUTORDESCRIPTION']._serialized_end=499
-  _globals['_PREFILLCHUNK']._serialized_start=501
-  _globals['_PREFILLCHUNK']._serialized_end=605
-  _globals['_STEPPLAN']._serialized_start=608
-  _globals['_STEPPLAN']._serialized_end=1017
-  _globals['_GRAMMAR']._serialized_start=1019
-  _globals['_GRAMMAR']._serialized_end=1082
-  _globals['_GRAMMARPREPARED']._serialized_start=1084
-  _globals['_GRAMMARPREPARED']._serialized_end=1101
-  _globals['_STEPOUTPUT']._serialized_start=1104
-  _globals['_STEPOUTPUT']._serialized_end=1256
-  _globals['_PARKPAGESREQUEST']._serialized_start=1259
-  _globals['_PARKPAGESREQUEST']._serialized_end=1421
-  _globals['_PARKPAGESREPLY']._serialized_start=1423
-  _globals['_PARKPAGESREPLY']._serialized_end=1454
-  _globals['_RESTOREPAGESREQUEST']._serialized_start=1456
-  _globals['_RESTOREPAGESREQUEST']._serialized_end=1554
-  _globals['_RESTOREPAGESREPLY']._serialized_start=1556
-  _globals['_RESTOREPAGESREPLY']._serialized_end=1642
-  _globals['_EXECUTOR']._serialized_start=1645
-  _globals['_EXECUTOR']._serialized_end=2027
+  _globals['_EXECUTORDESCRIPTION']._serialized_end=520
+  _globals['_PREFILLCHUNK']._serialized_start=522
+  _globals['_PREFILLCHUNK']._serialized_end=626
+  _globals['_STEPPLAN']._serialized_start=629
+  _globals['_STEPPLAN']._serialized_end=1038
+  _globals['_GRAMMAR']._serialized_start=1040
+  _globals['_GRAMMAR']._serialized_end=1103
+  _globals['_GRAMMARPREPARED']._serialized_start=1105
+  _globals['_GRAMMARPREPARED']._serialized_end=1122
+  _globals['_STEPOUTPUT']._serialized_start=1125
+  _globals['_STEPOUTPUT']._serialized_end=1277
+  _globals['_PARKPAGESREQUEST']._serialized_start=1280
+  _globals['_PARKPAGESREQUEST']._serialized_end=1442
+  _globals['_PARKPAGESREPLY']._serialized_start=1444
+  _globals['_PARKPAGESREPLY']._serialized_end=1475
+  _globals['_RESTOREPAGESREQUEST']._serialized_start=1477
+  _globals['_RESTOREPAGESREQUEST']._serialized_end=1575
+  _globals['_RESTOREPAGESREPLY']._serialized_start=1577
+  _globals['_RESTOREPAGESREPLY']._serialized_end=1663
+  _globals['_EXECUTOR']._serialized_start=1666
+  _globals['_EXECUTOR']._serialized_end=2048
 # @@protoc_insertion_point(module_scope)

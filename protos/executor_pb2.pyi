@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorDescription(_message.Message):
-    __slots__ = ("model_name", "model_fingerprint", "vocab_size", "max_seq_len", "num_layers", "page_size", "pool_pages", "buckets", "slots", "row_columns", "block_span", "device", "dtype", "layer_begin", "layer_end", "eos_token_id", "eos_token_ids", "state_slots", "snapshots")
+    __slots__ = ("model_name", "model_fingerprint", "vocab_size", "max_seq_len", "num_layers", "page_size", "pool_pages", "buckets", "slots", "row_columns", "block_span", "device", "dtype", "layer_begin", "layer_end", "eos_token_id", "eos_token_ids", "state_slots", "snapshots", "stage_group")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class ExecutorDescription(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_GROUP_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_fingerprint: str
     vocab_size: int
@@ -51,7 +52,8 @@ class ExecutorDescription(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     state_slots: int
     snapshots: bool
-    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., pool_pages: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., row_columns: _Optional[int] = ..., block_span: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., state_slots: _Optional[int] = ..., snapshots: _Optional[bool] = ...) -> None: ...
+    stage_group: str
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., pool_pages: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., row_columns: _Optional[int] = ..., block_span: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., state_slots: _Optional[int] = ..., snapshots: _Optional[bool] = ..., stage_group: _Optional[str] = ...) -> None: ...
 
 class PrefillChunk(_message.Message):
     __slots__ = ("token_ids", "start", "pages", "sample_slot", "state_slot")

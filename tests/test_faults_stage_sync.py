@@ -72,6 +72,25 @@ async def test_a_stage_without_a_cache_refuses_a_park_and_leaves_no_stage_waitin
         await cache.stop(None)
 
 
+async def test_stages_of_two_groups_listed_as_one_are_refused(tmp_path):
+    """Two groups' stages cross-wired (A's first with B's last): each would take the other group's hidden
+    states, and one request get another's continuation. The stages name the group they joined, and a planner
+    refuses the mix, saying so."""
+    flags = ("--model", tiny_checkpoint(tmp_path / "tiny", "llama3"), *FLAGS)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    groups = [StageGroup(tmp_path / name, RANGES, flags=flags) for name in ("a", "b")]
+    try:
+        for group in groups:
+            group.wait_listening()
+        crossed = [groups[0].addresses[0], groups[1].addresses[1]]
+        with pytest.raises(ValueError, match="stage 1 joined another torch.distributed group than stage 0"):
+            await start_group_planner(crossed, None)
+    finally:
+        for group in groups:
+            group.stop()
+
+
 @pytest.mark.parametrize("prompt", [[5], [5, 9, 17, 3, 8, 2]])
 async def test_a_stage_stalled_mid_step_then_resumed_loses_its_group_and_streams_no_wrong_token(
     tmp_path, prompt

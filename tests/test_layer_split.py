@@ -78,6 +78,8 @@ def test_the_group_describes_itself_as_one_executor():
         describe_group([describe(0, 13), describe(14, 30)])
     with pytest.raises(ValueError, match=r"stage 1 has no cache service \(no --cache\), stage 0 a cache"):
         describe_group([describe(0, 13, snapshots=True), describe(13, 30)])
+    with pytest.raises(ValueError, match="stage 1 joined another torch.distributed group than stage 0"):
+        describe_group([describe(0, 13, stage_group="a1"), describe(13, 30, stage_group="b2")])
 
 
 def test_outputs_merge_to_the_last_stages_tokens_and_every_stages_mismatches():
