@@ -158,12 +158,13 @@ def _check_sampler(
 
 
 def _check_prefill_size(plan: executor_pb2.StepPlan, limits: PlanLimits) -> None:
-    """A step's prompt chunks: each but the last ends its prompt, and at most the widest bucket's prompts end
-    (the prefill graphs' shapes assume as much); their tokens, no more than the pool's pages hold. Checked
+    """A step's prompt chunks: at most the widest bucket's prompts end in it, and one more is cut by the token
+    budget; a model with recurrent layers also cuts a prompt where its state is copied (a root or pin mark),
+    one chunk per sequence holding a state slot. Their tokens: no more than the pool's pages hold. Checked
     before any chunk is read: the eager prefill would run whatever came, memory and all."""
-    most = limits.layout.widest_bucket + 1
+    most = max(limits.layout.widest_bucket + 1, limits.state_slots - 1)
     if len(plan.prefill) > most:
-        raise PlanError(f"prefill: {len(plan.prefill)} chunks, more than the widest bucket and one ({most})")
+        raise PlanError(f"prefill: {len(plan.prefill)} chunks, more than a step can hold ({most})")
     tokens = sum(len(chunk.token_ids) for chunk in plan.prefill) // 4
     room = limits.pool_pages * limits.page_size
     if tokens > room:

@@ -411,7 +411,7 @@ BAD_PLANS = [
     ),
     (
         dict(prefill=[prefill_chunk([1], 0, [1], 0) for _ in range(6)]),
-        "prefill: 6 chunks, more than the widest bucket and one (5)",
+        "prefill: 6 chunks, more than a step can hold (5)",
     ),
     (
         dict(prefill=[prefill_chunk([1] * 64, 0, [1] * 16, 0)] * 2 + [prefill_chunk([1], 0, [1], 0)]),

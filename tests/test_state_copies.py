@@ -58,3 +58,35 @@ def test_state_pool_copies_every_layer(device: str):
     )
     assert torch.equal(pool.conv[:, :3], before_conv[:, :3])  # the others unchanged
     assert torch.equal(pool.recurrent[:, :3], before_recurrent[:, :3])
+
+
+def test_a_step_of_prompts_cut_at_their_state_marks_passes_the_checks():
+    """A hybrid's planner cuts a prompt where its state is copied (a chat's system prompt: its root mark), one
+    chunk per sequence holding a state slot, more than the widest bucket and one: the executor takes them."""
+    from planner_svc.config import SchedulingConfig
+    from planner_svc.conversations import Conversations
+    from planner_svc.planned import SchedulerConfig
+    from planner_svc.requests import Request, Sampling
+    from planner_svc.retention import RetentionConfig
+    from planner_svc.scheduler import Scheduler
+    from planner_svc.step_wire import to_proto
+
+    conversations = Conversations(4, RetentionConfig())
+    config = SchedulerConfig(
+        4, 16, (1, 2), 64, 100, state_slots=5, settings=SchedulingConfig(prefill_token_budget=64)
+    )
+    scheduler = Scheduler(
+        config, RowLayout.build([2], max_seq_len=64, page_size=4, pool_pages=16), conversations
+    )
+    for i in range(4):
+        request = Request(f"r{i}", [5, 6, 7, 8, 9, 10, 11], 2, Sampling())
+        request.conversation, request.root = conversations.open("t", f"c{i}"), 3
+        conversations.mount(request.conversation, request.prompt_ids)
+        scheduler.add(request)
+    step = scheduler.plan(0)
+    assert step is not None and [(c.start, c.sample_slot) for c in step.prefill] == [(0, 0)] * 4
+    plan = to_proto(step)
+    assert len(check_plan(plan, _limits(5), 0).prefill) == 4
+    plan.prefill.append(plan.prefill[0])  # one more than the sequences that hold a state slot
+    with pytest.raises(PlanError, match=re.escape("prefill: 5 chunks, more than a step can hold (4)")):
+        check_plan(plan, _limits(5), 0)

@@ -33,9 +33,9 @@ log = structlog.get_logger("deltaserve.executor.prefill_graphs")
 def bucket_shapes(
     token_buckets: Iterable[int], widest: int, max_seq_len: int, page_size: int, recurrent: bool = False
 ) -> list[PrefillShape]:
-    """The padded shape of each token bucket, smallest first. A step's chunks: every one but the last ends its
-    prompt, and at most the widest decode bucket's prompts end (check_plan), so no more chunks than that plus
-    one, nor samples than that, nor pages than a sequence of max_seq_len holds.
+    """The padded shape of each token bucket, smallest first. A dense model's step: every chunk but the last
+    ends its prompt, and at most the widest decode bucket's prompts end, so no more chunks than that plus one,
+    nor samples than that, nor pages than a sequence of max_seq_len holds (a step no shape holds runs eager).
 
     A model with recurrent layers (`recurrent`) gets fewer chunks: every sequence a graph holds, real or
     padding, costs each gated delta net layer a whole state (1 MiB in Qwen3.5-0.8B's) made and written by fla's
