@@ -153,6 +153,12 @@ def test_host_plan_inputs_from_rows():
     # Past the context, a row stays at the tables' last position (as the gather kernel keeps it).
     short = plan_from_rows(rows, np.array([3, 0, 5], dtype=np.int32), page_size=4, max_seq_len=10)
     np.testing.assert_array_equal(short.positions, [9, 0, 5])
+    # A length grown past the span (steady steps run too long) reads the row's own pages, no more.
+    rows[3, 0] = 20
+    past = plan_from_rows(rows, np.array([3], dtype=np.int32), page_size=4, max_seq_len=16)
+    np.testing.assert_array_equal(past.lengths, [16])
+    np.testing.assert_array_equal(past.last_page_len, [4])
+    np.testing.assert_array_equal(past.indptr, [0, 4])
     np.testing.assert_array_equal(plan.write_page, [13, 0, 22])
     np.testing.assert_array_equal(plan.write_offset, [0, 0, 1])
     np.testing.assert_array_equal(plan.lengths, [9, 1, 6])

@@ -40,7 +40,7 @@ def plan_from_rows(rows: np.ndarray, slots: np.ndarray, page_size: int, max_seq_
     kv_len = picked[:, RowLayout.KV_LEN].astype(np.int64)
     tables = np.ascontiguousarray(picked[:, RowLayout.BLOCK_TABLE :])
     span = tables.shape[1]
-    lengths = kv_len + 1
+    lengths = np.minimum(kv_len + 1, span * page_size)  # a row past its span reads its own pages only
     n_pages = np.minimum(-(-lengths // page_size), span)
     indptr = np.zeros(len(slots) + 1, dtype=np.int32)
     np.cumsum(n_pages, out=indptr[1:])
