@@ -64,23 +64,25 @@ def build(source_path: str, flags: tuple[str, ...]) -> ctypes.CDLL:
     libc) is built again once."""
     name = os.path.splitext(os.path.basename(source_path))[0]
     # $CC as make reads it: a program and its arguments ("ccache gcc", "gcc -m64")
-    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    try:
+        compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    except ValueError as e:  # an unbalanced quote
+        raise KernelUnavailable(f"$CC cannot be read as a command ({e}) to build the {name} kernel") from None
     if not compiler[0]:
         raise KernelUnavailable(f"no C compiler (cc) on PATH to build the {name} kernel")
     source = _source_with_includes(source_path)
     command = [*compiler, *flags, "-shared", "-fPIC"]
     key = hashlib.sha256(source + " ".join(command).encode() + _cpu_flags()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"{name}-{key}.so")
-    if not os.path.exists(path):
-        _compile(name, command, source_path, path)
-    try:
-        return ctypes.CDLL(path)
-    except OSError as e:
-        log.warning("loading the cached %s kernel from %s failed (%s); building it again", name, path, e)
+    if os.path.exists(path):
+        try:
+            return ctypes.CDLL(path)
+        except OSError as e:
+            log.warning("loading the cached %s kernel from %s failed (%s); building it again", name, path, e)
     _compile(name, command, source_path, path)
     try:
         return ctypes.CDLL(path)
-    except OSError as e:  # built here, and still not loadable
+    except OSError as e:  # built just now, and not loadable
         raise KernelUnavailable(f"loading the {name} kernel from {path} failed: {e}") from None
 
 

@@ -146,6 +146,13 @@ def test_cc_is_a_program_and_its_arguments(tmp_path, monkeypatch):
     assert c_kernels.build(str(source), ()).one() == 1
 
 
+def test_a_cc_that_is_no_command_leaves_the_torch_path_serving(tmp_path, monkeypatch):
+    source = tmp_path / "tiny.c"
+    source.write_text("int one(void) { return 1; }\n")
+    monkeypatch.setenv("CC", "gcc '-O1")  # an unbalanced quote
+    assert c_kernels.build_or_none(str(source), (), "torch") is None
+
+
 def test_a_kernel_cache_that_cannot_be_written_leaves_the_torch_path_serving(tmp_path, monkeypatch):
     source = tmp_path / "tiny.c"
     source.write_text("int one(void) { return 1; }\n")
