@@ -106,7 +106,8 @@ class SlotStore:
         self._variants.clear()
 
     def reset(self) -> None:
-        """Zero rows and no decode step held, as after a restart (a new stream of plans starts here)."""
+        """Zero rows and no decode step held, as after a restart (a new stream of plans starts here; the
+        planner writes every row it uses whole)."""
         self.rows.zero_()
         self.step_slots.zero_()
         self._host_slots[:] = 0

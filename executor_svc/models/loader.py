@@ -207,7 +207,7 @@ def _read_hf_dir(path: str) -> tuple[ModelFamily, Any, dict[str, torch.Tensor]]:
 def _tie_as_transformers_does(
     config: Any, weights: dict[str, torch.Tensor], head: torch.Tensor, path: str
 ) -> Any:
-    """A tied config whose checkpoint stores a head too. transformers ties only what is equal: a head that
+    """A tied config whose checkpoint stores a head too. transformers (5) ties only what is equal: a head that
     differs from the embedding (a fine-tune that trained it untied) is served untied, and a head alone is
     the embedding too. The same here, so that the tokens are transformers'."""
     embedding = weights.get(_EMBEDDING)
