@@ -24,6 +24,19 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 LAYERS = 4
 RANGES = [(0, 1), (1, LAYERS)]  # uneven
+# A tiny model's stages on the CPU: small pools, small buckets, small pages
+TINY_STAGE_FLAGS = (
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--pool-pages",
+    "64",
+    "--buckets",
+    "1,2,4",
+    "--page-size",
+    "4",
+)
 VOCAB = 64
 PARITY_TOKENS = 12
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -58,19 +71,7 @@ async def until(predicate, timeout: float, what: str) -> float:
 
 async def test_a_split_soaks_with_no_row_mismatch_and_a_lost_stage_loses_its_group(tmp_path):
     model = tiny_checkpoint(tmp_path / "tiny", "qwen3")
-    flags = (
-        "--model",
-        model,
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--pool-pages",
-        "64",
-        "--buckets",
-        "1,2,4",
-    )
-    flags += ("--page-size", "4")
+    flags = ("--model", model, *TINY_STAGE_FLAGS)
     group = StageGroup(tmp_path, RANGES, flags=flags)
     planner = None
     try:

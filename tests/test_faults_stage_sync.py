@@ -16,22 +16,10 @@ from planner_svc.client import GenerateOptions, PlannerClient
 from protos import executor_pb2, executor_pb2_grpc
 from protos.wire import pack_i32
 from tests.split_stages import StageGroup, start_group_planner
-from tests.test_faults_layer_split import RANGES, _exited, tiny_checkpoint, until
+from tests.test_faults_layer_split import RANGES, TINY_STAGE_FLAGS, _exited, tiny_checkpoint, until
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-FLAGS = (
-    "--device",
-    "cpu",
-    "--dtype",
-    "float32",
-    "--pool-pages",
-    "64",
-    "--buckets",
-    "1,2,4",
-    "--page-size",
-    "4",
-)
 PARK_ANSWER_S = 20.0  # a park's answer, refused or not, well inside the transfers' timeout (120 s)
 
 
@@ -55,7 +43,11 @@ async def test_a_stage_without_a_cache_refuses_a_park_and_leaves_no_stage_waitin
     model = tiny_checkpoint(tmp_path / "tiny", "llama3")
     cache = await start_cache_server(str(tmp_path / "cache"), budget_bytes=1 << 30)
     group = StageGroup(
-        tmp_path, RANGES, f"127.0.0.1:{cache.port}", flags=("--model", model, *FLAGS), without_cache=(1,)
+        tmp_path,
+        RANGES,
+        f"127.0.0.1:{cache.port}",
+        flags=("--model", model, *TINY_STAGE_FLAGS),
+        without_cache=(1,),
     )
     try:
         group.wait_listening()
@@ -76,7 +68,7 @@ async def test_stages_of_two_groups_listed_as_one_are_refused(tmp_path):
     """Two groups' stages cross-wired (A's first with B's last): each would take the other group's hidden
     states, and one request get another's continuation. The stages name the group they joined, and a planner
     refuses the mix, saying so."""
-    flags = ("--model", tiny_checkpoint(tmp_path / "tiny", "llama3"), *FLAGS)
+    flags = ("--model", tiny_checkpoint(tmp_path / "tiny", "llama3"), *TINY_STAGE_FLAGS)
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
     groups = [StageGroup(tmp_path / name, RANGES, flags=flags) for name in ("a", "b")]
@@ -102,7 +94,7 @@ async def test_a_stage_stalled_mid_step_then_resumed_loses_its_group_and_streams
     steps named, stage 1 read stage 0's hidden states of that plan as its own: other tokens, 0 row mismatches
     (one token of prompt: the shapes agree), or gloo aborting stage 1 on the size (six) and a request that
     waited for a group that never came back."""
-    flags = ("--model", tiny_checkpoint(tmp_path / "tiny", "llama3"), *FLAGS)
+    flags = ("--model", tiny_checkpoint(tmp_path / "tiny", "llama3"), *TINY_STAGE_FLAGS)
     group = StageGroup(tmp_path, RANGES, flags=flags)
     planner = None
     try:

@@ -143,13 +143,11 @@ def test_fingerprint_is_stable_and_cheap():
     assert len(model_fingerprint(path)) == 64
 
 
-def test_safetensors_directory_matches_hf(tmp_path):
-    """A small random Llama saved by transformers (untied head, GQA) loads and decodes as HF generates."""
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
+def small_llama_config(**fields):
+    """A small random Llama's transformers config: GQA 2:1, 2 layers."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
-    hf_config = HFLlamaConfig(
+    shape = dict(
         vocab_size=320,
         hidden_size=64,
         intermediate_size=96,
@@ -157,6 +155,16 @@ def test_safetensors_directory_matches_hf(tmp_path):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
+    )
+    return LlamaConfig(**shape, **fields)
+
+
+def test_safetensors_directory_matches_hf(tmp_path):
+    """A small random Llama saved by transformers (untied head, GQA) loads and decodes as HF generates."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf_config = small_llama_config(
         tie_word_embeddings=False,
         eos_token_id=319,
         bos_token_id=0,
@@ -207,20 +215,10 @@ def test_a_tied_config_with_a_stored_head_serves_what_transformers_does(tmp_path
     """transformers ties only what is equal: a stored head unlike the embedding (a fine-tune that trained it
     untied under a tied config) is served untied, and a head stored alone is the embedding too."""
     from safetensors.torch import save_file
-    from transformers import LlamaConfig as HFLlamaConfig
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    hf_config = HFLlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
+    hf_config = small_llama_config(tie_word_embeddings=True)
     tensors = {name: t.contiguous() for name, t in LlamaForCausalLM(hf_config).state_dict().items()}
     if stored == "the head alone":
         tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
