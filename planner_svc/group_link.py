@@ -56,9 +56,7 @@ def describe_group(stages: Sequence[executor_pb2.ExecutorDescription]) -> execut
                 f"stage {rank} joined another torch.distributed group than stage 0 (stage_group "
                 f"{stage.stage_group!r}, not {first.stage_group!r}): list the stages of one group together"
             )
-        if (
-            stage.snapshots != first.snapshots
-        ):  # a park gathers every stage's pages: one without would fail it
+        if stage.snapshots != first.snapshots:  # a park gathers every stage's pages: one without fails it
             has = {True: "a cache service (--cache)", False: "no cache service (no --cache)"}
             raise ValueError(
                 f"stage {rank} has {has[stage.snapshots]}, stage 0 {has[first.snapshots]}: every stage of a "
