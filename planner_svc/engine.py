@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import structlog
 
 from planner_svc.conversations import Conversation, Conversations
-from planner_svc.group_link import SHARED_FIELDS, differences
 from planner_svc.link import ExecutorLink, LinkLost, StepRefused
 from planner_svc.logprobs import logprob_rows
 from planner_svc.prefill_progress import log_prefill_progress
+from planner_svc.reconnect import RECONNECT_BACKOFF_S, reconnect
 from planner_svc.recovery import Recovery, recover
 from planner_svc.requests import Finish, Request
 from planner_svc.scheduler import Scheduler
@@ -27,8 +27,6 @@ log = structlog.get_logger("deltaserve.planner.engine")
 
 EXECUTOR_TIMEOUT_S = 5.0  # a step in flight with no output for this long (plus its prefill's allowance): hung
 PREFILL_S_PER_TOKEN = 0.025  # the allowance per prompt token a step reads (2,048 tokens: 51 s, a slow CPU)
-RECONNECT_BACKOFF_S = (0.1, 1.0)  # first and longest wait between attempts to reach a lost executor
-PROBE_TIMEOUT_S = 2.0  # how long one attempt waits for the executor's Describe
 
 
 @dataclass(slots=True)
@@ -336,7 +334,7 @@ class Engine:
             conversations_lost=result.conversations_lost,
         )
         self.losses += 1
-        await self._reconnect()
+        await reconnect(self.link, self.attached)
         self.failure = None
         self._health()
         self._wake.set()
@@ -365,31 +363,6 @@ class Engine:
         queue = self._queues.pop(request, None)
         if queue is not None:
             queue.put_nowait(TokenEvent([], Finish.ABORT, error=message, code=code))
-
-    async def _reconnect(self) -> None:
-        """Until the executor answers again as it was attached: the same model and tables (backoff doubling
-        up to its cap). One back with another model would stream its token ids under this one's tokenizer."""
-        wait, longest = RECONNECT_BACKOFF_S
-        while True:
-            await asyncio.sleep(wait)
-            wait = min(wait * 2, longest)
-            try:
-                described = await asyncio.wait_for(self.link.describe(), PROBE_TIMEOUT_S)
-            except Exception as error:  # not back yet
-                log.debug("executor not back", executor=self.link.address, error=type(error).__name__)
-                continue
-            changed = differences(self.attached, described, (*SHARED_FIELDS, "pool_pages"))
-            if changed:
-                log.error(
-                    "the executor came back as another model or with other tables; restart the planner "
-                    "to attach to it",
-                    executor=self.link.address,
-                    changed=changed,
-                )
-                continue
-            await self.link.open()
-            log.info("executor back: every row is written whole", executor=self.link.address)
-            return
 
     def _health(self) -> None:
         if self.on_health is not None:

@@ -36,7 +36,8 @@ class FaultyLink(GrpcLink):
     stays lost), a restore or park held until the test answers `hold` ("answered": the executor's answer,
     "failed": the link error of an executor gone), the plan `fail_next_send` picks failing to go out (as a
     write racing the stream's end does), the next reopen raising `fail_open`, the executor describing itself
-    with the fields of `described_as` changed (one restarted with another model or tables)."""
+    with the fields of `described_as` changed (one restarted with another model or tables) or refusing as
+    `refused_as` says (a group whose stages cannot serve together, as group_link.describe_group refuses)."""
 
     def __init__(self, address: str):
         super().__init__(address)
@@ -47,6 +48,7 @@ class FaultyLink(GrpcLink):
         self.back = asyncio.Event()
         self.back.set()
         self.described_as: dict[str, object] = {}
+        self.refused_as: str | None = None
         self._lost = asyncio.Event()
         self._reopened = asyncio.Event()
 
@@ -70,6 +72,8 @@ class FaultyLink(GrpcLink):
 
     async def describe(self) -> executor_pb2.ExecutorDescription:
         await self.back.wait()
+        if self.refused_as is not None:
+            raise ValueError(self.refused_as)
         described = await super().describe()
         for name, value in self.described_as.items():
             setattr(described, name, value)
@@ -173,6 +177,24 @@ async def test_an_executor_back_as_another_model_is_not_attached(stack, changed)
     assert engine.serving
     (name,) = changed
     assert any(name in change for e in logs if "changed" in e for change in e["changed"])
+    async with PlannerClient(stack.addr) as client:
+        assert (await client.generate_all(GenerateOptions(token_ids=PROMPT, max_tokens=2))).token_ids
+
+
+async def test_a_group_back_but_unable_to_serve_says_why_once(stack):
+    """A stage restarted without --cache makes its group refuse to serve as one: the planner says so (once,
+    while the probes go on each second), where it used to wait silently; it attaches once the group is fixed."""
+    link, engine = stack.engine.link, stack.engine
+    link.refused_as = "stage 1 has no cache service (no --cache), stage 0 a cache service (--cache)"
+    with capture_logs() as logs:
+        link.end_stream()
+        await asyncio.sleep(2.5)  # the first probe after 0.1 s, then 0.2, 0.4, 0.8, 1.0 apart
+        said = [e for e in logs if e["event"] == "the executor group is back but cannot serve"]
+        assert [(e["error"], e["log_level"]) for e in said] == [(link.refused_as, "error")]
+        assert not engine.serving
+        link.refused_as = None
+        await link.reopened()
+    assert engine.serving
     async with PlannerClient(stack.addr) as client:
         assert (await client.generate_all(GenerateOptions(token_ids=PROMPT, max_tokens=2))).token_ids
 
