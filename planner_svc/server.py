@@ -97,6 +97,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
     ):
         self.engines = engines
         self.max_waiting = max_waiting  # requests waiting for admission, all engines together
+        # Past that check, not yet queued or refused (tokenizing, a turn's lock, a restore): counted by it too.
+        self.starting = 0
         self.turns = turns
         self.description = descriptions[0]
         self.tokenizer = tokenizer
@@ -145,23 +147,29 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         mount = Mount()
         clock = self.metrics.request() if self.metrics is not None else None  # from the request's arrival
         try:
-            waiting = sum(len(engine.scheduler.waiting) for engine in self.engines)
+            waiting = self.starting + sum(len(engine.scheduler.waiting) for engine in self.engines)
             if waiting >= self.max_waiting:
                 raise CapacityError(
                     f"the waiting queue is full: {waiting} requests wait for admission (--max-waiting "
                     f"{self.max_waiting}); retry later",
                     retryable=True,
                 )
-            req, messages = await self.intake.prepare(request, request_id)
-            if request.conversation_id:
-                engine, queue, mount = await self.turns.start(
-                    req, await self._owner(req, request, context), request.conversation_id
-                )
-            else:
-                await self._owner(req, request, context)
-                engine = self.turns.least_loaded()
-                await self.turns.prepare(engine, req)
-                queue = engine.submit(req)
+            # No await since the check: requests arriving together cannot all pass it. A turn waiting for its
+            # conversation's lock counts as well (it waits to be queued, and any number may pile up on one lock).
+            self.starting += 1
+            try:
+                req, messages = await self.intake.prepare(request, request_id)
+                if request.conversation_id:
+                    engine, queue, mount = await self.turns.start(
+                        req, await self._owner(req, request, context), request.conversation_id
+                    )
+                else:
+                    await self._owner(req, request, context)
+                    engine = self.turns.least_loaded()
+                    await self.turns.prepare(engine, req)
+                    queue = engine.submit(req)
+            finally:  # queued (in a scheduler's waiting queue now), refused or cancelled
+                self.starting -= 1
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except CapacityError as error:

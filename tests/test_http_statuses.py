@@ -1,6 +1,7 @@
 """The HTTP statuses of the planner's refusals, end to end with OpenAI's client over a small keyed stack
 (SmolLM2 on the CPU, 7 KV pages of 16 tokens, one request may wait): 400 for a request that can never fit and
-429 with Retry-After for a full waiting queue (both RESOURCE_EXHAUSTED), a batch sent a window at a time, 403 for a tenant key acting for another
+429 with Retry-After for a full waiting queue (both RESOURCE_EXHAUSTED), the queue's limit kept by requests
+arriving together, a batch sent a window at a time, 403 for a tenant key acting for another
 tenant (PERMISSION_DENIED, as over gRPC), and the service key acting for any tenant; the same for deleting a
 conversation."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import httpx2 as httpx
 import openai
 import pytest
@@ -17,7 +19,7 @@ from executor_svc.config import ExecutorConfig
 from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig
 from protos.auth import parse_keys
-from protos.rpc import ChannelSecurity, ServerSecurity
+from protos.rpc import NEVER_FITS_METADATA, ChannelSecurity, ServerSecurity
 from tests.conftest import start_stack, stop_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -98,6 +100,95 @@ async def test_a_full_waiting_queue_is_429(keyed):
         for task in (running, waiting):
             task.cancel()
         await asyncio.gather(running, waiting, return_exceptions=True)
+    await stack.wait_idle()
+
+
+async def _until(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+async def test_requests_arriving_together_wait_no_more_than_the_limit(keyed, monkeypatch):
+    """The limit is checked before a request is tokenized and queued: those between the two count too, so a
+    burst does not all pass it at once (10 queued for a limit of 8 were seen). The rest are refused, retryable,
+    and nothing stays counted: refused, failed or cancelled, the queue takes `limit` again after."""
+    stack, *_ = keyed
+    limit, burst_size = 3, 10
+    monkeypatch.setattr(stack.planner, "max_waiting", limit)
+    prepare = stack.planner.intake.prepare
+
+    async def slow_prepare(*args):  # a slow tokenizer (long prompts): the whole burst arrives while it reads
+        await asyncio.sleep(0.3)
+        return await prepare(*args)
+
+    monkeypatch.setattr(stack.planner.intake, "prepare", slow_prepare)
+
+    def long(i: int = 0, conversation_id: str = "") -> GenerateOptions:  # 6 of the 7 pages: none fits beside
+        return GenerateOptions(
+            token_ids=[1 + i] * 8, max_tokens=80, ignore_eos=True, conversation_id=conversation_id
+        )
+
+    await stack.wait_idle()
+    async with PlannerClient(stack.addr, ChannelSecurity(api_key=ALICE)) as planner:
+        running = asyncio.create_task(planner.generate_all(long()))
+        await _until(lambda: stack.scheduler.running, "the long request did not start")
+        # Plain requests and conversations' first turns
+        burst = [
+            asyncio.create_task(planner.generate_all(long(i, f"burst-{i}" if i % 2 else "")))
+            for i in range(1, burst_size + 1)
+        ]
+        await _until(
+            lambda: sum(t.done() for t in burst) + len(stack.scheduler.waiting) >= burst_size,
+            "the burst was neither queued nor refused",
+        )
+        assert stack.scheduler.running == 1  # the long request still holds the pages
+        assert len(stack.scheduler.waiting) == limit
+        refused = [t.exception() for t in burst if t.done()]
+        assert len(refused) == burst_size - limit
+        for error in refused:
+            assert isinstance(error, grpc.aio.AioRpcError)
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"queue is full: {limit} requests wait for admission (--max-waiting {limit})" in (
+                error.details()
+            )
+            assert NEVER_FITS_METADATA not in dict(error.trailing_metadata() or ())  # retryable
+        assert stack.planner.starting == 0
+        for task in (running, *burst):
+            task.cancel()
+        await asyncio.gather(running, *burst, return_exceptions=True)
+        await stack.wait_idle()
+        # Refused after the check: an empty prompt, one that never fits, a turn on a conversation running one
+        for options, code in (
+            (GenerateOptions(token_ids=[], max_tokens=1), grpc.StatusCode.INVALID_ARGUMENT),
+            (GenerateOptions(token_ids=[1] * 8, max_tokens=300), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await planner.generate_all(options)
+            assert caught.value.code() == code
+        turn = asyncio.create_task(planner.generate_all(long(conversation_id="busy")))
+        await _until(lambda: stack.scheduler.running, "the turn did not start")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await planner.generate_all(long(conversation_id="busy"))
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        turn.cancel()
+        await asyncio.gather(turn, return_exceptions=True)
+        await stack.wait_idle()
+        assert stack.planner.starting == 0
+        # Nothing stays counted: a later request runs, and the queue takes `limit` again
+        monkeypatch.setattr(stack.planner.intake, "prepare", prepare)
+        assert (await planner.generate_all(GenerateOptions(token_ids=[5] * 4, max_tokens=2))).token_ids
+        running = asyncio.create_task(planner.generate_all(long()))
+        await _until(lambda: stack.scheduler.running, "the long request did not start")
+        queued = [asyncio.create_task(planner.generate_all(long(i))) for i in range(1, limit + 1)]
+        await _until(lambda: len(stack.scheduler.waiting) == limit, "the queue did not take the limit")
+        assert not any(t.done() for t in queued)
+        for task in (running, *queued):
+            task.cancel()
+        await asyncio.gather(running, *queued, return_exceptions=True)
+        for conversation in await planner.conversations():  # what the turns left: the pool whole again
+            await planner.delete_conversation(conversation.conversation_id)
     await stack.wait_idle()
 
 
