@@ -4,6 +4,7 @@ n = 2; structured output (json_schema validated with jsonschema, json_object).""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -139,6 +140,21 @@ async def test_seeded_sampling_with_controls_repeats(smol_stack):
         again = await client.generate_all(GenerateOptions(seed=11, **options))
     assert first.token_ids == again.token_ids
     assert [e.chosen.logprob for e in first.logprobs] == [e.chosen.logprob for e in again.logprobs]
+
+
+async def test_a_slot_keeps_no_min_p_of_its_last_request(smol_stack):
+    """A seeded request without controls, beside one with controls (so sampled through them), draws the same
+    tokens as alone after every slot has held a min_p request: the min_p used to stay on the slot and turn the
+    draw near greedy."""
+    sampled = GenerateOptions(text=PROMPT, max_tokens=16, ignore_eos=True, temperature=1.5, seed=1234)
+    controlled = GenerateOptions(text=PROMPT, max_tokens=24, ignore_eos=True, logprobs=True)
+    narrowed = GenerateOptions(text=PROMPT, max_tokens=2, ignore_eos=True, temperature=1.0, min_p=1.0)
+    async with PlannerClient(smol_stack.addr) as client:
+        slots = (await client.server_info()).free_slots
+        await asyncio.gather(*(client.generate_all(narrowed) for _ in range(slots)))  # every slot
+        alone = await client.generate_all(sampled)
+        beside, _ = await asyncio.gather(client.generate_all(sampled), client.generate_all(controlled))
+    assert beside.token_ids == alone.token_ids
 
 
 async def test_n_choices_share_the_prompt_and_draw_from_their_own_seeds(smol_stack):

@@ -127,6 +127,39 @@ def test_min_p_keeps_only_tokens_near_the_best():
     assert kept == {0, 1}  # 0.15 < 0.5 * 0.5
 
 
+def test_a_slot_written_again_without_controls_keeps_no_min_p():
+    """A request without controls in a slot a min_p request held, sampled beside a row with controls (so through
+    sample_controlled): it draws from every token, as alone. The old min_p used to stay on the slot and cut its
+    draws to the best token."""
+    controls = controls_for(1, min_p=1.0)
+    controls.write(
+        np.array([1], np.int32), torch.tensor([1], dtype=torch.int32), None
+    )  # a new request, no controls
+    controls.write(*_one_slot_with_controls(2))
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 0] = 0.5  # token 0 is the best, the others close behind
+    slots = torch.tensor([1, 2])
+    drawn = set()
+    for counter in range(100):
+        params = (torch.ones(2), torch.ones(2), torch.zeros(2, dtype=torch.int32), torch.tensor([3, 4]))
+        tokens, _ = sample_controlled(logits, params, controls, slots, torch.tensor([counter, counter]))
+        drawn.add(int(tokens[0]))
+    assert len(drawn) > 1, "the slot's new request sampled with the old request's min_p"
+
+
+def _one_slot_with_controls(slot: int) -> tuple[np.ndarray, torch.Tensor, ControlWrites]:
+    """A plan's writes of one slot with a control (a presence penalty) that leaves its logits as they are."""
+    writes = ControlWrites(
+        np.array([slot], np.int32),
+        np.array([[0.0, 1.0, 0.0, 0.0]], np.float32),
+        np.array([[0, 0, 0, 0, 0, 0, 0]], np.int32),
+        np.zeros(0, np.int32),
+        np.zeros(0, np.float32),
+        [None],
+    )
+    return np.array([slot], np.int32), torch.tensor([slot], dtype=torch.int32), writes
+
+
 def test_logprob_table_is_log_softmax_of_the_logits_with_the_top_ids():
     torch.manual_seed(1)
     logits = torch.randn(3, 64)
