@@ -35,14 +35,13 @@ from executor_svc.plan import CheckedPlan, PlanError
 from executor_svc.sampler_controls import SamplerControls
 from executor_svc.slot_store import SlotStore
 from protos import executor_pb2
+from protos.grammar_compile import compile_json
 from protos.grammar_errors import compile_error
 from protos.model_files import TRANSFORMERS_IMPORTS, load_tokenizer
 
 if TYPE_CHECKING:
     from executor_svc.launched_step import LaunchedStep
 
-
-ANY_OBJECT = '{"type": "object"}'
 
 log = structlog.get_logger("deltaserve.executor.grammars")
 
@@ -237,8 +236,7 @@ class Grammars:
         if compiled is None:
             compiler = self._compiler_now()
             try:
-                # json_object: any object (xgrammar's builtin JSON grammar allows any value), keys not limited
-                compiled = compiler.compile_json_schema(grammar or ANY_OBJECT, strict_mode=bool(grammar))
+                compiled = compile_json(compiler, grammar)  # as the planner compiled it at intake
             except (RuntimeError, ValueError) as error:
                 why = compile_error(error)  # xgrammar's reason, less its time and C++ source position
                 raise PlanError(f"control_grammar: the JSON schema cannot be compiled: {why}") from None

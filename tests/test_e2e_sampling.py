@@ -219,8 +219,22 @@ async def test_every_choice_of_n_follows_the_schema(smol_stack):
     assert choices[1].token_ids == second_alone.token_ids
 
 
-async def test_a_schema_feature_it_cannot_enforce_is_invalid_argument(smol_stack):
-    schema = {"type": "object", "properties": {"a": {"type": "integer", "not": {"const": 3}}}}
+@pytest.mark.parametrize(
+    "schema, named",
+    [
+        ({"type": "integer", "not": {"const": 3}}, "uses 'not' (at #/properties/a)"),
+        # xgrammar follows one of several allOf schemas: {"allOf": [integer, minimum 10]} produced 3.0...0
+        (
+            {"allOf": [{"type": "integer"}, {"minimum": 10}]},
+            "uses 'allOf' with 2 subschemas (at #/properties/a)",
+        ),
+        ({"type": "string", "enum": ["a", "bb"], "minLength": 2}, "uses 'enum' beside 'minLength'"),
+        ({"type": "object", "required": ["b"]}, "uses 'required' naming \"b\", absent from 'properties'"),
+    ],
+    ids=["not", "allOf", "enum-beside", "required-undeclared"],
+)
+async def test_a_schema_feature_it_cannot_enforce_is_invalid_argument(smol_stack, schema, named):
+    schema = {"type": "object", "properties": {"a": schema}}
     response_format = {"type": "json_schema", "json_schema": {"schema": schema}}
     async with PlannerClient(smol_stack.addr) as client:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -228,7 +242,21 @@ async def test_a_schema_feature_it_cannot_enforce_is_invalid_argument(smol_stack
                 GenerateOptions(text="x", max_tokens=2, response_format=response_format)
             )
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "uses 'not' (at #/properties/a)" in caught.value.details()
+    assert named in caught.value.details()
+    assert caught.value.details().startswith("response_format.json_schema.schema uses ")
+
+
+async def test_whitespace_cannot_run_to_max_tokens(smol_stack):
+    """An object of no properties takes only {}: SmolLM2 opens it and, allowed any whitespace, wrote spaces and
+    newlines until max_tokens; capped, it must close it after MAX_JSON_WHITESPACE."""
+    schema = {"type": "object", "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "empty", "schema": schema}}
+    chat = [{"role": "user", "content": "Give an empty JSON object: {}"}]
+    async with PlannerClient(smol_stack.addr) as client:
+        got = await client.generate_all(
+            GenerateOptions(chat=chat, max_tokens=40, response_format=response_format)
+        )
+    assert got.finish_reason == "stop" and json.loads(got.text) == {}, got.text
 
 
 async def test_a_grammar_with_ignore_eos_or_min_tokens_is_invalid_argument(smol_stack):

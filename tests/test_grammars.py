@@ -17,6 +17,7 @@ from executor_svc.launched_step import LaunchedStep
 from executor_svc.plan import PlanError
 from executor_svc.sampler_controls import SamplerControls
 from protos import executor_pb2
+from protos.grammar_compile import MAX_JSON_WHITESPACE
 
 VOCAB = 49152  # SmolLM2's
 EOS = 2
@@ -78,6 +79,19 @@ def test_a_refused_token_ends_only_its_row(grammars):
     allowed = [w * 32 + b for w in range(len(words)) for b in range(32) if words[w] >> b & 1]
     assert allowed == [EOS]
     assert (grammars._controls.grammar_mask[2] == -1).all()  # another slot untouched
+
+
+def test_a_whitespace_run_longer_than_the_cap_is_masked(grammars):
+    """json_object's grammar and a schema's (compiled as the planner checks them): a run of MAX_JSON_WHITESPACE
+    spaces and newlines between tokens passes, one more does not, so a model cannot pad until max_tokens."""
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    for grammar in ("", schema):
+        for run, taken in ((MAX_JSON_WHITESPACE, True), (MAX_JSON_WHITESPACE + 1, False)):
+            whitespace = "\n" + " " * (run - 1)
+            matcher = grammars._matcher(grammar)
+            assert matcher.accept_string('{"a":' + whitespace) is taken, (grammar, run)
+        pretty = grammars._matcher(grammar)  # pretty-printed, a run per line
+        assert pretty.accept_string('{\n  "a": 1\n}') and pretty.accept_token(EOS) and pretty.is_terminated()
 
 
 class _ReadBackHeld:
