@@ -63,9 +63,9 @@ def add_sampling_flags(generate: Flags) -> None:
     generate.option(
         "--seed",
         type=int_at_least(0, UINT64_MAX),
-        default=0,
+        default=None,
         metavar="S",
-        help="the request's own random stream: a seeded request repeats exactly",
+        help="the request's own random stream: a seeded request repeats exactly (unset: the planner draws one)",
     )
     generate.option(
         "--repetition-penalty",

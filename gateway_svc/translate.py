@@ -7,7 +7,6 @@ A field the gateway cannot honour is an UnsupportedField (a 400 naming it), neve
 
 from __future__ import annotations
 
-import random
 import re
 from dataclasses import dataclass, replace
 
@@ -133,12 +132,10 @@ def _base_options(body: GenerationBody, conversation: str, max_tokens: int | Non
 
 def _fan_out(prompts: list[GenerateOptions], n: int, seed: int | None, request_id: str) -> list[Choice]:
     """One request per prompt, asking the planner for its n choices (they share the prompt's pages; choice j
-    draws from seed + j). An unseeded request gets a random seed: the planner's seed 0 is a seed like any
-    other, so unseeded requests would all draw the same tokens."""
+    draws from seed + j). Unseeded, the seed is left unset and the planner draws one for each request."""
     choices = []
     for p, options in enumerate(prompts):
-        drawn = random.getrandbits(64) if seed is None else seed
-        request = replace(options, request_id=f"{request_id}-{p}", seed=drawn, n=n)
+        request = replace(options, request_id=f"{request_id}-{p}", seed=seed, n=n)
         choices.append(Choice(p * n, p, request))
     return choices
 

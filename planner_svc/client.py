@@ -138,7 +138,7 @@ class GenerateOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0
+    seed: int | None = None  # None: the planner draws one (unseeded requests differ); 0 is a seed
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 import jinja2
@@ -120,7 +121,8 @@ class Intake:
             temperature=params.temperature if params.temperature >= GREEDY_BELOW else 0.0,
             top_p=params.top_p if params.HasField("top_p") else 1.0,
             top_k=params.top_k,
-            seed=params.seed,
+            # unset: a seed drawn here, so unseeded requests differ (n choices draw from it + i: choices.py)
+            seed=params.seed if params.HasField("seed") else secrets.randbits(64),
             min_p=params.min_p,
             repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
             frequency_penalty=params.frequency_penalty,

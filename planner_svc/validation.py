@@ -86,7 +86,7 @@ def check_sampling(params: client_pb2.SamplingParams, vocab_size: int) -> None:
             raise _bad("sampling.top_p", top_p, "must be in (0, 1]")
     if params.top_k < 0:
         raise _bad("sampling.top_k", params.top_k, "must be >= 0 (0 is no cut)")
-    # seed: any uint64 (the wire type admits nothing else)
+    # seed: any uint64 (the wire type admits nothing else); unset, intake draws one
     if not (math.isfinite(params.min_p) and 0.0 <= params.min_p <= 1.0):
         raise _bad("sampling.min_p", params.min_p, "must be in [0, 1] (0 is off)")
     if params.HasField("repetition_penalty"):

@@ -307,6 +307,7 @@ def test_generate_sampling_and_stop_flags():
         ]
     )
     assert (args.temperature, args.top_p, args.top_k, args.seed) == (0.7, 0.9, 40, 7)
+    assert parse(["generate", "--text", "a", "--max-tokens", "5"]).seed is None  # the planner draws one
     assert (args.stop_token_ids, args.ignore_eos, args.json, args.request_id) == (
         [2, 5, 9],
         True,
@@ -649,6 +650,13 @@ def test_generate_request_takes_exactly_one_prompt():
         build_generate_request(GenerateOptions(max_tokens=1))
     with pytest.raises(ValueError, match="role"):
         build_generate_request(GenerateOptions(chat=[{"text": "hi"}], max_tokens=1))
+
+
+def test_an_unseeded_request_leaves_the_seed_unset_for_the_planner_to_draw():
+    unseeded = build_generate_request(GenerateOptions(text="a", max_tokens=1, temperature=1.0))
+    assert not unseeded.sampling.HasField("seed")
+    zero = build_generate_request(GenerateOptions(text="a", max_tokens=1, temperature=1.0, seed=0))
+    assert zero.sampling.HasField("seed") and zero.sampling.seed == 0  # 0 is a seed, sent as one
 
 
 def test_generate_request_carries_the_conversation_and_its_shared_prefix():

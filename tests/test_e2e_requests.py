@@ -30,6 +30,17 @@ async def test_seeded_sampling_repeats_and_seeds_differ(smol_stack):
     assert len(first.token_ids) == 16 and first.finish_reason == "length"
 
 
+async def test_unseeded_requests_draw_their_own_seeds_and_seed_0_is_a_seed(smol_stack):
+    """Unset on the wire, the planner draws the seed: two unseeded requests (40 tokens at temperature 1, where
+    a collision is negligible) sample differently, while an explicit seed, 0 too, repeats exactly."""
+    params = dict(text="Once upon a time", max_tokens=40, temperature=1.0, ignore_eos=True)
+    async with PlannerClient(smol_stack.addr) as client:
+        unseeded = [await client.generate_all(GenerateOptions(**params)) for _ in range(2)]
+        zero = [await client.generate_all(GenerateOptions(seed=0, **params)) for _ in range(2)]
+    assert unseeded[0].token_ids != unseeded[1].token_ids
+    assert zero[0].token_ids == zero[1].token_ids and len(zero[0].token_ids) == 40
+
+
 async def test_text_and_token_id_prompts(smol_stack):
     async with PlannerClient(smol_stack.addr) as client:
         by_text = await client.generate_all(GenerateOptions(text="The capital of France is", max_tokens=5))

@@ -66,8 +66,8 @@ def test_each_prompt_is_one_request_for_its_n_choices_numbered_as_openai_does():
     assert [list(c.indices()) for c in choices] == [[0, 1], [2, 3]]
     assert [tuple(c.options.token_ids or ()) for c in choices] == [(1, 2), (3,)]
     assert [c.options.request_id for c in choices] == ["r-0", "r-1"]
-    unseeded = [completion_choices(CompletionBody(model="m", prompt="x"), None, "r")[0] for _ in range(2)]
-    assert unseeded[0].options.seed != unseeded[1].options.seed  # the planner's seed 0 is a seed too
+    unseeded = completion_choices(CompletionBody(model="m", prompt=["x", "y"], n=2), None, "r")
+    assert [c.options.seed for c in unseeded] == [None, None]  # the planner draws each request's seed
 
 
 def test_the_conversation_comes_from_the_body_or_the_header():
