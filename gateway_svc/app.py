@@ -90,11 +90,11 @@ async def _answer(
     conversation_header: str | None,
 ) -> Any:
     gateway = _gateway(request)
-    if body.model_extra:
-        log.info("fields not used", fields=sorted(body.model_extra))
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     make = chat_choices if kind == "chat" else completion_choices
-    choices = _plan(make, body, conversation_header, response_id)
+    choices = _plan(make, body, conversation_header, response_id)  # a field it cannot honour: a 400
+    if body.model_extra:  # unknown, or translate.UNSUPPORTED's set to a value that asks for nothing
+        log.info("fields not used", fields=sorted(body.model_extra))
     key = _key(credentials)
     model = await gateway.models.check(body.model, key)
     conversation = choices[0].options.conversation_id

@@ -1,9 +1,9 @@
 """The OpenAI request bodies the gateway accepts (pydantic), with deltaserve's extension fields.
 
-Fields the gateway cannot honour are declared so that a request using them is refused with a 400 naming
-them (translate.py), never served as if they were not there. Fields unknown to OpenAI are ignored (clients
-and SDKs send new harmless ones), and logged. Types are strict (a string or a boolean is no number, a number no
-boolean), and NaN and infinities (which Python's JSON parser reads) are no numbers.
+Fields the gateway cannot honour (translate.UNSUPPORTED: OpenAI's, some declared here, and vLLM's extensions)
+are refused with a 400 naming them, never served as if they were not there. Other fields unknown here are
+ignored (clients and SDKs send new harmless ones), and logged. Types are strict (a string or a boolean is no
+number, a number no boolean), and NaN and infinities (which Python's JSON parser reads) are no numbers.
 """
 
 from __future__ import annotations

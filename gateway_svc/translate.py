@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import Any
 
 from gateway_svc.openai_schema import ChatCompletionBody, ChatMessage, CompletionBody, GenerationBody
 from planner_svc.client import GenerateOptions
@@ -16,29 +17,59 @@ from planner_svc.client import GenerateOptions
 _TOKEN_ID = re.compile(r"-?[0-9]{1,10}")  # an int32's digits at most (int() refuses 4,301 and more)
 MAX_COMPLETION_LOGPROBS = 20  # the alternatives the planner returns at most (its top_logprobs)
 
-# body field -> why it is refused; checked when the field is set to something other than its default
-UNSUPPORTED = {
-    "best_of": "best_of is not supported",
-    "tools": "tools and function calling are not supported",
-    "tool_choice": "tools and function calling are not supported",
-    "functions": "tools and function calling are not supported",
-    "function_call": "tools and function calling are not supported",
-    "audio": "audio is not supported",
-    "modalities": "only text is supported",
-    "prediction": "predicted outputs are not supported",
-    "echo": "echo is not supported",
-    "suffix": "suffix (insertion) is not supported",
+_TOOLS = "tools and function calling are not supported"
+_GUIDED = "is not supported (guided decoding): response_format takes json_object or a json_schema"
+# The one list of fields the gateway cannot honour: body field -> (why it is refused, the values that mean "not
+# asked for" even when a client sends them explicitly). A field is refused, with a 400 naming it, when it is set
+# to anything else; the body declares it (openai_schema.py) or carries it among its unknown fields. Besides
+# OpenAI's, vLLM's extensions that clients of vLLM send: the gateway honours top_k, min_p, repetition_penalty,
+# min_tokens, stop_token_ids, ignore_eos and return_token_ids, and refuses these rather than ignore them.
+UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "best_of": ("best_of is not supported", (None, 1)),
+    "tools": (_TOOLS, (None, [])),  # an empty list asks for no tools
+    "tool_choice": (_TOOLS, (None, "none")),
+    "functions": (_TOOLS, (None, [])),
+    "function_call": (_TOOLS, (None, "none")),  # the deprecated spelling of tool_choice
+    "audio": ("audio is not supported", (None,)),
+    "modalities": ("only text is supported", (None, ["text"])),
+    "prediction": ("predicted outputs are not supported", (None,)),
+    "echo": ("echo is not supported", (None, False)),
+    "suffix": ("suffix (insertion) is not supported", (None,)),
+    # vLLM's
+    "guided_json": (f"guided_json {_GUIDED}", (None,)),
+    "guided_regex": (f"guided_regex {_GUIDED}", (None,)),
+    "guided_choice": (f"guided_choice {_GUIDED}", (None,)),
+    "guided_grammar": (f"guided_grammar {_GUIDED}", (None,)),
+    "structured_outputs": (f"structured_outputs {_GUIDED}", (None,)),
+    "allowed_token_ids": ("allowed_token_ids is not supported", (None,)),
+    "bad_words": ("bad_words is not supported", (None, [])),
+    "use_beam_search": ("use_beam_search is not supported", (None, False)),
+    "length_penalty": ("length_penalty (beam search's) is not supported", (None, 1.0)),
+    "include_stop_str_in_output": (
+        "include_stop_str_in_output is not supported: a matched stop string is left out of the output",
+        (None, False),
+    ),
+    "prompt_logprobs": ("prompt_logprobs is not supported", (None,)),
+    "truncate_prompt_tokens": ("truncate_prompt_tokens is not supported", (None,)),
+    "skip_special_tokens": (
+        "skip_special_tokens false is not supported: the text leaves them out",
+        (None, True),
+    ),
+    "return_tokens_as_token_ids": ("return_tokens_as_token_ids is not supported", (None, False)),
+    "logits_processors": ("logits_processors are not supported", (None, [])),
+    "add_generation_prompt": (
+        "add_generation_prompt false is not supported: a chat's prompt ends with the assistant's turn",
+        (None, True),
+    ),
+    "continue_final_message": ("continue_final_message is not supported", (None, False)),
+    "chat_template": ("chat_template is not supported: the model's own template is used", (None,)),
+    "chat_template_kwargs": ("chat_template_kwargs are not supported", (None, {})),
 }
-# values that mean "not asked for" even when a client sends them explicitly
-_HARMLESS = {
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "tools": (None, []),  # an empty list asks for no tools
-    "functions": (None, []),
-    "modalities": (None, ["text"]),
-    "tool_choice": (None, "none"),
-    "function_call": (None, "none"),  # the deprecated spelling of tool_choice
-}
+
+
+def _asks_nothing(value: Any, harmless: tuple[Any, ...]) -> bool:
+    """`value` is one of `harmless`, a boolean only as a boolean (True == 1 in Python)."""
+    return any(value == h and isinstance(value, bool) == isinstance(h, bool) for h in harmless)
 
 
 class UnsupportedField(ValueError):
@@ -70,14 +101,12 @@ class Choice:
 
 
 def check_supported(body: GenerationBody) -> None:
-    """UnsupportedField for the first field set that the gateway cannot honour."""
-    for name, why in UNSUPPORTED.items():
-        if name not in type(body).model_fields:
-            continue
-        value = getattr(body, name)
-        if value in _HARMLESS.get(name, (None,)):
-            continue
-        raise UnsupportedField(name, why)
+    """UnsupportedField for the first field set, declared or not, that the gateway cannot honour."""
+    extra = body.model_extra or {}
+    for name, (why, harmless) in UNSUPPORTED.items():
+        value = getattr(body, name) if name in type(body).model_fields else extra.get(name)
+        if not _asks_nothing(value, harmless):
+            raise UnsupportedField(name, why)
 
 
 def conversation_of(body: GenerationBody, header: str | None) -> str:

@@ -1,18 +1,20 @@
 """The sampling controls through the HTTP API (OpenAI's client, the real stack): stop strings split across
 tokens, n choices with seeds, logprobs as the planner's sampler reports them, the penalties forwarded, and
 response_format's JSON, and a schema feature it cannot enforce (or xgrammar cannot compile) a 400 naming it,
-failing that request alone."""
+failing that request alone; vLLM's extensions it cannot honour a 400 naming them."""
 
 from __future__ import annotations
 
 import asyncio
 
 import grpc
+import httpx2 as httpx
 import openai
 import pytest
 
 from planner_svc.client import GenerateOptions
 from tests.test_http_api import QUESTION
+from tests.test_http_translate import VLLM_HARMLESS, VLLM_REFUSED
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -155,3 +157,29 @@ async def test_a_schema_xgrammar_cannot_compile_fails_that_request_alone(http):
         )
     assert (await beside).token_ids == alone.token_ids
     assert http.stack.engine.losses == losses and http.stack.engine.failure is None
+
+
+async def test_vllm_extensions_it_cannot_honour_are_a_400_naming_them(http):
+    """A vLLM client's guided decoding, beam search, bad words, ... (and include_stop_str_in_output, which would
+    keep the stop string vLLM returns) are refused by name, streamed or not, on both APIs: never a 200 with
+    text they did not shape. Set to what asks for nothing, they pass and change nothing."""
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    text = {"model": http.model, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    chat = {"model": http.model, "messages": QUESTION, "max_tokens": 6, "temperature": 0}
+    cases = [*VLLM_REFUSED, ("include_stop_str_in_output", True)]
+    async with httpx.AsyncClient(base_url=http.base) as client:
+        for (field, value), stream in zip(cases, [False, True] * len(cases)):
+            for path, body in (("/v1/completions", text), ("/v1/chat/completions", chat)):
+                extra = {field: value, "stop": [" Berlin"]} if field == "include_stop_str_in_output" else {}
+                reply = await client.post(path, json={**body, "stream": stream, field: value, **extra})
+                error = reply.json()["error"]
+                assert (reply.status_code, error["param"], error["type"], error["code"]) == (
+                    400,
+                    field,
+                    "invalid_request_error",
+                    "invalid_argument",
+                ), (path, field, reply.text)
+                assert field in error["message"]
+        plain = (await client.post("/v1/completions", json=text)).json()
+        harmless = (await client.post("/v1/completions", json={**text, **VLLM_HARMLESS})).json()
+    assert harmless["choices"][0]["text"] == plain["choices"][0]["text"]

@@ -94,6 +94,62 @@ def test_what_cannot_be_honoured_is_refused_by_name(fields, param):
     assert refused.value.param == param
 
 
+# vLLM's extensions besides those the gateway honours, each with a value that would change the answer
+VLLM_REFUSED = [
+    ("guided_choice", ["yes", "no"]),
+    ("guided_regex", "[0-9]+"),
+    ("guided_json", {"type": "object"}),
+    ("guided_grammar", 'root ::= "a"'),
+    ("structured_outputs", {"choice": ["yes", "no"]}),
+    ("allowed_token_ids", [11, 12]),
+    ("bad_words", ["Berlin"]),
+    ("use_beam_search", True),
+    ("length_penalty", 2.0),
+    ("prompt_logprobs", 2),
+    ("prompt_logprobs", 0),  # the prompt's own logprobs
+    ("truncate_prompt_tokens", 3),
+    ("include_stop_str_in_output", True),
+    ("skip_special_tokens", False),
+    ("add_generation_prompt", False),
+    ("chat_template_kwargs", {"enable_thinking": False}),
+    ("echo", True),  # vLLM's chat takes echo too
+]
+VLLM_HARMLESS = {
+    "guided_json": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "include_stop_str_in_output": False,
+    "bad_words": [],
+    "skip_special_tokens": True,
+    "prompt_logprobs": None,
+    "add_generation_prompt": True,
+    "chat_template_kwargs": {},
+    "echo": False,
+}
+
+
+@pytest.mark.parametrize("field, value", VLLM_REFUSED)
+def test_vllms_extensions_the_gateway_does_not_honour_are_refused_by_name(field, value):
+    """Not accepted among the unknown fields and served as if absent (a 200 with unconstrained text)."""
+    for make, body in (
+        (chat_choices, chat(**{field: value})),
+        (completion_choices, CompletionBody.model_validate({"model": "m", "prompt": "x", field: value})),
+    ):
+        with pytest.raises(UnsupportedField) as refused:
+            make(body, None, "r")
+        assert refused.value.param == field and field in str(refused.value)
+
+
+def test_vllms_extensions_set_to_what_asks_for_nothing_pass():
+    chat_choices(chat(**VLLM_HARMLESS), None, "r")
+    completion_choices(
+        CompletionBody.model_validate({"model": "m", "prompt": "x", **VLLM_HARMLESS}), None, "r"
+    )
+    for field, value in (("use_beam_search", 0), ("length_penalty", True)):  # a number is no boolean
+        with pytest.raises(UnsupportedField, match=field):
+            chat_choices(chat(**{field: value}), None, "r")
+
+
 def test_values_that_ask_for_nothing_pass():
     chat_choices(
         chat(
