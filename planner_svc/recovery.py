@@ -139,11 +139,15 @@ def _carried(scheduler: Scheduler, step: PlannedStep) -> list[Request]:
 
 def _unplan(scheduler: Scheduler, steps: list[PlannedStep]) -> set[int]:
     """What steps that never ran claimed, taken back: their prompt chunks' progress (a turn's conversation
-    keeps only tokens whose KV was written) and the pages they put in the prefix index (whose KV never was).
-    Returns those pages."""
+    keeps only tokens whose KV was written), the decode steps a finished request's length counts (its run
+    after its stop: its turn's checkpoint and state copy sit where they end), and the pages they put in the
+    prefix index (whose KV never was). Returns those pages."""
     for step in steps:
         for chunk in step.prefill:
             chunk.request.prefilled = min(chunk.request.prefilled, chunk.start)
+        for request in step.rows:
+            if request.finish is not None:
+                request.kv_len -= step.steps
     unwritten = {page for step in steps for page in step.indexed}
     scheduler.pages.unindex(list(unwritten))
     return unwritten

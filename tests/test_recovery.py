@@ -8,10 +8,14 @@ import random
 
 import numpy as np
 
+from planner_svc.config import SchedulingConfig
 from planner_svc.conversations import Conversations
+from planner_svc.planned import SchedulerConfig
 from planner_svc.recovery import recover
 from planner_svc.requests import Finish, Phase, Request, Sampling
 from planner_svc.retention import RetentionConfig
+from planner_svc.scheduler import Scheduler
+from protos.layout import RowLayout
 from tests.test_scheduler import PAGE, DeviceRows, make_scheduler
 
 
@@ -245,3 +249,36 @@ def test_a_loan_out_across_a_loss_stays_out_of_the_rebuilt_pools_until_given_bac
     scheduler.pages.check()
     assert scheduler.pages.free_count == scheduler.pages.total
     assert not scheduler.loans.stale(scheduler.loans.lend([], []))  # a loan of the new epoch
+
+
+def test_a_turn_that_stopped_keeps_no_checkpoint_of_its_refused_run_after_the_stop():
+    """Hybrid: a turn retires with its length counting the step planned after its stop. That step refused (it
+    never ran), the conversation's checkpoint and state copy sit where the KV and the state end, not a token
+    past them, where the next turn would mount a position whose KV no step wrote."""
+    conversations = Conversations(4, RetentionConfig())
+    config = SchedulerConfig(
+        page_size=4,
+        pool_pages=32,
+        buckets=(1, 2),
+        max_seq_len=64,
+        vocab_size=100,
+        state_slots=4,
+        settings=SchedulingConfig(prefill_token_budget=64),
+    )
+    scheduler = Scheduler(config, RowLayout.build([1, 2], 64, 4, 32), conversations)
+    conversation = conversations.open("t", "chat")
+    prompt = [5, 6, 7, 8, 9]
+    turn = Request("turn", prompt, 8, Sampling(), stop_ids=frozenset({99}), tenant="t")
+    conversations.mount(conversation, prompt)
+    turn.conversation = conversation
+    scheduler.add(turn)
+    scheduler.plan(0)  # the prompt
+    scheduler.commit(0, np.zeros(0, np.int32), np.array([11], np.int32))
+    scheduler.plan(1)
+    scheduler.plan(2)  # the run after the stop sampled in step 1
+    scheduler.commit(1, np.array([99], np.int32), np.zeros(0, np.int32))
+    assert turn.finish is Finish.STOP
+
+    recover(scheduler, last_seq=2, refused_seq=2)
+    assert max(conversation.states) == 6  # positions 0-5 written, the state read those 6 tokens
+    assert conversation.retention.positions[-1] == 6
