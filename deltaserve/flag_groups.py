@@ -153,7 +153,14 @@ def add_serve_flags(flags: Flags, *, port_number: int) -> None:
         "--metrics-port",
         type=port,
         metavar="PORT",
-        help="serve Prometheus metrics at http://--host:PORT/metrics (0 picks a free one); unset: none",
+        help="serve Prometheus metrics at http://--metrics-host:PORT/metrics (HTTPS with --tls-cert; 0 picks a "
+        "free one); unset: none",
+    )
+    flags.option(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics port listens on; it takes no API key and shows the whole service's figures "
+        "(the cache's: every tenant's totals), so keep it on loopback or a private network",
     )
 
 

@@ -149,13 +149,14 @@ async def _start_cache(
 def _metrics(
     servers: contextlib.AsyncExitStack, args: argparse.Namespace
 ) -> tuple[CollectorRegistry | None, dict]:
-    """The process's metrics registry and its port (--metrics-port; stopped with `servers`), or none."""
+    """The process's metrics registry and its port (--metrics-host:--metrics-port, over TLS where the service
+    has it; stopped with `servers`), or none."""
     if args.metrics_port is None:
         return None, {}
     registry = CollectorRegistry()
-    served = serve_metrics(registry, args.host, args.metrics_port)
+    served = serve_metrics(registry, args.metrics_host, args.metrics_port, args.trust.server.tls)
     servers.callback(served.stop)
-    return registry, {"metrics": f"{args.host}:{served.port}"}
+    return registry, {"metrics": f"{args.metrics_host}:{served.port}"}
 
 
 async def _serve_until_stopped(stop: asyncio.Event, **listening) -> None:

@@ -1,31 +1,97 @@
 """Prometheus metrics: one registry per process (`up` serves every service's on one port) and its port.
 
-The exposition runs on prometheus-client's own thread (its WSGI server), so a scrape never waits on a
-service's event loop; gauges of live state are read at scrape time (set_function), never pushed from a
-step's path.
+The exposition runs on threads of its own (prometheus-client's WSGI app on a threading WSGI server), so a scrape
+never waits on a service's event loop; gauges of live state are read at scrape time (set_function), never
+pushed from a step's path.
+
+The port takes no API key (Prometheus scrapes send none): what it shows is the whole service's (the cache's:
+every tenant's snapshot count and bytes), so it listens where --metrics-host says, loopback by default. A service
+with TLS serves it over TLS with the same certificate (and, with --tls-client-ca, requires a client certificate
+as its own port does). Each connection's handshake runs on that connection's thread, under a timeout:
+prometheus-client's own TLS option shakes hands in the accepting thread, where one connection that never sends
+its hello stops every scrape after it.
 """
 
 from __future__ import annotations
 
+import socket
+import ssl
+import threading
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from protos.tls import ServerTLS
+
+TLS_CONNECTION_TIMEOUT_S = 10.0  # a TLS connection's handshake, and each read and write after it
 
 
 @dataclass(slots=True)
 class MetricsServer:
     port: int
-    _server: object
+    _server: WSGIServer
 
     def stop(self) -> None:
-        self._server.shutdown()  # type: ignore[attr-defined]
-        self._server.server_close()  # type: ignore[attr-defined]
+        self._server.shutdown()
+        self._server.server_close()
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
-    """Serves `registry` at http://host:port/metrics (0: a free port); OSError naming the port when taken."""
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # a line per scrape on stderr: not wanted
+        pass
+
+
+class _MetricsHTTPServer(ThreadingWSGIServer):
+    tls: ssl.SSLContext | None = None
+
+    def finish_request(self, request, client_address) -> None:
+        """On the connection's own thread: its TLS handshake first, where the server has TLS. A client that fails
+        it (plaintext HTTP, an untrusted or missing client certificate, silence past the timeout) is dropped."""
+        if self.tls is None:
+            super().finish_request(request, client_address)
+            return
+        request.settimeout(TLS_CONNECTION_TIMEOUT_S)
+        try:
+            connection = self.tls.wrap_socket(request, server_side=True)  # takes over (detaches) `request`
+        except (OSError, ValueError):
+            return
+        try:
+            super().finish_request(connection, client_address)
+        finally:
+            connection.close()
+
+
+def tls_context(tls: ServerTLS) -> ssl.SSLContext:
+    """The server side of TLS with the service's certificate; a client certificate required with a client CA."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert, tls.key)
+    if tls.client_ca is not None:
+        context.load_verify_locations(tls.client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def _family(host: str, port: int) -> socket.AddressFamily:
+    """IPv4 or IPv6, as the host resolves for listening."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    return infos[0][0]
+
+
+def serve_metrics(
+    registry: CollectorRegistry, host: str, port: int, tls: ServerTLS | None = None
+) -> MetricsServer:
+    """Serves `registry` at http://host:port/metrics (https:// with `tls`; 0: a free port); OSError naming the
+    address when it cannot listen there."""
+    context = tls_context(tls) if tls is not None else None
     try:
-        server, _thread = start_http_server(port, host, registry)
+        settings = {"address_family": _family(host, port), "tls": context}
+        server_class = type("MetricsHTTPServer", (_MetricsHTTPServer,), settings)
+        server: WSGIServer = make_server(
+            host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler
+        )
     except OSError as error:
-        raise OSError(f"cannot serve metrics on {host}:{port}: {error.strerror}") from error
+        raise OSError(f"cannot serve metrics on {host}:{port}: {error.strerror or error}") from error
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return MetricsServer(server.server_address[1], server)

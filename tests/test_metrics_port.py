@@ -1,0 +1,142 @@
+"""The metrics port's exposure, over real sockets on loopback: it listens on --metrics-host (loopback by default,
+whatever --host is), and on a service with TLS it speaks TLS only (the service's certificate; a client
+certificate where the service requires them), each handshake on its connection's own thread."""
+
+from __future__ import annotations
+
+import http.client
+import signal
+import socket
+import ssl
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry, Gauge
+
+from protos.metrics_port import serve_metrics
+from protos.tls import ServerTLS
+from tests.certs import make_pki
+from tests.test_cli import Serving, free_port, parse
+
+
+def get(port: int, context: ssl.SSLContext | None = None) -> tuple[int, str]:
+    """GET /metrics on 127.0.0.1:port, HTTPS with `context` (plain HTTP without): status and body; raises where
+    the server hangs up instead of answering."""
+    if context is None:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    else:
+        connection = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=context)
+    try:
+        connection.request("GET", "/metrics")
+        answer = connection.getresponse()
+        return answer.status, answer.read().decode()
+    finally:
+        connection.close()
+
+
+def scrape(port: int, context: ssl.SSLContext | None = None) -> str:
+    status, text = get(port, context)
+    assert status == 200
+    return text
+
+
+def test_a_tls_service_serves_its_metrics_over_tls_only(tmp_path):
+    """`cache serve` with keys and TLS: its metrics (every tenant's snapshot totals) answer HTTPS with its
+    certificate, and a plaintext scrape, which used to get them with no key, is refused."""
+    pki = make_pki(str(tmp_path))
+    keys = tmp_path / "keys.txt"
+    keys.write_text("k-alice-0123456789abcdef alice\n")
+    port, metrics_port = free_port(), free_port()
+    serving = Serving(
+        tmp_path / "cache.log",
+        "cache",
+        "serve",
+        "--cache-dir",
+        str(tmp_path / "snapshots"),
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--api-keys",
+        str(keys),
+        "--tls-cert",
+        pki.server.cert,
+        "--tls-key",
+        pki.server.key,
+    )
+    try:
+        listening = serving.wait_listening(60)
+        assert listening["metrics"] == f"127.0.0.1:{metrics_port}"
+        with pytest.raises((http.client.HTTPException, OSError)):  # the TLS server hangs up on it
+            get(metrics_port)
+        with pytest.raises(ssl.SSLCertVerificationError):  # the service's own certificate, nothing else
+            get(metrics_port, ssl.create_default_context(cafile=pki.other_ca.cert))
+        text = scrape(metrics_port, ssl.create_default_context(cafile=pki.ca.cert))
+        assert "deltaserve_cache_snapshots 0.0" in text and "deltaserve_cache_bytes 0.0" in text
+    finally:
+        code = serving.stop(signal.SIGTERM)
+    assert code == 0, serving.log_path.read_text()
+
+
+def test_the_metrics_port_listens_on_loopback_unless_told_otherwise(tmp_path):
+    """--host is the API's address; the metrics port takes no key, so it stays on 127.0.0.1 (it used to follow
+    --host: 0.0.0.0 in compose) unless --metrics-host (DELTASERVE_METRICS_HOST) says otherwise."""
+    for command in (["up"], ["executor"], ["planner", "--executor", "e:1"], ["cache", "serve"], ["http"]):
+        assert parse([*command, "--host", "0.0.0.0"]).metrics_host == "127.0.0.1"
+        assert parse(command, DELTASERVE_METRICS_HOST="10.0.0.7").metrics_host == "10.0.0.7"
+        assert parse([*command, "--metrics-host", "::1"]).metrics_host == "::1"
+    port, metrics_port = free_port(), free_port()
+    serving = Serving(
+        tmp_path / "cache.log",
+        "cache",
+        "serve",
+        "--cache-dir",
+        str(tmp_path / "snapshots"),
+        "--host",
+        "127.0.0.2",  # another loopback address: what --host binds, the metrics port must not
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+    )
+    try:
+        listening = serving.wait_listening(60)
+        assert (listening["addr"], listening["metrics"]) == (
+            f"127.0.0.2:{port}",
+            f"127.0.0.1:{metrics_port}",
+        )
+        assert "deltaserve_cache_snapshots" in scrape(metrics_port)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", metrics_port), timeout=10).close()
+    finally:
+        code = serving.stop(signal.SIGTERM)
+    assert code == 0, serving.log_path.read_text()
+
+
+def test_tls_metrics_require_a_client_certificate_with_a_client_ca_and_shake_hands_off_the_accept_thread(
+    tmp_path,
+):
+    """With --tls-client-ca the metrics port requires a client certificate, as the service's port does. A
+    connection that never sends its TLS hello holds only its own thread: prometheus-client's own TLS shakes
+    hands in the accepting thread, where such a connection stopped every scrape after it."""
+    pki = make_pki(str(tmp_path))
+    registry = CollectorRegistry()
+    Gauge("deltaserve_test_gauge", "a figure", registry=registry).set(7)
+    served = serve_metrics(registry, "127.0.0.1", 0, ServerTLS(pki.server.cert, pki.server.key, pki.ca.cert))
+    idle = socket.create_connection(("127.0.0.1", served.port), timeout=10)  # connected, never says a word
+    try:
+        without = ssl.create_default_context(cafile=pki.ca.cert)
+        with pytest.raises(OSError):  # the handshake fails, or the server hangs up before the answer
+            get(served.port, without)
+        with_cert = ssl.create_default_context(cafile=pki.ca.cert)
+        with_cert.load_cert_chain(pki.client.cert, pki.client.key)
+        answers: list[str] = []
+        scraping = threading.Thread(
+            target=lambda: answers.append(scrape(served.port, with_cert)), daemon=True
+        )
+        scraping.start()
+        scraping.join(5)  # less than the server's handshake timeout: the idle connection is still held
+        assert answers and "deltaserve_test_gauge 7.0" in answers[0]
+    finally:
+        idle.close()
+        served.stop()
