@@ -219,6 +219,28 @@ def command_name(args: argparse.Namespace) -> str:
     return f"{args.command} {args.action}" if args.command == "cache" else args.command
 
 
+_EVERY_INTERFACE = {"", "0.0.0.0", "::", "[::]"}
+
+
+def _port_clash(args: argparse.Namespace) -> str | None:
+    """Two listening flags of a serving command with one port on one address: said here, naming both, since
+    the second listener would only fail as "port taken" (taken by this process's own first one)."""
+    if "metrics_port" not in args:
+        return None  # not a serving command
+    bound = [("--port", args.port, args.host)]
+    if args.command == "up":
+        bound += [("--http-port", args.http_port, args.host)]
+        if args.cache == "auto":
+            bound += [("--cache-port", args.cache_port, args.host)]
+    bound += [("--metrics-port", args.metrics_port, args.metrics_host)]
+    for i, (flag, number, host) in enumerate(bound):
+        for other, other_number, other_host in bound[:i]:
+            one_address = host == other_host or {host, other_host} & _EVERY_INTERFACE
+            if number and number == other_number and one_address:
+                return f"{other} and {flag} are both {number}: give each its own port (0 picks a free one)"
+    return None
+
+
 def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
     environ = os.environ if environ is None else environ
     parser = build_parser(environ)
@@ -228,6 +250,13 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
     if args.command == "planner" and not args.executor and not args.executor_group:
         parser.error(
             f"planner: --executor HOST:PORT or --executor-group is required (or {env_name('--executor')})"
+        )
+    if clash := _port_clash(args):
+        parser.error(f"{command_name(args)}: {clash}")
+    if args.command == "up" and args.http_workers > 1 and not args.http_process:
+        parser.error(
+            f"up: --http-workers {args.http_workers} starts that many HTTP processes, but --no-http-process "
+            "serves the HTTP API on the planner's event loop, in no process of its own: give one or the other"
         )
     if args.command == "generate":
         resolve_prompt(parser, args, environ)

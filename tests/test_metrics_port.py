@@ -1,6 +1,7 @@
 """The metrics port's exposure, over real sockets on loopback: it listens on --metrics-host (loopback by default,
 whatever --host is), and on a service with TLS it speaks TLS only (the service's certificate; a client
-certificate where the service requires them), each handshake on its connection's own thread."""
+certificate where the service requires them), each handshake on its connection's own thread. And the serving
+flags refused at parse time: two listening flags on one port, --http-workers with --no-http-process."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from protos.metrics_port import serve_metrics
 from protos.tls import ServerTLS
 from tests.certs import make_pki
-from tests.test_cli import Serving, free_port, parse
+from tests.test_cli import Serving, free_port, parse, usage_error
 
 
 def get(port: int, context: ssl.SSLContext | None = None) -> tuple[int, str]:
@@ -140,3 +141,44 @@ def test_tls_metrics_require_a_client_certificate_with_a_client_ca_and_shake_han
     finally:
         idle.close()
         served.stop()
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["cache", "serve", "--port", "9100", "--metrics-port", "9100"], ("--port", "--metrics-port")),
+        (
+            ["executor", "--host", "0.0.0.0", "--port", "9100", "--metrics-port", "9100"],
+            ("--port", "--metrics-port"),
+        ),
+        (["http", "--metrics-port", "8000"], ("--port", "--metrics-port")),  # http's --port is 8000
+        (["up", "--http-port", "50051"], ("--port", "--http-port")),
+        (["up", "--http-port", "50071"], ("--http-port", "--cache-port")),  # the cache up starts: 50071
+        (["up", "--metrics-port", "9100", "--http-port", "9100"], ("--http-port", "--metrics-port")),
+        (["up", "--cache-port", "9100", "--metrics-port", "9100"], ("--cache-port", "--metrics-port")),
+    ],
+)
+def test_two_listening_flags_on_one_port_are_refused_naming_both(capsys, argv, named):
+    """The second listener would only fail at start with "port taken", not saying that this process took it."""
+    message = usage_error(capsys, argv)
+    assert all(flag in message for flag in named), message
+    assert "are both" in message
+
+
+def test_ports_that_cannot_collide_are_taken():
+    assert parse(["up", "--port", "0", "--http-port", "0", "--cache-port", "0", "--metrics-port", "0"])
+    assert parse(["up", "--no-cache", "--http-port", "50071"]).http_port == 50071  # no cache: no cache port
+    # The same number on two addresses: two sockets (the metrics port on loopback, the API elsewhere).
+    assert parse(["executor", "--host", "10.0.0.7", "--port", "9100", "--metrics-port", "9100"])
+
+
+def test_http_workers_with_no_http_process_is_refused(capsys):
+    """--no-http-process serves the HTTP API on the planner's loop: --http-workers N was dropped without a word."""
+    for argv, environ in (
+        (["up", "--http-port", "8000", "--no-http-process", "--http-workers", "4"], {}),
+        (["up", "--http-port", "8000", "--http-workers", "4"], {"DELTASERVE_HTTP_PROCESS": "0"}),
+    ):
+        message = usage_error(capsys, argv, **environ)
+        assert "--http-workers 4" in message and "--no-http-process" in message, message
+    assert parse(["up", "--no-http-process"]).http_workers == 1
+    assert parse(["up", "--http-workers", "4"]).http_process
