@@ -12,8 +12,9 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from planner_svc.config import DEFAULT_MAX_WAITING, PlannerConfig
-from planner_svc.conversations import Conversations, Mount
+from planner_svc.conversations import Mount
 from planner_svc.engine import Engine
+from planner_svc.engine_build import build_engine
 from planner_svc.group_link import GroupLink
 from planner_svc.intake import Intake, model_eos_ids
 from planner_svc.link import ExecutorLink, GrpcLink
@@ -22,13 +23,11 @@ from planner_svc.parking import ConversationError
 from planner_svc.planned import CapacityError
 from planner_svc.requests import Finish, Request
 from planner_svc.responses import ResponseStreams
-from planner_svc.scheduler import Scheduler, SchedulerConfig
 from planner_svc.turns import Turns
 from planner_svc.validation import InvalidRequest, check_named
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.auth import request_tenant
 from protos.decode_guard import guarded
-from protos.layout import RowLayout
 from protos.model_files import load_tokenizer
 from protos.rpc import (
     NEVER_FITS_METADATA,
@@ -43,40 +42,6 @@ log = structlog.get_logger("deltaserve.planner")
 
 VERSION = "0.1.0"
 SERVICE_NAME = client_pb2.DESCRIPTOR.services_by_name["Planner"].full_name
-
-
-def build_engine(
-    description: executor_pb2.ExecutorDescription, link: ExecutorLink, config: PlannerConfig
-) -> Engine:
-    layout = RowLayout(slots=description.slots, block_span=description.block_span)
-    conversations = Conversations(
-        description.page_size, config.retention
-    )  # the scheduler lends its state pool
-    scheduler = Scheduler(
-        SchedulerConfig(
-            page_size=description.page_size,
-            pool_pages=description.pool_pages,
-            buckets=tuple(description.buckets),
-            max_seq_len=description.max_seq_len,
-            vocab_size=description.vocab_size,
-            state_slots=description.state_slots,
-            settings=config.scheduling.for_device(description.device),  # prefill budget, decode steps
-        ),
-        layout,
-        conversations,
-    )
-    if scheduler.states.enabled and config.scheduling.prefix_cache:
-        log.info(
-            f"{description.model_name}: prefix sharing off (a model with recurrent layers: a shared page holds "
-            "no recurrent state); conversations resume from checkpoints holding a state copy"
-        )
-    return Engine(
-        scheduler,
-        link,
-        description,
-        inflight_plans=config.inflight_plans,
-        executor_timeout=config.executor_timeout,
-    )
 
 
 async def _check_named(context: grpc.aio.ServicerContext, field: str, value: str) -> None:
