@@ -110,13 +110,13 @@ class RequestClock:
             for _ in range(n):
                 self.metrics.itl.observe(gap)
         self.last[response.index], self.tokens = now, self.tokens + n
+        self.metrics.generation_tokens.inc(n)  # as sent: a long stream counts while it runs
 
     def ended(self, req: Request | None, mount: Mount, reason: str) -> None:
         """`reason`: stop | length | abort, or error for a request refused or failed."""
         metrics = self.metrics
         metrics.duration.observe(time.perf_counter() - self.arrived)
         metrics.finished.labels(reason).inc()
-        metrics.generation_tokens.inc(self.tokens)
         if req is not None:
             metrics.prompt_tokens.inc(req.prompt_len)
             source = reuse_source(mount, req.reused)

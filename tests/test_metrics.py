@@ -84,3 +84,32 @@ async def test_inter_token_latency_is_each_choices_own(monkeypatch):
     total = registry.get_sample_value("deltaserve_inter_token_latency_seconds_sum")
     assert (count, total) == (4, 4.0)
     assert registry.get_sample_value("deltaserve_time_to_first_token_seconds_count") == 1
+
+
+async def test_generation_tokens_count_while_the_stream_runs(smol_stack):
+    """Counted as each message is written, not when the request ends: a long stream scraped half-way read 0
+    while its client held hundreds of tokens."""
+    from protos.wire import unpack_i32
+
+    registry = CollectorRegistry()
+    smol_stack.planner.metrics = PlannerMetrics(registry)
+    served = serve_metrics(registry, "127.0.0.1", 0)
+    long = GenerateOptions(text="Once upon a time", max_tokens=128, ignore_eos=True)
+    received, mid_stream = 0, None
+    try:
+        await smol_stack.wait_idle()
+        async with PlannerClient(smol_stack.addr) as client:
+            async for response in client.generate(long):
+                received += len(unpack_i32(response.token_ids))
+                if mid_stream is None and received >= 8:  # the stream runs on: scraped now
+                    scraped = await asyncio.to_thread(scrape, served.port)
+                    mid_stream = (received, scraped[("deltaserve_generation_tokens_total", ())])
+        await smol_stack.wait_idle()
+        after = await asyncio.to_thread(scrape, served.port)
+    finally:
+        smol_stack.planner.metrics = None
+        served.stop()
+    assert mid_stream is not None and received == 128
+    got, counted = mid_stream
+    assert got <= counted < 128  # what the client had, and what was written and not yet read
+    assert after[("deltaserve_generation_tokens_total", ())] == 128
