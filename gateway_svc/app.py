@@ -30,6 +30,7 @@ log = structlog.get_logger("deltaserve.gateway")
 VERSION = "0.1.0"
 _PRINTABLE = re.compile(r"[ -~]*")
 _HEADER_VALUE = re.compile(r"[!-~](?:[ -~]*[!-~])?")
+UNUSED_LOGGED, UNUSED_NAME_CHARS = 8, 64  # the unused fields a request's log line names, and their length
 router = APIRouter()
 _bearer = HTTPBearer(auto_error=False, description="an API key of the planner's --api-keys file")
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -75,6 +76,16 @@ def _conversation_header(conversation: str) -> dict[str, str] | None:
     return {"X-Conversation-Id": conversation} if _HEADER_VALUE.fullmatch(conversation) else None
 
 
+def _log_unused(body: GenerationBody) -> None:
+    """The body's fields this server does not use (unknown, or translate.UNSUPPORTED's set to a value that asks
+    for nothing; the others were a 400), once the planner has answered (the caller's key good: the names are
+    the client's), at most UNUSED_LOGGED of them, each cut to UNUSED_NAME_CHARS, with their count."""
+    if body.model_extra:
+        names = sorted(body.model_extra)
+        logged = [name[:UNUSED_NAME_CHARS] for name in names[:UNUSED_LOGGED]]
+        log.info("fields not used", fields=logged, count=len(names))
+
+
 def _plan(make, body: GenerationBody, conversation_header: str | None, request_id: str) -> list[Choice]:
     try:
         return make(body, conversation_header, request_id)
@@ -93,8 +104,6 @@ async def _answer(
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     make = chat_choices if kind == "chat" else completion_choices
     choices = _plan(make, body, conversation_header, response_id)  # a field it cannot honour: a 400
-    if body.model_extra:  # unknown, or translate.UNSUPPORTED's set to a value that asks for nothing
-        log.info("fields not used", fields=sorted(body.model_extra))
     key = _key(credentials)
     model = await gateway.models.check(body.model, key)
     conversation = choices[0].options.conversation_id
@@ -110,6 +119,7 @@ async def _answer(
                     states[index].add(response)
 
         await unless_disconnected(request, gather())
+        _log_unused(body)
         reply = openai_replies.completion(
             kind,
             response_id,
@@ -138,6 +148,7 @@ async def _answer(
     except BaseException:
         await stream.aclose()
         raise
+    _log_unused(body)
     return StreamingResponse(
         _events(writer, stream, firsts, states), media_type="text/event-stream", headers=headers
     )

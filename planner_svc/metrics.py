@@ -1,5 +1,6 @@
-"""The planner's Prometheus metrics: live state read at scrape time, and each request's figures recorded as
-its stream is written (the client-facing side, off the engine's step loop)."""
+"""The planner's Prometheus metrics: live state read at scrape time, each request's figures recorded as its
+stream is written (the client-facing side, off the engine's step loop), and the requests Generate refuses
+before admission, by status code (planner_svc/refusals.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,18 @@ from protos import client_pb2
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 REUSE_SOURCES = ("checkpoint", "snapshot", "prefix")
+# The codes Generate refuses a request with before admission, labelled from the start (any other code a
+# refusal carries is one of gRPC's 17 names: the label set stays bounded).
+REFUSED_CODES = (
+    "RESOURCE_EXHAUSTED",
+    "INVALID_ARGUMENT",
+    "UNAVAILABLE",
+    "UNAUTHENTICATED",
+    "PERMISSION_DENIED",
+    "ALREADY_EXISTS",
+    "NOT_FOUND",
+    "FAILED_PRECONDITION",
+)
 
 
 def reuse_source(mount: Mount, reused: int) -> str | None:
@@ -74,6 +87,14 @@ class PlannerMetrics:
         )
         for reason in ("stop", "length", "abort", "error"):
             self.finished.labels(reason)
+        self.refused = Counter(
+            "deltaserve_requests_refused",
+            "requests refused before admission, by gRPC status code",
+            ["code"],
+            registry=registry,
+        )
+        for code in REFUSED_CODES:
+            self.refused.labels(code)
 
     def follow(self, schedulers: Callable[[], Sequence]) -> None:
         """The live gauges, read from the schedulers when scraped."""
@@ -113,7 +134,8 @@ class RequestClock:
         self.metrics.generation_tokens.inc(n)  # as sent: a long stream counts while it runs
 
     def ended(self, req: Request | None, mount: Mount, reason: str) -> None:
-        """`reason`: stop | length | abort, or error for a request refused or failed."""
+        """An admitted request's end. `reason`: stop | length | abort, or error for one that failed after
+        admission (a request refused before admission never gets here: deltaserve_requests_refused_total)."""
         metrics = self.metrics
         metrics.duration.observe(time.perf_counter() - self.arrived)
         metrics.finished.labels(reason).inc()

@@ -21,12 +21,13 @@ from planner_svc.link import ExecutorLink, GrpcLink
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.parking import ConversationError
 from planner_svc.planned import CapacityError
+from planner_svc.refusals import Refusals
 from planner_svc.requests import Finish, Request
 from planner_svc.responses import ResponseStreams
 from planner_svc.turns import Turns
 from planner_svc.validation import InvalidRequest, check_named
 from protos import client_pb2, client_pb2_grpc, executor_pb2
-from protos.auth import request_tenant
+from protos.auth import TenantMismatch, request_tenant, tenant_of
 from protos.decode_guard import guarded
 from protos.model_files import load_tokenizer
 from protos.rpc import (
@@ -83,18 +84,22 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         self.cut: dict[tuple[str, str], str] = {}  # (tenant, request id) -> why a drain cut it
         self.responses = ResponseStreams(tokenizer, self.cut)
         self.metrics: PlannerMetrics | None = None  # set when the process serves metrics
+        self.refusals = Refusals(lambda: self.metrics)  # Generate's refusals before admission: counted
 
     async def Generate(self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         request_id = request.request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
             if self.draining:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, self.draining)
-            taken = (await request_tenant(context, request.tenant), request_id)  # suspends only to refuse
+                await self.refusals.refuse(context, grpc.StatusCode.UNAVAILABLE, self.draining)
+            try:  # ids are unique per tenant only: the tenant beside the id on every line of the request
+                taken = (tenant_of(request.tenant), request_id)
+            except TenantMismatch as error:
+                await self.refusals.refuse(context, grpc.StatusCode.PERMISSION_DENIED, str(error))
+            structlog.contextvars.bind_contextvars(tenant=taken[0])
             if taken in self._request_ids:
-                await context.abort(
-                    grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already running"
-                )
+                message = f"request id {request_id!r} is already running"
+                await self.refusals.refuse(context, grpc.StatusCode.ALREADY_EXISTS, message)
             self._request_ids.add(taken)  # before the first await: a second one is refused above
             try:
                 async with contextlib.aclosing(self._generate(request, request_id, context)) as stream:
@@ -104,7 +109,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 self._request_ids.discard(taken)
                 self._early_aborts.discard(taken)
         finally:
-            structlog.contextvars.unbind_contextvars("request_id")
+            structlog.contextvars.unbind_contextvars("request_id", "tenant")
 
     async def _generate(
         self, request: client_pb2.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext
@@ -135,15 +140,15 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                     queue = engine.submit(req)
             finally:  # queued (in a scheduler's waiting queue now), refused or cancelled
                 self.starting -= 1
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except ValueError as error:  # refused before admission: counted by code
+            await self.refusals.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except CapacityError as error:
             never = () if error.retryable else ((NEVER_FITS_METADATA, "1"),)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), trailing_metadata=never)
+            await self.refusals.refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), never)
         except ConnectionError as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            await self.refusals.refuse(context, grpc.StatusCode.UNAVAILABLE, str(error))
         except ConversationError as error:
-            await context.abort(error.code, str(error))
+            await self.refusals.refuse(context, error.code, str(error))
         self._requests[(req.tenant, request_id)] = (req, engine)
         log.info("request admitted", prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
         if (req.tenant, request_id) in self._early_aborts:
@@ -351,6 +356,7 @@ async def start_planner_server(
         port,
         on_stop=[*(engine.stop for engine in engines), turns.parking.close],
         security=security,
+        on_refused=servicer.refusals.key_refused,  # a key refused never reaches Generate: counted here
     )
     log_access(log, security)
     _follow_executors(started, engines)

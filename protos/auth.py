@@ -191,15 +191,25 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     )
 
 
+Refused = Callable[[str, str], None]  # (the method, why), for a call refused UNAUTHENTICATED: never the key
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for a call with no key or an unknown one (health and reflection stay open);
-    otherwise the call is served with its caller set (tenant_of reads it).
+    """UNAUTHENTICATED for a call with no key or an unknown one (health and reflection stay open), told to
+    `on_refused` (the service counts and logs it: the refusal never reaches its handler); otherwise the call is
+    served with its caller set (tenant_of reads it).
 
     The caller is set in the call's own task: grpc.aio runs the interceptors and then the handler in it.
     """
 
-    def __init__(self, keys: ApiKeys) -> None:
+    def __init__(self, keys: ApiKeys, on_refused: Refused | None = None) -> None:
         self.keys = keys
+        self.on_refused = on_refused
+
+    def _refuse(self, handler: grpc.RpcMethodHandler, method: str, why: str) -> grpc.RpcMethodHandler:
+        if self.on_refused is not None:
+            self.on_refused(method, why)
+        return _refusal(handler, why)
 
     async def intercept_service(
         self,
@@ -212,10 +222,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
         key = bearer_key(handler_call_details.invocation_metadata)
         if key is None:
-            return _refusal(handler, "no API key: send `authorization: Bearer <key>` metadata")
+            return self._refuse(handler, method, "no API key: send `authorization: Bearer <key>` metadata")
         caller = self.keys.caller(key)
         if caller is None:
-            return _refusal(handler, "unknown API key")
+            return self._refuse(handler, method, "unknown API key")
         _caller.set(caller)
         return handler
 

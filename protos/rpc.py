@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos.auth import ApiKeyInterceptor, ApiKeys, bearer_interceptors
+from protos.auth import ApiKeyInterceptor, ApiKeys, Refused, bearer_interceptors
 from protos.tls import ClientTLS, ServerTLS
 
 # One limit for every channel and server. 64 MiB: the largest of the three the services had (the cache
@@ -172,16 +172,18 @@ async def start_server(
     *,
     on_stop: Sequence[Callable[[], Awaitable[None]]] = (),
     security: ServerSecurity | None = None,
+    on_refused: Refused | None = None,
 ) -> StartedServer[Servicer]:
     """Serves `servicer` (registered by its generated `add_..._to_server`), health and reflection on
     host:port (0: any free port), and says SERVING for "" and each of `services` once it listens.
 
     A port that does not bind (taken by another server, or an address not of this machine) raises OSError
     naming it; nothing is left listening then, and `on_stop` has run (what the caller opened is closed).
-    With `security`: TLS on the port, and API keys checked by an interceptor (health and reflection open).
+    With `security`: TLS on the port, and API keys checked by an interceptor (health and reflection open), which
+    tells `on_refused` of each call it refuses.
     """
     security = security or ServerSecurity()
-    interceptors = [ApiKeyInterceptor(security.keys)] if security.keys is not None else None
+    interceptors = [ApiKeyInterceptor(security.keys, on_refused)] if security.keys is not None else None
     credentials = security.tls.credentials() if security.tls is not None else None
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     add_to_server(servicer, server)
