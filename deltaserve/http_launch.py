@@ -46,6 +46,7 @@ async def start_http_api(
                 processes > 1,
                 args.log_level,
                 args.log_json,
+                args.command,  # its lines' service: up or http, as the parent's
             )
             process = await start_gateway_process(spec, count)
             servers.push_async_callback(process.stop)

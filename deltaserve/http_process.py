@@ -27,7 +27,8 @@ STOP_TIMEOUT_S = 10  # the child's own grace (http_server.STOP_GRACE_S) and its 
 
 @dataclass(frozen=True, slots=True)
 class GatewaySpec:
-    """What the child needs (picklable): the planner, where to listen, TLS on both sides, its logging."""
+    """What the child needs (picklable): the planner, where to listen, TLS on both sides, its logging (under the
+    command that started it: `service` is `up` or `http`)."""
 
     planner_addr: str
     host: str
@@ -38,6 +39,7 @@ class GatewaySpec:
     reuse_port: bool  # one of several workers on the port
     log_level: str
     log_json: bool | None
+    service: str
 
 
 def _child(spec: GatewaySpec, conn: Connection) -> None:
@@ -51,7 +53,7 @@ def _child(spec: GatewaySpec, conn: Connection) -> None:
     # stops this one by a word down its pipe. Stopping at the signal would cut them after STOP_GRACE_S.
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    configure_logging(spec.log_level, spec.log_json, route_transformers=False, service="up")
+    configure_logging(spec.log_level, spec.log_json, route_transformers=False, service=spec.service)
     aio.run(lambda stop: _serve(spec, conn, stop), signals=())  # uvloop, as every process
 
 

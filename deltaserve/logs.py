@@ -32,7 +32,7 @@ def configure_logging(
 ) -> None:
     """Sends every log line (structlog and stdlib) to stderr, rendered one way.
 
-    json=None picks JSON lines when stderr is not a terminal. `service` (planner, executor, cache, up) is
+    json=None picks JSON lines when stderr is not a terminal. `service` (planner, executor, cache, up, http, ...) is
     a field of every line, so the lines of a stack's services stay apart once collected in one place. route_transformers makes transformers'
     own handler step aside so its warnings come through here too; it imports transformers' logging
     module (about a second), which a short-lived client command can skip.

@@ -156,6 +156,31 @@ def test_the_http_port_binds_again_while_closed_connections_wait_out_time_wait()
         again.close()
 
 
+def test_a_worker_process_logs_under_the_command_that_started_it(capfd):
+    """The children of `http --workers N` said "service": "up" on every line, as if `up` had started them."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from deltaserve.http_launch import start_http_api
+
+    async def start_and_stop(command: str) -> None:
+        args = SimpleNamespace(
+            command=command,
+            host="127.0.0.1",
+            trust=SimpleNamespace(server=SimpleNamespace(tls=None)),
+            log_level="info",
+            log_json=True,
+        )
+        async with contextlib.AsyncExitStack() as servers:  # no planner there: the API answers 503 meanwhile
+            await start_http_api(servers, "127.0.0.1:1", args, 0, ChannelSecurity(), None, processes=1)
+
+    for command in ("http", "up"):
+        asyncio.run(start_and_stop(command))
+        lines = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
+        listening = [line for line in lines if line["event"] == "HTTP API listening"]
+        assert [line["service"] for line in listening] == [command], lines
+
+
 def scrape(metrics_port: int) -> dict[tuple[str, tuple], float]:
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
     return {
