@@ -231,6 +231,9 @@ async def _answer(what: str, conversation_id: str, call: Awaitable, context: grp
     except SnapshotRefused as err:
         log.warning(f"{what} refused", conversation_id=conversation_id, code=err.code.name, error=str(err))
         await context.abort(err.code, str(err))
+    except StageLost as err:  # a park's transfer with a stage gone: this one exits, to restart with its group
+        log.error(f"{what} failed: stage group lost", conversation_id=conversation_id, error=str(err))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"stage group lost: {err}")
     except Exception as err:
         log.exception(f"{what} failed", conversation_id=conversation_id)
         await context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {type(err).__name__}: {err}")

@@ -205,32 +205,39 @@ class Stage:
         """A park's shards, every stage's, at the first stage (the others return None), in layer order.
         `blobs` None: this stage could not read its pages; the first stage then raises, having taken what
         the others sent (so the next park's transfers stay in step). Parks run one at a time, in the same
-        order on every stage (the planner's group link sees to it)."""
-        group = self._host_group
-        if not self.layers.first:
-            header = _shards_header(shards, blobs) if blobs is not None else torch.tensor([-1])
-            dist.send(torch.tensor([len(header)]), dst=0, group=group)
-            dist.send(header, dst=0, group=group)
-            if blobs is not None:
-                dist.send(torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8), dst=0, group=group)
-            return None
+        order on every stage (the planner's group link sees to it). A transfer that fails (a stage gone) raises
+        StageLost, as a step's does."""
+        group, peer = self._host_group, 0
         all_shards, all_blobs, failed = list(shards), list(blobs or []), [] if blobs is not None else [0]
-        for rank in range(1, self.stages):
-            length = torch.empty(1, dtype=torch.int64)
-            dist.recv(length, src=rank, group=group)
-            header = torch.empty(int(length), dtype=torch.int64)
-            dist.recv(header, src=rank, group=group)
-            if header[0] < 0:
-                failed.append(rank)
-                continue
-            words = header[1:].view(-1, 3).tolist()
-            data = torch.empty(sum(size for _, _, size in words), dtype=torch.uint8)
-            dist.recv(data, src=rank, group=group)
-            raw, offset = data.numpy().tobytes(), 0
-            for begin, end, size in words:
-                all_shards.append((begin, end))
-                all_blobs.append(raw[offset : offset + size])
-                offset += size
+        try:
+            if not self.layers.first:
+                header = _shards_header(shards, blobs) if blobs is not None else torch.tensor([-1])
+                dist.send(torch.tensor([len(header)]), dst=0, group=group)
+                dist.send(header, dst=0, group=group)
+                if blobs is not None:
+                    data = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
+                    dist.send(data, dst=0, group=group)
+                return None
+            for peer in range(1, self.stages):
+                length = torch.empty(1, dtype=torch.int64)
+                dist.recv(length, src=peer, group=group)
+                header = torch.empty(int(length), dtype=torch.int64)
+                dist.recv(header, src=peer, group=group)
+                if header[0] < 0:
+                    failed.append(peer)
+                    continue
+                words = header[1:].view(-1, 3).tolist()
+                data = torch.empty(sum(size for _, _, size in words), dtype=torch.uint8)
+                dist.recv(data, src=peer, group=group)
+                raw, offset = data.numpy().tobytes(), 0
+                for begin, end, size in words:
+                    all_shards.append((begin, end))
+                    all_blobs.append(raw[offset : offset + size])
+                    offset += size
+        except RuntimeError as error:  # gloo raises RuntimeError for a lost peer
+            raise self._lost(
+                f"stage {self.rank}: a park's transfer with stage {peer} failed: {error}"
+            ) from error
         if failed:
             raise RuntimeError(f"stages {failed} could not read their pages: the park is incomplete")
         return all_shards, all_blobs
