@@ -323,6 +323,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return aio.run(serving, stop_on_stdin_close=getattr(args, "stop_on_stdin_close", False))
     except StageExited as error:  # what the user of `up` acts on (a supervisor restarts it): one line
+        log.debug("failed", command=name, exc_info=True)  # with what the lost stage failed, if anything
         print(f"deltaserve {name}: error: {error}", file=sys.stderr)
         return 1
     except (OSError, ValueError, MemoryError, RuntimeError) as error:  # KernelUnavailable: a RuntimeError

@@ -14,7 +14,7 @@ from cache_svc.config import CacheServiceConfig
 from deltaserve.aio import until_stopped
 from deltaserve.http_launch import start_http_api
 from deltaserve.logs import get_logger
-from deltaserve.stages import StageExited, stage_processes, stopped_by, watch_stages
+from deltaserve.stages import StageWatch, raise_if_lost, start_stages, starting
 from deltaserve.trust import Trust
 from executor_svc.config import ExecutorConfig
 from planner_svc.config import PlannerConfig, SchedulingConfig
@@ -32,9 +32,8 @@ GIB = 1 << 30
 SHUTDOWN_GRACE_S = 5.0
 CACHE_SHUTDOWN_GRACE_S = 30.0  # a stopping cache finishes the parks in flight (a drain's among them)
 EXECUTOR_WAIT_LOG_S = 5.0  # how often `planner` says it is still waiting for an executor
-LISTENED = (
-    threading.Event()
-)  # this process's service got to listening: what fails after is no start-up mistake
+# This process's service got to listening: what fails after is no start-up mistake.
+LISTENED = threading.Event()
 
 log = get_logger("deltaserve.serve")
 
@@ -174,6 +173,45 @@ async def _drain_planner(planner, drain_timeout_s: float) -> None:
     await drain(planner, drain_timeout_s)
 
 
+async def _start_up_planner(
+    servers: contextlib.AsyncExitStack,
+    args: argparse.Namespace,
+    planner_cfg: PlannerConfig,
+    registry: CollectorRegistry | None,
+    executor_addr: str,
+    stop: asyncio.Event,
+) -> tuple | None:
+    """`up`'s planner (its stages serving first) and HTTP API: planner, HTTP fields, Describe; None if stopped."""
+    from planner_svc.server import start_planner_server
+
+    for addr in [a for group in planner_cfg.executor_groups for a in group]:
+        if not await wait_for_executor(addr, stop, args.trust.executor_link):
+            return None
+    planner = await start_planner_server(
+        planner_cfg,
+        args.host,
+        args.port,
+        security=args.trust.server,
+        executor_channel=args.trust.executor_link,  # its own executor, on loopback, with its service key
+        cache_channel=args.trust.cache_link,
+        metrics=registry,
+    )
+    servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
+    http_fields = {}
+    if args.http_port is not None:  # stopped before the planner; a drain answers its requests 503
+        http_port = await start_http_api(
+            servers,
+            dial_address(args.host, planner.port),
+            args,
+            args.http_port,
+            args.trust.self_link,
+            registry,
+            processes=args.http_workers if args.http_process else 0,
+        )
+        http_fields = {"http": f"{args.host}:{http_port}"}
+    return planner, http_fields, await _describe_executor(executor_addr, args.trust.executor_link)
+
+
 async def serve_up(
     args: argparse.Namespace,
     executor_cfg: ExecutorConfig,
@@ -184,7 +222,6 @@ async def serve_up(
     """The cache (unless off or elsewhere), the executor on loopback (or, --layer-split, its stages as
     processes), and the planner on --host:--port."""
     from executor_svc.server import start_executor_server
-    from planner_svc.server import start_planner_server
 
     async with contextlib.AsyncExitStack() as servers:  # stopped in reverse: planner, executor, cache
         registry, metrics_fields = _metrics(servers, args)  # one port for every service of the process
@@ -196,26 +233,13 @@ async def serve_up(
             )
             executor_cfg.cache = planner_cfg.cache = cache_addr
             cache_fields = {"cache": cache_addr, "snapshots": cache_cfg.root_dir}
-        lost: asyncio.Task[StageExited | None] | None = None
+        watch: StageWatch | None = None
         if getattr(args, "layer_split", None):  # the stages as processes, one executor group to the planner
-            stages = servers.enter_context(
-                stage_processes(
-                    executor_cfg,
-                    args.layer_split,
-                    args.trust,
-                    metrics=registry is not None,
-                    log_level=args.log_level,
-                    log_json=args.log_json,
-                )
-            )
-            lost = asyncio.create_task(watch_stages(stages, stop))
-            servers.callback(lost.cancel)
-            for addr in stages.executors:
-                if not await wait_for_executor(addr, stop, args.trust.executor_link):
-                    return stopped_by(lost)
-            planner_cfg.executor_groups, executor_addr = [stages.executors], stages.executors[-1]
-            if stages.metrics:
-                metrics_fields["stage_metrics"] = ",".join(stages.metrics)
+            watch = start_stages(servers, executor_cfg, args, registry is not None, stop)
+            executors, stage_metrics = watch.stages.executors, watch.stages.metrics
+            planner_cfg.executor_groups, executor_addr = [executors], executors[-1]
+            if stage_metrics:
+                metrics_fields["stage_metrics"] = ",".join(stage_metrics)
         else:
             runner = await _load_runner(executor_cfg)
             if stop.is_set():
@@ -233,29 +257,10 @@ async def serve_up(
             servers.push_async_callback(executor.stop, SHUTDOWN_GRACE_S)
             executor_addr = f"127.0.0.1:{executor.port}"
             planner_cfg.executors = [executor_addr]
-        planner = await start_planner_server(
-            planner_cfg,
-            args.host,
-            args.port,
-            security=args.trust.server,
-            executor_channel=args.trust.executor_link,  # its own executor, on loopback, with its service key
-            cache_channel=args.trust.cache_link,
-            metrics=registry,
-        )
-        servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
-        http_fields = {}
-        if args.http_port is not None:  # stopped before the planner; a drain answers its requests 503
-            http_port = await start_http_api(
-                servers,
-                dial_address(args.host, planner.port),
-                args,
-                args.http_port,
-                args.trust.self_link,
-                registry,
-                processes=args.http_workers if args.http_process else 0,
-            )
-            http_fields = {"http": f"{args.host}:{http_port}"}
-        described = await _describe_executor(executor_addr, args.trust.executor_link)
+        start = _start_up_planner(servers, args, planner_cfg, registry, executor_addr, stop)
+        if (started := await starting(watch, start)) is None:  # a stage lost raises its StageExited
+            return 0  # stopped (a signal) before the stages served
+        planner, http_fields, described = started
         await _serve_until_stopped(
             stop,
             addr=f"{args.host}:{planner.port}",
@@ -267,9 +272,9 @@ async def serve_up(
             executor=executor_addr,
             **cache_fields,
         )
-        if lost is not None:
-            stopped_by(lost)  # a lost stage took its group's pool: nothing to park
+        raise_if_lost(watch)  # a lost stage took its group's pool: nothing to park
         await _drain_planner(planner, args.drain_timeout)
+        raise_if_lost(watch)  # one lost while draining: the drain said what it could not park
     log.info("stopped")
     return 0
 

@@ -3,6 +3,7 @@ local GPU in turn (gloo between stages that share a GPU, NCCL otherwise), or on 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -12,7 +13,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from deltaserve.flags import env_name
 from deltaserve.logs import get_logger
@@ -24,6 +27,8 @@ from protos.layer_split import EXIT_GROUP_LOST, split_layers
 log = get_logger("deltaserve.stages")
 STAGE_POLL_S = 0.5  # how often `up` looks whether a stage process ended
 STOP_GRACE_S = 30.0  # for every stage together, then the rest are killed
+START_LOSS_S = 1.0  # how long a failed start-up step gives the stages to be seen ended (StageWatch.starting)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,22 +225,87 @@ def stage_processes(
             keys_file.close()  # deletes it
 
 
-async def watch_stages(stages: StageAddresses, stop: asyncio.Event) -> StageExited | None:
-    """Until `stop`: the first stage process to end, which sets `stop` (`up` cannot serve without it, nor
-    restart it into the group)."""
-    while not stop.is_set():
-        exited = stages.exited()
-        if exited is not None:
+def start_stages(
+    servers: contextlib.AsyncExitStack,
+    config: ExecutorConfig,
+    args: argparse.Namespace,
+    metrics: bool,
+    stop: asyncio.Event,
+) -> StageWatch:
+    """`up --layer-split`'s stages (stage_processes) and the watch over them, both stopped with `servers`:
+    from here on, a stage's end is `up`'s (StageExited)."""
+    stages = servers.enter_context(
+        stage_processes(config, args.layer_split, args.trust, metrics, args.log_level, args.log_json)
+    )
+    watch = StageWatch(stages, stop)
+    servers.callback(watch.close)
+    return watch
+
+
+class StageWatch:
+    """`up`'s watch over its stage processes, from their start until `up` stops them: the first to end sets
+    `stop` (`up` cannot serve without it, nor restart it into the group), and `up` ends with its StageExited
+    however far it got: starting, serving or draining."""
+
+    def __init__(self, stages: StageAddresses, stop: asyncio.Event) -> None:
+        self.stages = stages
+        self._lost: StageExited | None = None
+        self._task = asyncio.create_task(self._watch(stop))
+
+    def lost(self) -> StageExited | None:
+        """The stage process that ended, once one did (looked at now, and logged once)."""
+        if self._lost is None and (exited := self.stages.exited()) is not None:
             log.error("stage lost", error=str(exited))
-            stop.set()
-            return exited
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), STAGE_POLL_S)
-    return None
+            self._lost = exited
+        return self._lost
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        """Until `stop`: looks every STAGE_POLL_S, and sets `stop` once a stage ended."""
+        while not stop.is_set():
+            if self.lost() is not None:
+                stop.set()
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), STAGE_POLL_S)
+
+    def raise_if_lost(self) -> None:
+        """Raises the StageExited of a stage that ended (while `up` served, or drained: a signal's stop ends
+        the watch, not this look)."""
+        if (exited := self.lost()) is not None:
+            raise exited
+
+    async def starting(self, work: Awaitable[T]) -> T:
+        """`work` (`up`'s start-up, until it listens), unless a stage ends first: then `work` is cancelled
+        (the planner's attach would wait for a dead stage for ever, `wait_for_ready`) and the stage's
+        StageExited raised; so it is in place of the error `work` fails with where a stage is seen ended
+        within START_LOSS_S of it (a dead stage's Describe fails UNAVAILABLE as its process ends)."""
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait((task, self._task), return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and self.lost() is None:  # stopped by a signal: the start goes on, as before
+                await asyncio.wait((task,))
+        finally:
+            if not task.done():  # a stage lost (or `up` cancelled): the start goes no further
+                task.cancel()
+                await asyncio.wait((task,))
+        if not task.cancelled() and task.exception() is not None:
+            deadline = time.monotonic() + START_LOSS_S
+            while self.lost() is None and time.monotonic() < deadline:
+                await asyncio.sleep(STAGE_POLL_S / 10)
+        if (exited := self.lost()) is not None:
+            raise exited from None if task.cancelled() else task.exception()
+        return task.result()
+
+    def close(self) -> None:
+        self._task.cancel()
 
 
-def stopped_by(lost: asyncio.Task[StageExited | None]) -> int:
-    """0 when a signal stopped `up`; raises the StageExited when a stage's end did."""
-    if lost.done() and not lost.cancelled() and (exited := lost.result()) is not None:
-        raise exited
-    return 0
+async def starting(watch: StageWatch | None, work: Awaitable[T]) -> T:
+    """`work`, `up`'s start-up: under the watch of its stages where it runs some (StageWatch.starting)."""
+    return await (work if watch is None else watch.starting(work))
+
+
+def raise_if_lost(watch: StageWatch | None) -> None:
+    """StageWatch.raise_if_lost where `up` runs stages."""
+    if watch is not None:
+        watch.raise_if_lost()

@@ -973,15 +973,24 @@ def default_hangup() -> Iterator[None]:
 class Serving:
     """A serving `deltaserve` command in its own process, JSON log lines to a file."""
 
-    def __init__(self, log_path: Path, *argv: str, own_group: bool = False):
-        """own_group: in a process group (and session) of its own, as a service manager starts it."""
+    def __init__(
+        self,
+        log_path: Path,
+        *argv: str,
+        own_group: bool = False,
+        module: str = "deltaserve",
+        env: dict[str, str] | None = None,
+    ):
+        """own_group: in a process group (and session) of its own, as a service manager starts it. `module`:
+        what runs (`python -m`) in place of deltaserve's own CLI, e.g. tests/up_fault.py; `env`: added to
+        the command's environment."""
         self.log_path = log_path
         with open(log_path, "w") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "deltaserve", "--log-json", *argv],
+                [sys.executable, "-m", module, "--log-json", *argv],
                 stdout=subprocess.DEVNULL,
                 stderr=log_file,
-                env=cli_env(),
+                env={**cli_env(), **(env or {})},
                 cwd=REPO,
                 start_new_session=own_group,
             )

@@ -29,7 +29,10 @@ def model(tmp_path_factory) -> str:
     return path
 
 
-def _up(tmp_path: Path, model: str, *flags: str, own_group: bool = False) -> tuple[Serving, int]:
+def _up(
+    tmp_path: Path, model: str, *flags: str, own_group: bool = False, kill_stage_at: str | None = None
+) -> tuple[Serving, int]:
+    """kill_stage_at: stage 1 SIGKILLed at that point of `up`'s start or stop (tests/up_fault.py)."""
     port = free_port()
     up = Serving(
         tmp_path / "up.log",
@@ -38,6 +41,8 @@ def _up(tmp_path: Path, model: str, *flags: str, own_group: bool = False) -> tup
         *("--pool-pages", "64", "--buckets", "1,2", "--page-size", "4", "--port", str(port)),
         *flags,
         own_group=own_group,
+        module="tests.up_fault" if kill_stage_at else "deltaserve",
+        env={"UP_FAULT_KILL_STAGE_AT": kill_stage_at} if kill_stage_at else None,
     )
     return up, port
 
@@ -116,6 +121,61 @@ def test_up_stops_with_an_error_when_a_stage_dies(tmp_path, model):
     _until_gone(pids, 5)
 
 
+def _no_traceback(up: Serving) -> None:
+    text = up.log_path.read_text()
+    assert "Traceback" not in text and not any(e["event"] == "failed" for e in up.events()), text[-3000:]
+
+
+def _killed_pid(up: Serving) -> int:
+    (killed,) = [e for e in up.events() if e["event"] == "fault: stage killed"]
+    return killed["pid"]
+
+
+@pytest.mark.parametrize("point", ["seen", "describe"])
+def test_up_stops_with_the_error_when_a_stage_dies_while_it_starts(tmp_path, model, point):
+    """Stage 1 SIGKILLed (and reaped) in the window between `up` seeing every stage serve and `up` serving:
+    `seen`, before the planner attaches to the group (the attach used to wait for the dead stage forever, a
+    SIGTERM too); `describe`, once it attached, before `up` describes the group (it used to fail with a
+    traceback)."""
+    up, port = _up(tmp_path, model, "--no-cache", kill_stage_at=point)
+    try:
+        code = up.process.wait(UP_START_S)
+    finally:
+        if up.process.poll() is None:
+            up.process.kill()
+    assert code == 1
+    assert _error_line(up).startswith(
+        f"deltaserve up: error: stage 1 (layers 2:4, pid {_killed_pid(up)}) was killed by SIGKILL; "
+    )
+    _no_traceback(up)
+    assert not any(e["event"] == "listening" and e["addr"].endswith(f":{port}") for e in up.events())
+    _until_gone(_stage_pids(up), 5)
+
+
+def test_up_stops_with_the_error_when_a_stage_dies_while_it_drains(tmp_path, model):
+    """Stage 1 SIGKILLed as `up`'s drain begins (SIGTERM): the conversation is said not parked, and `up` exits
+    1 with the line naming the stage, as when one dies while serving; no traceback."""
+    cache = ("--cache-dir", str(tmp_path / "snapshots"), "--cache-port", str(free_port()))
+    up, port = _up(tmp_path, model, *cache, "--drain-timeout", "5", kill_stage_at="drain")
+    try:
+        _listening(up, port)
+        asked = ("--token-ids", "5,9,11,7,3", "--max-tokens", "4", "--conversation", "chat")
+        deltaserve_json("generate", *asked, "--addr", f"127.0.0.1:{port}")
+        up.process.send_signal(signal.SIGTERM)
+        code = up.process.wait(90)
+    finally:
+        if up.process.poll() is None:
+            up.process.kill()
+    (drained,) = [e for e in up.events() if e["event"] == "drained"]
+    assert drained["parked"] == 0 and len(drained["not_parked"]) == 1, up.log_path.read_text()[-3000:]
+    assert code == 1
+    assert _error_line(up).startswith(
+        f"deltaserve up: error: stage 1 (layers 2:4, pid {_killed_pid(up)}) was killed by SIGKILL; "
+    )
+    _no_traceback(up)
+    _until_gone(_stage_pids(up), 5)
+
+
 def test_the_stage_named_is_the_cause_not_the_one_that_followed_it():
     """A stage killed takes the others down with it (EXIT_GROUP_LOST): the line names the killed one, which a
     poll finds ended beside the others."""
@@ -133,6 +193,59 @@ def test_the_stage_named_is_the_cause_not_the_one_that_followed_it():
     assert "stage 2 (layers 4:6, pid 102) was killed by SIGKILL" in str(stages(3, 3, -9).exited())
     assert "stage 1 (layers 2:4, pid 101) exited with status 1" in str(stages(3, 1, None).exited())
     assert "stage 0 (layers 0:2, pid 100) exited with status 3" in str(stages(3, 3, None).exited())
+
+
+def test_the_start_up_s_own_error_stays_where_no_stage_ended():
+    """StageWatch.starting: a start-up step that fails while every stage runs fails as itself (once START_LOSS_S
+    showed no stage ended); one waiting when a stage ends is cancelled for the stage's StageExited, and so is one
+    that fails as a stage ends; a signal's stop lets the start go on, as before."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from deltaserve.stages import StageAddresses, StageExited, StagePlan, StageWatch
+
+    plans = [StagePlan(r, (2 * r, 2 * r + 2), "cpu", "gloo") for r in range(2)]
+    status: list[int | None] = [None, None]
+    processes = [SimpleNamespace(pid=100 + r, poll=lambda r=r: status[r]) for r in range(2)]
+    stages = StageAddresses([], [], plans, processes)  # type: ignore[arg-type]
+    cancelled = []
+
+    async def fails(error: Exception, then_dies: bool = False) -> None:
+        if then_dies:
+            asyncio.get_running_loop().call_later(0.2, status.__setitem__, 1, -9)
+        raise error
+
+    async def waits(stop: asyncio.Event | None = None) -> str:
+        if stop is not None:
+            stop.set()  # the signal's
+        try:
+            await asyncio.sleep(0.3 if stop is not None else 30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return "served"
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        watch = StageWatch(stages, stop)
+        with pytest.raises(OSError, match="port taken"):
+            await watch.starting(fails(OSError("port taken")))
+        assert await watch.starting(waits(stop)) == "served"
+        watch.close()
+        watch = StageWatch(stages, asyncio.Event())
+        asyncio.get_running_loop().call_later(0.2, status.__setitem__, 1, -9)
+        with pytest.raises(StageExited, match=r"stage 1 \(layers 2:4, pid 101\) was killed by SIGKILL"):
+            await asyncio.wait_for(watch.starting(waits()), 5)
+        assert cancelled == [True]
+        watch.close()
+        status[1] = None
+        watch = StageWatch(stages, asyncio.Event())
+        with pytest.raises(StageExited) as raised:
+            await watch.starting(fails(ConnectionError("UNAVAILABLE"), then_dies=True))
+        assert isinstance(raised.value.__cause__, ConnectionError)
+        watch.close()
+
+    asyncio.run(main())
 
 
 def test_ctrl_c_to_up_drains_through_its_stages(tmp_path, model):
