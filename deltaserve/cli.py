@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from deltaserve import aio, commands, serve
+from deltaserve import aio, commands, configs, serve
 from deltaserve.flag_groups import (
     add_cache_store_flags,
     add_client_flags,
@@ -288,19 +288,19 @@ def _serving(args: argparse.Namespace):
     args.trust = trust_from_args(args)  # the key file and certificates read now: a bad one fails the start
     if args.command == "up":
         external = args.cache if args.cache not in ("auto", "off") else None
-        executor_cfg = serve.executor_config(args, cache=external)
-        planner_cfg = serve.planner_config(args, executors=[], cache=external)
-        cache_cfg = serve.cache_config(args) if args.cache == "auto" else None
+        executor_cfg = configs.executor_config(args, cache=external)
+        planner_cfg = configs.planner_config(args, executors=[], cache=external)
+        cache_cfg = configs.cache_config(args) if args.cache == "auto" else None
         return functools.partial(serve.serve_up, args, executor_cfg, planner_cfg, cache_cfg)
     if args.command == "executor":
-        return functools.partial(serve.serve_executor, args, serve.executor_config(args, cache=args.cache))
+        return functools.partial(serve.serve_executor, args, configs.executor_config(args, cache=args.cache))
     if args.command == "planner":
-        config = serve.planner_config(args, executors=args.executor or [], cache=args.cache)
+        config = configs.planner_config(args, executors=args.executor or [], cache=args.cache)
         config.executor_groups = args.executor_group or []
         return functools.partial(serve.serve_planner, args, config)
     if args.command == "http":
         return functools.partial(serve.serve_http, args)
-    return functools.partial(serve.serve_cache, args, serve.cache_config(args))
+    return functools.partial(serve.serve_cache, args, configs.cache_config(args))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -12,13 +12,13 @@ from prometheus_client import CollectorRegistry
 
 from cache_svc.config import CacheServiceConfig
 from deltaserve.aio import until_stopped
+from deltaserve.configs import GIB
 from deltaserve.http_launch import start_http_api
 from deltaserve.logs import get_logger
 from deltaserve.stages import StageWatch, raise_if_lost, start_stages, starting
 from deltaserve.trust import Trust
 from executor_svc.config import ExecutorConfig
-from planner_svc.config import PlannerConfig, SchedulingConfig
-from planner_svc.retention import RetentionConfig
+from planner_svc.config import PlannerConfig
 from protos import executor_pb2, executor_pb2_grpc
 from protos.heap import freeze_startup_heap
 from protos.metrics_port import serve_metrics
@@ -28,7 +28,6 @@ PLANNER_PORT = 50051
 EXECUTOR_PORT = 50061
 CACHE_PORT = 50071
 HTTP_PORT = 8000
-GIB = 1 << 30
 SHUTDOWN_GRACE_S = 5.0
 CACHE_SHUTDOWN_GRACE_S = 30.0  # a stopping cache finishes the parks in flight (a drain's among them)
 EXECUTOR_WAIT_LOG_S = 5.0  # how often `planner` says it is still waiting for an executor
@@ -36,60 +35,6 @@ EXECUTOR_WAIT_LOG_S = 5.0  # how often `planner` says it is still waiting for an
 LISTENED = threading.Event()
 
 log = get_logger("deltaserve.serve")
-
-
-# ---- configs from flags ----
-
-
-def executor_config(args: argparse.Namespace, *, cache: str | None) -> ExecutorConfig:
-    return ExecutorConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        weights=args.weights,
-        page_size=args.page_size,
-        pool_pages=args.pool_pages,
-        state_slots=args.state_slots,
-        max_seq_len=args.max_seq_len,
-        buckets=tuple(args.buckets),
-        prefill_buckets=tuple(args.prefill_buckets),
-        decode_path=args.decode_path,
-        row_check=args.row_check,
-        cache=cache,
-        shard_layers=args.shard_layers,
-        grammar_cache=args.grammar_cache,
-        layers=getattr(args, "layers", None),  # a stage of a layer split: `executor` only
-        stage_rank=getattr(args, "stage_rank", 0),
-        stages=getattr(args, "stages", 1),
-        stage_group=getattr(args, "stage_group", None),
-        stage_backend=getattr(args, "stage_backend", "auto"),
-    )
-
-
-def planner_config(args: argparse.Namespace, *, executors: list[str], cache: str | None) -> PlannerConfig:
-    return PlannerConfig(
-        executors=executors,
-        model=args.model,
-        max_waiting=args.max_waiting,
-        executor_timeout=args.executor_timeout,
-        cache=cache,
-        scheduling=SchedulingConfig(
-            prefill_token_budget=args.prefill_token_budget,
-            decode_steps=args.decode_steps,
-            row_check=args.row_check,
-            prefix_cache=args.prefix_cache,
-        ),
-        retention=RetentionConfig(cap=args.retention_cap, policy=args.retention_policy),
-    )
-
-
-def cache_config(args: argparse.Namespace) -> CacheServiceConfig:
-    tenant_gib = args.tenant_budget_gib
-    return CacheServiceConfig(
-        root_dir=args.cache_dir,
-        budget_bytes=int(args.cache_budget_gib * GIB),
-        tenant_budget_bytes=None if tenant_gib is None else int(tenant_gib * GIB),
-    )
 
 
 # ---- serving ----

@@ -30,9 +30,10 @@ from structlog.testing import capture_logs
 
 from deltaserve import aio, commands
 from deltaserve.cli import build_parser, main, parse_args
+from deltaserve.configs import GIB, cache_config, executor_config, planner_config
 from deltaserve.flags import default_cache_dir
 from deltaserve.logs import configure_logging, get_logger
-from deltaserve.serve import GIB, cache_config, executor_config, planner_config, wait_for_executor
+from deltaserve.serve import wait_for_executor
 from executor_svc.config import DEFAULT_BUCKETS, DEFAULT_PREFILL_BUCKETS, DEFAULT_SHARD_LAYERS
 from planner_svc.client import GenerateOptions, PlannerClient, build_generate_request
 from planner_svc.drain import CUT_SETTLE_S, PARKING_MIN_S
