@@ -20,7 +20,7 @@ from executor_svc.kv_pool import KVPool, log_tables
 from executor_svc.launched_step import READ_BACK_RING, LaunchedStep, ReadBack
 from executor_svc.logprob_rows import asking_rows, gathered_table, packed
 from executor_svc.models.family import ExecutorModel
-from executor_svc.models.loader import load_model, model_fingerprint
+from executor_svc.models.loader import load_fingerprinted
 from executor_svc.plan import CheckedPlan, PlanError, PlanLimits, check_plan
 from executor_svc.prefill.graphs import PrefillGraphs
 from executor_svc.slot_store import CONTROLLED, SlotStore
@@ -315,8 +315,8 @@ def build_runner(config: ExecutorConfig) -> StepRunner:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     path = resolve_model_path(config.model)
-    model = load_model(path, device, dtype, config.weights, stage_of=stage_of(config, device))
-    return runner_for_model(model, config, model_fingerprint(path))
+    model, fingerprint = load_fingerprinted(path, device, dtype, config.weights, stage_of(config, device))
+    return runner_for_model(model, config, fingerprint)
 
 
 def runner_for_model(model: ExecutorModel, config: ExecutorConfig, fingerprint: str) -> StepRunner:

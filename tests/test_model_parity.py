@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+import threading
+from concurrent.futures import CancelledError
 
 import gguf
 import numpy as np
@@ -11,8 +13,9 @@ import pytest
 import torch
 
 from executor_svc.kv_pool import KVPool
+from executor_svc.models import loader
 from executor_svc.models.dense import DenseModel
-from executor_svc.models.loader import load_model, model_fingerprint
+from executor_svc.models.loader import load_fingerprinted, load_model, model_fingerprint
 from protos.model_files import default_model_path
 from tests.conftest import decode_logits, prefill_logits
 from tests.hf_reference import EOS_TOKEN_ID, chat_ids, chat_prompts, hf_greedy
@@ -244,6 +247,38 @@ def test_the_fingerprint_covers_every_byte_of_the_weights(tmp_path):
         (path / "config.json").write_text('{"model_type": "llama"}')
         save_file({**outer, "b": torch.full((1024,), middle)}, str(path / "model.safetensors"))
     assert model_fingerprint(str(base)) != model_fingerprint(str(tuned))
+
+
+def test_the_fingerprint_taken_beside_the_load_is_model_fingerprints(tmp_path, monkeypatch):
+    path = str(_tiny_llama_dir(tmp_path / "tiny"))
+    model, fingerprint = load_fingerprinted(path, "cpu", torch.float32)
+    assert fingerprint == model_fingerprint(path)
+    assert model.config.num_layers == load_model(path, "cpu", torch.float32).config.num_layers
+
+    def unreadable(*args):
+        raise PermissionError(f"[Errno 13] Permission denied: '{path}/model.safetensors'")
+
+    monkeypatch.setattr(loader, "model_fingerprint", unreadable)  # the hash's error is not lost
+    with pytest.raises(PermissionError, match="Permission denied"):
+        load_fingerprinted(path, "cpu", torch.float32)
+
+
+def test_a_failed_load_reports_its_own_error_and_stops_the_hash(tmp_path, monkeypatch):
+    path = str(_tiny_llama_dir(tmp_path / "gelu", hidden_act="gelu"))
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(CancelledError):  # a stopped hash gives up at its next block
+        model_fingerprint(path, stop)
+    stopped = []
+
+    def long_hash(path, stop):  # one that ends only once stopped
+        stopped.append(stop.wait(10))
+        raise CancelledError
+
+    monkeypatch.setattr(loader, "model_fingerprint", long_hash)
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        load_fingerprinted(path, "cpu", torch.float32)
+    assert stopped == [True]  # stopped, and done before the load's error was raised
 
 
 def test_unsupported_models_are_refused_clearly(tmp_path):

@@ -10,7 +10,9 @@ import json
 import logging
 import os
 import re
+import threading
 import time
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -122,12 +124,12 @@ def layer_count(path: str) -> int:
     return int(reader.fields[f"{arch}.block_count"].contents()) - (0 if mtp is None else int(mtp.contents()))
 
 
-def model_fingerprint(path: str) -> str:
+def model_fingerprint(path: str, stop: threading.Event | None = None) -> str:
     """sha256 over the config and the name, size and whole contents of each weight file.
 
     What a snapshot's KV is checked against before it is restored: a fine-tune differs from its base only
-    in weights, anywhere in a file, so every byte counts (~1 s a GB, read from the page cache the load
-    just filled). A GGUF keeps its config in its header."""
+    in weights, anywhere in a file, so every byte counts (~1 s a GB). A GGUF keeps its config in its header.
+    Once `stop` is set it gives up at its next block (CancelledError)."""
     digest = hashlib.sha256()
     if os.path.isdir(path):
         with open(os.path.join(path, "config.json"), "rb") as f:
@@ -140,8 +142,29 @@ def model_fingerprint(path: str) -> str:
         digest.update(os.path.basename(file).encode() + size.to_bytes(8, "little"))
         with open(file, "rb") as f:
             while block := f.read(_READ_BLOCK):
+                if stop is not None and stop.is_set():
+                    raise CancelledError(f"fingerprint of {path} stopped")
                 digest.update(block)
     return digest.hexdigest()
+
+
+def load_fingerprinted(
+    path: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    weights_mode: str = "auto",
+    stage_of: StageOf | None = None,
+) -> tuple[ExecutorModel, str]:
+    """load_model's model and model_fingerprint's digest, the hash taken on a second thread while the load
+    runs (file reads and sha256 release the GIL), so that start-up does not pay a second pass over the
+    weights after the load. A failed load's error is the one raised."""
+    stop = threading.Event()
+    with ThreadPoolExecutor(1, thread_name_prefix="fingerprint") as pool:
+        fingerprint = pool.submit(model_fingerprint, path, stop)
+        try:
+            return load_model(path, device, dtype, weights_mode, stage_of), fingerprint.result()
+        finally:
+            stop.set()  # after a failed load, so that leaving the pool does not wait for a whole hash
 
 
 def _gguf_reader(path: str) -> Any:
