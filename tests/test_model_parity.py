@@ -263,7 +263,7 @@ def test_the_fingerprint_taken_beside_the_load_is_model_fingerprints(tmp_path, m
         load_fingerprinted(path, "cpu", torch.float32)
 
 
-def test_a_failed_load_reports_its_own_error_and_stops_the_hash(tmp_path, monkeypatch):
+def test_a_failed_load_reports_its_own_error_and_stops_the_fingerprint(tmp_path, monkeypatch):
     path = str(_tiny_llama_dir(tmp_path / "gelu", hidden_act="gelu"))
     stop = threading.Event()
     stop.set()
