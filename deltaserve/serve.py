@@ -285,15 +285,22 @@ async def serve_planner(args: argparse.Namespace, config: PlannerConfig, stop: a
             return 0
     async with contextlib.AsyncExitStack() as servers:
         registry, metrics_fields = _metrics(servers, args)
-        planner = await start_planner_server(
-            config,
-            args.host,
-            args.port,
-            security=args.trust.server,
-            executor_channel=args.trust.executor_link,
-            cache_channel=args.trust.cache_link,
-            metrics=registry,
+        # An executor that died or hung after its health check holds the attach: a stop signal still ends it.
+        _, planner = await until_stopped(
+            start_planner_server(
+                config,
+                args.host,
+                args.port,
+                security=args.trust.server,
+                executor_channel=args.trust.executor_link,
+                cache_channel=args.trust.cache_link,
+                metrics=registry,
+            ),
+            stop,
         )
+        if planner is None:
+            log.info("stopped while attaching to the executors")
+            return 0
         servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
         first = config.executors[0] if config.executors else config.executor_groups[0][-1]
         described = await _describe_executor(first, args.trust.executor_link)
