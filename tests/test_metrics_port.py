@@ -41,6 +41,23 @@ def scrape(port: int, context: ssl.SSLContext | None = None) -> str:
     return text
 
 
+def _cache_serve(tmp_path, port: int, metrics_port: int, *flags: str) -> Serving:
+    """`deltaserve cache serve` on `port`, its metrics on `metrics_port`, with `flags`."""
+    snapshots = str(tmp_path / "snapshots")
+    return Serving(
+        tmp_path / "cache.log",
+        "cache",
+        "serve",
+        "--cache-dir",
+        snapshots,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        *flags,
+    )
+
+
 def test_a_tls_service_serves_its_metrics_over_tls_only(tmp_path):
     """`cache serve` with keys and TLS: its metrics (every tenant's snapshot totals) answer HTTPS with its
     certificate, and a plaintext scrape, which used to get them with no key, is refused."""
@@ -48,23 +65,8 @@ def test_a_tls_service_serves_its_metrics_over_tls_only(tmp_path):
     keys = tmp_path / "keys.txt"
     keys.write_text("k-alice-0123456789abcdef alice\n")
     port, metrics_port = free_port(), free_port()
-    serving = Serving(
-        tmp_path / "cache.log",
-        "cache",
-        "serve",
-        "--cache-dir",
-        str(tmp_path / "snapshots"),
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(metrics_port),
-        "--api-keys",
-        str(keys),
-        "--tls-cert",
-        pki.server.cert,
-        "--tls-key",
-        pki.server.key,
-    )
+    tls = ("--api-keys", str(keys), "--tls-cert", pki.server.cert, "--tls-key", pki.server.key)
+    serving = _cache_serve(tmp_path, port, metrics_port, *tls)
     try:
         listening = serving.wait_listening(60)
         assert listening["metrics"] == f"127.0.0.1:{metrics_port}"
@@ -87,19 +89,8 @@ def test_the_metrics_port_listens_on_loopback_unless_told_otherwise(tmp_path):
         assert parse(command, DELTASERVE_METRICS_HOST="10.0.0.7").metrics_host == "10.0.0.7"
         assert parse([*command, "--metrics-host", "::1"]).metrics_host == "::1"
     port, metrics_port = free_port(), free_port()
-    serving = Serving(
-        tmp_path / "cache.log",
-        "cache",
-        "serve",
-        "--cache-dir",
-        str(tmp_path / "snapshots"),
-        "--host",
-        "127.0.0.2",  # another loopback address: what --host binds, the metrics port must not
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(metrics_port),
-    )
+    # another loopback address: what --host binds, the metrics port must not
+    serving = _cache_serve(tmp_path, port, metrics_port, "--host", "127.0.0.2")
     try:
         listening = serving.wait_listening(60)
         assert (listening["addr"], listening["metrics"]) == (

@@ -6,10 +6,12 @@ and parks the conversation; and no stage outlives `up`, even one SIGKILLed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,11 +90,8 @@ def test_up_stops_with_an_error_when_a_stage_cannot_start(tmp_path, model):
     up, _ = _up(
         tmp_path, model, "--no-cache", "--decode-path", "host-planned"
     )  # CUDA only: refused on the CPU
-    try:
+    with _killed_after(up):
         code = up.process.wait(UP_START_S)
-    finally:
-        if up.process.poll() is None:
-            up.process.kill()
     assert code == 1
     assert re.fullmatch(
         r"deltaserve up: error: stage [01] \(layers [0-9:]+, pid \d+\) exited with status 1; .*",
@@ -104,21 +103,28 @@ def test_up_stops_with_an_error_when_a_stage_cannot_start(tmp_path, model):
 def test_up_stops_with_an_error_when_a_stage_dies(tmp_path, model):
     """It used to stay up NOT_SERVING forever, and exit 0 when stopped."""
     up, port = _up(tmp_path, model, "--no-cache", "--executor-timeout", "3")
-    try:
+    with _killed_after(up):
         _listening(up, port)
         asked = ("--token-ids", "5,9,11", "--max-tokens", "4", "--addr", f"127.0.0.1:{port}")
         assert len(deltaserve_json("generate", *asked)["token_ids"]) == 4
         pids = _stage_pids(up)
         os.kill(pids[1], signal.SIGKILL)
         code = up.process.wait(60)
-    finally:
-        if up.process.poll() is None:
-            up.process.kill()
     assert code == 1
     assert _error_line(up).startswith(
         f"deltaserve up: error: stage 1 (layers 2:4, pid {pids[1]}) was killed by SIGKILL; "
     )
     _until_gone(pids, 5)
+
+
+@contextlib.contextmanager
+def _killed_after(up: Serving) -> Iterator[None]:
+    """`up` killed should the block leave it running (an assertion failed, a wait timed out)."""
+    try:
+        yield
+    finally:
+        if up.process.poll() is None:
+            up.process.kill()
 
 
 def _no_traceback(up: Serving) -> None:
@@ -138,11 +144,8 @@ def test_up_stops_with_the_error_when_a_stage_dies_while_it_starts(tmp_path, mod
     SIGTERM too); `describe`, once it attached, before `up` describes the group (it used to fail with a
     traceback)."""
     up, port = _up(tmp_path, model, "--no-cache", kill_stage_at=point)
-    try:
+    with _killed_after(up):
         code = up.process.wait(UP_START_S)
-    finally:
-        if up.process.poll() is None:
-            up.process.kill()
     assert code == 1
     assert _error_line(up).startswith(
         f"deltaserve up: error: stage 1 (layers 2:4, pid {_killed_pid(up)}) was killed by SIGKILL; "
@@ -157,15 +160,12 @@ def test_up_stops_with_the_error_when_a_stage_dies_while_it_drains(tmp_path, mod
     1 with the line naming the stage, as when one dies while serving; no traceback."""
     cache = ("--cache-dir", str(tmp_path / "snapshots"), "--cache-port", str(free_port()))
     up, port = _up(tmp_path, model, *cache, "--drain-timeout", "5", kill_stage_at="drain")
-    try:
+    with _killed_after(up):
         _listening(up, port)
         asked = ("--token-ids", "5,9,11,7,3", "--max-tokens", "4", "--conversation", "chat")
         deltaserve_json("generate", *asked, "--addr", f"127.0.0.1:{port}")
         up.process.send_signal(signal.SIGTERM)
         code = up.process.wait(90)
-    finally:
-        if up.process.poll() is None:
-            up.process.kill()
     (drained,) = [e for e in up.events() if e["event"] == "drained"]
     assert drained["parked"] == 0 and len(drained["not_parked"]) == 1, up.log_path.read_text()[-3000:]
     assert code == 1
