@@ -130,6 +130,17 @@ class PagePool:
         self.share(pages)
         return pages
 
+    def held_prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many pages of the longest indexed prefix of `hashes` are in use: a match shares those, where the
+        others (cached, free) it takes off the free list as an allocation would."""
+        held = 0
+        for page_hash in hashes:
+            page = self._page_of_hash.get(page_hash)
+            if page is None:
+                break
+            held += self._refcount[page] > 0
+        return held
+
     def register(self, hashes: Sequence[bytes], pages: Sequence[int]) -> list[int]:
         """Index the full pages of a sequence once written: hashes[i] names pages[i]. The pages newly indexed.
 

@@ -95,6 +95,7 @@ class Request:
     root: int | None = None  # end of the system prompt: a checkpoint kept while the cap allows
     pinned: int | None = None  # a shared read-only prefix: a checkpoint never evicted
     tenant: str = ""  # whose request: the seed of its prefix hashes (pages are shared within a tenant only)
+    _reusable: list[bytes] | None = field(default=None, repr=False)  # reusable_hashes', made once
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -145,6 +146,13 @@ class Request:
             return None
         known = self.prompt_ids + self.output_ids
         return known[: self.kv_len] if self.kv_len <= len(known) else None
+
+    def reusable_hashes(self, page_size: int) -> list[bytes]:
+        """The hashes of the prompt's full pages a prefix match may take (one token at least is left to read,
+        for its logits); made once: admission asks at each plan while the request waits."""
+        if self._reusable is None:
+            self._reusable = self.prefix_hashes((self.prompt_len - 1) // page_size * page_size, page_size)
+        return self._reusable
 
     def prefix_hashes(self, tokens: int, page_size: int) -> list[bytes]:
         """The hashes of the full pages of the prompt's first `tokens` tokens, seeded by its tenant."""

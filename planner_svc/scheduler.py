@@ -281,6 +281,8 @@ class Scheduler:
     # --- admission (the order: admission.py) ----------------------------------------------------
     def _can_admit(self, request: Request) -> bool:
         need = request.pages_needed(self.config.page_size) - len(request.pages)
+        if self.prefix_cache and not request.pages:  # prefix pages other requests hold take no free page
+            need -= self.pages.held_prefix(request.reusable_hashes(self.config.page_size))
         state_ok = request.brings_state or not self.states.enabled or self.states.free_count
         return self.pages.free_count >= need and bool(state_ok)
 
@@ -335,9 +337,7 @@ class Scheduler:
 
     def _match_prefix(self, request: Request) -> None:
         """Take the indexed full pages of the prompt's start, leaving at least one token to read."""
-        usable = (request.prompt_len - 1) // self.config.page_size
-        hashes = request.prefix_hashes(usable * self.config.page_size, self.config.page_size)
-        request.pages = self.pages.match_prefix(hashes)
+        request.pages = self.pages.match_prefix(request.reusable_hashes(self.config.page_size))
         request.reused = len(request.pages) * self.config.page_size
 
     # --- outputs -------------------------------------------------------------------------------

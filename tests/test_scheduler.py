@@ -325,6 +325,33 @@ def test_steady_message_size_does_not_grow_with_the_batch():
     assert sizes[1] == sizes[16] == sizes[64] <= 8, sizes
 
 
+def test_prefix_pages_another_request_holds_cost_no_free_page_at_admission():
+    """B's prompt shares two full pages with A, which holds them: B needs two new pages of its four, and three
+    are free, so B is let in beside A. Admission used to ask four free pages and keep B waiting (the planner
+    then relieved conversations to make room for nothing)."""
+    config = SchedulerConfig(
+        page_size=4,
+        pool_pages=8,
+        buckets=(1, 2),
+        max_seq_len=32,
+        vocab_size=100,
+        settings=SchedulingConfig(prefill_token_budget=64, prefix_cache=True),
+    )
+    scheduler = Scheduler(config, RowLayout.build([1, 2], 32, 4, 8))  # 7 pages
+    prompt = list(range(10, 22))  # 12 tokens: two full pages a match may take (one token is left to read)
+    first = Request("a", prompt, 5, Sampling(), tenant="t")
+    scheduler.add(first)
+    scheduler.plan(0)
+    scheduler.commit(0, np.zeros(0, np.int32), np.array([50], np.int32))
+    assert scheduler.pages.free_count == 3  # A holds 4 pages
+    second = Request("b", prompt, 5, Sampling(), tenant="t")
+    scheduler.add(second)
+    assert not scheduler.blocked()
+    step = scheduler.plan(1)
+    assert step is not None and [c.request for c in step.prefill] == [second] and second.reused == 8
+    assert scheduler.pages.free_count == 1
+
+
 def test_prefix_pages_are_shared_within_a_tenant_only():
     """The prefix hash chain is seeded by the tenant: B's identical prompt reuses none of A's pages."""
     config = SchedulerConfig(
