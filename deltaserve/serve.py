@@ -132,15 +132,21 @@ async def _start_up_planner(
     for addr in [a for group in planner_cfg.executor_groups for a in group]:
         if not await wait_for_executor(addr, stop, args.trust.executor_link):
             return None
-    planner = await start_planner_server(
-        planner_cfg,
-        args.host,
-        args.port,
-        security=args.trust.server,
-        executor_channel=args.trust.executor_link,  # its own executor, on loopback, with its service key
-        cache_channel=args.trust.cache_link,
-        metrics=registry,
+    # A stage that hangs after its health check holds the attach: a stop signal still ends it (serve_planner's).
+    _, planner = await until_stopped(
+        start_planner_server(
+            planner_cfg,
+            args.host,
+            args.port,
+            security=args.trust.server,
+            executor_channel=args.trust.executor_link,  # its own executor, on loopback, with its service key
+            cache_channel=args.trust.cache_link,
+            metrics=registry,
+        ),
+        stop,
     )
+    if planner is None:
+        return None
     servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
     http_fields = {}
     if args.http_port is not None:  # stopped before the planner; a drain answers its requests 503

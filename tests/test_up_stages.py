@@ -32,9 +32,14 @@ def model(tmp_path_factory) -> str:
 
 
 def _up(
-    tmp_path: Path, model: str, *flags: str, own_group: bool = False, kill_stage_at: str | None = None
+    tmp_path: Path,
+    model: str,
+    *flags: str,
+    own_group: bool = False,
+    kill_stage_at: str | None = None,
+    fault_signal: str = "SIGKILL",
 ) -> tuple[Serving, int]:
-    """kill_stage_at: stage 1 SIGKILLed at that point of `up`'s start or stop (tests/up_fault.py)."""
+    """kill_stage_at: stage 1 sent `fault_signal` at that point of `up`'s start or stop (tests/up_fault.py)."""
     port = free_port()
     up = Serving(
         tmp_path / "up.log",
@@ -44,7 +49,9 @@ def _up(
         *flags,
         own_group=own_group,
         module="tests.up_fault" if kill_stage_at else "deltaserve",
-        env={"UP_FAULT_KILL_STAGE_AT": kill_stage_at} if kill_stage_at else None,
+        env={"UP_FAULT_KILL_STAGE_AT": kill_stage_at, "UP_FAULT_SIGNAL": fault_signal}
+        if kill_stage_at
+        else None,
     )
     return up, port
 
@@ -153,6 +160,26 @@ def test_up_stops_with_the_error_when_a_stage_dies_while_it_starts(tmp_path, mod
     _no_traceback(up)
     assert not any(e["event"] == "listening" and e["addr"].endswith(f":{port}") for e in up.events())
     _until_gone(_stage_pids(up), 5)
+
+
+def test_a_stop_signal_ends_up_attaching_to_a_frozen_stage(tmp_path, model):
+    """Stage 1 frozen (SIGSTOP) once `up` saw every stage serve: the attach waits on it, and SIGTERM ends `up`
+    (it used to wait in the attach for ever once the signal had stopped the stages' watch)."""
+    up, _ = _up(tmp_path, model, "--no-cache", kill_stage_at="seen", fault_signal="SIGSTOP")
+    with _killed_after(up):
+        deadline = time.monotonic() + UP_START_S
+        while not any(e["event"] == "fault: stage killed" for e in up.events()):
+            assert up.process.poll() is None and time.monotonic() < deadline, up.log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        pid = _killed_pid(up)
+        time.sleep(1.0)  # into the attach, which waits on the frozen stage
+        up.process.send_signal(signal.SIGTERM)
+        try:
+            code = up.process.wait(60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # should `up` not have stopped it
+                os.kill(pid, signal.SIGKILL)
+    assert code == 0, up.log_path.read_text()[-3000:]
 
 
 def test_up_stops_with_the_error_when_a_stage_dies_while_it_drains(tmp_path, model):

@@ -2,7 +2,8 @@
 SIGKILLed, and reaped, at a point of `up`'s own (UP_FAULT_KILL_STAGE_AT) before `up` goes on, so a window of a
 few milliseconds is hit every time: `seen` once `up` saw every stage serve, before its planner attaches to the
 group; `describe` once the planner attached, before `up` describes the group and says it listens; `drain` as
-its drain begins (after a stop signal). Its log line `fault: stage killed` names the stage's pid."""
+its drain begins (after a stop signal). UP_FAULT_SIGNAL=SIGSTOP freezes the stage there instead. Its log line
+`fault: stage killed` names the stage's pid."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from deltaserve.logs import get_logger
 log = get_logger("tests.up_fault")
 POINT = os.environ["UP_FAULT_KILL_STAGE_AT"]
 RANK = int(os.environ.get("UP_FAULT_STAGE", "1"))
+# SIGKILL (reaped), or SIGSTOP: the stage frozen, alive to its sockets and answering nothing
+SIGNAL = signal.Signals[os.environ.get("UP_FAULT_SIGNAL", "SIGKILL")]
 _started: list[stages.StageAddresses] = []
 _seen: list[str] = []
 
@@ -26,9 +29,10 @@ def _kill_stage(point: str) -> None:
     if point != POINT:
         return
     process = _started[0].processes[RANK]
-    process.send_signal(signal.SIGKILL)
-    process.wait()  # dead before `up` goes on (and reaped: its return code stays for `up` to read)
-    log.info("fault: stage killed", point=point, rank=RANK, pid=process.pid)
+    process.send_signal(SIGNAL)
+    if SIGNAL is signal.SIGKILL:
+        process.wait()  # dead before `up` goes on (and reaped: its return code stays for `up` to read)
+    log.info("fault: stage killed", point=point, rank=RANK, pid=process.pid, signal=SIGNAL.name)
 
 
 _stage_processes = stages.stage_processes
