@@ -95,7 +95,8 @@ class Request:
     root: int | None = None  # end of the system prompt: a checkpoint kept while the cap allows
     pinned: int | None = None  # a shared read-only prefix: a checkpoint never evicted
     tenant: str = ""  # whose request: the seed of its prefix hashes (pages are shared within a tenant only)
-    _reusable: list[bytes] | None = field(default=None, repr=False)  # reusable_hashes', made once
+    # reusable_hashes', made once for a page size and tenant
+    _reusable: tuple[int, str, list[bytes]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -150,9 +151,10 @@ class Request:
     def reusable_hashes(self, page_size: int) -> list[bytes]:
         """The hashes of the prompt's full pages a prefix match may take (one token at least is left to read,
         for its logits); made once: admission asks at each plan while the request waits."""
-        if self._reusable is None:
-            self._reusable = self.prefix_hashes((self.prompt_len - 1) // page_size * page_size, page_size)
-        return self._reusable
+        if self._reusable is None or self._reusable[:2] != (page_size, self.tenant):
+            hashes = self.prefix_hashes((self.prompt_len - 1) // page_size * page_size, page_size)
+            self._reusable = (page_size, self.tenant, hashes)
+        return self._reusable[2]
 
     def prefix_hashes(self, tokens: int, page_size: int) -> list[bytes]:
         """The hashes of the full pages of the prompt's first `tokens` tokens, seeded by its tenant."""

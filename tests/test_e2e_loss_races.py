@@ -49,6 +49,7 @@ class FaultyLink(GrpcLink):
         self.back.set()
         self.described_as: dict[str, object] = {}
         self.refused_as: str | None = None
+        self.refusals = 0  # probes refused as `refused_as` says
         self._lost = asyncio.Event()
         self._reopened = asyncio.Event()
 
@@ -73,6 +74,7 @@ class FaultyLink(GrpcLink):
     async def describe(self) -> executor_pb2.ExecutorDescription:
         await self.back.wait()
         if self.refused_as is not None:
+            self.refusals += 1
             raise ValueError(self.refused_as)
         described = await super().describe()
         for name, value in self.described_as.items():
@@ -188,7 +190,10 @@ async def test_a_group_back_but_unable_to_serve_says_why_once(stack):
     link.refused_as = "stage 1 has no cache service (no --cache), stage 0 a cache service (--cache)"
     with capture_logs() as logs:
         link.end_stream()
-        await asyncio.sleep(2.5)  # the first probe after 0.1 s, then 0.2, 0.4, 0.8, 1.0 apart
+        deadline = asyncio.get_running_loop().time() + 60
+        while link.refusals < 3:  # probes 0.1, 0.2, 0.4 s apart, then up to 1 s
+            assert asyncio.get_running_loop().time() < deadline, "the planner stopped probing"
+            await asyncio.sleep(0.05)
         said = [e for e in logs if e["event"] == "the executor group is back but cannot serve"]
         assert [(e["error"], e["log_level"]) for e in said] == [(link.refused_as, "error")]
         assert not engine.serving

@@ -106,11 +106,14 @@ def test_the_metrics_port_listens_on_loopback_unless_told_otherwise(tmp_path):
 
 
 def test_tls_metrics_require_a_client_certificate_with_a_client_ca_and_shake_hands_off_the_accept_thread(
-    tmp_path,
+    tmp_path, monkeypatch
 ):
     """With --tls-client-ca the metrics port requires a client certificate, as the service's port does. A
     connection that never sends its TLS hello holds only its own thread: prometheus-client's own TLS shakes
     hands in the accepting thread, where such a connection stopped every scrape after it."""
+    monkeypatch.setattr(
+        "protos.metrics_port.TLS_CONNECTION_TIMEOUT_S", 120.0
+    )  # the idle one outlives the join
     pki = make_pki(str(tmp_path))
     registry = CollectorRegistry()
     Gauge("deltaserve_test_gauge", "a figure", registry=registry).set(7)
@@ -127,7 +130,7 @@ def test_tls_metrics_require_a_client_certificate_with_a_client_ca_and_shake_han
             target=lambda: answers.append(scrape(served.port, with_cert)), daemon=True
         )
         scraping.start()
-        scraping.join(5)  # less than the server's handshake timeout: the idle connection is still held
+        scraping.join(60)  # less than the server's handshake timeout: the idle connection is still held
         assert answers and "deltaserve_test_gauge 7.0" in answers[0]
     finally:
         idle.close()
