@@ -174,9 +174,8 @@ def sample_controlled(
     logits = logits.float()  # the head's dtype (bfloat16 on a GPU): the tables are of float32 logits
     adjusted = controls.apply(logits, slots)
     temperature, top_p, top_k, seed = params
-    min_p = torch.where(
-        controls.on[slots], controls.min_p[slots], 0.0
-    )  # a slot's last request's stays behind
+    # min_p as every control, read where the slot's controls are on: a slot's last request's stays behind
+    min_p = torch.where(controls.on[slots], controls.min_p[slots], 0.0)
     tokens = sample(adjusted, temperature, top_p, top_k, seed, counter, min_p=min_p)
     if controls.fused:
         from executor_svc.kernels.controls import fused_logprob_table

@@ -16,7 +16,7 @@ from protos.model_files import TRANSFORMERS_IMPORTS
 
 # Keywords xgrammar's JSON Schema converter does not enforce: a schema using one would be followed only in
 # part, so it is refused rather than half-honoured.
-UNSUPPORTED = frozenset(
+UNENFORCED_KEYWORDS = frozenset(
     {
         "not",
         "if",
@@ -116,7 +116,7 @@ def _subschemas(schema: Any, where: str) -> Iterator[tuple[str, dict]]:
 def _unenforced_here(node: dict) -> tuple[str, str] | None:
     """(what, why) of one schema, not its subschemas, that xgrammar would follow only in part, or None."""
     for key in node:
-        if key in UNSUPPORTED:
+        if key in UNENFORCED_KEYWORDS:
             return repr(key), ""
     every = node.get("allOf")
     if isinstance(every, list) and len(every) > 1:

@@ -116,31 +116,29 @@ class RequestClock:
         self.last: dict[
             int, float
         ] = {}  # by choice: n > 1 merges the choices' messages, a step's side by side
-        self.tokens = 0
 
     def sent(self, response: client_pb2.GenerateResponse) -> None:
         n = len(response.token_ids) // 4
         if not n:
             return
         now = time.perf_counter()
-        if self.tokens == 0:
+        if not self.last:  # the request's first tokens
             self.metrics.ttft.observe(now - self.arrived)
         last = self.last.get(response.index)  # None: the choice's first tokens (the request's: the TTFT)
         if last is not None:
             gap = (now - last) / n
             for _ in range(n):
                 self.metrics.itl.observe(gap)
-        self.last[response.index], self.tokens = now, self.tokens + n
+        self.last[response.index] = now
         self.metrics.generation_tokens.inc(n)  # as sent: a long stream counts while it runs
 
-    def ended(self, req: Request | None, mount: Mount, reason: str) -> None:
+    def ended(self, req: Request, mount: Mount, reason: str) -> None:
         """An admitted request's end. `reason`: stop | length | abort, or error for one that failed after
         admission (a request refused before admission never gets here: deltaserve_requests_refused_total)."""
         metrics = self.metrics
         metrics.duration.observe(time.perf_counter() - self.arrived)
         metrics.finished.labels(reason).inc()
-        if req is not None:
-            metrics.prompt_tokens.inc(req.prompt_len)
-            source = reuse_source(mount, req.reused)
-            if source is not None:
-                metrics.reused_tokens.labels(source).inc(req.reused)
+        metrics.prompt_tokens.inc(req.prompt_len)
+        source = reuse_source(mount, req.reused)
+        if source is not None:
+            metrics.reused_tokens.labels(source).inc(req.reused)
