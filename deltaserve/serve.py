@@ -118,6 +118,26 @@ async def _drain_planner(planner, drain_timeout_s: float) -> None:
     await drain(planner, drain_timeout_s)
 
 
+async def _attach_planner(
+    config: PlannerConfig, args: argparse.Namespace, registry: CollectorRegistry | None, stop: asyncio.Event
+):
+    """The planner server, attached to its executors (the executor links with the service key); None if
+    stopped first: an executor or stage that hung or died after its health check holds the attach (gRPC's wait
+    for ready), and a stop signal must still end it."""
+    from planner_svc.server import start_planner_server
+
+    attaching = start_planner_server(
+        config,
+        args.host,
+        args.port,
+        security=args.trust.server,
+        executor_channel=args.trust.executor_link,
+        cache_channel=args.trust.cache_link,
+        metrics=registry,
+    )
+    return (await until_stopped(attaching, stop))[1]
+
+
 async def _start_up_planner(
     servers: contextlib.AsyncExitStack,
     args: argparse.Namespace,
@@ -127,25 +147,10 @@ async def _start_up_planner(
     stop: asyncio.Event,
 ) -> tuple | None:
     """`up`'s planner (its stages serving first) and HTTP API: planner, HTTP fields, Describe; None if stopped."""
-    from planner_svc.server import start_planner_server
-
     for addr in [a for group in planner_cfg.executor_groups for a in group]:
         if not await wait_for_executor(addr, stop, args.trust.executor_link):
             return None
-    # A stage that hangs after its health check holds the attach: a stop signal still ends it (serve_planner's).
-    _, planner = await until_stopped(
-        start_planner_server(
-            planner_cfg,
-            args.host,
-            args.port,
-            security=args.trust.server,
-            executor_channel=args.trust.executor_link,  # its own executor, on loopback, with its service key
-            cache_channel=args.trust.cache_link,
-            metrics=registry,
-        ),
-        stop,
-    )
-    if planner is None:
+    if (planner := await _attach_planner(planner_cfg, args, registry, stop)) is None:
         return None
     servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
     http_fields = {}
@@ -283,28 +288,13 @@ async def wait_for_executor(addr: str, stop: asyncio.Event, security: ChannelSec
 
 
 async def serve_planner(args: argparse.Namespace, config: PlannerConfig, stop: asyncio.Event) -> int:
-    from planner_svc.server import start_planner_server
-
     for addr in [*config.executors, *(a for group in config.executor_groups for a in group)]:
         if not await wait_for_executor(addr, stop, args.trust.executor_link):
             log.info("stopped before the executors were up")
             return 0
     async with contextlib.AsyncExitStack() as servers:
         registry, metrics_fields = _metrics(servers, args)
-        # An executor that died or hung after its health check holds the attach: a stop signal still ends it.
-        _, planner = await until_stopped(
-            start_planner_server(
-                config,
-                args.host,
-                args.port,
-                security=args.trust.server,
-                executor_channel=args.trust.executor_link,
-                cache_channel=args.trust.cache_link,
-                metrics=registry,
-            ),
-            stop,
-        )
-        if planner is None:
+        if (planner := await _attach_planner(config, args, registry, stop)) is None:
             log.info("stopped while attaching to the executors")
             return 0
         servers.push_async_callback(planner.stop, SHUTDOWN_GRACE_S)
