@@ -5,8 +5,8 @@ per-slot grammar mask before each step that reads it.
 A step that reads a constrained slot needs that slot's previous token accepted first, so it waits for the
 steps launched before it (the only steps that lose the two-deep pipelining); steps without constrained rows
 never wait. xgrammar's view of the vocabulary takes seconds to build (the import, the tokenizer): a service's
-executor builds it on a thread of its own at start (`warm`), so no step waits for it; otherwise the first
-grammar does.
+executor builds it on a thread of its own at start (`warm`), so no step waits for it (a process exiting
+meanwhile waits for that thread first, WARM_EXIT_WAIT_S at most); otherwise the first grammar does.
 
 A grammar is compiled once and kept in a bounded LRU map (`cache_size` compiled grammars; one takes from tens
 of KB to a few MB), on the grammar thread (`compile_ahead`), the event loop free meanwhile: the planner asks
@@ -19,7 +19,9 @@ A schema that does not compile is a PlanError (INVALID_ARGUMENT), raised before 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -45,6 +47,22 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("deltaserve.executor.grammars")
 
+WARM_EXIT_WAIT_S = 30.0  # how long an exiting process waits for a warm build still under way
+# The warm builds under way. Python 3.11 ends a daemon thread that outlives finalization with pthread_exit, whose
+# forced unwind through xgrammar's C++ import aborts the process ("terminate called without an active
+# exception"): an exit joins them first. They stay daemon threads so a build that hangs holds an exit only
+# WARM_EXIT_WAIT_S.
+_warming: set[threading.Thread] = set()
+
+
+@atexit.register  # atexit runs before finalization, while a daemon thread still runs as usual
+def join_warm_builds(timeout: float = WARM_EXIT_WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    for thread in list(_warming):
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            log.warning("exiting with xgrammar's warm build still under way", waited_s=timeout)
+
 
 class Grammars:
     def __init__(
@@ -65,7 +83,9 @@ class Grammars:
         self._compiler: Future[Any] | None = None
         if warm:
             self._compiler = Future()
-            threading.Thread(target=self._build_compiler, name="grammar-compiler", daemon=True).start()
+            thread = threading.Thread(target=self._warm, name="grammar-compiler", daemon=True)
+            _warming.add(thread)
+            thread.start()
         self._compiled: BoundedLru[str, Any] = BoundedLru(cache_size)  # grammar text -> CompiledGrammar
         self._compiling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self.late_compiles = 0  # steps that waited for a grammar's compile (PrepareGrammar had not done it)
@@ -214,6 +234,12 @@ class Grammars:
         self._compiler = Future()
         self._build_compiler()
         return self._compiler.result()
+
+    def _warm(self) -> None:
+        try:
+            self._build_compiler()
+        finally:
+            _warming.discard(threading.current_thread())
 
     def _build_compiler(self) -> None:
         assert self._compiler is not None

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -18,6 +20,7 @@ from executor_svc.plan import PlanError
 from executor_svc.sampler_controls import SamplerControls
 from protos import executor_pb2
 from protos.grammar_compile import MAX_JSON_WHITESPACE
+from tests.test_cli import REPO, cli_env
 
 VOCAB = 49152  # SmolLM2's
 EOS = 2
@@ -135,3 +138,34 @@ def test_a_plan_of_several_steps_leaves_each_row_its_last_step_token(grammars):
     grammars._unfed.append((step, np.array([1, 2])))
     grammars.feed(None)
     assert grammars._last[[1, 2]].tolist() == [41, 42]
+
+
+# Registered before grammars.py is imported, so it runs after that module's own exit hook (atexit is LIFO), the
+# last thing before finalization: a warm build's thread still alive here would be unwound out of xgrammar.
+_EXIT_AT_ONCE = """
+import atexit, threading
+
+atexit.register(lambda: print("alive at exit:", [t.name for t in threading.enumerate() if t.name == "grammar-compiler"]))
+import torch
+from executor_svc.grammars import Grammars
+from executor_svc.sampler_controls import SamplerControls
+
+Grammars(SamplerControls(1, 49152, torch.device("cpu")), None, warm=True)
+"""
+
+
+def test_a_process_exiting_while_the_warm_build_runs_waits_for_it():
+    """An executor stopped right after start exits with xgrammar's warm build under way: its daemon thread, still
+    in xgrammar's import when the interpreter finalized, aborted the process ("terminate called without an
+    active exception"). The exit now joins it first."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_AT_ONCE],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=REPO,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "alive at exit: []" in done.stdout, done.stdout + done.stderr
+    assert "terminate called" not in done.stderr
