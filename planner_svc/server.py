@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from planner_svc.config import DEFAULT_MAX_WAITING, PlannerConfig
 from planner_svc.conversations import Mount
 from planner_svc.engine import Engine
-from planner_svc.engine_build import build_engine
+from planner_svc.engine_build import build_engine, release_attached
 from planner_svc.group_link import GroupLink
 from planner_svc.intake import Intake, model_eos_ids
 from planner_svc.link import ExecutorLink, GrpcLink
@@ -315,7 +315,8 @@ async def start_planner_server(
 ) -> StartedServer[PlannerServicer]:
     """Attach to the executors (waiting until they answer), then serve the client API.
 
-    Stopping the returned server stops the engines and closes the cache channel. `security`: TLS and API
+    Stopping the returned server stops the engines and closes the cache channel; a start that fails or is
+    cancelled part way (a stop signal while an executor does not answer) closes what it had opened. `security`: TLS and API
     keys of the client API; `executor_channel` and `cache_channel`: how it reaches the executors (TLS) and
     the cache (TLS, and the service key). `metrics`: the registry its metrics are recorded in (planner_svc/metrics.py).
     """
@@ -325,42 +326,53 @@ async def start_planner_server(
         links = [GrpcLink(address, executor_channel) for address in config.executors]
         links += [GroupLink.over(group, executor_channel) for group in config.executor_groups]
     descriptions = []
-    for link in links:
-        log.info("waiting for executor", executor=link.address)
-        try:
-            descriptions.append(await link.describe())
-        except grpc.aio.AioRpcError as error:
-            if error.code() != grpc.StatusCode.UNAUTHENTICATED:
-                raise
-            raise ValueError(  # a start-up mistake, said in one line (the CLI's)
-                f"executor {link.address} refused this planner: {error.details()}; give --executor-api-key, a "
-                "service key (a `* ` line) of the executor's --api-keys"
-            ) from None
-    fingerprints = {d.model_fingerprint for d in descriptions}
-    if len(fingerprints) > 1:
-        raise ValueError(f"the executors serve different models: {sorted(fingerprints)}")
-    tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
-    engines = [build_engine(d, link, config) for d, link in zip(descriptions, links)]
-    turns = Turns(engines, config.cache, cache_channel)
-    for engine in engines:
-        await engine.start()
-    servicer = PlannerServicer(engines, descriptions, tokenizer, turns, config.max_waiting)
-    if metrics is not None:
-        servicer.metrics = PlannerMetrics(metrics)
-        servicer.metrics.follow(lambda: [engine.scheduler for engine in engines])
+    opened: list[Engine] = []  # the engines started (or starting)
+    turns: Turns | None = None
+    try:
+        for link in links:
+            log.info("waiting for executor", executor=link.address)
+            descriptions.append(await _describe(link))
+        fingerprints = {d.model_fingerprint for d in descriptions}
+        if len(fingerprints) > 1:
+            raise ValueError(f"the executors serve different models: {sorted(fingerprints)}")
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
+        built = [build_engine(d, link, config) for d, link in zip(descriptions, links)]
+        turns = Turns(built, config.cache, cache_channel)
+        for engine in built:
+            opened.append(engine)
+            await engine.start()
+        servicer = PlannerServicer(built, descriptions, tokenizer, turns, config.max_waiting)
+        if metrics is not None:
+            servicer.metrics = PlannerMetrics(metrics)
+            servicer.metrics.follow(lambda: [engine.scheduler for engine in built])
+    except BaseException:  # a stop signal (a cancel) or a mistake part way: nothing opened is left behind
+        await release_attached(links, opened, None if turns is None else turns.parking)
+        raise
     started = await start_server(
         servicer,
         guarded(client_pb2_grpc.add_PlannerServicer_to_server),  # invalid UTF-8: INVALID_ARGUMENT
         (SERVICE_NAME,),
         host,
         port,
-        on_stop=[*(engine.stop for engine in engines), turns.parking.close],
+        on_stop=[*(engine.stop for engine in built), turns.parking.close],  # run should it fail too
         security=security,
         on_refused=servicer.refusals.key_refused,  # a key refused never reaches Generate: counted here
     )
     log_access(log, security)
-    _follow_executors(started, engines)
+    _follow_executors(started, built)
     log.info(
         "planner listening", address=f"{host}:{started.port}", executors=[link.address for link in links]
     )
     return started
+
+
+async def _describe(link: ExecutorLink) -> executor_pb2.ExecutorDescription:
+    try:
+        return await link.describe()
+    except grpc.aio.AioRpcError as error:
+        if error.code() != grpc.StatusCode.UNAUTHENTICATED:
+            raise
+        raise ValueError(  # a start-up mistake, said in one line (the CLI's)
+            f"executor {link.address} refused this planner: {error.details()}; give --executor-api-key, a "
+            "service key (a `* ` line) of the executor's --api-keys"
+        ) from None
