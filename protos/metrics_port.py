@@ -9,11 +9,13 @@ every tenant's snapshot count and bytes), so it listens where --metrics-host say
 with TLS serves it over TLS with the same certificate (and, with --tls-client-ca, requires a client certificate
 as its own port does). Each connection's handshake runs on that connection's thread, under a timeout:
 prometheus-client's own TLS option shakes hands in the accepting thread, where one connection that never sends
-its hello stops every scrape after it.
+its hello stops every scrape after it. Plain or TLS, each read and write of a connection has that timeout too: a
+client that connects and says nothing is dropped, not left holding its thread for ever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import threading
@@ -25,7 +27,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from protos.tls import ServerTLS
 
-TLS_CONNECTION_TIMEOUT_S = 10.0  # a TLS connection's handshake, and each read and write after it
+CONNECTION_TIMEOUT_S = 10.0  # a connection's TLS handshake, and each read and write (plain or TLS)
 
 
 @dataclass(slots=True)
@@ -45,20 +47,24 @@ class _QuietHandler(WSGIRequestHandler):
 
 class _MetricsHTTPServer(ThreadingWSGIServer):
     tls: ssl.SSLContext | None = None
+    timeout_s: float = CONNECTION_TIMEOUT_S
 
     def finish_request(self, request, client_address) -> None:
         """On the connection's own thread: its TLS handshake first, where the server has TLS. A client that fails
-        it (plaintext HTTP, an untrusted or missing client certificate, silence past the timeout) is dropped."""
+        it (plaintext HTTP, an untrusted or missing client certificate, silence past the timeout) is dropped, as
+        is one silent past the timeout after (wsgiref would print the timeout's traceback)."""
+        request.settimeout(self.timeout_s)
         if self.tls is None:
-            super().finish_request(request, client_address)
+            with contextlib.suppress(TimeoutError):
+                super().finish_request(request, client_address)
             return
-        request.settimeout(TLS_CONNECTION_TIMEOUT_S)
         try:
             connection = self.tls.wrap_socket(request, server_side=True)  # takes over (detaches) `request`
         except (OSError, ValueError):
             return
         try:
-            super().finish_request(connection, client_address)
+            with contextlib.suppress(TimeoutError):
+                super().finish_request(connection, client_address)
         finally:
             connection.close()
 
@@ -80,13 +86,18 @@ def _family(host: str, port: int) -> socket.AddressFamily:
 
 
 def serve_metrics(
-    registry: CollectorRegistry, host: str, port: int, tls: ServerTLS | None = None
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    tls: ServerTLS | None = None,
+    *,
+    timeout_s: float = CONNECTION_TIMEOUT_S,
 ) -> MetricsServer:
     """Serves `registry` at http://host:port/metrics (https:// with `tls`; 0: a free port); OSError naming the
-    address when it cannot listen there."""
+    address when it cannot listen there. `timeout_s`: a connection's handshake, and each read and write."""
     context = tls_context(tls) if tls is not None else None
     try:
-        settings = {"address_family": _family(host, port), "tls": context}
+        settings = {"address_family": _family(host, port), "tls": context, "timeout_s": timeout_s}
         server_class = type("MetricsHTTPServer", (_MetricsHTTPServer,), settings)
         server: WSGIServer = make_server(
             host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler

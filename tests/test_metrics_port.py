@@ -10,6 +10,7 @@ import signal
 import socket
 import ssl
 import threading
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
@@ -106,18 +107,16 @@ def test_the_metrics_port_listens_on_loopback_unless_told_otherwise(tmp_path):
 
 
 def test_tls_metrics_require_a_client_certificate_with_a_client_ca_and_shake_hands_off_the_accept_thread(
-    tmp_path, monkeypatch
+    tmp_path,
 ):
     """With --tls-client-ca the metrics port requires a client certificate, as the service's port does. A
     connection that never sends its TLS hello holds only its own thread: prometheus-client's own TLS shakes
     hands in the accepting thread, where such a connection stopped every scrape after it."""
-    monkeypatch.setattr(
-        "protos.metrics_port.TLS_CONNECTION_TIMEOUT_S", 120.0
-    )  # the idle one outlives the join
     pki = make_pki(str(tmp_path))
     registry = CollectorRegistry()
     Gauge("deltaserve_test_gauge", "a figure", registry=registry).set(7)
-    served = serve_metrics(registry, "127.0.0.1", 0, ServerTLS(pki.server.cert, pki.server.key, pki.ca.cert))
+    tls = ServerTLS(pki.server.cert, pki.server.key, pki.ca.cert)
+    served = serve_metrics(registry, "127.0.0.1", 0, tls, timeout_s=120.0)  # the idle one outlives the join
     idle = socket.create_connection(("127.0.0.1", served.port), timeout=10)  # connected, never says a word
     try:
         without = ssl.create_default_context(cafile=pki.ca.cert)
@@ -135,6 +134,27 @@ def test_tls_metrics_require_a_client_certificate_with_a_client_ca_and_shake_han
     finally:
         idle.close()
         served.stop()
+
+
+def test_a_silent_plain_connection_is_dropped_after_the_timeout_and_scrapes_go_on(capfd):
+    """A plaintext client that connects and sends nothing held its server thread for ever (the timeout was the
+    TLS handshake's alone); now it is hung up on once the connection's timeout passes, quietly, and scrapes
+    meanwhile are answered."""
+    registry = CollectorRegistry()
+    Gauge("deltaserve_test_gauge", "a figure", registry=registry).set(7)
+    served = serve_metrics(registry, "127.0.0.1", 0, timeout_s=0.5)
+    idle = socket.create_connection(("127.0.0.1", served.port), timeout=10)  # connected, never says a word
+    try:
+        connected = time.monotonic()
+        assert "deltaserve_test_gauge 7.0" in scrape(served.port)
+        idle.settimeout(5)
+        assert idle.recv(1) == b""  # the server hung up (a timeout here: it still holds the connection)
+        assert time.monotonic() - connected < 5
+        assert "deltaserve_test_gauge 7.0" in scrape(served.port)
+    finally:
+        idle.close()
+        served.stop()
+    assert "Traceback" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize(
