@@ -187,7 +187,7 @@ def add_planner_flags(flags: Flags) -> None:
         type=int_at_least(1),
         default=defaults.max_waiting,
         metavar="N",
-        help="queued requests before Generate answers RESOURCE_EXHAUSTED",
+        help="choices waiting for admission (a request of n takes n) before Generate answers RESOURCE_EXHAUSTED",
     )
     flags.option(
         "--executor-timeout",

@@ -77,7 +77,7 @@ class PlannerConfig:
     executor_groups: list[list[str]] = field(default_factory=list)
     # Tokenizer source: same meaning as ExecutorConfig.model (None = the SmolLM2 GGUF).
     model: str | None = None
-    max_waiting: int = DEFAULT_MAX_WAITING  # queued requests before Generate answers RESOURCE_EXHAUSTED
+    max_waiting: int = DEFAULT_MAX_WAITING  # waiting choices (n per request) before RESOURCE_EXHAUSTED
     inflight_plans: int = 2  # plans in flight per executor: the step running and the next
     # Seconds a step may go without output (plus 25 ms per prompt token it reads) before its executor
     # counts as hung: lost, its requests failed or re-queued, and reconnected.

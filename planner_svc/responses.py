@@ -14,6 +14,7 @@ from planner_svc.conversations import Mount
 from planner_svc.engine import Engine
 from planner_svc.requests import Finish, Request
 from planner_svc.streaming import TokenEvent
+from planner_svc.waiting_room import Held
 from protos import client_pb2
 from protos.wire import pack_i32
 
@@ -38,15 +39,19 @@ class ResponseStreams:
         queue: asyncio.Queue[TokenEvent],
         context: grpc.aio.ServicerContext,
         n: int,
+        held: Held,
     ):
         """The n choices of a request, merged; the others start once the first has read the prompt (unless it
-        was aborted meanwhile), and join `first.choices` as they do (what an Abort ends besides the first)."""
+        was aborted meanwhile), and join `first.choices` as they do (what an Abort ends besides the first).
+        `held` counts them against --max-waiting until they are queued."""
 
         async def later(other: Request):
             await prompt_read(first)
             if first.finish is Finish.ABORT:
+                held.let_go()  # never to be queued
                 return
             other_queue = engine.submit(other)
+            held.let_go()  # counted by the scheduler's waiting queue from here
             first.choices.append(other)
             async for response in self.one(other, engine, other_queue, context, Mount()):
                 yield response

@@ -25,7 +25,8 @@ from planner_svc.refusals import Refusals
 from planner_svc.requests import Finish, Request
 from planner_svc.responses import ResponseStreams
 from planner_svc.turns import Turns
-from planner_svc.validation import InvalidRequest, check_named
+from planner_svc.validation import MAX_CHOICES, InvalidRequest, check_named
+from planner_svc.waiting_room import WaitingRoom
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.auth import TenantMismatch, request_tenant, tenant_of
 from protos.decode_guard import guarded
@@ -62,9 +63,9 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         max_waiting: int = DEFAULT_MAX_WAITING,
     ):
         self.engines = engines
-        self.max_waiting = max_waiting  # requests waiting for admission, all engines together
-        # Past that check, not yet queued or refused (tokenizing, a turn's lock, a restore): counted by it too.
-        self.starting = 0
+        self.max_waiting = max_waiting  # choices waiting for admission, all engines together
+        # Choices past that check in no scheduler's queue yet (being prepared, n > 1's later ones): counted too.
+        self.room = WaitingRoom()
         self.turns = turns
         self.description = descriptions[0]
         self.tokenizer = tokenizer
@@ -117,16 +118,13 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         mount = Mount()
         clock = self.metrics.request() if self.metrics is not None else None  # from the request's arrival
         try:
-            waiting = self.starting + sum(len(engine.scheduler.waiting) for engine in self.engines)
-            if waiting >= self.max_waiting:
-                raise CapacityError(
-                    f"the waiting queue is full: {waiting} requests wait for admission (--max-waiting "
-                    f"{self.max_waiting}); retry later",
-                    retryable=True,
-                )
-            # No await since the check: requests arriving together cannot all pass it. A turn waiting for its
-            # conversation's lock counts as well (it waits to be queued, and any number may pile up on one lock).
-            self.starting += 1
+            # A request queues its n choices (an n out of range counts as one: intake refuses it).
+            choices = request.n if 1 <= request.n <= MAX_CHOICES else 1
+            queued = sum(len(engine.scheduler.waiting) for engine in self.engines)
+            # No await before the room is taken: requests arriving together cannot all pass the check. A turn
+            # waiting for its conversation's lock counts as well (it waits to be queued, and any number may pile
+            # up on one lock).
+            held = self.room.enter(choices, queued, self.max_waiting)
             try:
                 req, messages = await self.intake.prepare(request, request_id)
                 if request.conversation_id:
@@ -138,8 +136,10 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                     engine = self.turns.least_loaded()
                     await self.turns.prepare(engine, req)
                     queue = engine.submit(req)
-            finally:  # queued (in a scheduler's waiting queue now), refused or cancelled
-                self.starting -= 1
+                held.let_go()  # the first choice is in a scheduler's waiting queue now, counted there
+            except BaseException:  # refused or cancelled: none of its choices will be queued
+                held.close()
+                raise
         except ValueError as error:  # refused before admission: counted by code
             await self.refusals.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except CapacityError as error:
@@ -157,7 +157,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         reason = "error"  # a status other than OK; a client gone is an abort
         try:
             if request.n > 1:
-                stream = self.responses.choices(req, engine, queue, context, request.n)
+                stream = self.responses.choices(req, engine, queue, context, request.n, held)
             else:
                 stream = self.responses.one(req, engine, queue, context, mount)
             async for response in stream:
@@ -169,12 +169,18 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             reason = "abort"
             raise
         finally:
+            held.close()  # later choices never queued (the first aborted, the client gone, an error)
             if clock is not None:
                 clock.ended(req, mount, reason)
             self._requests.pop((req.tenant, request_id), None)
             if req.finish is None:  # the client went away: free its pages and slot
                 engine.abort(req)
                 log.info("client disconnected; request aborted")
+
+    @property
+    def starting(self) -> int:
+        """Choices past the --max-waiting check in no scheduler's waiting queue yet."""
+        return self.room.held
 
     @staticmethod
     async def _owner(

@@ -192,6 +192,60 @@ async def test_requests_arriving_together_wait_no_more_than_the_limit(keyed, mon
     await stack.wait_idle()
 
 
+def _long(i: int = 0, n: int = 1) -> GenerateOptions:
+    """6 of the 7 pages: none fits beside it."""
+    return GenerateOptions(token_ids=[1 + i] * 8, max_tokens=80, ignore_eos=True, n=n)
+
+
+async def _refused(call) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, caught.value.details()
+    return caught.value
+
+
+async def test_the_waiting_queue_counts_a_request_by_its_choices(keyed, monkeypatch):
+    """A request of n choices queues n (the later ones once the first has read the prompt): it takes room for n.
+    It used to count as one, so the queue grew past the limit. Refused, retryable, when they do not fit now;
+    refused at once, as one that never fits, when n alone is over the limit."""
+    stack, client, _, model = keyed
+    limit = 3
+    monkeypatch.setattr(stack.planner, "max_waiting", limit)
+    await stack.wait_idle()
+    async with PlannerClient(stack.addr, ChannelSecurity(api_key=ALICE)) as planner:
+        never = await _refused(
+            planner.generate_choices(GenerateOptions(token_ids=[5] * 4, max_tokens=2, n=4))
+        )
+        assert f"n is 4: more choices than the waiting queue holds (--max-waiting {limit})" in never.details()
+        assert dict(never.trailing_metadata() or ()).get(NEVER_FITS_METADATA) == "1"
+        with pytest.raises(openai.BadRequestError, match="n is 4: more choices"):  # no retry mends it: 400
+            await client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, n=4)
+        running = asyncio.create_task(planner.generate_all(_long()))
+        await _until(lambda: stack.scheduler.running, "the long request did not start")
+        one = asyncio.create_task(planner.generate_all(_long(1)))
+        await _until(lambda: len(stack.scheduler.waiting) == 1, "the second request was not queued")
+        # 1 waits: 3 more choices would make 4
+        full = await _refused(planner.generate_choices(_long(2, n=3)))
+        assert (
+            f"queue is full: 1 requests wait for admission (--max-waiting {limit}), no room for this "
+            "request's 3 choices; retry later" in full.details()
+        )
+        assert NEVER_FITS_METADATA not in dict(full.trailing_metadata() or ())
+        # 2 more fit: the first queued, the second counted while it waits for the first to read the prompt
+        pair = asyncio.create_task(planner.generate_choices(_long(3, n=2)))
+        await _until(lambda: len(stack.scheduler.waiting) == 2, "the pair's first choice was not queued")
+        assert stack.planner.starting == 1
+        last = await _refused(planner.generate_all(_long(4)))
+        assert (
+            f"queue is full: 3 requests wait for admission (--max-waiting {limit}); retry" in last.details()
+        )
+        for task in (running, one, pair):
+            task.cancel()
+        await asyncio.gather(running, one, pair, return_exceptions=True)
+    await stack.wait_idle()
+    assert stack.planner.starting == 0  # the pair's second choice, never queued, counted no more
+
+
 async def test_a_tenant_key_naming_another_tenant_is_403(keyed):
     _, client, base, model = keyed
     fields = dict(model=model, messages=QUESTION, max_tokens=1)
