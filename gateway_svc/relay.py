@@ -19,8 +19,9 @@ from protos import client_pb2
 
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection: logged, never read
-# A batch's calls at once: a quarter of the planner's default waiting queue (--max-waiting 1024), so a batch never
-# fills it alone; wider than the widest decode bucket, so a batch still decodes as one.
+# A batch's choices in flight at once: a quarter of the planner's default waiting queue (--max-waiting 1024, which
+# counts choices), so a batch never fills it alone; wider than the widest decode bucket, so a batch still decodes
+# as one.
 BATCH_IN_FLIGHT = 256
 
 
@@ -107,9 +108,9 @@ async def _one(planner: PlannerClient, choice: Choice, key: str | None) -> Async
 async def responses(
     planner: PlannerClient, choices: list[Choice], key: str | None
 ) -> AsyncGenerator[Response, None]:
-    """The responses of every prompt's choices as they arrive, at most BATCH_IN_FLIGHT calls at once (a batch of
-    more prompts than the planner's waiting queue holds would fill it alone, and be refused on every retry).
-    Closing it early (or an error in one call) cancels every call still running."""
+    """The responses of every prompt's choices as they arrive, as many calls at once as hold BATCH_IN_FLIGHT
+    choices, one at least (a batch of more choices than the planner's waiting queue holds would fill it alone,
+    and be refused on every retry). Closing it early (or an error in one call) cancels every call still running."""
     streams = [_one(planner, choice, key) for choice in choices]
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]) as only:
@@ -117,7 +118,7 @@ async def responses(
                 yield item
         return
     queue: asyncio.Queue[tuple[Response | None, BaseException | None]] = asyncio.Queue()
-    in_flight = asyncio.Semaphore(BATCH_IN_FLIGHT)
+    in_flight = asyncio.Semaphore(max(1, BATCH_IN_FLIGHT // max(choice.options.n for choice in choices)))
 
     async def pump(stream: AsyncGenerator[Response, None]) -> None:
         try:

@@ -1,7 +1,7 @@
 """The HTTP statuses of the planner's refusals, end to end with OpenAI's client over a small keyed stack
 (SmolLM2 on the CPU, 7 KV pages of 16 tokens, one request may wait): 400 for a request that can never fit and
 429 with Retry-After for a full waiting queue (both RESOURCE_EXHAUSTED), the queue's limit kept by requests
-arriving together, a batch sent a window at a time, 403 for a tenant key acting for another
+arriving together and counted in choices, a batch sent a window of choices at a time, 403 for a tenant key acting for another
 tenant (PERMISSION_DENIED, as over gRPC), and the service key acting for any tenant; the same for deleting a
 conversation."""
 
@@ -244,6 +244,31 @@ async def test_the_waiting_queue_counts_a_request_by_its_choices(keyed, monkeypa
         await asyncio.gather(running, one, pair, return_exceptions=True)
     await stack.wait_idle()
     assert stack.planner.starting == 0  # the pair's second choice, never queued, counted no more
+
+
+async def test_a_batch_window_counts_choices(keyed, monkeypatch):
+    """A completions batch keeps BATCH_IN_FLIGHT choices in flight, not calls: the queue counts choices, so two
+    calls of two choices against a queue of two would have the second refused (429) and the batch with it."""
+    from gateway_svc import relay
+
+    stack, _, base, model = keyed
+    monkeypatch.setattr(relay, "BATCH_IN_FLIGHT", 2)
+    monkeypatch.setattr(stack.planner, "max_waiting", 2)
+    prepare = stack.planner.intake.prepare
+
+    async def slow_prepare(*args):  # every call in flight passes the check before the first is queued
+        await asyncio.sleep(0.3)
+        return await prepare(*args)
+
+    monkeypatch.setattr(stack.planner.intake, "prepare", slow_prepare)
+    await stack.wait_idle()
+    async with httpx.AsyncClient(timeout=120, headers={"authorization": f"Bearer {ALICE}"}) as http:
+        answer = await http.post(
+            f"{base}/completions", json={"model": model, "prompt": ["Hi"] * 4, "n": 2, "max_tokens": 1}
+        )
+    assert answer.status_code == 200, answer.text
+    assert sorted(choice["index"] for choice in answer.json()["choices"]) == list(range(8))
+    await stack.wait_idle()
 
 
 async def test_a_tenant_key_naming_another_tenant_is_403(keyed):
