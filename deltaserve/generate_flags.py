@@ -73,7 +73,7 @@ def add_generate_command(generate: Flags) -> None:
     generate.switch(
         "--json",
         help="print one JSON object at the end instead of streaming the text (with reused_tokens, "
-        "read_tokens, checkpoint and diverged_at)",
+        "read_tokens, checkpoint, diverged_at and the seed, drawn by the planner where --seed is not given)",
     )
 
 

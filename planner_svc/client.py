@@ -34,6 +34,7 @@ class Generation:
     diverged_at: int  # where the prompt first differed from the conversation's stored tokens; -1: nowhere
     index: int = 0  # the choice (0 to n - 1)
     stop_string: str = ""  # the stop string that ended it, if one did
+    seed: int | None = None  # the request's seed (the planner's drawn one where unset): sent back, it repeats
     logprobs: list[client_pb2.TokenLogprobs] = field(default_factory=list)  # one per token, with logprobs
 
 
@@ -254,8 +255,8 @@ class PlannerClient:
     async def generate(
         self, options: GenerateOptions, key: str | None = None
     ) -> AsyncGenerator[client_pb2.GenerateResponse, None]:
-        """Streams the GenerateResponses of one request. The last response carries the finish reason and
-        what was reused (reused_tokens, read_tokens, checkpoint, diverged_at).
+        """Streams the GenerateResponses of one request. The last response carries the finish reason, the
+        seed and what was reused (reused_tokens, read_tokens, checkpoint, diverged_at).
 
         Leaving the loop early cancels the call, which the planner treats as an abort.
         """
@@ -306,6 +307,7 @@ class PlannerClient:
                 diverged_at=end.diverged_at,
                 index=index,
                 stop_string=end.stop_string,
+                seed=end.seed if end.HasField("seed") else None,  # None: a planner from before the field
                 logprobs=logprobs[index],
             )
             for index, end in sorted(last.items())

@@ -24,6 +24,7 @@ from protos.wire import unpack_i32
 log = structlog.get_logger("deltaserve.planner")
 
 TOKENIZING_THREADS = 2
+DRAWN_SEED_BITS = 53  # an unseeded request's seed: JavaScript's Number holds every integer below 2^53
 
 Messages = list[dict[str, str]]
 
@@ -121,8 +122,9 @@ class Intake:
             temperature=params.temperature if params.temperature >= GREEDY_BELOW else 0.0,
             top_p=params.top_p if params.HasField("top_p") else 1.0,
             top_k=params.top_k,
-            # unset: a seed drawn here, so unseeded requests differ (n choices draw from it + i: choices.py)
-            seed=params.seed if params.HasField("seed") else secrets.randbits(64),
+            # unset: a seed drawn here, so unseeded requests differ (n choices draw from it + i: choices.py);
+            # 53 bits, so the seed reported back (GenerateResponse.seed) is exact as a JSON number too
+            seed=params.seed if params.HasField("seed") else secrets.randbits(DRAWN_SEED_BITS),
             min_p=params.min_p,
             repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
             frequency_penalty=params.frequency_penalty,

@@ -53,7 +53,8 @@ class ResponseStreams:
             other_queue = engine.submit(other)
             held.let_go()  # counted by the scheduler's waiting queue from here
             first.choices.append(other)
-            async for response in self.one(other, engine, other_queue, context, Mount()):
+            # each choice reports the request's seed (what repeats it), not its own seed + i
+            async for response in self.one(other, engine, other_queue, context, Mount(), first.sampling.seed):
                 yield response
 
         streams = [self.one(first, engine, queue, context, Mount())]
@@ -73,9 +74,11 @@ class ResponseStreams:
         queue: asyncio.Queue[TokenEvent],
         context: grpc.aio.ServicerContext,
         mount: Mount,
+        seed: int | None = None,
     ):
         """One choice's responses from its token events: text, stop strings, logprobs; the last with its finish
-        and what it reused."""
+        and what it reused. The first and the last carry the request's `seed` (default: the choice's own)."""
+        seed = req.sampling.seed if seed is None else seed
         choice = ChoiceText(self.tokenizer, req.stop_strings, req.min_tokens, req.sampling.top_logprobs)
         first = True
         while True:
@@ -100,12 +103,14 @@ class ResponseStreams:
             )
             if first:
                 response.prompt_tokens = req.prompt_len
+                response.seed = seed
                 first = False
             if finish is Finish.ABORT and (req.tenant, req.request_id) in self.cut:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, self.cut.pop((req.tenant, req.request_id)))
             if finish is not None:
                 response.finish_reason = _FINISH[finish]
                 response.prompt_tokens = req.prompt_len
+                response.seed = seed
                 response.reused_tokens = req.reused
                 response.read_tokens = req.prompt_len - req.reused
                 response.checkpoint = _mounted(req, mount)

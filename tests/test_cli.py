@@ -925,6 +925,7 @@ async def test_generate_command_streams_and_prints_json_like_the_client(smol_sta
 
     printed = json.loads(await deltaserve_generate("--json", "--request-id", "cli-json"))
     reuse = {key: printed.pop(key) for key in ("reused_tokens", "read_tokens", "checkpoint", "diverged_at")}
+    assert isinstance(printed.pop("seed"), int)  # no --seed: the one the planner drew
     assert printed == {
         "request_id": "cli-json",
         "token_ids": expected.token_ids,

@@ -41,6 +41,31 @@ async def test_unseeded_requests_draw_their_own_seeds_and_seed_0_is_a_seed(smol_
     assert zero[0].token_ids == zero[1].token_ids and len(zero[0].token_ids) == 40
 
 
+async def test_an_unseeded_request_reports_the_seed_it_drew_which_repeats_it(smol_stack):
+    """The seed the planner drew comes back (GenerateResponse.seed, on the first message and the last): sent as
+    the seed, it repeats the tokens. A seeded request reports its own (0 too); with n, every choice reports the
+    request's seed, which repeats them all."""
+    params = dict(text="Once upon a time", max_tokens=24, temperature=1.0, ignore_eos=True)
+    async with PlannerClient(smol_stack.addr) as client:
+        responses = [response async for response in client.generate(GenerateOptions(**params))]
+        tokens = [token for response in responses for token in unpack_i32(response.token_ids).tolist()]
+        first, last = responses[0], responses[-1]
+        assert first.HasField("seed") and last.HasField("seed") and first.seed == last.seed
+        assert not any(response.HasField("seed") for response in responses[1:-1])
+        drawn = last.seed
+        assert 0 <= drawn < 2**53  # exact as a JSON number (the HTTP API's deltaserve.seed)
+        again = await client.generate_all(GenerateOptions(seed=drawn, **params))
+        other = await client.generate_all(GenerateOptions(**params))  # another draw
+        zero = await client.generate_all(GenerateOptions(seed=0, **params))
+        pair = await client.generate_choices(GenerateOptions(n=2, **params))
+        repeated = await client.generate_choices(GenerateOptions(n=2, seed=pair[0].seed, **params))
+    assert (again.token_ids, again.seed) == (tokens, drawn)
+    assert other.seed != drawn and other.token_ids != tokens
+    assert zero.seed == 0
+    assert pair[0].seed is not None and [c.seed for c in pair] == [pair[0].seed] * 2
+    assert [c.token_ids for c in repeated] == [c.token_ids for c in pair]
+
+
 async def test_text_and_token_id_prompts(smol_stack):
     async with PlannerClient(smol_stack.addr) as client:
         by_text = await client.generate_all(GenerateOptions(text="The capital of France is", max_tokens=5))
