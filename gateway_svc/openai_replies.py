@@ -89,7 +89,7 @@ def logprobs(kind: Kind, entries: Sequence[client_pb2.TokenLogprobs], state: Cho
 
 
 def extension(state: ChoiceState, conversation: str) -> dict[str, Any]:
-    """deltaserve's extension object: what the request reused and where its history diverged."""
+    """deltaserve's extension object: what the request reused, where its history diverged, and its seed."""
     last = state.last
     assert last is not None
     return {
@@ -99,6 +99,8 @@ def extension(state: ChoiceState, conversation: str) -> dict[str, Any]:
         "diverged_at": last.diverged_at,  # where the prompt first differed from the stored history; -1: nowhere
         "reused_tokens": last.reused_tokens,
         "read_tokens": last.read_tokens,
+        # the planner's request's seed, drawn where the body had none: sent back as `seed`, it repeats the answer
+        "seed": last.seed if last.HasField("seed") else None,
     }
 
 

@@ -1,7 +1,8 @@
 """The sampling controls through the HTTP API (OpenAI's client, the real stack): stop strings split across
-tokens, n choices with seeds, logprobs as the planner's sampler reports them, the penalties forwarded, and
-response_format's JSON, and a schema feature it cannot enforce (or xgrammar cannot compile) a 400 naming it,
-failing that request alone; vLLM's extensions it cannot honour a 400 naming them."""
+tokens, n choices with seeds, an unseeded answer's seed (the extension object's) repeating it, logprobs as the
+planner's sampler reports them, the penalties forwarded, and response_format's JSON, and a schema feature it
+cannot enforce (or xgrammar cannot compile) a 400 naming it, failing that request alone; vLLM's extensions it
+cannot honour a 400 naming them."""
 
 from __future__ import annotations
 
@@ -56,6 +57,22 @@ async def test_n_seeded_choices_differ_and_repeat(http):
     assert texts[0] != texts[1]
     assert 2 <= first.usage.completion_tokens <= 2 * 6  # every choice counted
     assert first.usage.prompt_tokens == again.usage.prompt_tokens  # the prompt counted once
+
+
+async def test_an_unseeded_answer_reports_its_seed_which_repeats_it(http):
+    """The extension object carries the seed the planner drew (whole and streamed); sent back, it repeats."""
+    fields = dict(model=http.model, messages=QUESTION, max_tokens=8, temperature=1.5)
+    first = await http.client.chat.completions.create(**fields)
+    seed = first.model_extra["deltaserve"]["seed"]
+    assert isinstance(seed, int)
+    again = await http.client.chat.completions.create(**fields, seed=seed)
+    assert again.model_extra["deltaserve"]["seed"] == seed
+    assert again.choices[0].message.content == first.choices[0].message.content
+    stream = await http.client.chat.completions.create(**fields, stream=True)
+    chunks = [chunk async for chunk in stream]
+    streamed = chunks[-1].model_extra["deltaserve"]["seed"]
+    repeated = await http.client.chat.completions.create(**fields, seed=streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == repeated.choices[0].message.content
 
 
 async def test_logprobs_are_the_samplers(http):
