@@ -277,16 +277,22 @@ class Conversations:
         conversation.drop_states(conversation.retention.add(position, root=root, pinned=pinned))
 
     def drop_state_copy(self) -> list[int] | None:
-        """State-slot pressure: the least recently used idle conversation holding copies gives one back (its
-        retention's victim), or, with only its newest (or pin) left, forgets what it kept. Returns the pages to
-        free; None when no idle conversation holds a copy."""
-        idle = [c for c in self._by_key.values() if c.states and c.idle]
+        """State-slot pressure: the least recently used idle conversation holding a copy other than its pin's
+        gives one back: its retention's victim, else its newest. A pin's copy is never given back, as retention
+        never evicts a pin: with the pin left, the conversation keeps it and its pages (its next turn resumes
+        from the pin); with nothing left, it forgets what it kept. Returns the pages to free; None when no idle
+        conversation holds such a copy."""
+        idle = [c for c in self._by_key.values() if c.idle and set(c.states) - {c.retention.pinned}]
         conversation = min(idle, key=lambda c: c.last_used, default=None)
         if conversation is None:
             return None
-        victim = conversation.retention.evict_one()
-        if victim is None:
-            return conversation.forget()
+        retention = conversation.retention
+        victim = retention.evict_one()
+        if victim is None:  # only the newest is left besides a pin
+            if retention.pinned is None:
+                return conversation.forget()
+            victim = retention.positions[-1]
+            retention.remove(victim)
         conversation.drop_states([victim])
         return []
 
