@@ -64,9 +64,16 @@ class Conversation:
             if slot is not None and self.state_pool is not None:
                 self.state_pool.give_back(slot)
 
+    @property
+    def pin_copy(self) -> int:
+        """The state slot of its pinned checkpoint's copy; 0: none."""
+        pinned = self.retention.pinned
+        return self.states.get(pinned, 0) if pinned is not None else 0
+
     def hand_over_state(self, slot: int) -> None:
         """The turn resuming from the checkpoint holding `slot` takes the slot itself (no slot was free for a
-        copy): the checkpoint is gone, the turn's end makes a new one."""
+        copy): the checkpoint is gone, the turn's end makes a new one. Never the pin's (Request.brings_state)."""
+        assert slot != self.pin_copy, "a pin's state copy is never handed over"
         position = next(p for p, held in self.states.items() if held == slot)
         del self.states[position]
         self.retention.remove(position)

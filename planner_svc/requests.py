@@ -166,5 +166,9 @@ class Request:
 
     @property
     def brings_state(self) -> bool:
-        """It needs no free recurrent-state slot: it holds one, or takes its checkpoint's."""
-        return bool(self.state_slot or self.state_source)
+        """It needs no free recurrent-state slot: it holds one, or takes its checkpoint's. Never a pin's: that
+        copy stays the pin's, so a turn resuming from its pin copies it into a free slot."""
+        if self.state_slot:
+            return True
+        pin = self.conversation.pin_copy if self.conversation is not None else 0
+        return bool(self.state_source) and self.state_source != pin

@@ -1,11 +1,18 @@
 """A pinned checkpoint of a hybrid conversation (a shared prefix's state copy) under state-slot pressure: pressure
-never takes the pin's copy back (retention never evicts a pin). Pure classes: Conversations, StateSlots."""
+never takes the pin's copy back (retention never evicts a pin), and a turn resuming from the pin copies it into a
+free slot rather than taking the pin's own. Pure classes: Conversations, StateSlots, the scheduler."""
 
 from __future__ import annotations
 
+import numpy as np
+
+from planner_svc.config import SchedulingConfig
 from planner_svc.conversations import Conversations
+from planner_svc.requests import Request
 from planner_svc.retention import RetentionConfig
+from planner_svc.scheduler import Scheduler, SchedulerConfig
 from planner_svc.state_slots import StateSlots
+from protos.layout import RowLayout
 
 PAGE = 4
 
@@ -59,3 +66,64 @@ def test_state_pressure_takes_an_older_conversations_unpinned_copies_before_none
     assert conversations.drop_state_copy() == [7] and not other.states and not other.tokens  # all it kept
     assert pinned.states == {10: pin_slot}
     states.check()
+
+
+def _scheduler(state_slots: int, conversations: Conversations) -> Scheduler:
+    layout = RowLayout.build([2], max_seq_len=64, page_size=PAGE, pool_pages=64)
+    config = SchedulerConfig(
+        page_size=PAGE,
+        pool_pages=64,
+        buckets=(1, 2),
+        max_seq_len=64,
+        vocab_size=100,
+        state_slots=state_slots,
+        settings=SchedulingConfig(prefill_token_budget=64),
+    )
+    return Scheduler(config, layout, conversations)
+
+
+def _run(scheduler: Scheduler, seq: int) -> tuple[int, list[list[tuple[int, int]]]]:
+    """Steps until the scheduler is idle: (the next seq, each step's state copies)."""
+    copies = []
+    while not scheduler.idle:
+        step = scheduler.plan(seq)
+        assert step is not None
+        copies.append(step.state_copies)
+        prefill = np.array([20 + seq if c.sample_slot else -1 for c in step.prefill], np.int32)
+        scheduler.commit(seq, np.full(len(step.rows), 20 + seq, np.int32), prefill)
+        seq += 1
+    return seq, copies
+
+
+def test_a_turn_resuming_from_its_pin_waits_for_a_free_slot_rather_than_take_the_pins():
+    """Two state slots: the pin's copy and a request running. The conversation's turn, its history edited after
+    the pin, resumes from the pin: it waits for the running request's slot and copies the pin's state into it,
+    so the pin still holds after the turn (taking the pin's own slot would end the pin with the turn)."""
+    conversations = Conversations(PAGE, RetentionConfig())
+    scheduler = _scheduler(state_slots=3, conversations=conversations)
+    chat = conversations.open("tenant", "pin")
+    first = Request("turn0", [5, 6, 7, 8, 9, 10, 11], max_tokens=2)
+    first.conversation, first.pinned = chat, 3
+    conversations.mount(chat, first.prompt_ids)
+    scheduler.add(first)
+    seq, _ = _run(scheduler, 0)
+    pin_slot, end_slot = chat.states[3], chat.states[8]
+    assert sorted(chat.states) == [3, 8] and chat.retention.pinned == 3 and not scheduler.states.free_count
+    other = Request("other", [1, 2, 3], max_tokens=3)
+    scheduler.add(other)
+    turn = Request("turn1", first.prompt_ids[:5] + [40, 41], max_tokens=2)
+    mount, release = conversations.mount(chat, turn.prompt_ids)  # diverged at 5: the end's copy goes back
+    scheduler.return_pages(release)
+    assert (mount.reused, mount.state_slot, scheduler.states.free_count) == (3, pin_slot, 1)
+    turn.pages, turn.reused, turn.prefilled = mount.pages, mount.reused, mount.reused
+    turn.conversation, turn.state_source = chat, mount.state_slot
+    scheduler.add(turn)
+    step = scheduler.plan(seq)  # `other` takes the free slot; the turn waits for one
+    assert step is not None and [c.request for c in step.prefill] == [other]
+    assert turn.state_slot == 0 and chat.states[3] == pin_slot
+    scheduler.commit(seq, np.zeros(0, np.int32), np.array([50], np.int32))
+    seq, copies = _run(scheduler, seq + 1)
+    assert turn.output_ids and [c for c in copies if c] == [[(pin_slot, end_slot)]]
+    assert chat.retention.pinned == 3 and chat.states[3] == pin_slot  # the pin holds
+    assert sorted(chat.states) == [3, len(turn.prompt_ids) + 1]
+    scheduler.states.check()
