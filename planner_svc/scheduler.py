@@ -19,6 +19,7 @@ from planner_svc.rows import RowMirror
 from planner_svc.sampler_state import SamplerWrites
 from planner_svc.slots import SlotCache
 from planner_svc.state_marks import MarkCopies
+from planner_svc.state_pressure import StatePressure
 from planner_svc.state_slots import StateSlots
 from protos.layout import RowLayout
 from protos.wire import I32
@@ -40,6 +41,7 @@ class Scheduler:
             conversations.states = self.states
         self.marks = MarkCopies(self.states)
         self.loans = Loans()  # pages and state slots an executor RPC writes into (a restore)
+        self.pressure = StatePressure(self.states, conversations)
         # Shared prefix pages would skip tokens whose recurrent state no page holds: off for such models.
         self.prefix_cache = config.settings.prefix_cache and not self.states.enabled
         self.mirror = RowMirror(layout)
@@ -283,8 +285,7 @@ class Scheduler:
         need = request.pages_needed(self.config.page_size) - len(request.pages)
         if self.prefix_cache and not request.pages:  # prefix pages other requests hold take no free page
             need -= self.pages.held_prefix(request.reusable_hashes(self.config.page_size))
-        state_ok = request.brings_state or not self.states.enabled or self.states.free_count
-        return self.pages.free_count >= need and bool(state_ok)
+        return self.pages.free_count >= need and not self.pressure.starved(request)
 
     def take_pages(self, n: int) -> list[int] | None:
         """Pages for something outside the schedule (a restore)."""
@@ -306,34 +307,19 @@ class Scheduler:
     def _admit(self) -> None:
         """First come, first served; a bounded number may pass a head waiting for pages (admission.py)."""
         page_size = self.config.page_size
-        head = self.waiting[0] if self.waiting else None
-        starved = (
-            head is not None and not (head.brings_state or self.states.free_count) and self.states.enabled
-        )
-        if starved and self.conversations:
-            self.pages.free(self.conversations.drop_state_copy() or [])  # state pressure: a checkpoint's copy
-        # Every slot still a copy none may drop (their conversations' turns wait, mounted on them): those turns
-        # pass the head whatever the skip count, taking their copies' slots; their ends' copies are idle then.
-        frees_head = (lambda r: r.brings_state) if starved and not self.states.free_count else None
+        freed, frees_head = self.pressure.before_admission(self.waiting[0] if self.waiting else None)
+        self.pages.free(freed)  # state pressure: a checkpoint's copy went back (state_pressure.py)
         for request in self.admission.take(self.waiting, self._can_admit, frees_head):
             if self.prefix_cache and not request.pages:
                 self._match_prefix(request)
             if self.states.enabled and not request.state_slot:
-                self._take_state_slot(request)
+                self.pressure.take_slot(request)
             # Every page it can write, now: its decode steps then never cross onto a page the device
             # row lacks, so a steady step's plan stays the seq and the bucket at any batch size.
             request.pages += self.pages.allocate(request.pages_needed(page_size) - len(request.pages))
             request.prefilled = request.reused
             request.phase = Phase.PREFILL
             self.prefilling.append(request)
-
-    def _take_state_slot(self, request: Request) -> None:
-        if self.states.free_count or not request.state_source:
-            request.state_slot = self.states.take()
-        else:  # no free slot for its checkpoint's copy: the turn takes the checkpoint's own slot
-            assert request.conversation is not None
-            request.conversation.hand_over_state(request.state_source)
-            request.state_slot, request.state_source = request.state_source, 0
 
     def _match_prefix(self, request: Request) -> None:
         """Take the indexed full pages of the prompt's start, leaving at least one token to read."""
