@@ -303,7 +303,8 @@ class Conversations:
         conversation.drop_states([victim])
         return []
 
-    def coldest_idle(self) -> Conversation | None:
-        """The least recently used conversation holding pages, neither running a turn nor being parked."""
-        idle = [c for c in self._by_key.values() if c.pages and c.idle]
+    def coldest_idle(self, with_states: bool = False) -> Conversation | None:
+        """The least recently used conversation holding pages (`with_states`: and state copies), neither running
+        a turn nor being parked."""
+        idle = [c for c in self._by_key.values() if c.pages and c.idle and (c.states or not with_states)]
         return min(idle, key=lambda c: c.last_used, default=None)

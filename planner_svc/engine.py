@@ -161,6 +161,14 @@ class Engine:
         self._wake.set()
         return aborted
 
+    def refuse(self, request: Request, code: str, message: str) -> None:
+        """End a waiting request that cannot be admitted as things stand with status `code` (a grpc.StatusCode
+        name); its conversation keeps what its mount held."""
+        if self.scheduler.abort(request):
+            self._end(request, code, message)
+        self._turns_ended()
+        self._wake.set()
+
     async def _run(self) -> None:
         while True:
             try:

@@ -36,6 +36,11 @@ class Loans:
         """The RPC answered: its pages and slots are the caller's again (to keep or to give back)."""
         self._out.remove(loan)
 
+    @property
+    def lending_states(self) -> bool:
+        """A loan out holds state slots: they come back, or go to a conversation, when its RPC answers."""
+        return any(loan.states for loan in self._out)
+
     def stale(self, loan: Loan) -> bool:
         """The pools were rebuilt since it was lent: what the RPC wrote cannot be trusted."""
         return loan.epoch != self.epoch

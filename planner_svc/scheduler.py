@@ -41,7 +41,7 @@ class Scheduler:
             conversations.states = self.states
         self.marks = MarkCopies(self.states)
         self.loans = Loans()  # pages and state slots an executor RPC writes into (a restore)
-        self.pressure = StatePressure(self.states, conversations)
+        self.pressure = StatePressure(self.states, conversations, self.loans)
         # Shared prefix pages would skip tokens whose recurrent state no page holds: off for such models.
         self.prefix_cache = config.settings.prefix_cache and not self.states.enabled
         self.mirror = RowMirror(layout)

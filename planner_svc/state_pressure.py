@@ -1,20 +1,23 @@
 """Recurrent-state slot pressure at admission (a model with recurrent layers; DESIGN §4): the queue's head waits
 for a free state slot while none is. Pressure takes back an idle conversation's checkpoint copy, never a pin's
-(Conversations.drop_state_copy), and lets the turns that bring their own slot pass the head. Pure logic."""
+(Conversations.drop_state_copy), and lets the turns that bring their own slot pass the head; `stuck` says when
+nothing will ever free one, so that the head is refused rather than a pin dropped. Pure logic."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from planner_svc.conversations import Conversations
+from planner_svc.loans import Loans
 from planner_svc.requests import Request
 from planner_svc.state_slots import StateSlots
 
 
 class StatePressure:
-    def __init__(self, states: StateSlots, conversations: Conversations | None) -> None:
+    def __init__(self, states: StateSlots, conversations: Conversations | None, loans: Loans) -> None:
         self.states = states
         self.conversations = conversations
+        self.loans = loans
 
     def starved(self, request: Request) -> bool:
         """It waits for a free state slot, and none is free."""
@@ -39,3 +42,25 @@ class StatePressure:
             assert request.conversation is not None
             request.conversation.hand_over_state(request.state_source)
             request.state_slot, request.state_source = request.state_source, 0
+
+    def stuck(self, waiting: Sequence[Request], stalled: bool) -> str | None:
+        """Why the queue's head can never get a free state slot as things stand; None while something may free
+        one: a request running or awaiting its last commit (`stalled` False), a waiting turn that brings its own
+        slot, a restore or a park under way, an idle conversation's copy other than its pin's. What is left holds
+        copies pressure may never take back: pins' (retention never evicts a pin), and those of conversations
+        whose turns wait (mounted)."""
+        head = waiting[0] if waiting else None
+        if head is None or not stalled or not self.starved(head) or self.loans.lending_states:
+            return None
+        if any(request.brings_state for request in waiting):
+            return None
+        conversations = self.conversations.every() if self.conversations else []
+        if any(c.parking or (c.idle and set(c.states) - {c.retention.pinned}) for c in conversations):
+            return None
+        pins = sum(1 for c in conversations if c.pin_copy)
+        return (
+            f"the request needs a free recurrent-state slot and none will come back: every one of the pool's "
+            f"{self.states.total} holds a checkpoint's state copy that pressure does not take back ({pins} of "
+            f"them pinned shared prefixes', never evicted) and no request runs; delete (or park) a conversation "
+            f"holding a pinned prefix, or give the executor more --state-slots"
+        )

@@ -258,10 +258,16 @@ class Turns:
 
     def relieve(self, engine: Engine) -> None:
         """KV pressure: park the coldest idle conversation (or drop its pages without a cache), once at a time;
-        with none idle, a waiting turn may give its mount back (`_unmount`)."""
-        if engine in self._relieving or engine.scheduler.conversations is None:
+        with none idle, a waiting turn may give its mount back (`_unmount`). A head waiting for a state slot that
+        none will ever free is not KV pressure (`_relieve_states`)."""
+        scheduler = engine.scheduler
+        if engine in self._relieving or scheduler.conversations is None:
             return
-        conversation = engine.scheduler.conversations.coldest_idle()
+        if scheduler.pressure.stuck(scheduler.waiting, scheduler.stalled) is not None:
+            self._relieving.add(engine)
+            asyncio.get_running_loop().create_task(self._relieve_states(engine))
+            return
+        conversation = scheduler.conversations.coldest_idle()
         if conversation is None:
             self._unmount(engine)
             return
@@ -291,6 +297,25 @@ class Turns:
         )
         # Called from the engine's loop, which clears its wake-up as it goes idle next: wake it after that.
         asyncio.get_running_loop().call_soon(engine.wake)
+
+    async def _relieve_states(self, engine: Engine) -> None:
+        """No state slot will come back as things stand (StatePressure.stuck: pins' copies hold the others, which
+        pressure never takes back): park the coldest idle conversation holding copies, its pin in its snapshot,
+        as KV pressure parks one; where none can be parked (no cache), the queue's head is refused
+        (RESOURCE_EXHAUSTED, saying what it needs) rather than a pin dropped."""
+        scheduler = engine.scheduler
+        try:
+            holder = (
+                engine.conversations.coldest_idle(with_states=True) if self.parking.cache_address else None
+            )
+            if holder is not None:
+                await self._park_or_drop(engine, holder, drop=False)
+            why = scheduler.pressure.stuck(scheduler.waiting, scheduler.stalled)  # again: the park awaited
+            if why is not None:
+                log.warning("state pressure: a request is refused rather than a pin dropped", reason=why)
+                engine.refuse(scheduler.waiting[0], "RESOURCE_EXHAUSTED", why)
+        finally:
+            self._relieving.discard(engine)
 
     async def _relieve(self, engine: Engine, conversation: Conversation) -> None:
         try:

@@ -127,3 +127,66 @@ def test_a_turn_resuming_from_its_pin_waits_for_a_free_slot_rather_than_take_the
     assert chat.retention.pinned == 3 and chat.states[3] == pin_slot  # the pin holds
     assert sorted(chat.states) == [3, len(turn.prompt_ids) + 1]
     scheduler.states.check()
+
+
+def _only_pins(names: tuple[str, ...], states: StateSlots, conversations: Conversations) -> list:
+    """Idle conversations each keeping its pin's copy alone (as after a restore short of state slots)."""
+    chats = []
+    for name in names:
+        chat = conversations.open("tenant", name)
+        conversations.mount(chat, list(range(3, 27)))
+        conversations.finish_turn(
+            chat, list(range(3, 27)), [1], [], pinned=10, marked_states={10: states.take()}
+        )
+        assert list(chat.states) == [10] and chat.pin_copy
+        chats.append(chat)
+    return chats
+
+
+def test_every_slot_a_pins_copy_and_nothing_running_is_stuck_saying_what_it_needs():
+    conversations = Conversations(PAGE, RetentionConfig())
+    scheduler = _scheduler(state_slots=3, conversations=conversations)
+    chats = _only_pins(("a", "b"), scheduler.states, conversations)
+    head = Request("new", [1, 2, 3], max_tokens=2)
+    scheduler.add(head)
+    assert scheduler.plan(0) is None and scheduler.blocked()  # it waits: no pin was dropped for it
+    assert all(c.retention.pinned == 10 and list(c.states) == [10] for c in chats)
+    pressure = scheduler.pressure
+    why = pressure.stuck(scheduler.waiting, scheduler.stalled)
+    assert why == (
+        "the request needs a free recurrent-state slot and none will come back: every one of the pool's 2 holds "
+        "a checkpoint's state copy that pressure does not take back (2 of them pinned shared prefixes', never "
+        "evicted) and no request runs; delete (or park) a conversation holding a pinned prefix, or give the "
+        "executor more --state-slots"
+    )
+    assert pressure.stuck(scheduler.waiting, stalled=False) is None  # a running request's slot comes back
+    chats[0].parking = True  # a park under way gives its slots back
+    assert pressure.stuck(scheduler.waiting, scheduler.stalled) is None
+    chats[0].parking = False
+    loan = scheduler.loans.lend(
+        [], [1]
+    )  # a restore under way: its slots come back or to an idle conversation
+    assert pressure.stuck(scheduler.waiting, scheduler.stalled) is None
+    scheduler.loans.end(loan)
+    assert pressure.stuck(scheduler.waiting, scheduler.stalled) is not None
+
+
+def test_a_waiting_turn_that_brings_its_slot_or_an_unpinned_idle_copy_is_not_stuck():
+    conversations = Conversations(PAGE, RetentionConfig())
+    scheduler = _scheduler(state_slots=3, conversations=conversations)
+    pinned, plain = _only_pins(("a", "b"), scheduler.states, conversations)
+    plain.retention = type(plain.retention)(plain.retention.config)  # its copy is an ordinary checkpoint's
+    plain.retention.add(10)
+    assert not plain.pin_copy
+    waiting = [Request("new", [1, 2, 3], max_tokens=2)]
+    assert scheduler.pressure.stuck(waiting, stalled=True) is None  # pressure takes the plain one's copy
+    plain.busy = True  # its turn waits, mounted on that copy: it brings its slot and passes the head
+    turn = Request("turn", list(range(3, 15)), max_tokens=2)
+    turn.conversation, turn.state_source = plain, plain.states[10]
+    assert turn.brings_state and scheduler.pressure.stuck([*waiting, turn], stalled=True) is None
+    resumed = Request(
+        "pinned-turn", list(range(3, 15)), max_tokens=2
+    )  # resuming from a pin: needs a free one
+    resumed.conversation, resumed.state_source = pinned, pinned.pin_copy
+    assert not resumed.brings_state
+    assert scheduler.pressure.stuck([*waiting, resumed], stalled=True) is not None
