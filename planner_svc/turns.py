@@ -258,15 +258,20 @@ class Turns:
 
     def relieve(self, engine: Engine) -> None:
         """KV pressure: park the coldest idle conversation (or drop its pages without a cache), once at a time;
-        with none idle, a waiting turn may give its mount back (`_unmount`). A head waiting for a state slot that
-        none will ever free is not KV pressure (`_relieve_states`)."""
+        with none idle, a waiting turn may give its mount back (`_unmount`). A head waiting for a state slot is
+        not KV pressure: it waits for one to come back, unless none ever will (`_relieve_states`); only a turn
+        bringing its own slot that waits, nothing running, waits for pages."""
         scheduler = engine.scheduler
         if engine in self._relieving or scheduler.conversations is None:
             return
-        if scheduler.pressure.stuck(scheduler.waiting, scheduler.stalled) is not None:
-            self._relieving.add(engine)
-            asyncio.get_running_loop().create_task(self._relieve_states(engine))
-            return
+        waiting = scheduler.waiting
+        if waiting and scheduler.pressure.starved(waiting[0]):
+            if scheduler.pressure.stuck(waiting, scheduler.stalled) is not None:
+                self._relieving.add(engine)
+                asyncio.get_running_loop().create_task(self._relieve_states(engine))
+                return
+            if not (scheduler.stalled and any(r.brings_state for r in waiting)):
+                return  # dropping pages would drop what pins hold (without a cache), and free no state slot
         conversation = scheduler.conversations.coldest_idle()
         if conversation is None:
             self._unmount(engine)

@@ -264,10 +264,20 @@ async def test_conversation_resumes_from_checkpoints_with_state_copies(text_stac
         got = await turn(edited, conversation="pin")
         await assert_fresh_read(got, edited)
         assert (got.reused_tokens, got.checkpoint, got.diverged_at) == (10, "checkpoint@10", 12)
-    # State pressure takes the pin's copy too (retention never evicts it: the conversation forgets what it kept).
+    # State pressure takes the end's copy, never the pin's (retention never evicts a pin): the conversation keeps
+    # the pin's copy and its pages, one state slot fewer for the requests (they wait for each other's).
     assert await _all_at_once(text_stack, cases) == [expected for _, expected in cases]
+    await text_stack.wait_idle()
+    assert list(pinned_chat.states) == [10] and pinned_chat.retention.pinned == 10 and pinned_chat.pages
+    assert scheduler.states.free_count == STATE_SLOTS - 2
+    async with PlannerClient(text_stack.addr) as client:  # its next turn resumes from the pin, as pinned
+        edited = prompt[:12] + [5, 5, 5]
+        options = GenerateOptions(token_ids=edited, max_tokens=NEW_TOKENS, conversation_id="pin")
+        got = await client.generate_all(options)
+        assert (got.reused_tokens, got.checkpoint, got.diverged_at) == (10, "checkpoint@10", 12)
+        assert got.token_ids == greedy(model, edited, NEW_TOKENS)
+        await client.delete_conversation("pin")
     await _all_free(text_stack)
-    assert not pinned_chat.states and not pinned_chat.pages
 
 
 async def test_a_turn_a_stop_string_ends_keeps_a_checkpoint_at_its_prompts_end(text_stack, hybrid):
