@@ -100,14 +100,17 @@ class StateShards:
         blob: np.ndarray,
         states: int,
         slots: np.ndarray,
+        chosen: list[int],
     ) -> None:
-        """The newest len(slots) of the `states` states in `blob` (u8, as `read` made it for layers [begin, end))
-        into `slots`, in position order, for the shard's layers in `layers` (this pool's: a shard parked under
-        another split may reach past them, and only its part in them is written)."""
+        """The `chosen` (indices, in position order) of the `states` states in `blob` (u8, as `read` made it for
+        layers [begin, end)) into `slots`, one each, for the shard's layers in `layers` (this pool's: a shard
+        parked under another split may reach past them, and only its part in them is written)."""
         low_layer, high_layer = max(begin, layers[0]), min(end, layers[1])
         low, high = self.kinds.state_range(low_layer, high_layer)
-        held, keep = high - low, len(slots)
-        if held <= 0 or not keep:
+        held = high - low
+        if len(chosen) != len(slots):
+            raise ValueError(f"{len(chosen)} states chosen for {len(slots)} slots")
+        if held <= 0 or not chosen:
             return
         index = slots.astype(np.int64)
         shard_layers = self.kinds.state_count(begin, end)
@@ -117,9 +120,20 @@ class StateShards:
             (self.pool.conv, blob[:split], self._conv_bytes),
             (self.pool.recurrent, blob[split:], self._recurrent_bytes),
         ):
-            # u8[shard layers, 1 (the tensor), states, entry bytes]: of this pool's layers, the newest `keep`
-            src = data.reshape(shard_layers, 1, states, entry_bytes)[skip : skip + held, :, states - keep :]
+            # u8[shard layers, 1 (the tensor), states, entry bytes]: of this pool's layers, the chosen states
+            src = data.reshape(shard_layers, 1, states, entry_bytes)[skip : skip + held, :, chosen]
             stream.scatter((tensor[low:high],), src, index)
+
+
+def restored_states(pinned: list[bool], slots: int) -> list[int]:
+    """Which of a snapshot's parked states (one per checkpoint, in position order; `pinned` their flags) a
+    restore given `slots` state slots brings back: their indices, in position order. Short of slots, the pin's
+    first (retention never evicts a pin), then the newest others (the next turn resumes from the newest)."""
+    count = min(slots, len(pinned))
+    order = [i for i, pin in enumerate(pinned) if pin] + [
+        i for i in reversed(range(len(pinned))) if not pinned[i]
+    ]
+    return sorted(order[:count])
 
 
 def layer_kinds(model: object, first: int) -> LayerKinds:

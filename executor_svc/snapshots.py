@@ -39,7 +39,7 @@ from executor_svc.snapshot_checks import (
     shard_ranges,
     snapshot_fingerprint,
 )
-from executor_svc.snapshot_states import HYBRID_LAYOUT, StateShards, layer_kinds
+from executor_svc.snapshot_states import HYBRID_LAYOUT, StateShards, layer_kinds, restored_states
 from protos import cache_pb2, executor_pb2
 from protos.rpc import INTERNAL_CHANNEL_OPTIONS, ChannelSecurity
 from protos.wire import pack_i32
@@ -182,13 +182,15 @@ class Snapshots:
         except grpc.aio.AioRpcError as err:
             raise cache_refusal(err, addr) from err
         ranges, parked_states = self._check_snapshot(manifest, blobs, len(pages))
-        states = states[max(len(states) - parked_states, 0) :]  # the newest parked states, as many as slots
-        await asyncio.get_running_loop().run_in_executor(
-            self._copies, self._write, pages, ranges, blobs, parked_states, states
-        )
         checkpoints = manifest["checkpoints"]
-        if self._states is not None:  # those whose state came back; the older ones have none
-            checkpoints = checkpoints[len(checkpoints) - len(states) :] if len(states) else []
+        # Short of slots: the pin's state and the newest others' (restored_states), into the last slots given.
+        chosen = restored_states([c["pinned"] for c in checkpoints], min(len(states), parked_states))
+        states = states[len(states) - len(chosen) :]
+        await asyncio.get_running_loop().run_in_executor(
+            self._copies, self._write, pages, ranges, blobs, parked_states, states, chosen
+        )
+        if self._states is not None:  # those whose state came back; the others have none
+            checkpoints = [checkpoints[i] for i in chosen]
         log.info(
             "restored",
             conversation_id=request.conversation_id,
@@ -294,9 +296,10 @@ class Snapshots:
         blobs: list[bytes],
         parked_states: int,
         states: np.ndarray,
+        chosen: list[int],
     ) -> None:
-        """On the page-copy thread: the shards' pages, and the newest len(states) of their `parked_states`
-        states into the slots `states` (a hybrid model's), each shard's part in this stage's layers."""
+        """On the page-copy thread: the shards' pages, and the `chosen` of their `parked_states` states into the
+        slots `states` (a hybrid model's), each shard's part in this stage's layers."""
         stream, layers = self.copy_stream, (self._layer_begin, self._layer_end)
         if self._states is None:
             write_shards(stream, self._pool, layers, ranges, blobs, pages)
@@ -307,4 +310,4 @@ class Snapshots:
         write_shards(stream, self._pool, layers, ranges, kv_parts, pages, self._kinds)
         for (begin, end), blob, kv in zip(ranges, blobs, kv_parts, strict=True):
             data = np.frombuffer(blob, dtype=np.uint8)[len(kv) :]
-            self._states.write(stream, layers, begin, end, data, parked_states, states)
+            self._states.write(stream, layers, begin, end, data, parked_states, states, chosen)

@@ -266,10 +266,10 @@ class Parking:
 
     @staticmethod
     def _take_state_slots(engine: Engine, conversation: Conversation) -> list[int] | None:
-        """A model with recurrent layers: free state slots for the snapshot's newest states, one per checkpoint
-        parked (after a planner restart, as many as a conversation keeps: the cap and a pin; the executor fills
-        the newest, the rest go back), as many as are free; None when none is. [] for a model without
-        recurrent layers."""
+        """A model with recurrent layers: free state slots for the snapshot's states, one per checkpoint parked
+        (after a planner restart, as many as a conversation keeps: the cap and a pin; the executor fills the last
+        ones, the rest go back), as many as are free (short of them, the executor brings back the pin's and the
+        newest others'); None when none is. [] for a model without recurrent layers."""
         states = engine.scheduler.states
         if not states.enabled:
             return []

@@ -127,7 +127,8 @@ def test_the_staging_is_made_once_and_its_size_is_the_same_whatever_the_snapshot
 
 def test_a_hybrids_states_and_pages_restore_bit_equal_across_splits():
     """A hybrid's shards (K/V of its full-attention layers, then the states of its gated delta nets) parked by
-    the stages of one split and restored by those of another, stages with no layers of a kind included."""
+    the stages of one split and restored by those of another, stages with no layers of a kind included; a state
+    chosen alone (a restore short of slots) lands bit-equal too."""
     kinds = LayerKinds(frozenset({0, 1, 3, 4}))  # R R A R R A
     parked_slots, restored_slots = np.array([4, 2]), np.array([1, 3])
     whole_kv = random_pool(layers=2)
@@ -177,7 +178,9 @@ def test_a_hybrids_states_and_pages_restore_bit_equal_across_splits():
                 )
                 for (s, b), n in zip(got, page_bytes, strict=True):
                     blob = np.frombuffer(b, dtype=np.uint8)[n:]
-                    states.write(stream, (begin, end), *s, blob, len(parked_slots), restored_slots)
+                    states.write(stream, (begin, end), *s, blob, len(parked_slots), restored_slots, [0, 1])
+                    # One slot only, for the older state (a pin's): chosen by index, not the newest.
+                    states.write(stream, (begin, end), *s, blob, len(parked_slots), np.array([2]), [0])
                 first, last = kinds.kv_range(begin, end)
                 assert (
                     kv.k[:, RESTORED]
@@ -193,3 +196,5 @@ def test_a_hybrids_states_and_pages_restore_bit_equal_across_splits():
                 pool = states.pool
                 assert pool.conv[:, restored_slots].equal(whole_states.conv[low:high, parked_slots])
                 assert pool.recurrent[:, restored_slots].equal(whole_states.recurrent[low:high, parked_slots])
+                assert pool.conv[:, 2].equal(whole_states.conv[low:high, parked_slots[0]])
+                assert pool.recurrent[:, 2].equal(whole_states.recurrent[low:high, parked_slots[0]])

@@ -18,7 +18,7 @@ from executor_svc.runner import StepRunner
 from executor_svc.server import start_executor_server
 from executor_svc.slot_store import SlotStore
 from executor_svc.snapshot_checks import SnapshotRefused, check_state_slots, shard_ranges
-from executor_svc.snapshot_states import LayerKinds
+from executor_svc.snapshot_states import LayerKinds, restored_states
 from executor_svc.staging_plan import INDEX_BYTES
 from protos import cache_pb2, executor_pb2, executor_pb2_grpc
 from protos.wire import pack_i32, unpack_i32
@@ -293,6 +293,18 @@ def test_a_hybrid_shard_maps_its_layers_to_each_pool():
     assert (kinds.kv_range(4, 8), kinds.state_range(4, 8)) == ((1, 2), (3, 6))
     dense = LayerKinds(frozenset(), first=10)  # a layer split's second half: every layer KV
     assert (dense.kv_range(12, 16), dense.state_range(12, 16), dense.kv_count(8, 12)) == ((2, 6), (0, 0), 4)
+
+
+def test_a_restore_short_of_state_slots_brings_the_pins_state_back_and_the_newest():
+    """Retention never evicts a pin: a restore given fewer state slots than checkpoints parked keeps the pin's
+    state first, then the newest others' (the next turn resumes from the newest)."""
+    assert restored_states([False, True, False, False], 4) == [0, 1, 2, 3]  # every one: slots suffice
+    assert restored_states([False, True, False, False], 9) == [0, 1, 2, 3]
+    assert restored_states([False, True, False, False], 1) == [1]  # the pin, not the newest
+    assert restored_states([False, True, False, False], 2) == [1, 3]
+    assert restored_states([False, False, True], 2) == [1, 2]  # the pin is the newest
+    assert restored_states([False, False, False], 2) == [1, 2]  # no pin: the newest
+    assert restored_states([True, False], 0) == [] and restored_states([], 3) == []
 
 
 def test_state_slots_of_a_park_or_restore_are_checked():
