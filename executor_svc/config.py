@@ -8,8 +8,9 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_SHARD_LAYERS = 8
 # CUDA prefill: a step's prompt tokens padded to the smallest of these and replayed as a graph; more run eager.
 # Up to a GPU planner's default prefill budget (planner_svc.config.GPU_PREFILL_TOKEN_BUDGET): a step of more
-# prompt tokens than the widest bucket runs eagerly.
-DEFAULT_PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# prompt tokens than the widest bucket runs eagerly. Steps of 1,024 apart above 2,048: a padded step costs its
+# bucket's whole time, and a burst's first step (the prompts at hand) is rarely a power of two (BENCHMARKS).
+DEFAULT_PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192)
 
 # Compiled JSON grammars (structured output) an executor keeps, least recently used dropped first.
 DEFAULT_GRAMMAR_CACHE = 64
