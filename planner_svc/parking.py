@@ -136,6 +136,8 @@ class Parking:
         def answered() -> None:
             conversation.parking = False
             self._settle(engine, loan)
+            # A head starved of a state slot waits for this park's end (StatePressure.stuck), failed or not.
+            engine.wake()
 
         try:
             reply = await asyncio.shield(rpc)
@@ -226,6 +228,9 @@ class Parking:
             self._give_back(engine, loan)
             return self._fall_back(conversation, "the executor was lost while the snapshot was restored")
         loans.end(loan)
+        # A head starved of a state slot waits for this loan's end (StatePressure.stuck): plan again once the
+        # slots are the conversation's (no await below), an unpinned copy that pressure may take among them.
+        engine.wake()
         conversation.tokens = unpack_i32(reply.token_ids).tolist()
         conversation.retention = Retention(conversation.retention.config)
         checkpoints = sorted(reply.checkpoints, key=lambda c: c.position)
