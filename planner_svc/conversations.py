@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -303,8 +304,14 @@ class Conversations:
         conversation.drop_states([victim])
         return []
 
-    def coldest_idle(self, with_states: bool = False) -> Conversation | None:
+    def coldest_idle(
+        self, with_states: bool = False, excluding: Collection[tuple[str, str]] = ()
+    ) -> Conversation | None:
         """The least recently used conversation holding pages (`with_states`: and state copies), neither running
-        a turn nor being parked."""
-        idle = [c for c in self._by_key.values() if c.pages and c.idle and (c.states or not with_states)]
+        a turn nor being parked, nor one of `excluding` (keys)."""
+        idle = [
+            c
+            for c in self._by_key.values()
+            if c.pages and c.idle and (c.states or not with_states) and c.key not in excluding
+        ]
         return min(idle, key=lambda c: c.last_used, default=None)

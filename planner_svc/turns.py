@@ -306,16 +306,23 @@ class Turns:
     async def _relieve_states(self, engine: Engine) -> None:
         """No state slot will come back as things stand (StatePressure.stuck: pins' copies hold the others, which
         pressure never takes back): park the coldest idle conversation holding copies, its pin in its snapshot,
-        as KV pressure parks one; where none can be parked (no cache), the queue's head is refused
-        (RESOURCE_EXHAUSTED, saying what it needs) rather than a pin dropped."""
+        as KV pressure parks one, the next coldest where its park fails (its snapshot over the cache's budget);
+        where none can be parked (no cache), the queue's head is refused (RESOURCE_EXHAUSTED, saying what it
+        needs) rather than a pin dropped."""
         scheduler = engine.scheduler
+        tried: set[tuple[str, str]] = set()
         try:
-            holder = (
-                engine.conversations.coldest_idle(with_states=True) if self.parking.cache_address else None
-            )
-            if holder is not None:
+            # Asked again after each park (awaited): a slot may have come back another way meanwhile.
+            while (why := scheduler.pressure.stuck(scheduler.waiting, scheduler.stalled)) is not None:
+                holder = (
+                    engine.conversations.coldest_idle(with_states=True, excluding=tried)
+                    if self.parking.cache_address
+                    else None
+                )
+                if holder is None:
+                    break
+                tried.add(holder.key)
                 await self._park_or_drop(engine, holder, drop=False)
-            why = scheduler.pressure.stuck(scheduler.waiting, scheduler.stalled)  # again: the park awaited
             if why is not None:
                 log.warning("state pressure: a request is refused rather than a pin dropped", reason=why)
                 engine.refuse(scheduler.waiting[0], "RESOURCE_EXHAUSTED", why)

@@ -1,7 +1,7 @@
 """A queue head starved of a recurrent-state slot, with the engine's own step loop running and only the executor
 link faked (its steps recorded, never answered; a park or a restore answered when the test says): what
 StatePressure.stuck counts on to free a slot wakes the engine when it ends (a park failing, a restore going
-through)."""
+through), and relief parks the next coldest holder where one's park fails."""
 
 from __future__ import annotations
 
@@ -154,5 +154,19 @@ async def test_a_restore_going_through_wakes_the_engine_for_the_head_it_made_wai
         link.release.set()
         assert await resume is parked
         await _until(lambda: 1 in link.prefilled(), "the head was never planned after the restore")
+    finally:
+        await _stop(engine, turns)
+
+
+async def test_relief_parks_the_next_coldest_holder_where_the_coldests_park_fails():
+    """`a`, the coldest, cannot be parked (its snapshot over the cache's budget): `b` is, and the request runs.
+    Every request used to be refused while `a` stayed the coldest."""
+    link = FakeLink(lambda name: LinkError("cache: snapshot over budget") if name == "a" else None)
+    engine, turns, (a, b) = await _engine(link, state_slots=3, pinned=("a", "b"))
+    try:
+        queue = engine.submit(Request("new", [1, 2, 3], max_tokens=2))
+        await _until(lambda: 1 in link.prefilled() or not queue.empty(), "neither planned nor refused")
+        assert queue.empty(), queue.get_nowait().error  # not refused
+        assert link.parks == ["a", "b"] and b.parked and not a.parked and a.retention.pinned == 10
     finally:
         await _stop(engine, turns)
