@@ -41,12 +41,12 @@ class Scheduler:
             conversations.states = self.states
         self.marks = MarkCopies(self.states)
         self.loans = Loans()  # pages and state slots an executor RPC writes into (a restore)
-        self.pressure = StatePressure(self.states, conversations, self.loans)
         # Shared prefix pages would skip tokens whose recurrent state no page holds: off for such models.
         self.prefix_cache = config.settings.prefix_cache and not self.states.enabled
         self.mirror = RowMirror(layout)
         self.waiting: deque[Request] = deque()
         self.admission: Admission[Request] = Admission(config.settings.admission_skips)
+        self.pressure = StatePressure(self.states, conversations, self.loans, self.admission.scan_limit)
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
         self.committed = -1

@@ -6,7 +6,9 @@ nothing will ever free one, so that the head is refused rather than a pin droppe
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import islice
 
+from planner_svc.admission import SCAN_LIMIT
 from planner_svc.conversations import Conversations
 from planner_svc.loans import Loans
 from planner_svc.requests import Request
@@ -14,10 +16,22 @@ from planner_svc.state_slots import StateSlots
 
 
 class StatePressure:
-    def __init__(self, states: StateSlots, conversations: Conversations | None, loans: Loans) -> None:
+    def __init__(
+        self,
+        states: StateSlots,
+        conversations: Conversations | None,
+        loans: Loans,
+        scan_limit: int = SCAN_LIMIT,
+    ) -> None:
         self.states = states
         self.conversations = conversations
         self.loans = loans
+        self.scan_limit = scan_limit  # admission's: a request further back passes no head this step
+
+    def passing(self, waiting: Sequence[Request]) -> bool:
+        """A waiting turn that brings its own slot will pass the starved head: one admission scans (a turn further
+        back frees nothing until the queue moves up to it)."""
+        return any(request.brings_state for request in islice(waiting, self.scan_limit))
 
     def starved(self, request: Request) -> bool:
         """It waits for a free state slot, and none is free."""
@@ -46,13 +60,13 @@ class StatePressure:
     def stuck(self, waiting: Sequence[Request], stalled: bool) -> str | None:
         """Why the queue's head can never get a free state slot as things stand; None while something may free
         one: a request running or awaiting its last commit (`stalled` False), a waiting turn that brings its own
-        slot, a restore or a park under way, an idle conversation's copy other than its pin's. What is left holds
-        copies pressure may never take back: pins' (retention never evicts a pin), and those of conversations
-        whose turns wait (mounted)."""
+        slot within admission's scan (`passing`), a restore or a park under way, an idle conversation's copy
+        other than its pin's. What is left holds copies pressure may never take back: pins' (retention never
+        evicts a pin), and those of conversations whose turns wait (mounted)."""
         head = waiting[0] if waiting else None
         if head is None or not stalled or not self.starved(head) or self.loans.lending_states:
             return None
-        if any(request.brings_state for request in waiting):
+        if self.passing(waiting):
             return None
         conversations = self.conversations.every() if self.conversations else []
         if any(c.parking or (c.idle and set(c.states) - {c.retention.pinned}) for c in conversations):

@@ -260,7 +260,8 @@ class Turns:
         """KV pressure: park the coldest idle conversation (or drop its pages without a cache), once at a time;
         with none idle, a waiting turn may give its mount back (`_unmount`). A head waiting for a state slot is
         not KV pressure: it waits for one to come back, unless none ever will (`_relieve_states`); only a turn
-        bringing its own slot that waits, nothing running, waits for pages."""
+        bringing its own slot that waits where admission scans (StatePressure.passing), nothing running, waits
+        for pages."""
         scheduler = engine.scheduler
         if engine in self._relieving or scheduler.conversations is None:
             return
@@ -270,7 +271,7 @@ class Turns:
                 self._relieving.add(engine)
                 asyncio.get_running_loop().create_task(self._relieve_states(engine))
                 return
-            if not (scheduler.stalled and any(r.brings_state for r in waiting)):
+            if not (scheduler.stalled and scheduler.pressure.passing(waiting)):
                 return  # dropping pages would drop what pins hold (without a cache), and free no state slot
         conversation = scheduler.conversations.coldest_idle()
         if conversation is None:

@@ -11,6 +11,7 @@ from planner_svc.conversations import Conversations
 from planner_svc.requests import Request
 from planner_svc.retention import RetentionConfig
 from planner_svc.scheduler import Scheduler, SchedulerConfig
+from planner_svc.state_pressure import StatePressure
 from planner_svc.state_slots import StateSlots
 from protos.layout import RowLayout
 
@@ -190,3 +191,21 @@ def test_a_waiting_turn_that_brings_its_slot_or_an_unpinned_idle_copy_is_not_stu
     resumed.conversation, resumed.state_source = pinned, pinned.pin_copy
     assert not resumed.brings_state
     assert scheduler.pressure.stuck([*waiting, resumed], stalled=True) is not None
+
+
+def test_a_turn_bringing_its_slot_counts_only_where_admission_scans():
+    """Admission looks at the first `scan_limit` waiting requests: a turn bringing its slot further back passes
+    no head, so the head is stuck (as the scheduler's admission, its pressure scans the same number)."""
+    conversations = Conversations(PAGE, RetentionConfig())
+    scheduler = _scheduler(state_slots=3, conversations=conversations)
+    assert scheduler.pressure.scan_limit == scheduler.admission.scan_limit
+    _, plain = _only_pins(("a", "b"), scheduler.states, conversations)
+    plain.retention = type(plain.retention)(plain.retention.config)
+    plain.retention.add(10)
+    plain.busy = True  # its turn waits, mounted on its copy
+    turn = Request("turn", list(range(3, 15)), max_tokens=2)
+    turn.conversation, turn.state_source = plain, plain.states[10]
+    ahead = [Request(f"new{i}", [1, 2, 3], max_tokens=2) for i in range(3)]
+    pressure = StatePressure(scheduler.states, conversations, scheduler.loans, scan_limit=3)
+    assert pressure.passing([*ahead[:2], turn]) and pressure.stuck([*ahead[:2], turn], stalled=True) is None
+    assert not pressure.passing([*ahead, turn]) and pressure.stuck([*ahead, turn], stalled=True) is not None

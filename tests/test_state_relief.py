@@ -1,7 +1,8 @@
 """A queue head starved of a recurrent-state slot, with the engine's own step loop running and only the executor
 link faked (its steps recorded, never answered; a park or a restore answered when the test says): what
 StatePressure.stuck counts on to free a slot wakes the engine when it ends (a park failing, a restore going
-through), and relief parks the next coldest holder where one's park fails."""
+through), relief parks the next coldest holder where one's park fails, and a turn bringing its own slot counts
+only where admission scans (beyond, relief neither waits for it nor drops a pinned conversation's pages)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from collections.abc import Callable
 
 import pytest
 
+from planner_svc.admission import SCAN_LIMIT
 from planner_svc.conversations import Conversations
 from planner_svc.engine import Engine
 from planner_svc.link import LinkError
 from planner_svc.parking import ConversationError
-from planner_svc.requests import Request
+from planner_svc.requests import Phase, Request
 from planner_svc.retention import RetentionConfig
+from planner_svc.streaming import TokenEvent
 from planner_svc.turns import Turns
 from protos import cache_pb2, executor_pb2
 from protos.wire import pack_i32, unpack_i32
@@ -113,6 +116,10 @@ async def _until(condition: Callable[[], bool], what: str, timeout: float = 5.0)
         await asyncio.sleep(0.01)
 
 
+def _refusals(queue: asyncio.Queue[TokenEvent]) -> list[str | None]:
+    return [queue.get_nowait().code for _ in range(queue.qsize())]
+
+
 async def test_a_failed_park_wakes_the_engine_for_the_head_it_made_wait():
     """Two state slots, each a pin's copy. A client parks `a`; a new request waits for it (stuck: None while a
     park is under way). The park fails: the engine plans again, relief parks `a` after all (the cache takes
@@ -168,5 +175,43 @@ async def test_relief_parks_the_next_coldest_holder_where_the_coldests_park_fail
         await _until(lambda: 1 in link.prefilled() or not queue.empty(), "neither planned nor refused")
         assert queue.empty(), queue.get_nowait().error  # not refused
         assert link.parks == ["a", "b"] and b.parked and not a.parked and a.retention.pinned == 10
+    finally:
+        await _stop(engine, turns)
+
+
+async def test_a_turn_bringing_its_slot_beyond_admissions_scan_does_not_send_relief_down_the_kv_path():
+    """No cache; three state slots: two pins' copies and `c`'s unpinned copy, which `c`'s waiting turn is
+    mounted on (it brings its slot). With SCAN_LIMIT + 6 requests ahead of it, admission never reaches it:
+    relief used to count it all the same and take the KV path, dropping pinned `a` whole. Now the heads are
+    refused, one at a time, until the turn comes into the scan and passes them; every pin holds."""
+    link = FakeLink(lambda _: LinkError("no cache"))
+    engine, turns, (a, b) = await _engine(link, state_slots=4, pinned=("a", "b"), cache=None)
+    scheduler, conversations = engine.scheduler, engine.conversations
+    c = conversations.open("tenant", "c")
+    conversations.mount(c, [5, 6, 7, 8, 9])
+    conversations.finish_turn(
+        c, [5, 6, 7, 8, 9], scheduler.take_pages(2), [], state_slot=scheduler.states.take()
+    )
+    assert scheduler.states.free_count == 0
+    ahead = SCAN_LIMIT + 6
+    try:
+        queues = [engine.submit(Request(f"new{i}", [1, 2, 3], max_tokens=2)) for i in range(ahead)]
+        turn = Request("turn", [5, 6, 7, 8, 9, 10, 11], max_tokens=2)
+        mount, release = conversations.mount(c, turn.prompt_ids)
+        scheduler.return_pages(release)
+        turn.pages, turn.reused, turn.prefilled = mount.pages, mount.reused, mount.reused
+        turn.conversation, turn.state_source = c, mount.state_slot
+        assert turn.brings_state
+        engine.submit(turn)
+
+        def passed() -> bool:
+            return turn.phase is not Phase.WAITING
+
+        await _until(lambda: passed() or not (a.pages and b.pages), "the turn never passed the head")
+        for chat in (a, b):
+            assert chat.retention.pinned == 10 and chat.pages and list(chat.states) == [10]
+        assert passed() and not link.parks
+        refused = [_refusals(queue) for queue in queues]
+        assert refused == [["RESOURCE_EXHAUSTED"]] * 7 + [[]] * (ahead - 7)  # then it was within the scan
     finally:
         await _stop(engine, turns)
