@@ -178,13 +178,12 @@ async def start_server(
     host:port (0: any free port), and says SERVING for "" and each of `services` once it listens.
 
     A port that does not bind (taken by another server, or an address not of this machine) raises OSError
-    naming it; nothing is left listening then, and `on_stop` has run (what the caller opened is closed).
-    With `security`: TLS on the port, and API keys checked by an interceptor (health and reflection open), which
-    tells `on_refused` of each call it refuses.
+    naming it, TLS files that cannot be read TLSConfigError; nothing is left listening then, and `on_stop` has
+    run (what the caller opened is closed). With `security`: TLS on the port, and API keys checked by an
+    interceptor (health and reflection open), which tells `on_refused` of each call it refuses.
     """
     security = security or ServerSecurity()
     interceptors = [ApiKeyInterceptor(security.keys, on_refused)] if security.keys is not None else None
-    credentials = security.tls.credentials() if security.tls is not None else None
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -192,6 +191,8 @@ async def start_server(
     reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     started = StartedServer(server, 0, servicer, health_servicer, tuple(services), list(on_stop))
     try:
+        # The key and certificate are read here, inside the try: a file unreadable closes what the caller opened.
+        credentials = security.tls.credentials() if security.tls is not None else None
         started.port = _bind(server, host, port, credentials)
         await server.start()
     except BaseException:

@@ -1,7 +1,7 @@
 """`deltaserve planner` against an executor that answered its health check, then hung before the planner
 attached (a process frozen, a host paused): the attach waits for it, and a stop signal still ends the planner.
 It used to wait in the attach for ever, a first SIGTERM unheard. A start that ends part way (that stop, or a
-mistake) closes what it opened: the engines started, the executors' channels."""
+mistake, a TLS key unreadable) closes what it opened: the engines started, the executors' channels."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from planner_svc.link import GrpcLink
 from planner_svc.server import start_planner_server
 from protos import executor_pb2, executor_pb2_grpc
 from protos.layout import RowLayout
+from protos.rpc import ServerSecurity
+from protos.tls import ServerTLS, TLSConfigError
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -121,18 +123,25 @@ async def test_a_start_cancelled_while_attaching_closes_the_executors_channels()
             await server.stop(None)
 
 
-async def test_a_start_failing_after_its_engines_started_stops_them():
-    """A start that fails once its engines run (here its metrics cannot be registered) stops them: their tasks
-    end and the executors see their step streams close."""
+@pytest.mark.parametrize("fault", ["metrics", "tls"])
+async def test_a_start_failing_after_its_engines_started_stops_them(tmp_path, fault):
+    """A start that fails once its engines run stops them: their tasks end and the executors see their step
+    streams close. Its metrics cannot be registered, or its TLS key cannot be read (read as the port is
+    bound: it used to leave the engines running)."""
     executors = [AnsweringExecutor(), AnsweringExecutor()]
     servers = [await serve(executor) for executor in executors]
     links = [GrpcLink(f"127.0.0.1:{port}") for _, port in servers]
-    registry = CollectorRegistry()
-    Gauge("deltaserve_requests_running", "taken already", registry=registry)
+    registry, security = CollectorRegistry(), None
+    if fault == "metrics":
+        Gauge("deltaserve_requests_running", "taken already", registry=registry)
+        failure: tuple[type[Exception], str] = (ValueError, "Duplicated")
+    else:
+        security = ServerSecurity(tls=ServerTLS(str(tmp_path / "no.crt"), str(tmp_path / "no.key")))
+        failure = (TLSConfigError, "cannot read the TLS key")
     try:
         config = PlannerConfig(executors=[link.address for link in links])
-        with pytest.raises(ValueError, match="Duplicated"):
-            await start_planner_server(config, links=links, metrics=registry)
+        with pytest.raises(failure[0], match=failure[1]):
+            await start_planner_server(config, links=links, metrics=registry, security=security)
         assert engine_tasks() == []
         assert [link._channel.get_state() for link in links] == [grpc.ChannelConnectivity.SHUTDOWN] * 2
         for _ in range(100):  # the executors hear of the cancel over the wire
