@@ -10,7 +10,8 @@ with TLS serves it over TLS with the same certificate (and, with --tls-client-ca
 as its own port does). Each connection's handshake runs on that connection's thread, under a timeout:
 prometheus-client's own TLS option shakes hands in the accepting thread, where one connection that never sends
 its hello stops every scrape after it. Plain or TLS, each read and write of a connection has that timeout too: a
-client that connects and says nothing is dropped, not left holding its thread for ever.
+client that connects and says nothing is dropped, not left holding its thread for ever, and so is one that does
+not read its answer (the write times out), quietly: no traceback on stderr.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from __future__ import annotations
 import contextlib
 import socket
 import ssl
+import sys
 import threading
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import IO, cast
+from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
@@ -40,9 +43,36 @@ class MetricsServer:
         self._server.server_close()
 
 
+class _ServerHandler(ServerHandler):
+    request_handler: WSGIRequestHandler  # wsgiref's back pointer, for its log_request
+
+    def handle_error(self) -> None:
+        """A client too slow to read the answer (the write timed out) or gone: nobody to answer, nothing to print
+        (wsgiref prints the traceback of any error but a few resets). Any other error is still printed."""
+        if isinstance(sys.exc_info()[1], (TimeoutError, ConnectionError, ssl.SSLError)):
+            return
+        super().handle_error()
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format, *args) -> None:  # a line per scrape on stderr: not wanted
         pass
+
+    def handle(self) -> None:
+        """wsgiref's, with the handler above (wsgiref names its own class here, no attribute to set)."""
+        self.raw_requestline = self.rfile.readline(65537)
+        if len(self.raw_requestline) > 65536:
+            self.requestline = self.request_version = self.command = ""
+            self.send_error(414)
+            return
+        if not self.parse_request():  # an error code has been sent
+            return
+        output = cast(IO[bytes], self.wfile)
+        handler = _ServerHandler(self.rfile, output, self.get_stderr(), self.get_environ(), multithread=False)
+        handler.request_handler = self
+        app = cast(WSGIServer, self.server).get_app()
+        assert app is not None  # make_server set it
+        handler.run(app)
 
 
 class _MetricsHTTPServer(ThreadingWSGIServer):

@@ -1,6 +1,7 @@
 """The metrics port's exposure, over real sockets on loopback: it listens on --metrics-host (loopback by default,
 whatever --host is), and on a service with TLS it speaks TLS only (the service's certificate; a client
-certificate where the service requires them), each handshake on its connection's own thread. And the serving
+certificate where the service requires them), each handshake on its connection's own thread; a client too slow
+to read is dropped quietly. And the serving
 flags refused at parse time: two listening flags on one port, --http-workers with --no-http-process."""
 
 from __future__ import annotations
@@ -153,6 +154,34 @@ def test_a_silent_plain_connection_is_dropped_after_the_timeout_and_scrapes_go_o
         assert "deltaserve_test_gauge 7.0" in scrape(served.port)
     finally:
         idle.close()
+        served.stop()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def _request_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if "process_request" in t.name]
+
+
+def test_a_client_not_reading_a_large_answer_is_dropped_quietly(capfd):
+    """A client that asks and does not read the answer (16 MiB, beyond the socket buffers): the server's write
+    times out and it hangs up, without the traceback wsgiref printed for it on stderr; scrapes go on."""
+    registry = CollectorRegistry()
+    Gauge("deltaserve_test_gauge", "a figure", ["label"], registry=registry).labels("x" * (16 << 20)).set(7)
+    served = serve_metrics(registry, "127.0.0.1", 0, timeout_s=0.5)
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+    try:
+        slow.connect(("127.0.0.1", served.port))
+        slow.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        deadline = time.monotonic() + 30
+        while not _request_threads():  # the server's thread for it, writing
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        while _request_threads():  # until its write timed out and it hung up
+            assert time.monotonic() < deadline, "the server still writes to a client that does not read"
+            time.sleep(0.05)
+    finally:
+        slow.close()
         served.stop()
     assert "Traceback" not in capfd.readouterr().err
 
