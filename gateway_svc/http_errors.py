@@ -21,7 +21,8 @@ HTTP_STATUS = {
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.FAILED_PRECONDITION: 409,  # a turn already runs on the conversation
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,  # the waiting queue is full (400 if it can never fit: from_rpc)
+    # the queue full, or no state slot will come back (400 if it can never fit: from_rpc)
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNIMPLEMENTED: 501,
     grpc.StatusCode.UNAVAILABLE: 503,  # draining, no executor, a cut request
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,

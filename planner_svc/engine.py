@@ -165,6 +165,7 @@ class Engine:
         """End a waiting request that cannot be admitted as things stand with status `code` (a grpc.StatusCode
         name); its conversation keeps what its mount held."""
         if self.scheduler.abort(request):
+            request.refused = code
             self._end(request, code, message)
         self._turns_ended()
         self._wake.set()

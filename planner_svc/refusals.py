@@ -1,6 +1,7 @@
 """The requests Generate refuses before admission (a full queue, one that never fits, an invalid one, no
-executor, a drain, a request id taken, a key refused): each counted by its status code's name in
-deltaserve_requests_refused_total, where no other metric sees it (`ended` counts admitted requests only).
+executor, a drain, a request id taken, a key refused; one refused while it waited, `from_queue`): each counted
+by its status code's name in deltaserve_requests_refused_total, where no other metric sees it (`ended` counts
+admitted requests only).
 
 A refused API key (none, an unknown one: the interceptor's, protos/auth.py; a tenant key acting for another
 tenant) is also said at warning level, at most once every KEY_WARNING_S seconds with how many were refused
@@ -44,6 +45,11 @@ class Refusals:
             self._key_refused(GENERATE, code, message, key_tenant())
         await context.abort(code, message, trailing_metadata=trailing)
         raise AssertionError("abort raises")  # pragma: no cover
+
+    def from_queue(self, code: str) -> None:
+        """A Generate call whose request was refused while it waited (Engine.refuse: no state slot will come back
+        for it), never admitted; its stream has ended with `code`."""
+        self._count(GENERATE, grpc.StatusCode[code])
 
     def key_refused(self, method: str, why: str) -> None:
         """The interceptor's UNAUTHENTICATED (no key, an unknown one), of any of this planner's methods."""

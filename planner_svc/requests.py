@@ -87,6 +87,7 @@ class Request:
     marked_states: dict[int, int] = field(default_factory=dict)  # its state at its state_marks: their slots
     output_ids: list[int] = field(default_factory=list)
     finish: Finish | None = None
+    refused: str = ""  # the status it was refused with while waiting, never admitted (Engine.refuse)
 
     # Reuse of KV already in the pool: a conversation's mounted pages, or a shared prefix.
     conversation: Conversation | None = None

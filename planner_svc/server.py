@@ -170,7 +170,9 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             raise
         finally:
             held.close()  # later choices never queued (the first aborted, the client gone, an error)
-            if clock is not None:
+            if req.refused:  # refused while it waited: never admitted (its later choices never queued)
+                self.refusals.from_queue(req.refused)
+            elif clock is not None:
                 clock.ended(req, mount, reason)
             self._requests.pop((req.tenant, request_id), None)
             if req.finish is None:  # the client went away: free its pages and slot

@@ -22,8 +22,9 @@ class WaitingRoom:
         waiting = self.held + queued
         if waiting + choices > max_waiting:
             extra = f", no room for this request's {choices} choices" if choices > 1 else ""
+            wait = "choice waits" if waiting == 1 else "choices wait"  # a request of n choices counts n
             raise CapacityError(
-                f"the waiting queue is full: {waiting} requests wait for admission (--max-waiting "
+                f"the waiting queue is full: {waiting} {wait} for admission (--max-waiting "
                 f"{max_waiting}){extra}; retry later",
                 retryable=True,
             )

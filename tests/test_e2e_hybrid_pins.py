@@ -1,17 +1,20 @@
 """Pinned shared prefixes of Qwen3.5 hybrid conversations under state-slot pressure, over real gRPC with a cache
 service: a resume short of state slots brings the pin's state back (not only the newest), every slot held by
 pins' copies makes a new request park the coldest pinned conversation (its pin goes with its snapshot), and with
-the cache gone the request is refused (RESOURCE_EXHAUSTED, saying what it needs) while every pin holds."""
+the cache gone the request is refused (RESOURCE_EXHAUSTED, saying what it needs, counted as a refusal) while
+every pin holds."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from cache_svc.server import start_cache_server
 from executor_svc.config import ExecutorConfig
 from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig, SchedulingConfig
+from planner_svc.metrics import PlannerMetrics
 from tests.conftest import start_stack, stop_stack
 from tests.hybrid_model import build_text_model, greedy, save_layouts
 
@@ -67,6 +70,8 @@ async def _pinned_and_parked(stack, client: PlannerClient, name: str) -> None:
 async def test_pins_hold_through_resumes_short_of_slots_parking_and_a_refusal(tmp_path):
     model, stack, servers, cache = await _start(tmp_path)
     scheduler = stack.scheduler
+    registry = CollectorRegistry()
+    stack.planner.metrics = PlannerMetrics(registry)
     try:
         async with PlannerClient(stack.addr) as client:
             for name in ("a", "b", "c"):
@@ -93,6 +98,12 @@ async def test_pins_hold_through_resumes_short_of_slots_parking_and_a_refusal(tm
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await client.generate_all(GenerateOptions(token_ids=prompt, max_tokens=3))
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # Never admitted: counted as Generate's refusals are, not as a request that ended in error.
+            refusals = registry.get_sample_value(
+                "deltaserve_requests_refused_total", {"code": "RESOURCE_EXHAUSTED"}
+            )
+            errors = registry.get_sample_value("deltaserve_requests_finished_total", {"reason": "error"})
+            assert (refusals, errors) == (1.0, 0.0)
             assert refused.value.details() == (
                 f"the request needs a free recurrent-state slot and none will come back: every one of the pool's "
                 f"{STATE_SLOTS - 1} holds a checkpoint's state copy that pressure does not take back (3 of them "

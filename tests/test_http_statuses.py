@@ -94,7 +94,7 @@ async def test_a_full_waiting_queue_is_429(keyed):
         while not stack.scheduler.waiting:
             await asyncio.sleep(0.01)
         with pytest.raises(
-            openai.RateLimitError, match=r"waiting queue is full: 1 requests .*--max-waiting 1"
+            openai.RateLimitError, match=r"waiting queue is full: 1 choice waits .*--max-waiting 1"
         ):
             await client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2)
         for task in (running, waiting):
@@ -150,7 +150,7 @@ async def test_requests_arriving_together_wait_no_more_than_the_limit(keyed, mon
         for error in refused:
             assert isinstance(error, grpc.aio.AioRpcError)
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert f"queue is full: {limit} requests wait for admission (--max-waiting {limit})" in (
+            assert f"queue is full: {limit} choices wait for admission (--max-waiting {limit})" in (
                 error.details()
             )
             assert NEVER_FITS_METADATA not in dict(error.trailing_metadata() or ())  # retryable
@@ -227,7 +227,7 @@ async def test_the_waiting_queue_counts_a_request_by_its_choices(keyed, monkeypa
         # 1 waits: 3 more choices would make 4
         full = await _refused(planner.generate_choices(_long(2, n=3)))
         assert (
-            f"queue is full: 1 requests wait for admission (--max-waiting {limit}), no room for this "
+            f"queue is full: 1 choice waits for admission (--max-waiting {limit}), no room for this "
             "request's 3 choices; retry later" in full.details()
         )
         assert NEVER_FITS_METADATA not in dict(full.trailing_metadata() or ())
@@ -236,9 +236,7 @@ async def test_the_waiting_queue_counts_a_request_by_its_choices(keyed, monkeypa
         await _until(lambda: len(stack.scheduler.waiting) == 2, "the pair's first choice was not queued")
         assert stack.planner.starting == 1
         last = await _refused(planner.generate_all(_long(4)))
-        assert (
-            f"queue is full: 3 requests wait for admission (--max-waiting {limit}); retry" in last.details()
-        )
+        assert f"queue is full: 3 choices wait for admission (--max-waiting {limit}); retry" in last.details()
         for task in (running, one, pair):
             task.cancel()
         await asyncio.gather(running, one, pair, return_exceptions=True)
