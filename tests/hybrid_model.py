@@ -81,3 +81,31 @@ def greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
             pad_token_id=TEXT_CONFIG["eos_token_id"],
         )
     return out[0, len(prompt) :].tolist()
+
+
+async def start_with_cache(
+    model_dir: str, cache_dir: str, state_slots: int, row_check: bool = False, **executor
+):
+    """The hybrid served on the CPU in-process (tests.conftest's stack) over a cache service of its own:
+    (stack, servers, cache). `executor`: more ExecutorConfig fields (shard_layers, device)."""
+    from cache_svc.server import start_cache_server
+    from executor_svc.config import ExecutorConfig
+    from planner_svc.config import PlannerConfig, SchedulingConfig
+    from tests.conftest import start_stack
+
+    cache = await start_cache_server(cache_dir, budget_bytes=1 << 30)
+    address = f"127.0.0.1:{cache.port}"
+    config = ExecutorConfig(
+        **{"device": "cpu", **executor},
+        model=model_dir,
+        dtype="float32",
+        pool_pages=64,
+        page_size=16,
+        buckets=(1, 2),
+        state_slots=state_slots,
+        cache=address,
+        row_check=row_check,
+    )
+    planner = PlannerConfig(model=model_dir, cache=address, scheduling=SchedulingConfig(row_check=row_check))
+    stack, servers = await start_stack(config, planner)
+    return stack, servers, cache

@@ -10,12 +10,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from cache_svc.server import start_cache_server
-from executor_svc.config import ExecutorConfig
 from planner_svc.client import GenerateOptions, PlannerClient
-from planner_svc.config import PlannerConfig
-from tests.conftest import start_stack, stop_stack
-from tests.hybrid_model import build_text_model, save_layouts
+from tests.conftest import stop_stack
+from tests.hybrid_model import build_text_model, save_layouts, start_with_cache
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -29,19 +26,7 @@ async def stack(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("park_races")
     model_dir, _ = save_layouts(build_text_model(), str(root / "model"), hf_tokenizer())
-    cache = await start_cache_server(str(root / "cache"), budget_bytes=1 << 30)
-    address = f"127.0.0.1:{cache.port}"
-    executor = ExecutorConfig(
-        model=model_dir,
-        device="cpu",
-        dtype="float32",
-        pool_pages=64,
-        page_size=16,
-        buckets=(1, 2),
-        state_slots=STATE_SLOTS,
-        cache=address,
-    )
-    stack, servers = await start_stack(executor, PlannerConfig(model=model_dir, cache=address))
+    stack, servers, cache = await start_with_cache(model_dir, str(root / "cache"), STATE_SLOTS)
     yield stack
     await stop_stack([*servers, cache])
 

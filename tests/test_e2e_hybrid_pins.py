@@ -10,13 +10,10 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from cache_svc.server import start_cache_server
-from executor_svc.config import ExecutorConfig
 from planner_svc.client import GenerateOptions, PlannerClient
-from planner_svc.config import PlannerConfig, SchedulingConfig
 from planner_svc.metrics import PlannerMetrics
-from tests.conftest import start_stack, stop_stack
-from tests.hybrid_model import build_text_model, greedy, save_layouts
+from tests.conftest import stop_stack
+from tests.hybrid_model import build_text_model, greedy, save_layouts, start_with_cache
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -33,21 +30,9 @@ async def _start(root):
 
     model = build_text_model()
     model_dir, _ = save_layouts(model, str(root / "model"), hf_tokenizer())
-    cache = await start_cache_server(str(root / "cache"), budget_bytes=1 << 30)
-    address = f"127.0.0.1:{cache.port}"
-    executor = ExecutorConfig(
-        model=model_dir,
-        device="cpu",
-        dtype="float32",
-        pool_pages=64,
-        page_size=16,
-        buckets=(1, 2),
-        state_slots=STATE_SLOTS,
-        cache=address,
-        row_check=True,
+    stack, servers, cache = await start_with_cache(
+        model_dir, str(root / "cache"), STATE_SLOTS, row_check=True
     )
-    planner = PlannerConfig(model=model_dir, cache=address, scheduling=SchedulingConfig(row_check=True))
-    stack, servers = await start_stack(executor, planner)
     return model, stack, servers, cache
 
 

@@ -15,12 +15,10 @@ import torch
 
 from bench.soak import one_request
 from cache_svc.server import start_cache_server
-from executor_svc.config import ExecutorConfig
 from executor_svc.kernels import interpreting
 from planner_svc.client import GenerateOptions, PlannerClient
-from planner_svc.config import PlannerConfig, SchedulingConfig
-from tests.conftest import start_stack, stop_stack
-from tests.hybrid_model import build_text_model, greedy, save_layouts
+from tests.conftest import stop_stack
+from tests.hybrid_model import build_text_model, greedy, save_layouts, start_with_cache
 from tests.split_stages import StageGroup, start_group_planner
 
 pytestmark = [
@@ -44,21 +42,8 @@ THREE = [(0, 2), (2, 3), (3, 4)]
 
 
 async def _start(model_dir: str, cache_dir: str):
-    cache = await start_cache_server(cache_dir, budget_bytes=1 << 30)
-    address = f"127.0.0.1:{cache.port}"
-    stack, servers = await start_stack(
-        ExecutorConfig(
-            model=model_dir,
-            device=DEVICE,
-            dtype="float32",
-            pool_pages=64,
-            page_size=16,
-            buckets=(1, 2),
-            state_slots=STATE_SLOTS,
-            cache=address,
-            shard_layers=2,
-        ),
-        PlannerConfig(model=model_dir, cache=address, scheduling=SchedulingConfig(row_check=True)),
+    stack, servers, cache = await start_with_cache(
+        model_dir, cache_dir, STATE_SLOTS, row_check=True, device=DEVICE, shard_layers=2
     )
     return stack, [*servers, cache]
 

@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner_svc.config import SchedulingConfig
 from planner_svc.conversations import Conversations
 from planner_svc.requests import Request
 from planner_svc.retention import RetentionConfig
-from planner_svc.scheduler import Scheduler, SchedulerConfig
 from planner_svc.state_pressure import StatePressure
 from planner_svc.state_slots import StateSlots
-from protos.layout import RowLayout
-
-PAGE = 4
+from tests.state_scheduler import PAGE, run_until_idle, state_scheduler
 
 
 def _pinned(states: StateSlots, conversations: Conversations, name: str = "pin"):
@@ -69,45 +65,18 @@ def test_state_pressure_takes_an_older_conversations_unpinned_copies_before_none
     states.check()
 
 
-def _scheduler(state_slots: int, conversations: Conversations) -> Scheduler:
-    layout = RowLayout.build([2], max_seq_len=64, page_size=PAGE, pool_pages=64)
-    config = SchedulerConfig(
-        page_size=PAGE,
-        pool_pages=64,
-        buckets=(1, 2),
-        max_seq_len=64,
-        vocab_size=100,
-        state_slots=state_slots,
-        settings=SchedulingConfig(prefill_token_budget=64),
-    )
-    return Scheduler(config, layout, conversations)
-
-
-def _run(scheduler: Scheduler, seq: int) -> tuple[int, list[list[tuple[int, int]]]]:
-    """Steps until the scheduler is idle: (the next seq, each step's state copies)."""
-    copies = []
-    while not scheduler.idle:
-        step = scheduler.plan(seq)
-        assert step is not None
-        copies.append(step.state_copies)
-        prefill = np.array([20 + seq if c.sample_slot else -1 for c in step.prefill], np.int32)
-        scheduler.commit(seq, np.full(len(step.rows), 20 + seq, np.int32), prefill)
-        seq += 1
-    return seq, copies
-
-
 def test_a_turn_resuming_from_its_pin_waits_for_a_free_slot_rather_than_take_the_pins():
     """Two state slots: the pin's copy and a request running. The conversation's turn, its history edited after
     the pin, resumes from the pin: it waits for the running request's slot and copies the pin's state into it,
     so the pin still holds after the turn (taking the pin's own slot would end the pin with the turn)."""
     conversations = Conversations(PAGE, RetentionConfig())
-    scheduler = _scheduler(state_slots=3, conversations=conversations)
+    scheduler = state_scheduler(state_slots=3, conversations=conversations)
     chat = conversations.open("tenant", "pin")
     first = Request("turn0", [5, 6, 7, 8, 9, 10, 11], max_tokens=2)
     first.conversation, first.pinned = chat, 3
     conversations.mount(chat, first.prompt_ids)
     scheduler.add(first)
-    seq, _ = _run(scheduler, 0)
+    seq, _ = run_until_idle(scheduler, 0)
     pin_slot, end_slot = chat.states[3], chat.states[8]
     assert sorted(chat.states) == [3, 8] and chat.retention.pinned == 3 and not scheduler.states.free_count
     other = Request("other", [1, 2, 3], max_tokens=3)
@@ -123,7 +92,7 @@ def test_a_turn_resuming_from_its_pin_waits_for_a_free_slot_rather_than_take_the
     assert step is not None and [c.request for c in step.prefill] == [other]
     assert turn.state_slot == 0 and chat.states[3] == pin_slot
     scheduler.commit(seq, np.zeros(0, np.int32), np.array([50], np.int32))
-    seq, copies = _run(scheduler, seq + 1)
+    seq, copies = run_until_idle(scheduler, seq + 1)
     assert turn.output_ids and [c for c in copies if c] == [[(pin_slot, end_slot)]]
     assert chat.retention.pinned == 3 and chat.states[3] == pin_slot  # the pin holds
     assert sorted(chat.states) == [3, len(turn.prompt_ids) + 1]
@@ -146,7 +115,7 @@ def _only_pins(names: tuple[str, ...], states: StateSlots, conversations: Conver
 
 def test_every_slot_a_pins_copy_and_nothing_running_is_stuck_saying_what_it_needs():
     conversations = Conversations(PAGE, RetentionConfig())
-    scheduler = _scheduler(state_slots=3, conversations=conversations)
+    scheduler = state_scheduler(state_slots=3, conversations=conversations)
     chats = _only_pins(("a", "b"), scheduler.states, conversations)
     head = Request("new", [1, 2, 3], max_tokens=2)
     scheduler.add(head)
@@ -174,7 +143,7 @@ def test_every_slot_a_pins_copy_and_nothing_running_is_stuck_saying_what_it_need
 
 def test_a_waiting_turn_that_brings_its_slot_or_an_unpinned_idle_copy_is_not_stuck():
     conversations = Conversations(PAGE, RetentionConfig())
-    scheduler = _scheduler(state_slots=3, conversations=conversations)
+    scheduler = state_scheduler(state_slots=3, conversations=conversations)
     pinned, plain = _only_pins(("a", "b"), scheduler.states, conversations)
     plain.retention = type(plain.retention)(plain.retention.config)  # its copy is an ordinary checkpoint's
     plain.retention.add(10)
@@ -197,7 +166,7 @@ def test_a_turn_bringing_its_slot_counts_only_where_admission_scans():
     """Admission looks at the first `scan_limit` waiting requests: a turn bringing its slot further back passes
     no head, so the head is stuck (as the scheduler's admission, its pressure scans the same number)."""
     conversations = Conversations(PAGE, RetentionConfig())
-    scheduler = _scheduler(state_slots=3, conversations=conversations)
+    scheduler = state_scheduler(state_slots=3, conversations=conversations)
     assert scheduler.pressure.scan_limit == scheduler.admission.scan_limit
     _, plain = _only_pins(("a", "b"), scheduler.states, conversations)
     plain.retention = type(plain.retention)(plain.retention.config)

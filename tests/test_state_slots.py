@@ -8,14 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner_svc.config import SchedulingConfig
 from planner_svc.conversations import Conversations
 from planner_svc.recovery import recover
 from planner_svc.requests import Request
 from planner_svc.retention import RetentionConfig
-from planner_svc.scheduler import Scheduler, SchedulerConfig
 from planner_svc.state_slots import StateSlots
 from protos.layout import RowLayout
+from tests.state_scheduler import run_until_idle, state_scheduler
 
 
 def test_take_and_give_back():
@@ -52,24 +51,8 @@ def test_none_for_a_model_without_recurrent_layers():
         StateSlots(1)
 
 
-def _scheduler(
-    state_slots: int, conversations: Conversations | None = None, admission_skips: int = 32
-) -> Scheduler:
-    layout = RowLayout.build([2], max_seq_len=64, page_size=4, pool_pages=64)
-    config = SchedulerConfig(
-        page_size=4,
-        pool_pages=64,
-        buckets=(1, 2),
-        max_seq_len=64,
-        vocab_size=100,
-        state_slots=state_slots,
-        settings=SchedulingConfig(prefill_token_budget=64, admission_skips=admission_skips),
-    )
-    return Scheduler(config, layout, conversations)
-
-
 def test_scheduler_ships_and_returns_state_slots():
-    scheduler = _scheduler(state_slots=2)  # one slot for requests
+    scheduler = state_scheduler(state_slots=2)  # one slot for requests
     assert not scheduler.prefix_cache
     first, second = Request("a", [5, 6, 7], max_tokens=2), Request("b", [8, 9], max_tokens=2)
     scheduler.add(first)
@@ -88,22 +71,11 @@ def test_scheduler_ships_and_returns_state_slots():
     assert step is not None and step.prefill[0].request is second and step.prefill[0].state_slot == 1
 
 
-def _run(scheduler: Scheduler, request: Request, seq: int) -> tuple[int, list[list[tuple[int, int]]]]:
-    """Steps until `request` is done and its pages are back: (the next seq, each step's state copies)."""
-    copies = []
-    while not scheduler.idle:
-        step = scheduler.plan(seq)
-        assert step is not None
-        copies.append(step.state_copies)
-        prefill = np.array([20 + seq if c.sample_slot else -1 for c in step.prefill], np.int32)
-        scheduler.commit(seq, np.full(len(step.rows), 20 + seq, np.int32), prefill)
-        seq += 1
-    return seq, copies
-
-
 def test_turns_keep_their_state_and_resume_from_a_copy_of_it():
     conversations = Conversations(4, RetentionConfig(cap=2))
-    scheduler = _scheduler(state_slots=3, conversations=conversations)  # two slots for requests and copies
+    scheduler = state_scheduler(
+        state_slots=3, conversations=conversations
+    )  # two slots for requests and copies
     conversation = conversations.open("tenant", "chat")
 
     def turn(prompt: list[int], seq: int) -> tuple[Request, int, list[list[tuple[int, int]]]]:
@@ -113,7 +85,7 @@ def test_turns_keep_their_state_and_resume_from_a_copy_of_it():
         request.pages, request.reused, request.prefilled = mount.pages, mount.reused, mount.reused
         request.conversation, request.state_source = conversation, mount.state_slot
         scheduler.add(request)
-        return (request, *_run(scheduler, request, seq))
+        return (request, *run_until_idle(scheduler, seq))
 
     first, seq, copies = turn([5, 6, 7], 0)
     history = first.prompt_ids + first.output_ids  # its state read all but the last token
@@ -127,7 +99,7 @@ def test_turns_keep_their_state_and_resume_from_a_copy_of_it():
     assert conversation.states == {4: 1, 10: 2} and conversation.retention.positions == [4, 10]
     other = Request("other", [1, 2, 3], max_tokens=2)
     scheduler.add(other)  # no slot free: the conversation's older copy goes
-    seq, _ = _run(scheduler, other, seq)
+    seq, _ = run_until_idle(scheduler, seq)
     assert conversation.states == {10: 2} and conversation.retention.positions == [10]
     scheduler.states.check()
 
@@ -137,7 +109,7 @@ def test_turns_of_busy_conversations_holding_every_slot_pass_a_head_that_waits_f
     be dropped (their turns are mounted), so those turns pass the head whatever the skip count (each takes its
     checkpoint's own slot); their ends' copies are then idle, and one goes to the head."""
     conversations = Conversations(4, RetentionConfig())
-    scheduler = _scheduler(state_slots=3, conversations=conversations, admission_skips=0)
+    scheduler = state_scheduler(state_slots=3, conversations=conversations, admission_skips=0)
     chats = [conversations.open("tenant", name) for name in ("a", "b")]
     seq = 0
     for chat in chats:  # each keeps a checkpoint copy: both slots held
@@ -145,7 +117,7 @@ def test_turns_of_busy_conversations_holding_every_slot_pass_a_head_that_waits_f
         conversations.mount(chat, request.prompt_ids)
         request.conversation = chat
         scheduler.add(request)
-        seq, _ = _run(scheduler, request, seq)
+        seq, _ = run_until_idle(scheduler, seq)
     assert scheduler.states.free_count == 0
     head = Request("new", [1, 2, 3], max_tokens=2)
     scheduler.add(head)
@@ -158,7 +130,7 @@ def test_turns_of_busy_conversations_holding_every_slot_pass_a_head_that_waits_f
         request.conversation, request.state_source = chat, mount.state_slot
         scheduler.add(request)
         turns.append(request)
-    seq, _ = _run(scheduler, head, seq)
+    seq, _ = run_until_idle(scheduler, seq)
     assert all(r.output_ids for r in [head, *turns])
     assert sum(len(chat.states) for chat in chats) == 1 and scheduler.states.free_count == 1  # one went to it
     scheduler.states.check()
@@ -167,7 +139,7 @@ def test_turns_of_busy_conversations_holding_every_slot_pass_a_head_that_waits_f
 def _turn_with_a_root_mark():
     """A scheduler of 4 state slots and a conversation's turn of 7 prompt tokens marked as a root at 3, added."""
     conversations = Conversations(4, RetentionConfig())
-    scheduler = _scheduler(state_slots=4, conversations=conversations)
+    scheduler = state_scheduler(state_slots=4, conversations=conversations)
     conversation = conversations.open("tenant", "chat")
     request = Request("turn", [5, 6, 7, 8, 9, 10, 11], max_tokens=2)
     request.conversation, request.root = conversation, 3
@@ -186,7 +158,7 @@ def test_a_root_mark_inside_the_prompt_keeps_a_copy_of_the_state_there():
     step = scheduler.plan(1)  # the copy at the mark first, then the rest of the prompt
     assert step is not None and step.state_copies == [(1, 2)] and step.prefill[0].start == 3
     scheduler.commit(1, np.zeros(0, np.int32), np.array([30], np.int32))
-    _run(scheduler, request, 2)
+    run_until_idle(scheduler, 2)
     assert conversation.states == {3: 2, 8: 1} and conversation.retention.root == 3
     scheduler.states.check()
 
