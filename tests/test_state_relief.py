@@ -22,7 +22,7 @@ from planner_svc.streaming import TokenEvent
 from planner_svc.turns import Turns
 from protos import cache_pb2, executor_pb2
 from protos.wire import pack_i32, unpack_i32
-from tests.test_state_pins import _scheduler
+from tests.state_scheduler import state_scheduler
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -88,7 +88,7 @@ async def _engine(link: FakeLink, state_slots: int, pinned: tuple[str, ...], cac
     """An engine over `link` with its loop running, and `pinned` idle conversations holding only their pins'
     copies (at 10) and their pages."""
     conversations = Conversations(4, RetentionConfig())
-    scheduler = _scheduler(state_slots=state_slots, conversations=conversations)
+    scheduler = state_scheduler(state_slots=state_slots, conversations=conversations)
     chats = []
     for name in pinned:
         chat = conversations.open("tenant", name)
