@@ -2,13 +2,18 @@
 end for a turn with stop strings (Request.state_marks; DESIGN §4): its prefill chunks end at them, and the step
 after a chunk that ends at one copies the turn's state into a free state slot, before anything else of that
 step; the conversation keeps it as that mark's checkpoint. No free slot then: no copy, and no checkpoint at
-that mark."""
+that mark (at a pin's, a warning: the conversation keeps no pin until a later turn reads through the prefix
+again with a slot free)."""
 
 from __future__ import annotations
+
+import structlog
 
 from planner_svc.planned import PlannedStep
 from planner_svc.requests import Request
 from planner_svc.state_slots import StateSlots
+
+log = structlog.get_logger("deltaserve.planner.state_marks")
 
 
 def _marks(request: Request) -> tuple[int, ...]:
@@ -57,6 +62,14 @@ class MarkCopies:
                 request.marked_states[mark] = slot
                 self._uncommitted.append((request, mark, step.seq))
                 request.last_seq = max(request.last_seq, step.seq)  # its release waits for the copy's commit
+            elif mark == request.pinned and request.conversation is not None:
+                log.warning(
+                    "state pressure: no free state slot to keep the pinned prefix's state; the conversation "
+                    "keeps no pin until a later turn reads through the prefix again with a slot free",
+                    conversation=request.conversation.conversation_id,
+                    pinned_tokens=mark,
+                    state_slots=self.states.total,
+                )
         self._due = []
 
     def forget(self, committed: int) -> None:

@@ -178,3 +178,24 @@ def test_a_turn_bringing_its_slot_counts_only_where_admission_scans():
     pressure = StatePressure(scheduler.states, conversations, scheduler.loans, scan_limit=3)
     assert pressure.passing([*ahead[:2], turn]) and pressure.stuck([*ahead[:2], turn], stalled=True) is None
     assert not pressure.passing([*ahead, turn]) and pressure.stuck([*ahead, turn], stalled=True) is not None
+
+
+def test_a_pin_without_a_free_slot_for_its_copy_is_not_kept_and_the_log_says_so():
+    """One state slot, the turn's own: at its pin mark no slot is free for the copy, so the conversation keeps no
+    pin; a warning names the conversation (the client sees pinned_prefix 0 in ListConversations)."""
+    from structlog.testing import capture_logs
+
+    conversations = Conversations(PAGE, RetentionConfig())
+    scheduler = state_scheduler(state_slots=2, conversations=conversations)
+    chat = conversations.open("tenant", "pin")
+    turn = Request("turn0", [5, 6, 7, 8, 9, 10, 11], max_tokens=2)
+    turn.conversation, turn.pinned = chat, 3
+    conversations.mount(chat, turn.prompt_ids)
+    scheduler.add(turn)
+    with capture_logs() as logs:
+        run_until_idle(scheduler, 0)
+    assert turn.output_ids and chat.retention.pinned is None and 3 not in chat.states
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert [(e["conversation"], e["pinned_tokens"], e["state_slots"]) for e in warnings] == [("pin", 3, 1)]
+    assert "keeps no pin" in warnings[0]["event"]
+    scheduler.states.check()
