@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from planner_svc.config import SchedulingConfig
-from planner_svc.conversations import Conversations
+from planner_svc.conversations import Conversation, Conversations
+from planner_svc.requests import Request
+from planner_svc.retention import RetentionConfig
 from planner_svc.scheduler import Scheduler, SchedulerConfig
 from protos.layout import RowLayout
 
@@ -44,3 +46,18 @@ def run_until_idle(scheduler: Scheduler, seq: int) -> tuple[int, list[list[tuple
         scheduler.commit(seq, np.full(len(step.rows), 20 + seq, np.int32), prefill)
         seq += 1
     return seq, copies
+
+
+def marked_turn(
+    state_slots: int, name: str, root: int | None = None, pinned: int | None = None
+) -> tuple[Scheduler, Conversation, Request]:
+    """A scheduler of `state_slots` state slots and the first turn of conversation `name`, 7 prompt tokens marked
+    as a root and/or a pin at those positions, added."""
+    conversations = Conversations(PAGE, RetentionConfig())
+    scheduler = state_scheduler(state_slots, conversations)
+    conversation = conversations.open("tenant", name)
+    request = Request(f"{name}0", [5, 6, 7, 8, 9, 10, 11], max_tokens=2)
+    request.conversation, request.root, request.pinned = conversation, root, pinned
+    conversations.mount(conversation, request.prompt_ids)
+    scheduler.add(request)
+    return scheduler, conversation, request

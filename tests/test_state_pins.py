@@ -11,7 +11,7 @@ from planner_svc.requests import Request
 from planner_svc.retention import RetentionConfig
 from planner_svc.state_pressure import StatePressure
 from planner_svc.state_slots import StateSlots
-from tests.state_scheduler import PAGE, run_until_idle, state_scheduler
+from tests.state_scheduler import PAGE, marked_turn, run_until_idle, state_scheduler
 
 
 def _pinned(states: StateSlots, conversations: Conversations, name: str = "pin"):
@@ -69,13 +69,9 @@ def test_a_turn_resuming_from_its_pin_waits_for_a_free_slot_rather_than_take_the
     """Two state slots: the pin's copy and a request running. The conversation's turn, its history edited after
     the pin, resumes from the pin: it waits for the running request's slot and copies the pin's state into it,
     so the pin still holds after the turn (taking the pin's own slot would end the pin with the turn)."""
-    conversations = Conversations(PAGE, RetentionConfig())
-    scheduler = state_scheduler(state_slots=3, conversations=conversations)
-    chat = conversations.open("tenant", "pin")
-    first = Request("turn0", [5, 6, 7, 8, 9, 10, 11], max_tokens=2)
-    first.conversation, first.pinned = chat, 3
-    conversations.mount(chat, first.prompt_ids)
-    scheduler.add(first)
+    scheduler, chat, first = marked_turn(3, "pin", pinned=3)
+    conversations = scheduler.conversations
+    assert conversations is not None
     seq, _ = run_until_idle(scheduler, 0)
     pin_slot, end_slot = chat.states[3], chat.states[8]
     assert sorted(chat.states) == [3, 8] and chat.retention.pinned == 3 and not scheduler.states.free_count
@@ -185,13 +181,7 @@ def test_a_pin_without_a_free_slot_for_its_copy_is_not_kept_and_the_log_says_so(
     pin; a warning names the conversation (the client sees pinned_prefix 0 in ListConversations)."""
     from structlog.testing import capture_logs
 
-    conversations = Conversations(PAGE, RetentionConfig())
-    scheduler = state_scheduler(state_slots=2, conversations=conversations)
-    chat = conversations.open("tenant", "pin")
-    turn = Request("turn0", [5, 6, 7, 8, 9, 10, 11], max_tokens=2)
-    turn.conversation, turn.pinned = chat, 3
-    conversations.mount(chat, turn.prompt_ids)
-    scheduler.add(turn)
+    scheduler, chat, turn = marked_turn(2, "pin", pinned=3)
     with capture_logs() as logs:
         run_until_idle(scheduler, 0)
     assert turn.output_ids and chat.retention.pinned is None and 3 not in chat.states

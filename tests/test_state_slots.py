@@ -14,7 +14,7 @@ from planner_svc.requests import Request
 from planner_svc.retention import RetentionConfig
 from planner_svc.state_slots import StateSlots
 from protos.layout import RowLayout
-from tests.state_scheduler import run_until_idle, state_scheduler
+from tests.state_scheduler import marked_turn, run_until_idle, state_scheduler
 
 
 def test_take_and_give_back():
@@ -136,20 +136,8 @@ def test_turns_of_busy_conversations_holding_every_slot_pass_a_head_that_waits_f
     scheduler.states.check()
 
 
-def _turn_with_a_root_mark():
-    """A scheduler of 4 state slots and a conversation's turn of 7 prompt tokens marked as a root at 3, added."""
-    conversations = Conversations(4, RetentionConfig())
-    scheduler = state_scheduler(state_slots=4, conversations=conversations)
-    conversation = conversations.open("tenant", "chat")
-    request = Request("turn", [5, 6, 7, 8, 9, 10, 11], max_tokens=2)
-    request.conversation, request.root = conversation, 3
-    conversations.mount(conversation, request.prompt_ids)
-    scheduler.add(request)
-    return scheduler, conversation, request
-
-
 def test_a_root_mark_inside_the_prompt_keeps_a_copy_of_the_state_there():
-    scheduler, conversation, request = _turn_with_a_root_mark()
+    scheduler, conversation, request = marked_turn(4, "chat", root=3)
     step = scheduler.plan(0)
     assert step is not None and [(c.start, len(c.token_ids) // 4) for c in step.prefill] == [
         (0, 3)
@@ -164,7 +152,7 @@ def test_a_root_mark_inside_the_prompt_keeps_a_copy_of_the_state_there():
 
 
 def test_a_refused_step_leaves_no_checkpoint_of_steps_that_never_ran():
-    scheduler, conversation, request = _turn_with_a_root_mark()
+    scheduler, conversation, request = marked_turn(4, "chat", root=3)
     assert scheduler.plan(0) is not None  # the chunk up to the mark
     scheduler.commit(0, np.zeros(0, np.int32), np.array([-1], np.int32))
     step = scheduler.plan(1)  # the copy at the mark and the rest of the prompt: refused, so never run
