@@ -252,6 +252,8 @@ class Conversations:
                     conversation, position, slot, root=position == root, pinned=position == pinned
                 )
             self._keep_state(conversation, len(tokens), state_slot)
+            if pinned in conversation.states and retention.pinned != pinned:  # a checkpoint's copy already
+                conversation.drop_states(retention.pin(pinned))
             return pages[keep:]
         for position in sorted(set(checkpoints)):
             if not 0 < position <= len(tokens):

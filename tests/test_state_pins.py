@@ -189,3 +189,30 @@ def test_a_pin_without_a_free_slot_for_its_copy_is_not_kept_and_the_log_says_so(
     assert [(e["conversation"], e["pinned_tokens"], e["state_slots"]) for e in warnings] == [("pin", 3, 1)]
     assert "keeps no pin" in warnings[0]["event"]
     scheduler.states.check()
+
+
+def test_a_turn_resumed_past_its_prefix_pins_the_checkpoint_copy_kept_there():
+    """A hybrid's pin needs the state at it: a turn resuming past the prefix copies none, but where the
+    conversation already keeps a checkpoint's copy there (its root's), that checkpoint becomes the pin."""
+    states = StateSlots(4)
+    conversations = Conversations(PAGE, RetentionConfig(), states)
+    chat = conversations.open("tenant", "late")
+    conversations.mount(chat, list(range(3, 27)))
+    root_slot = states.take()
+    conversations.finish_turn(
+        chat,
+        list(range(3, 27)),
+        [1, 2, 3, 4, 5, 6],
+        [],
+        root=10,
+        state_slot=states.take(),
+        marked_states={10: root_slot},
+    )
+    assert chat.retention.pinned is None
+    mount, _ = conversations.mount(chat, list(range(3, 31)))
+    assert mount.reused == 24  # past the prefix the next turn pins
+    conversations.finish_turn(
+        chat, list(range(3, 31)), [1, 2, 3, 4, 5, 6, 7], [], pinned=10, state_slot=states.take()
+    )
+    assert chat.retention.pinned == 10 and chat.states[10] == root_slot
+    states.check()
