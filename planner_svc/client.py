@@ -35,6 +35,10 @@ class Generation:
     index: int = 0  # the choice (0 to n - 1)
     stop_string: str = ""  # the stop string that ended it, if one did
     seed: int | None = None  # the request's seed (the planner's drawn one where unset): sent back, it repeats
+    # with shared_prefix: the tokens its conversation keeps pinned after the turn (0: none), and why not the
+    # ones asked for where they differ; None: no shared prefix was asked
+    pinned_prefix: int | None = None
+    pin_note: str = ""
     logprobs: list[client_pb2.TokenLogprobs] = field(default_factory=list)  # one per token, with logprobs
 
 
@@ -256,7 +260,8 @@ class PlannerClient:
         self, options: GenerateOptions, key: str | None = None
     ) -> AsyncGenerator[client_pb2.GenerateResponse, None]:
         """Streams the GenerateResponses of one request. The last response carries the finish reason, the
-        seed and what was reused (reused_tokens, read_tokens, checkpoint, diverged_at).
+        seed and what was reused (reused_tokens, read_tokens, checkpoint, diverged_at); a conversation's turn
+        that asked for a shared prefix, the prefix pinned after it (pinned_prefix, pin_note).
 
         Leaving the loop early cancels the call, which the planner treats as an abort.
         """
@@ -308,6 +313,8 @@ class PlannerClient:
                 index=index,
                 stop_string=end.stop_string,
                 seed=end.seed if end.HasField("seed") else None,  # None: a planner from before the field
+                pinned_prefix=end.pinned_prefix if end.HasField("pinned_prefix") else None,
+                pin_note=end.pin_note,
                 logprobs=logprobs[index],
             )
             for index, end in sorted(last.items())

@@ -211,7 +211,7 @@ class Conversations:
         turn_end = [request.prompt_len] if request.prefilled == request.prompt_len else []
         marks = [p for p in request.state_marks if p <= len(tokens)]
         marked, request.marked_states = request.marked_states, {}
-        return self.finish_turn(
+        released = self.finish_turn(
             request.conversation,
             tokens,
             pages,
@@ -220,6 +220,23 @@ class Conversations:
             pinned=request.pinned,
             state_slot=state_slot if state_tokens is not None else 0,
             marked_states=marked,
+        )
+        if request.pin_asked:
+            request.pin_note = self._pin_note(request, len(tokens))
+        return released
+
+    def _pin_note(self, request: Request, tokens: int) -> str:
+        """Why the turn's conversation does not keep its shared prefix as its pin ("" where it does)."""
+        assert request.conversation is not None
+        if request.pinned is not None and request.conversation.retention.pinned == request.pinned:
+            return ""
+        if request.pin_note or request.pinned is None:
+            return request.pin_note
+        if request.pinned > tokens:
+            return "the turn ended before reading the whole prefix"
+        return (
+            "the turn resumed from a checkpoint past the prefix, where the conversation keeps no recurrent "
+            "state: a hybrid model pins a prefix that a turn reads through"
         )
 
     def finish_turn(

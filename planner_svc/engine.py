@@ -79,7 +79,8 @@ class Engine:
         )  # the plans in flight, for a refusal's log
         # Called when the queue's head waits for pages (KV pressure): set by the Turns built over the engines
         self.on_blocked: Callable[[Engine], None] | None = None
-        self._turn_waiters: list[tuple[Conversation, asyncio.Future[None]]] = []
+        # (whether it ended, done once it has): a conversation's turn, or a request's steps
+        self._end_waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
 
     @property
     def serving(self) -> bool:
@@ -122,26 +123,34 @@ class Engine:
 
     def turn_ended(self, conversation: Conversation) -> asyncio.Future[None]:
         """Done once the conversation runs no turn: its last turn's last step committed (or it had none)."""
-        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if conversation.busy:
-            self._turn_waiters.append((conversation, ended))
+        return self._when(lambda: not conversation.busy)
+
+    def released(self, request: Request) -> asyncio.Future[None]:
+        """Done once the request's last step committed and its pages went back (its conversation's turn ended
+        with what it kept): at most a step after its last token, where another step read its row."""
+        return self._when(lambda: request.released)
+
+    def _when(self, ended: Callable[[], bool]) -> asyncio.Future[None]:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if ended():
+            done.set_result(None)
         else:
-            ended.set_result(None)
-        return ended
+            self._end_waiters.append((ended, done))
+        return done
 
     def _turns_ended(self) -> None:
         """After a commit or an abort (what ends a turn): wake those waiting for it."""
-        if not self._turn_waiters:
+        if not self._end_waiters:
             return
         waiting = []
-        for conversation, ended in self._turn_waiters:
-            if ended.done():  # its waiter gave up
+        for ended, done in self._end_waiters:
+            if done.done():  # its waiter gave up
                 continue
-            if conversation.busy:
-                waiting.append((conversation, ended))
+            if ended():
+                done.set_result(None)
             else:
-                ended.set_result(None)
-        self._turn_waiters = waiting
+                waiting.append((ended, done))
+        self._end_waiters = waiting
 
     def wake(self) -> None:
         """Something outside the loop changed the schedule (pages returned): plan again."""

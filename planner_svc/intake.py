@@ -89,7 +89,8 @@ class Intake:
             tokens, why = resolve_shared_prefix(kind, value, req.prompt_ids, messages, self._render)
             if tokens is None:
                 log.info("shared prefix not marked", reason=why)
-            req.pinned = tokens
+                req.pin_note = f"the shared prefix was not marked: {why}"
+            req.pinned, req.pin_asked = tokens, True
 
     def _grammar(self, request: client_pb2.GenerateRequest) -> str | None:
         """The request's response_format as a grammar ("" any JSON object, else the schema), checked."""

@@ -95,6 +95,9 @@ class Request:
     prefill_read: PrefillRead | None = None  # a long prompt's read being followed (prefill_progress.py)
     root: int | None = None  # end of the system prompt: a checkpoint kept while the cap allows
     pinned: int | None = None  # a shared read-only prefix: a checkpoint never evicted
+    pin_asked: bool = False  # the turn asked for a shared prefix (its last message reports the pin kept)
+    pin_note: str = ""  # why the conversation may not keep `pinned` as its pin (set where that is found)
+    released: bool = False  # its steps are done and its pages went back (to its conversation, or the pool)
     tenant: str = ""  # whose request: the seed of its prefix hashes (pages are shared within a tenant only)
     # reusable_hashes', made once for a page size and tenant
     _reusable: tuple[int, str, list[bytes]] | None = field(default=None, repr=False)

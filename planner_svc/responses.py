@@ -115,6 +115,10 @@ class ResponseStreams:
                 response.read_tokens = req.prompt_len - req.reused
                 response.checkpoint = _mounted(req, mount)
                 response.diverged_at = mount.diverged_at
+                if req.pin_asked and req.conversation is not None:
+                    await engine.released(req)  # what its conversation keeps is settled at its turn's end
+                    response.pinned_prefix = req.conversation.retention.pinned or 0
+                    response.pin_note = req.pin_note
                 log.info(
                     "request finished",
                     finish=finish.value,

@@ -384,3 +384,4 @@ class Scheduler:
         elif state_slot:
             self.states.give_back(state_slot)
         self.pages.free(pages)
+        request.released = True

@@ -63,6 +63,7 @@ class MarkCopies:
                 self._uncommitted.append((request, mark, step.seq))
                 request.last_seq = max(request.last_seq, step.seq)  # its release waits for the copy's commit
             elif mark == request.pinned and request.conversation is not None:
+                request.pin_note = "no state slot was free for a copy of the prefix's state (state pressure)"
                 log.warning(
                     "state pressure: no free state slot to keep the pinned prefix's state; the conversation "
                     "keeps no pin until a later turn reads through the prefix again with a slot free",
@@ -79,4 +80,8 @@ class MarkCopies:
         for request, mark, seq in self._uncommitted:
             if seq > committed and mark in request.marked_states:
                 self.states.give_back(request.marked_states.pop(mark))
+                if mark == request.pinned:
+                    request.pin_note = (
+                        "the step copying the prefix's state did not run (the executor was lost)"
+                    )
         self._due, self._new, self._uncommitted = [], [], []

@@ -134,7 +134,7 @@ class SharedPrefix(_message.Message):
     def __init__(self, messages: _Optional[int] = ..., message: _Optional[_Union[SharedPrefix.MessageChars, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "prompt_tokens", "reused_tokens", "read_tokens", "checkpoint", "diverged_at", "index", "stop_string", "logprobs", "seed")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "prompt_tokens", "reused_tokens", "read_tokens", "checkpoint", "diverged_at", "index", "stop_string", "logprobs", "seed", "pinned_prefix", "pin_note")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,8 @@ class GenerateResponse(_message.Message):
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PIN_NOTE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: bytes
     text: str
@@ -161,7 +163,9 @@ class GenerateResponse(_message.Message):
     stop_string: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., read_tokens: _Optional[int] = ..., checkpoint: _Optional[str] = ..., diverged_at: _Optional[int] = ..., index: _Optional[int] = ..., stop_string: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., seed: _Optional[int] = ...) -> None: ...
+    pinned_prefix: int
+    pin_note: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., read_tokens: _Optional[int] = ..., checkpoint: _Optional[str] = ..., diverged_at: _Optional[int] = ..., index: _Optional[int] = ..., stop_string: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., seed: _Optional[int] = ..., pinned_prefix: _Optional[int] = ..., pin_note: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "token", "token_bytes", "logprob")

@@ -263,14 +263,36 @@ async def test_shared_prefix_is_pinned_and_malformed_ones_refused(cached):
     document = {"role": "system", "content": "A long shared document. " * 40}
     async with PlannerClient(stack.addr) as client:
         chat = [document, {"role": "user", "content": "Summarise it."}]
-        _, done = await turn(client, chat, "doc", shared_prefix=client_pb2.SharedPrefix(messages=1))
+        answer, _ = await turn(client, chat)
+        assert answer[3] not in answer[:3]
+        # A stop token ends the turn a step before its pages go back (the planner had planned its row on):
+        # the last message waits for that, to say what the conversation keeps.
+        _, done = await turn(
+            client,
+            chat,
+            "doc",
+            shared_prefix=client_pb2.SharedPrefix(messages=1),
+            stop_token_ids=[answer[3]],
+        )
+        assert done.finish_reason == client_pb2.FINISH_REASON_STOP
         await stack.wait_idle()
         conversation = stack.scheduler.conversations.get("default", "doc")
         pinned = conversation.retention.pinned
         assert pinned and pinned < done.prompt_tokens
+        assert (done.pinned_prefix, done.pin_note) == (pinned, "")  # the answer says what is pinned
         for i in range(8):  # many short questions over one document keep the pin
-            await turn(client, [document, {"role": "user", "content": f"Question {i}?"}], "doc", max_tokens=2)
+            _, done = await turn(
+                client, [document, {"role": "user", "content": f"Question {i}?"}], "doc", max_tokens=2
+            )
+            assert not done.HasField("pinned_prefix")  # asked for none
         assert conversation.retention.pinned == pinned
+        # One that cannot be marked leaves the pin as it was, and the answer says why it is not the one asked
+        _, done = await turn(client, chat, "doc", shared_prefix=client_pb2.SharedPrefix(tokens=100000))
+        assert done.pinned_prefix == pinned == conversation.retention.pinned
+        assert (
+            done.pin_note
+            == f"the shared prefix was not marked: the shared prefix covers the whole prompt ({done.prompt_tokens} tokens)"
+        )
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await turn(client, chat, "doc", shared_prefix=client_pb2.SharedPrefix(messages=5))
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

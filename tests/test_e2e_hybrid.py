@@ -256,7 +256,8 @@ async def test_conversation_resumes_from_checkpoints_with_state_copies(text_stac
         pinned = GenerateOptions(
             token_ids=prompt, max_tokens=NEW_TOKENS, conversation_id="pin", shared_prefix={"tokens": 10}
         )
-        assert (await client.generate_all(pinned)).token_ids == first_answer
+        got = await client.generate_all(pinned)
+        assert (got.token_ids, got.pinned_prefix, got.pin_note) == (first_answer, 10, "")
         await text_stack.wait_idle()
         (pinned_chat,) = [c for c in scheduler.conversations.every() if c.conversation_id == "pin"]
         assert sorted(pinned_chat.states) == [10, stored] and pinned_chat.retention.pinned == 10
@@ -277,6 +278,34 @@ async def test_conversation_resumes_from_checkpoints_with_state_copies(text_stac
         assert (got.reused_tokens, got.checkpoint, got.diverged_at) == (10, "checkpoint@10", 12)
         assert got.token_ids == greedy(model, edited, NEW_TOKENS)
         await client.delete_conversation("pin")
+    await _all_free(text_stack)
+
+
+async def test_a_later_turn_pins_a_checkpoint_it_resumed_past_or_its_answer_says_why_not(text_stack, hybrid):
+    """A hybrid keeps a pin only with the state at it: a turn resuming past a prefix where no copy was kept
+    answers pinned_prefix 0 and why; one naming a position its conversation holds a copy at pins that copy."""
+    prompt, answer = hybrid[2][1]
+    stored = len(prompt) + NEW_TOKENS - 1  # the first turn's end: its checkpoint, with a state copy
+
+    def options(history: list[int], **fields) -> GenerateOptions:
+        return GenerateOptions(token_ids=history, max_tokens=NEW_TOKENS, conversation_id="late-pin", **fields)
+
+    async with PlannerClient(text_stack.addr) as client:
+        first = await client.generate_all(options(prompt))
+        assert (first.token_ids, first.pinned_prefix) == (answer, None)  # no shared prefix asked: no report
+        history = prompt + answer + [4, 4]
+        past = await client.generate_all(options(history, shared_prefix={"tokens": 10}))
+        assert (past.checkpoint, past.pinned_prefix) == (f"checkpoint@{stored}", 0)
+        assert past.pin_note.startswith("the turn resumed from a checkpoint past the prefix")
+        history += past.token_ids + [5, 5]
+        at_copy = await client.generate_all(options(history, shared_prefix={"tokens": stored}))
+        assert (at_copy.pinned_prefix, at_copy.pin_note) == (stored, "")
+        assert at_copy.token_ids == greedy(build_text_model(), history, NEW_TOKENS)
+        (conversation,) = [
+            c for c in text_stack.scheduler.conversations.every() if c.conversation_id == "late-pin"
+        ]
+        assert conversation.retention.pinned == stored and stored in conversation.states
+        await client.delete_conversation("late-pin")
     await _all_free(text_stack)
 
 

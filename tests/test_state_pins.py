@@ -182,9 +182,14 @@ def test_a_pin_without_a_free_slot_for_its_copy_is_not_kept_and_the_log_says_so(
     from structlog.testing import capture_logs
 
     scheduler, chat, turn = marked_turn(2, "pin", pinned=3)
+    turn.pin_asked = True
     with capture_logs() as logs:
         run_until_idle(scheduler, 0)
     assert turn.output_ids and chat.retention.pinned is None and 3 not in chat.states
+    assert (
+        turn.released
+        and turn.pin_note == "no state slot was free for a copy of the prefix's state (state pressure)"
+    )
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert [(e["conversation"], e["pinned_tokens"], e["state_slots"]) for e in warnings] == [("pin", 3, 1)]
     assert "keeps no pin" in warnings[0]["event"]
