@@ -151,9 +151,11 @@ def _request_options(args: argparse.Namespace) -> GenerateOptions:
 
 
 def generation_json(generation: Generation) -> dict[str, Any]:
-    """A Generation as JSON: its fields, the logprobs as lists of {token_id, token, logprob, top}."""
+    """A Generation as JSON: its fields (the pin's only where a shared prefix was asked for), the logprobs as
+    lists of {token_id, token, logprob, top}."""
+    left_out = {"logprobs"} | ({"pinned_prefix", "pin_note"} if generation.pinned_prefix is None else set())
     value = {
-        f.name: getattr(generation, f.name) for f in dataclasses.fields(generation) if f.name != "logprobs"
+        f.name: getattr(generation, f.name) for f in dataclasses.fields(generation) if f.name not in left_out
     }
     if generation.logprobs:
         value["logprobs"] = [
@@ -173,6 +175,10 @@ def reuse_line(response: client_pb2.GenerateResponse) -> str:
     details = f"checkpoint: {response.checkpoint}"
     if response.diverged_at >= 0:
         details += f"; the prompt differs from the kept history at token {response.diverged_at}"
+    if response.HasField("pinned_prefix"):
+        details += f"; pinned prefix: {response.pinned_prefix} tokens"
+        if response.pin_note:
+            details += f" ({response.pin_note})"
     return f"reused {response.reused_tokens} of {response.prompt_tokens} prompt tokens ({details})"
 
 

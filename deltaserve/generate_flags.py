@@ -73,7 +73,8 @@ def add_generate_command(generate: Flags) -> None:
     generate.switch(
         "--json",
         help="print one JSON object at the end instead of streaming the text (with reused_tokens, "
-        "read_tokens, checkpoint, diverged_at and the seed, drawn by the planner where --seed is not given)",
+        "read_tokens, checkpoint, diverged_at, the seed, drawn by the planner where --seed is not given, and "
+        "with --shared-prefix the pinned_prefix kept and a pin_note where it is not the one asked for)",
     )
 
 

@@ -101,6 +101,13 @@ def extension(state: ChoiceState, conversation: str) -> dict[str, Any]:
         "read_tokens": last.read_tokens,
         # the planner's request's seed, drawn where the body had none: sent back as `seed`, it repeats the answer
         "seed": last.seed if last.HasField("seed") else None,
+        # with shared_prefix: the tokens the conversation keeps pinned after the turn (0: none), and why not
+        # the ones asked for where they differ
+        **(
+            {"pinned_prefix": last.pinned_prefix, "pin_note": last.pin_note or None}
+            if last.HasField("pinned_prefix")
+            else {}
+        ),
     }
 
 

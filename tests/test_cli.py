@@ -1087,13 +1087,18 @@ def test_up_serves_a_conversation_parks_it_in_its_cache_and_stops_cleanly_on_sig
         assert (first["reused_tokens"], first["read_tokens"], first["checkpoint"]) == (0, 20, "none")
 
         second_prompt = first_prompt + first["token_ids"] + [30, 504]  # the history, then a new turn
-        second = json.loads(turn(second_prompt, "--json").stdout)
+        second = json.loads(turn(second_prompt, "--json", "--shared-prefix", "tokens:10").stdout)
         assert second["checkpoint"] == "checkpoint@20" and second["diverged_at"] == -1
+        assert (second["pinned_prefix"], second["pin_note"]) == (10, "")
+        assert "pinned_prefix" not in first  # no shared prefix asked for
         assert (second["reused_tokens"], second["read_tokens"]) == (16, len(second_prompt) - 16)
 
-        third = turn(second_prompt + second["token_ids"])  # streamed text; the reuse said on stderr
+        third = turn(
+            second_prompt + second["token_ids"], "--shared-prefix", "tokens:12"
+        )  # the reuse on stderr
         assert third.returncode == 0, third.stderr
         assert third.stderr.startswith(f"reused 16 of {len(second_prompt) + 4} prompt tokens (checkpoint: ")
+        assert third.stderr.rstrip().endswith("; pinned prefix: 12 tokens)")
 
         parked = deltaserve("park", "c1", *planner)
         assert parked.returncode == 0, parked.stderr

@@ -381,7 +381,9 @@ async def test_a_shared_prefix_is_pinned_for_the_conversation_or_logged(http):
         temperature=0,
         extra_body={"conversation_id": "pinned-1", "shared_prefix": {"messages": 1}},
     )
-    assert reply.model_extra["deltaserve"]["conversation_id"] == "pinned-1"
+    extension = reply.model_extra["deltaserve"]
+    assert extension["conversation_id"] == "pinned-1" and extension["pin_note"] is None
+    assert 0 < extension["pinned_prefix"] < reply.usage.prompt_tokens
     # one that cannot be marked (past the prompt's end) is logged, and the request goes on
     past = await http.client.chat.completions.create(
         model=http.model,
@@ -391,6 +393,8 @@ async def test_a_shared_prefix_is_pinned_for_the_conversation_or_logged(http):
         extra_body={"conversation_id": "pinned-2", "shared_prefix": {"tokens": 100000}},
     )
     assert past.choices[0].message.content == reply.choices[0].message.content
+    assert past.model_extra["deltaserve"]["pinned_prefix"] == 0
+    assert past.model_extra["deltaserve"]["pin_note"].startswith("the shared prefix was not marked: ")
     listed = {c.conversation_id: c for c in await http.planner.conversations()}
     assert 0 < listed["pinned-1"].pinned_prefix < reply.usage.prompt_tokens
     assert listed["pinned-2"].pinned_prefix == 0
