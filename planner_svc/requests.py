@@ -99,6 +99,7 @@ class Request:
     pin_note: str = ""  # why the conversation may not keep `pinned` as its pin (set where that is found)
     released: bool = False  # its steps are done and its pages went back (to its conversation, or the pool)
     tenant: str = ""  # whose request: the seed of its prefix hashes (pages are shared within a tenant only)
+    queue_tag: int = 0  # its place in the waiting queue, where tenants take turns (tenant_order.py)
     # reusable_hashes', made once for a page size and tenant
     _reusable: tuple[int, str, list[bytes]] | None = field(default=None, repr=False)
 

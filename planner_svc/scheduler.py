@@ -21,6 +21,7 @@ from planner_svc.slots import SlotCache
 from planner_svc.state_marks import MarkCopies
 from planner_svc.state_pressure import StatePressure
 from planner_svc.state_slots import StateSlots
+from planner_svc.tenant_order import TenantOrder
 from protos.layout import RowLayout
 from protos.wire import I32
 
@@ -44,7 +45,8 @@ class Scheduler:
         # Shared prefix pages would skip tokens whose recurrent state no page holds: off for such models.
         self.prefix_cache = config.settings.prefix_cache and not self.states.enabled
         self.mirror = RowMirror(layout)
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()  # ordered by tenant_order: tenants take turns
+        self.order = TenantOrder()
         self.admission: Admission[Request] = Admission(config.settings.admission_skips)
         self.pressure = StatePressure(self.states, conversations, self.loans, self.admission.scan_limit)
         self.prefilling: list[Request] = []
@@ -72,7 +74,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.check(request)
-        self.waiting.append(request)
+        self.order.place(self.waiting, request)
         self._dirty = True
 
     def abort(self, request: Request, finish: Finish = Finish.ABORT) -> bool:
@@ -305,11 +307,13 @@ class Scheduler:
         return bool(self.waiting) and not self._can_admit(self.waiting[0])
 
     def _admit(self) -> None:
-        """First come, first served; a bounded number may pass a head waiting for pages (admission.py)."""
+        """In the queue's order (tenants take turns, each first come, first served); a bounded number may pass a
+        head waiting for pages (admission.py)."""
         page_size = self.config.page_size
         freed, frees_head = self.pressure.before_admission(self.waiting[0] if self.waiting else None)
         self.pages.free(freed)  # state pressure: a checkpoint's copy went back (state_pressure.py)
         for request in self.admission.take(self.waiting, self._can_admit, frees_head):
+            self.order.admitted(request)
             if self.prefix_cache and not request.pages:
                 self._match_prefix(request)
             if self.states.enabled and not request.state_slot:

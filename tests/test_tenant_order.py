@@ -1,0 +1,84 @@
+"""Tenants take turns in the waiting queue (tenant_order.py): pure logic, then the scheduler admitting by it."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner_svc.requests import Request
+from planner_svc.tenant_order import TenantOrder
+from tests.state_scheduler import state_scheduler
+
+
+@dataclass
+class Queued:
+    tenant: str
+    name: str
+    queue_tag: int = 0
+
+
+def _queue(order: TenantOrder, waiting: deque[Queued], *arrivals: str) -> None:
+    for arrival in arrivals:
+        tenant, _ = arrival.split(".")
+        order.place(waiting, Queued(tenant, arrival))
+
+
+def _names(waiting: deque[Queued]) -> list[str]:
+    return [q.name for q in waiting]
+
+
+def test_one_tenant_is_first_come_first_served():
+    order, waiting = TenantOrder(), deque[Queued]()
+    _queue(order, waiting, "a.1", "a.2", "a.3")
+    assert _names(waiting) == ["a.1", "a.2", "a.3"]
+
+
+def test_a_tenant_arriving_behind_a_flood_waits_one_turn_not_the_flood():
+    order, waiting = TenantOrder(), deque[Queued]()
+    _queue(order, waiting, *(f"a.{i}" for i in range(1, 7)), "b.1", "b.2", "c.1")
+    assert _names(waiting) == ["a.1", "b.1", "c.1", "a.2", "b.2", "a.3", "a.4", "a.5", "a.6"]
+
+
+def test_the_clock_moves_with_admission_and_an_idle_tenant_saves_no_credit():
+    order, waiting = TenantOrder(), deque[Queued]()
+    _queue(order, waiting, "a.1", "a.2", "a.3", "a.4")
+    for _ in range(3):
+        order.admitted(waiting.popleft())
+    assert order.clock == 3
+    # b was idle while a's first three ran: it starts at the clock, level with a's next, with no turns saved up
+    _queue(order, waiting, "b.1", "b.2", "b.3")
+    assert _names(waiting) == ["a.4", "b.1", "b.2", "b.3"]
+    _queue(order, waiting, "a.5")
+    assert _names(waiting) == ["a.4", "b.1", "b.2", "a.5", "b.3"]
+
+
+def test_tenants_behind_the_clock_are_forgotten_past_the_prune_limit():
+    order, waiting = TenantOrder(), deque[Queued]()
+    _queue(order, waiting, *(f"t{i}.1" for i in range(1100)))
+    while waiting:
+        order.admitted(waiting.popleft())
+    assert not order._last  # every tenant's tag is at or behind the clock: nothing to remember
+    _queue(order, waiting, "t5.2", "new.1")
+    assert [q.queue_tag for q in waiting] == [order.clock + 1] * 2
+
+
+def test_the_scheduler_admits_tenants_in_turns():
+    """Room for one request at a time (its pages): the tenant queued behind another's five runs second."""
+    scheduler = state_scheduler(0)
+    scheduler.pages.allocate(scheduler.pages.free_count - 4)  # 16 tokens of pages: one request at a time
+    flood = [Request(f"a{i}", [5, 6, 7, 8, 9], max_tokens=8, tenant="a") for i in range(5)]
+    late = Request("b0", [5, 6, 7, 8, 9], max_tokens=8, tenant="b")
+    for request in [*flood, late]:
+        scheduler.add(request)
+    finished, seq = [], 0
+    while not scheduler.idle:
+        step = scheduler.plan(seq)
+        assert step is not None
+        prefill = np.array([20 if c.sample_slot else -1 for c in step.prefill], np.int32)
+        for request, _, _ in scheduler.commit(seq, np.full(len(step.rows), 20, np.int32), prefill):
+            if request.finish is not None:
+                finished.append(request.request_id)
+        seq += 1
+    assert finished == ["a0", "b0", "a1", "a2", "a3", "a4"]
