@@ -1,4 +1,4 @@
-"""Which waiting requests get their pages: first come, first served, with bounded skipping.
+"""Which waiting requests get their pages: in the queue's order (tenant_order.py), with bounded skipping.
 
 A head of the queue that cannot get its pages does not hold back the requests behind it that can: they go
 past it, up to `skip_limit` of them while that request is the head. Then the head blocks again (nothing

@@ -222,21 +222,22 @@ class Conversations:
             marked_states=marked,
         )
         if request.pin_asked:
+            request.pin_kept = request.conversation.retention.pinned or 0
             request.pin_note = self._pin_note(request, len(tokens))
         return released
 
     def _pin_note(self, request: Request, tokens: int) -> str:
         """Why the turn's conversation does not keep its shared prefix as its pin ("" where it does)."""
         assert request.conversation is not None
-        if request.pinned is not None and request.conversation.retention.pinned == request.pinned:
+        if request.pinned is not None and request.pin_kept == request.pinned:
             return ""
-        if request.pin_note or request.pinned is None:
+        if request.pinned is None:  # not marked: the note says why
             return request.pin_note
         if request.pinned > tokens:
             return "the turn ended before reading the whole prefix"
-        return (
-            "the turn resumed from a checkpoint past the prefix, where the conversation keeps no recurrent "
-            "state: a hybrid model pins a prefix that a turn reads through"
+        return request.pin_note or (
+            "the conversation keeps no recurrent state at the prefix (the turn resumed from a checkpoint at or "
+            "past it): a hybrid model pins a prefix where a turn reads through it or a checkpoint keeps its state"
         )
 
     def finish_turn(

@@ -127,7 +127,7 @@ class Engine:
 
     def released(self, request: Request) -> asyncio.Future[None]:
         """Done once the request's last step committed and its pages went back (its conversation's turn ended
-        with what it kept): at most a step after its last token, where another step read its row."""
+        with what it kept): a plan's steps after its last token at most, where they read its row."""
         return self._when(lambda: request.released)
 
     def _when(self, ended: Callable[[], bool]) -> asyncio.Future[None]:
@@ -207,6 +207,7 @@ class Engine:
                 self._stream(len(self._pending))  # what was produced first; then the finished still open
                 for request in [r for r in self._queues if r.finish is not None]:
                     self._end(request, "INTERNAL", f"the planner failed to recover this request: {words}")
+                self._turns_ended()
                 error = LinkLost(f"recovery failed: {words}")
                 await asyncio.sleep(RECONNECT_BACKOFF_S[0])
 

@@ -112,6 +112,7 @@ def _drop(scheduler: Scheduler, request: Request) -> None:
             queue.remove(request)
     scheduler.slots.release(request)
     request.phase, request.pages, request.state_slot = Phase.DONE, [], 0
+    request.released = True  # it holds nothing now: whoever waits for its end stops waiting
     if request.finish is None:
         request.finish = Finish.ABORT
     conversation = request.conversation

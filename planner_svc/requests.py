@@ -97,6 +97,7 @@ class Request:
     pinned: int | None = None  # a shared read-only prefix: a checkpoint never evicted
     pin_asked: bool = False  # the turn asked for a shared prefix (its last message reports the pin kept)
     pin_note: str = ""  # why the conversation may not keep `pinned` as its pin (set where that is found)
+    pin_kept: int = 0  # the pin its conversation kept when its turn ended (0: none), where it asked for one
     released: bool = False  # its steps are done and its pages went back (to its conversation, or the pool)
     tenant: str = ""  # whose request: the seed of its prefix hashes (pages are shared within a tenant only)
     queue_tag: int = 0  # its place in the waiting queue, where tenants take turns (tenant_order.py)

@@ -20,6 +20,8 @@ from protos.wire import pack_i32
 
 log = structlog.get_logger("deltaserve.planner")
 
+PIN_REPORT_WAIT_S = 30.0  # for a turn's end after its last token, at most (a plan's steps: milliseconds)
+
 _FINISH = {
     Finish.STOP: client_pb2.FINISH_REASON_STOP,
     Finish.LENGTH: client_pb2.FINISH_REASON_LENGTH,
@@ -116,9 +118,7 @@ class ResponseStreams:
                 response.checkpoint = _mounted(req, mount)
                 response.diverged_at = mount.diverged_at
                 if req.pin_asked and req.conversation is not None:
-                    await engine.released(req)  # what its conversation keeps is settled at its turn's end
-                    response.pinned_prefix = req.conversation.retention.pinned or 0
-                    response.pin_note = req.pin_note
+                    response.pinned_prefix, response.pin_note = await _pin_report(engine, req)
                 log.info(
                     "request finished",
                     finish=finish.value,
@@ -129,6 +129,21 @@ class ResponseStreams:
                 yield response
                 return
             yield response
+
+
+async def _pin_report(engine: Engine, req: Request) -> tuple[int, str]:
+    """The pin the turn's conversation kept and why not the one asked for, settled at the turn's end: when its
+    pages go back, which may be a step after its last token (a stop the planner could not foresee)."""
+    try:
+        await asyncio.wait_for(engine.released(req), PIN_REPORT_WAIT_S)
+    except TimeoutError:  # never expected: every end of a request releases it
+        log.error(
+            "the turn's end was not seen after its last token (a planner defect)", wait_s=PIN_REPORT_WAIT_S
+        )
+        assert req.conversation is not None
+        pinned = req.conversation.retention.pinned or 0
+        return pinned, f"not known: the turn had not ended {PIN_REPORT_WAIT_S:.0f} s after its last token"
+    return req.pin_kept, req.pin_note
 
 
 def _mounted(req: Request, mount: Mount) -> str:

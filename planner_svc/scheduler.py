@@ -84,6 +84,7 @@ class Scheduler:
         if request.phase is Phase.WAITING:
             self.waiting.remove(request)
             self.admission.forget(request)
+            self.order.forget(self.waiting, request)
             request.phase = Phase.DONE
             self._release_pages(request)
         else:
@@ -324,6 +325,7 @@ class Scheduler:
             request.prefilled = request.reused
             request.phase = Phase.PREFILL
             self.prefilling.append(request)
+        self.order.settle(self.waiting)
 
     def _match_prefix(self, request: Request) -> None:
         """Take the indexed full pages of the prompt's start, leaving at least one token to read."""

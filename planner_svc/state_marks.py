@@ -2,8 +2,8 @@
 end for a turn with stop strings (Request.state_marks; DESIGN §4): its prefill chunks end at them, and the step
 after a chunk that ends at one copies the turn's state into a free state slot, before anything else of that
 step; the conversation keeps it as that mark's checkpoint. No free slot then: no copy, and no checkpoint at
-that mark (at a pin's, a warning: the conversation keeps no pin until a later turn reads through the prefix
-again with a slot free)."""
+that mark (at a pin's, a warning and the turn's pin_note: the conversation keeps no pin until a later turn
+reads through the prefix again with a slot free, or asks for it where a checkpoint holds the state)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ class MarkCopies:
                 request.pin_note = "no state slot was free for a copy of the prefix's state (state pressure)"
                 log.warning(
                     "state pressure: no free state slot to keep the pinned prefix's state; the conversation "
-                    "keeps no pin until a later turn reads through the prefix again with a slot free",
+                    "keeps no pin until a later turn reads through the prefix again with a slot free (or asks for it "
+                    "where a checkpoint holds the state)",
                     conversation=request.conversation.conversation_id,
                     pinned_tokens=mark,
                     state_slots=self.states.total,
@@ -81,7 +82,5 @@ class MarkCopies:
             if seq > committed and mark in request.marked_states:
                 self.states.give_back(request.marked_states.pop(mark))
                 if mark == request.pinned:
-                    request.pin_note = (
-                        "the step copying the prefix's state did not run (the executor was lost)"
-                    )
+                    request.pin_note = "the step copying the prefix's state did not run (its executor was lost or refused a step)"
         self._due, self._new, self._uncommitted = [], [], []

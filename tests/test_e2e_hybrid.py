@@ -296,7 +296,7 @@ async def test_a_later_turn_pins_a_checkpoint_it_resumed_past_or_its_answer_says
         history = prompt + answer + [4, 4]
         past = await client.generate_all(options(history, shared_prefix={"tokens": 10}))
         assert (past.checkpoint, past.pinned_prefix) == (f"checkpoint@{stored}", 0)
-        assert past.pin_note.startswith("the turn resumed from a checkpoint past the prefix")
+        assert past.pin_note.startswith("the conversation keeps no recurrent state at the prefix")
         history += past.token_ids + [5, 5]
         at_copy = await client.generate_all(options(history, shared_prefix={"tokens": stored}))
         assert (at_copy.pinned_prefix, at_copy.pin_note) == (stored, "")

@@ -203,6 +203,7 @@ def test_a_request_whose_pages_were_freed_behind_its_back_fails_alone_in_a_lost_
     assert "freed 1 times with refcount 0" in str(result.failed[0][1])
     assert set(result.cut) == {running[0], running[2]} and not result.requeued
     assert all(r.finish is Finish.ABORT and r.phase is Phase.DONE and not r.pages for r in running)
+    assert all(r.released for r in running)  # none left for a waiter of its end (a pin's report) to wait on
     scheduler.pages.check()
     assert scheduler.pages.free_count == scheduler.pages.total and scheduler.idle  # rebuilt: nothing leaks
 

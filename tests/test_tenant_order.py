@@ -41,27 +41,60 @@ def test_a_tenant_arriving_behind_a_flood_waits_one_turn_not_the_flood():
     assert _names(waiting) == ["a.1", "b.1", "c.1", "a.2", "b.2", "a.3", "a.4", "a.5", "a.6"]
 
 
-def test_the_clock_moves_with_admission_and_an_idle_tenant_saves_no_credit():
+def _admit(order: TenantOrder, waiting: deque[Queued], *names: str) -> None:
+    """Admit these (from anywhere in the queue: past a head waiting for pages too), then settle the clock."""
+    for name in names:
+        (queued,) = [q for q in waiting if q.name == name]
+        waiting.remove(queued)
+        order.admitted(queued)
+    order.settle(waiting)
+
+
+def test_the_clock_moves_with_admission_and_an_idle_tenant_saves_no_turns():
     order, waiting = TenantOrder(), deque[Queued]()
     _queue(order, waiting, "a.1", "a.2", "a.3", "a.4")
-    for _ in range(3):
-        order.admitted(waiting.popleft())
+    _admit(order, waiting, "a.1", "a.2", "a.3")
     assert order.clock == 3
     # b was idle while a's first three ran: it starts at the clock, level with a's next, with no turns saved up
     _queue(order, waiting, "b.1", "b.2", "b.3")
     assert _names(waiting) == ["a.4", "b.1", "b.2", "b.3"]
     _queue(order, waiting, "a.5")
     assert _names(waiting) == ["a.4", "b.1", "b.2", "a.5", "b.3"]
+    _admit(order, waiting, "a.4", "b.1", "b.2", "a.5", "b.3")
+    assert order.clock == 6  # nothing waits: the last tag admitted
+
+
+def test_requests_admitted_past_a_head_waiting_for_pages_do_not_move_the_clock():
+    order, waiting = TenantOrder(), deque[Queued]()
+    _queue(order, waiting, *(f"a.{i}" for i in range(1, 7)))
+    _admit(order, waiting, "a.2", "a.3", "a.4")  # past a.1, which waits for pages
+    assert order.clock == 0
+    _queue(order, waiting, "b.1")
+    assert _names(waiting) == ["a.1", "b.1", "a.5", "a.6"]
+
+
+def test_a_tenant_is_not_charged_turns_its_aborted_requests_never_took():
+    order, waiting = TenantOrder(), deque[Queued]()
+    _queue(order, waiting, *(f"a.{i}" for i in range(1, 31)))
+    for queued in list(waiting):  # its clients went away
+        waiting.remove(queued)
+        order.forget(waiting, queued)
+    _queue(order, waiting, *(f"b.{i}" for i in range(1, 11)), "a.31")
+    assert _names(waiting)[:3] == ["b.1", "a.31", "b.2"]
+    # one aborted from the middle of a tenant's requests leaves its later tags where they are
+    _queue(order, waiting, "a.32", "a.33")
+    (middle,) = [q for q in waiting if q.name == "a.32"]
+    waiting.remove(middle)
+    order.forget(waiting, middle)
+    _queue(order, waiting, "a.34")
+    assert [q.queue_tag for q in waiting if q.tenant == "a"] == [1, 3, 4]
 
 
 def test_tenants_behind_the_clock_are_forgotten_past_the_prune_limit():
     order, waiting = TenantOrder(), deque[Queued]()
     _queue(order, waiting, *(f"t{i}.1" for i in range(1100)))
-    while waiting:
-        order.admitted(waiting.popleft())
-    assert not order._last  # every tenant's tag is at or behind the clock: nothing to remember
-    _queue(order, waiting, "t5.2", "new.1")
-    assert [q.queue_tag for q in waiting] == [order.clock + 1] * 2
+    _admit(order, waiting, *(q.name for q in list(waiting)))
+    assert order.clock == 1 and not order._last  # every tenant's tag is at the clock: none remembered
 
 
 def test_the_scheduler_admits_tenants_in_turns():
@@ -82,3 +115,16 @@ def test_the_scheduler_admits_tenants_in_turns():
                 finished.append(request.request_id)
         seq += 1
     assert finished == ["a0", "b0", "a1", "a2", "a3", "a4"]
+
+
+def test_the_scheduler_forgets_the_turns_of_requests_aborted_while_waiting():
+    scheduler = state_scheduler(0)
+    gone = [Request(f"a{i}", [5, 6, 7], max_tokens=2, tenant="a") for i in range(3)]
+    for request in gone:
+        scheduler.add(request)
+    for request in gone:
+        scheduler.abort(request)
+    for request in [Request(f"b{i}", [5, 6, 7], max_tokens=2, tenant="b") for i in range(2)]:
+        scheduler.add(request)
+    scheduler.add(Request("a3", [5, 6, 7], max_tokens=2, tenant="a"))
+    assert [r.request_id for r in scheduler.waiting] == ["b0", "a3", "b1"]
