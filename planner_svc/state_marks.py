@@ -66,8 +66,8 @@ class MarkCopies:
                 request.pin_note = "no state slot was free for a copy of the prefix's state (state pressure)"
                 log.warning(
                     "state pressure: no free state slot to keep the pinned prefix's state; the conversation "
-                    "keeps no pin until a later turn reads through the prefix again with a slot free (or asks for it "
-                    "where a checkpoint holds the state)",
+                    "keeps no pin until a later turn reads through the prefix again with a slot free (or asks "
+                    "for it where a checkpoint holds the state)",
                     conversation=request.conversation.conversation_id,
                     pinned_tokens=mark,
                     state_slots=self.states.total,
@@ -82,5 +82,8 @@ class MarkCopies:
             if seq > committed and mark in request.marked_states:
                 self.states.give_back(request.marked_states.pop(mark))
                 if mark == request.pinned:
-                    request.pin_note = "the step copying the prefix's state did not run (its executor was lost or refused a step)"
+                    request.pin_note = (
+                        "the step copying the prefix's state did not run (its executor was lost or refused "
+                        "a step)"
+                    )
         self._due, self._new, self._uncommitted = [], [], []
