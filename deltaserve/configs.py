@@ -42,6 +42,7 @@ def planner_config(args: argparse.Namespace, *, executors: list[str], cache: str
         executors=executors,
         model=args.model,
         max_waiting=args.max_waiting,
+        max_waiting_per_tenant=args.max_waiting_per_tenant,
         executor_timeout=args.executor_timeout,
         cache=cache,
         scheduling=SchedulingConfig(

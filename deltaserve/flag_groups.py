@@ -190,6 +190,14 @@ def add_planner_flags(flags: Flags) -> None:
         help="choices waiting for admission (a request of n takes n) before Generate answers RESOURCE_EXHAUSTED",
     )
     flags.option(
+        "--max-waiting-per-tenant",
+        type=int_at_least(0),
+        default=defaults.max_waiting_per_tenant,
+        metavar="N",
+        help="of those, the most one tenant may have waiting (then its requests get RESOURCE_EXHAUSTED while "
+        "other tenants' still queue); 0: no share of its own",
+    )
+    flags.option(
         "--executor-timeout",
         type=float_in(0.1, 3600.0),
         default=defaults.executor_timeout,

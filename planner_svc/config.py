@@ -78,6 +78,7 @@ class PlannerConfig:
     # Tokenizer source: same meaning as ExecutorConfig.model (None = the SmolLM2 GGUF).
     model: str | None = None
     max_waiting: int = DEFAULT_MAX_WAITING  # waiting choices (n per request) before RESOURCE_EXHAUSTED
+    max_waiting_per_tenant: int = 0  # of those, the most one tenant may have; 0: no share of its own
     inflight_plans: int = 2  # plans in flight per executor: the step running and the next
     # Seconds a step may go without output (plus 25 ms per prompt token it reads) before its executor
     # counts as hung: lost, its requests failed or re-queued, and reconnected.
@@ -98,3 +99,5 @@ class PlannerConfig:
                 raise ValueError(f"a stage group needs two or more executors, got {group}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be positive, got {self.max_waiting}")
+        if self.max_waiting_per_tenant < 0:
+            raise ValueError(f"max_waiting_per_tenant must be >= 0, got {self.max_waiting_per_tenant}")

@@ -26,7 +26,7 @@ from planner_svc.requests import Finish, Request
 from planner_svc.responses import ResponseStreams
 from planner_svc.turns import Turns
 from planner_svc.validation import MAX_CHOICES, InvalidRequest, check_named
-from planner_svc.waiting_room import WaitingRoom
+from planner_svc.waiting_room import TenantShare, WaitingRoom
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.auth import TenantMismatch, request_tenant, tenant_of
 from protos.decode_guard import guarded
@@ -61,9 +61,11 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         tokenizer,
         turns: Turns,
         max_waiting: int = DEFAULT_MAX_WAITING,
+        max_waiting_per_tenant: int = 0,
     ):
         self.engines = engines
         self.max_waiting = max_waiting  # choices waiting for admission, all engines together
+        self.max_waiting_per_tenant = max_waiting_per_tenant  # of those, one tenant's at most; 0: no limit
         # Choices past that check in no scheduler's queue yet (being prepared, n > 1's later ones): counted too.
         self.room = WaitingRoom()
         self.turns = turns
@@ -103,7 +105,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
                 await self.refusals.refuse(context, grpc.StatusCode.ALREADY_EXISTS, message)
             self._request_ids.add(taken)  # before the first await: a second one is refused above
             try:
-                async with contextlib.aclosing(self._generate(request, request_id, context)) as stream:
+                async with contextlib.aclosing(self._generate(request, taken, context)) as stream:
                     async for response in stream:
                         yield response
             finally:
@@ -112,9 +114,17 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         finally:
             structlog.contextvars.unbind_contextvars("request_id", "tenant")
 
+    def _share(self, tenant: str) -> TenantShare | None:
+        """The tenant's share of the waiting room, with its choices queued now (None: shares are off)."""
+        if not self.max_waiting_per_tenant:
+            return None
+        queued = sum(r.tenant == tenant for engine in self.engines for r in engine.scheduler.waiting)
+        return TenantShare(tenant, queued, self.max_waiting_per_tenant)
+
     async def _generate(
-        self, request: client_pb2.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext
+        self, request: client_pb2.GenerateRequest, taken: tuple[str, str], context: grpc.aio.ServicerContext
     ):
+        tenant, request_id = taken
         mount = Mount()
         clock = self.metrics.request() if self.metrics is not None else None  # from the request's arrival
         try:
@@ -124,7 +134,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             # No await before the room is taken: requests arriving together cannot all pass the check. A turn
             # waiting for its conversation's lock counts as well (it waits to be queued, and any number may pile
             # up on one lock).
-            held = self.room.enter(choices, queued, self.max_waiting)
+            held = self.room.enter(choices, queued, self.max_waiting, self._share(tenant))
             try:
                 req, messages = await self.intake.prepare(request, request_id)
                 if request.conversation_id:
@@ -349,7 +359,9 @@ async def start_planner_server(
         for engine in built:
             opened.append(engine)
             await engine.start()
-        servicer = PlannerServicer(built, descriptions, tokenizer, turns, config.max_waiting)
+        servicer = PlannerServicer(
+            built, descriptions, tokenizer, turns, config.max_waiting, config.max_waiting_per_tenant
+        )
         if metrics is not None:
             servicer.metrics = PlannerMetrics(metrics)
             servicer.metrics.follow(lambda: [engine.scheduler for engine in built])
