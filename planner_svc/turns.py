@@ -361,8 +361,14 @@ class Turns:
             try:
                 await self.parking.park(engine, conversation)
             except ConversationError as error:
-                if not drop:  # making room for a restore: another's KV is not traded for a failed one
-                    log.warning("could not park a conversation to make room", error=str(error))
+                if (
+                    not drop
+                ):  # room for a restore or a state slot: another's KV is not traded for a failed park
+                    log.warning(
+                        "could not park a conversation; it keeps its pages and state copies",
+                        conversation=conversation.conversation_id,
+                        error=str(error),
+                    )
                     return False
                 log.warning(
                     "KV pressure: dropping a conversation's pages; its next turn reads again",

@@ -168,13 +168,18 @@ async def test_a_restore_going_through_wakes_the_engine_for_the_head_it_made_wai
 async def test_relief_parks_the_next_coldest_holder_where_the_coldests_park_fails():
     """`a`, the coldest, cannot be parked (its snapshot over the cache's budget): `b` is, and the request runs.
     Every request used to be refused while `a` stayed the coldest."""
+    from structlog.testing import capture_logs
+
     link = FakeLink(lambda name: LinkError("cache: snapshot over budget") if name == "a" else None)
     engine, turns, (a, b) = await _engine(link, state_slots=3, pinned=("a", "b"))
     try:
-        queue = engine.submit(Request("new", [1, 2, 3], max_tokens=2))
-        await _until(lambda: 1 in link.prefilled() or not queue.empty(), "neither planned nor refused")
+        with capture_logs() as logs:
+            queue = engine.submit(Request("new", [1, 2, 3], max_tokens=2))
+            await _until(lambda: 1 in link.prefilled() or not queue.empty(), "neither planned nor refused")
         assert queue.empty(), queue.get_nowait().error  # not refused
         assert link.parks == ["a", "b"] and b.parked and not a.parked and a.retention.pinned == 10
+        failed = [e for e in logs if e["event"].startswith("could not park a conversation")]
+        assert [(e["conversation"], "over budget" in e["error"]) for e in failed] == [("a", True)]
     finally:
         await _stop(engine, turns)
 
