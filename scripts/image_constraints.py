@@ -46,9 +46,7 @@ def runtime_closure(root: str) -> dict[str, str]:
 def main() -> None:
     pinned = runtime_closure("deltaserve")
     lines = [f"{name}=={version}" for name, version in sorted(pinned.items())]
-    header = (
-        "# Written by scripts/image_constraints.py: the image's runtime dependencies as tested (not torch).\n"
-    )
+    header = "# Written by scripts/image_constraints.py: the runtime dependencies as tested, but torch and triton.\n"
     with open(OUT, "w") as out:
         out.write(header + "\n".join(lines) + "\n")
     print(f"{OUT}: {len(lines)} packages")
