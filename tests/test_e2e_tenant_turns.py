@@ -5,6 +5,7 @@ share of the queue is refused while another's request still queues."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import grpc
 import pytest
@@ -13,7 +14,19 @@ from planner_svc.client import GenerateOptions, PlannerClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-PROMPT = [504, 3575, 282, 4649, 314] * 4  # 20 tokens: with 8 new ones, two pages of 16
+_PROMPTS = itertools.count()
+
+
+def _prompt() -> list[int]:
+    """20 tokens (with 8 new ones, two pages of 16), each prompt its own: no prefix page is shared, so every
+    request needs two free pages."""
+    return [1000 + next(_PROMPTS)] + [504, 3575, 282, 4649, 314] * 3 + [504, 3575, 282, 4649]
+
+
+async def _until_waiting(scheduler, count: int) -> None:
+    async with asyncio.timeout(60):
+        while len(scheduler.waiting) < count:
+            await asyncio.sleep(0.005)
 
 
 async def test_a_tenant_behind_anothers_queue_waits_one_turn(smol_stack):
@@ -26,14 +39,13 @@ async def test_a_tenant_behind_anothers_queue_waits_one_turn(smol_stack):
 
             async def run(request_id: str, tenant: str) -> None:
                 options = GenerateOptions(
-                    token_ids=PROMPT, max_tokens=8, ignore_eos=True, request_id=request_id, tenant=tenant
+                    token_ids=_prompt(), max_tokens=8, ignore_eos=True, request_id=request_id, tenant=tenant
                 )
                 await client.generate_all(options)
                 finished.append(request_id)
 
             flood = [asyncio.create_task(run(f"a{i}", "alice")) for i in range(5)]
-            while len(scheduler.waiting) < 4:  # one of alice's runs, her four others wait
-                await asyncio.sleep(0.005)
+            await _until_waiting(scheduler, 4)  # one of alice's runs, her four others wait
             late = asyncio.create_task(run("b0", "bob"))
             await asyncio.wait_for(asyncio.gather(*flood, late), 120)
     finally:
@@ -53,15 +65,14 @@ async def test_a_tenant_at_its_share_of_the_queue_is_refused_while_another_queue
 
             def run(request_id: str, tenant: str) -> asyncio.Task:
                 options = GenerateOptions(
-                    token_ids=PROMPT, max_tokens=8, ignore_eos=True, request_id=request_id, tenant=tenant
+                    token_ids=_prompt(), max_tokens=8, ignore_eos=True, request_id=request_id, tenant=tenant
                 )
                 return asyncio.create_task(client.generate_all(options))
 
             running = [run(f"a{i}", "alice") for i in range(3)]  # one runs, two wait: alice's share
-            while len(scheduler.waiting) < 2:
-                await asyncio.sleep(0.005)
+            await _until_waiting(scheduler, 2)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await client.generate_all(GenerateOptions(token_ids=PROMPT, max_tokens=8, tenant="alice"))
+                await client.generate_all(GenerateOptions(token_ids=_prompt(), max_tokens=8, tenant="alice"))
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert refused.value.details() == (
                 "tenant 'alice' has its share of the waiting queue: 2 choices wait for admission "
