@@ -1,11 +1,14 @@
-"""Tenants over real gRPC, with room for one request at a time: a tenant whose request arrives behind another
-tenant's queue runs after one of those, not after all of them; with --max-waiting-per-tenant a tenant at its
-share of the queue is refused while another's request still queues."""
+"""Tenants over real gRPC. The requests queue with no room for any; then room for one at a time opens, so
+admission order is finish order. A tenant whose request arrives behind another tenant's queue runs after one
+of those, not after all of them; with --max-waiting-per-tenant a tenant at its share of the queue is refused
+while another's request still queues."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -23,64 +26,83 @@ def _prompt() -> list[int]:
     return [1000 + next(_PROMPTS)] + [504, 3575, 282, 4649, 314] * 3 + [504, 3575, 282, 4649]
 
 
+@asynccontextmanager
+async def _queue_then_one_at_a_time(stack, monkeypatch) -> AsyncIterator[asyncio.Event]:
+    """Every free page held until the event is set, then all but one request's two. Relief is off: it would
+    drop earlier tests' idle conversations while the head waits for pages, and their pages would let requests
+    run before the test opens room, or two at a time."""
+    await stack.wait_idle()
+    monkeypatch.setattr(stack.engine, "on_blocked", None)
+    scheduler = stack.scheduler
+    held = scheduler.pages.allocate(scheduler.pages.free_count)
+    opened = asyncio.Event()
+
+    async def open_room() -> None:
+        await opened.wait()
+        scheduler.return_pages(held[:2])
+        stack.engine.wake()
+
+    opener = asyncio.create_task(open_room())
+    try:
+        yield opened
+    finally:
+        opened.set()
+        await opener
+        await stack.wait_idle()
+        scheduler.return_pages(held[2:])
+
+
 async def _until_waiting(scheduler, count: int) -> None:
     async with asyncio.timeout(60):
         while len(scheduler.waiting) < count:
             await asyncio.sleep(0.005)
 
 
-async def test_a_tenant_behind_anothers_queue_waits_one_turn(smol_stack):
-    scheduler = smol_stack.scheduler
-    await smol_stack.wait_idle()
-    held = scheduler.pages.allocate(scheduler.pages.free_count - 2)  # room for one request at a time
+def _run(client: PlannerClient, request_id: str, tenant: str, finished: list[str]) -> asyncio.Task:
+    async def run() -> int:
+        options = GenerateOptions(
+            token_ids=_prompt(), max_tokens=8, ignore_eos=True, request_id=request_id, tenant=tenant
+        )
+        generated = await client.generate_all(options)
+        finished.append(request_id)
+        return len(generated.token_ids)
+
+    return asyncio.create_task(run())
+
+
+async def test_a_tenant_behind_anothers_queue_waits_one_turn(smol_stack, monkeypatch):
     finished: list[str] = []
-    try:
-        async with PlannerClient(smol_stack.addr) as client:
-
-            async def run(request_id: str, tenant: str) -> None:
-                options = GenerateOptions(
-                    token_ids=_prompt(), max_tokens=8, ignore_eos=True, request_id=request_id, tenant=tenant
-                )
-                await client.generate_all(options)
-                finished.append(request_id)
-
-            flood = [asyncio.create_task(run(f"a{i}", "alice")) for i in range(5)]
-            await _until_waiting(scheduler, 4)  # one of alice's runs, her four others wait
-            late = asyncio.create_task(run("b0", "bob"))
-            await asyncio.wait_for(asyncio.gather(*flood, late), 120)
-    finally:
-        await smol_stack.wait_idle()
-        scheduler.return_pages(held)
-    # alice's first ran while the rest queued (in whatever order they arrived); bob's took the turn after her next
-    assert finished[2] == "b0" and sorted(finished) == ["a0", "a1", "a2", "a3", "a4", "b0"]
+    async with (
+        PlannerClient(smol_stack.addr) as client,
+        _queue_then_one_at_a_time(smol_stack, monkeypatch) as opened,
+    ):
+        flood = [_run(client, f"a{i}", "alice", finished) for i in range(5)]
+        await _until_waiting(smol_stack.scheduler, 5)
+        late = _run(client, "b0", "bob", finished)
+        await _until_waiting(smol_stack.scheduler, 6)
+        opened.set()
+        await asyncio.wait_for(asyncio.gather(*flood, late), 120)
+    # alice's first (in whatever order hers arrived), then bob's, then the rest of hers
+    assert finished[1] == "b0" and sorted(finished) == ["a0", "a1", "a2", "a3", "a4", "b0"]
 
 
 async def test_a_tenant_at_its_share_of_the_queue_is_refused_while_another_queues(smol_stack, monkeypatch):
-    scheduler = smol_stack.scheduler
     monkeypatch.setattr(smol_stack.planner, "max_waiting_per_tenant", 2)
-    await smol_stack.wait_idle()
-    held = scheduler.pages.allocate(scheduler.pages.free_count - 2)  # room for one request at a time
-    try:
-        async with PlannerClient(smol_stack.addr) as client:
-
-            def run(request_id: str, tenant: str) -> asyncio.Task:
-                options = GenerateOptions(
-                    token_ids=_prompt(), max_tokens=8, ignore_eos=True, request_id=request_id, tenant=tenant
-                )
-                return asyncio.create_task(client.generate_all(options))
-
-            running = [run(f"a{i}", "alice") for i in range(3)]  # one runs, two wait: alice's share
-            await _until_waiting(scheduler, 2)
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await client.generate_all(GenerateOptions(token_ids=_prompt(), max_tokens=8, tenant="alice"))
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert refused.value.details() == (
-                "tenant 'alice' has its share of the waiting queue: 2 choices wait for admission "
-                "(--max-waiting-per-tenant 2); retry later"
-            )
-            bob = run("b0", "bob")  # another tenant's request still queues, and runs
-            done = await asyncio.wait_for(asyncio.gather(*running, bob), 120)
-            assert all(len(g.token_ids) == 8 for g in done)
-    finally:
-        await smol_stack.wait_idle()
-        scheduler.return_pages(held)
+    finished: list[str] = []
+    async with (
+        PlannerClient(smol_stack.addr) as client,
+        _queue_then_one_at_a_time(smol_stack, monkeypatch) as opened,
+    ):
+        queued = [_run(client, f"a{i}", "alice", finished) for i in range(2)]  # alice's share
+        await _until_waiting(smol_stack.scheduler, 2)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.generate_all(GenerateOptions(token_ids=_prompt(), max_tokens=8, tenant="alice"))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.details() == (
+            "tenant 'alice' has its share of the waiting queue: 2 choices wait for admission "
+            "(--max-waiting-per-tenant 2); retry later"
+        )
+        bob = _run(client, "b0", "bob", finished)  # another tenant's request still queues, and runs
+        await _until_waiting(smol_stack.scheduler, 3)
+        opened.set()
+        assert await asyncio.wait_for(asyncio.gather(*queued, bob), 120) == [8, 8, 8]
