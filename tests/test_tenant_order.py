@@ -1,4 +1,5 @@
-"""Tenants take turns in the waiting queue (tenant_order.py): pure logic, then the scheduler admitting by it."""
+"""Tenants take turns in the waiting queue (tenant_order.py): pure logic, then the scheduler admitting by it.
+A request costs its `end_len` in tokens: one each in the tests of the order alone, unless they name another."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from tests.state_scheduler import state_scheduler
 class Queued:
     tenant: str
     name: str
+    end_len: int = 1
     queue_tag: int = 0
 
 
-def _queue(order: TenantOrder, waiting: deque[Queued], *arrivals: str) -> None:
+def _queue(order: TenantOrder, waiting: deque[Queued], *arrivals: str, tokens: int = 1) -> None:
     for arrival in arrivals:
         tenant, _ = arrival.split(".")
-        order.place(waiting, Queued(tenant, arrival))
+        order.place(waiting, Queued(tenant, arrival, tokens))
 
 
 def _names(waiting: deque[Queued]) -> list[str]:
@@ -39,6 +41,25 @@ def test_a_tenant_arriving_behind_a_flood_waits_one_turn_not_the_flood():
     order, waiting = TenantOrder(), deque[Queued]()
     _queue(order, waiting, *(f"a.{i}" for i in range(1, 7)), "b.1", "b.2", "c.1")
     assert _names(waiting) == ["a.1", "b.1", "c.1", "a.2", "b.2", "a.3", "a.4", "a.5", "a.6"]
+
+
+def test_a_turn_is_tokens_a_tenant_of_short_requests_gets_many_through_for_a_long_one():
+    order, waiting = TenantOrder(), deque[Queued]()
+    _queue(order, waiting, "a.1", "a.2", tokens=100)
+    _queue(order, waiting, *(f"b.{i}" for i in range(1, 8)), tokens=20)
+    assert _names(waiting) == ["a.1", "b.1", "b.2", "b.3", "b.4", "b.5", "a.2", "b.6", "b.7"]
+
+
+def test_a_long_request_aborted_while_waiting_gives_its_tokens_back():
+    order, waiting = TenantOrder(), deque[Queued]()
+    _queue(order, waiting, "a.1", tokens=20)
+    _queue(order, waiting, "a.2", tokens=1000)
+    long = waiting[-1]
+    waiting.remove(long)
+    order.forget(waiting, long)
+    _queue(order, waiting, "b.1", "b.2", tokens=20)
+    _queue(order, waiting, "a.3", tokens=20)
+    assert _names(waiting) == ["a.1", "b.1", "b.2", "a.3"]  # a.3 starts where a.1 ends, not past a.2
 
 
 def _admit(order: TenantOrder, waiting: deque[Queued], *names: str) -> None:
@@ -87,7 +108,7 @@ def test_a_tenant_is_not_charged_turns_its_aborted_requests_never_took():
     waiting.remove(middle)
     order.forget(waiting, middle)
     _queue(order, waiting, "a.34")
-    assert [q.queue_tag for q in waiting if q.tenant == "a"] == [1, 3, 4]
+    assert [q.queue_tag for q in waiting if q.tenant == "a"] == [0, 2, 3]
 
 
 def test_tenants_behind_the_clock_are_forgotten_past_the_prune_limit():
