@@ -15,6 +15,7 @@ from protos import client_pb2
 
 # seconds: from a fast GPU step (a few ms) to a long CPU prefill
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+QUEUE_BUCKETS = (*LATENCY_BUCKETS, 60.0, 120.0, 300.0, 600.0)  # a backlog may hold a request for minutes
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 REUSE_SOURCES = ("checkpoint", "snapshot", "prefix")
 # The codes Generate refuses a request with before admission, labelled from the start (any other code a
@@ -60,6 +61,12 @@ class PlannerMetrics:
             "deltaserve_inter_token_latency_seconds",
             "between consecutive tokens of a request (a message of n tokens: n gaps of gap / n)",
             buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.queue_time = Histogram(
+            "deltaserve_request_queue_time_seconds",
+            "from the request's arrival to its admission (its pages given)",
+            buckets=QUEUE_BUCKETS,
             registry=registry,
         )
         self.duration = Histogram(
@@ -137,6 +144,8 @@ class RequestClock:
         admission (a request refused before admission never gets here: deltaserve_requests_refused_total)."""
         metrics = self.metrics
         metrics.duration.observe(time.perf_counter() - self.arrived)
+        if req.admitted_at:  # an abort while it waited: never admitted
+            metrics.queue_time.observe(req.admitted_at - self.arrived)
         metrics.finished.labels(reason).inc()
         metrics.prompt_tokens.inc(req.prompt_len)
         source = reuse_source(mount, req.reused)

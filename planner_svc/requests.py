@@ -101,6 +101,7 @@ class Request:
     released: bool = False  # its steps are done and its pages went back (to its conversation, or the pool)
     tenant: str = ""  # whose request: the seed of its prefix hashes (pages are shared within a tenant only)
     queue_tag: int = 0  # its place in the waiting queue, where tenants take turns (tenant_order.py)
+    admitted_at: float = 0.0  # time.perf_counter() when admission gave it its pages (0: not admitted)
     # reusable_hashes', made once for a page size and tenant
     _reusable: tuple[int, str, list[bytes]] | None = field(default=None, repr=False)
 

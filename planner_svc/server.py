@@ -160,7 +160,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         except ConversationError as error:
             await self.refusals.refuse(context, error.code, str(error))
         self._requests[(req.tenant, request_id)] = (req, engine)
-        log.info("request admitted", prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
+        log.info("request queued", prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
         if (req.tenant, request_id) in self._early_aborts:
             for choice in (req, *req.choices):
                 engine.abort(choice)

@@ -59,6 +59,12 @@ async def test_counters_histograms_and_gauges_move_with_requests(smol_stack):
     assert grew("deltaserve_prompt_tokens_reused_total", (("source", "checkpoint"),)) == second.reused_tokens
     assert grew("deltaserve_time_to_first_token_seconds_count") == 2
     assert grew("deltaserve_request_duration_seconds_count") == 2
+    assert grew("deltaserve_request_queue_time_seconds_count") == 2
+    assert (
+        0
+        < grew("deltaserve_request_queue_time_seconds_sum")
+        < grew("deltaserve_request_duration_seconds_sum")
+    )
     assert (
         grew("deltaserve_inter_token_latency_seconds_count")
         == len(first.token_ids) + len(second.token_ids) - 2
