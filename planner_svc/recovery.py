@@ -79,7 +79,8 @@ def recover(
         for request in waiting:  # mounted pages are garbage too
             request.pages, request.reused, request.prefilled, request.state_source = [], 0, 0, 0
         scheduler.waiting.clear()
-        scheduler.waiting.extend([*result.requeued, *waiting])
+        # by tag, as tenant_order keeps it (stable: a requeued request goes first of equal tags)
+        scheduler.waiting.extend(sorted([*result.requeued, *waiting], key=lambda r: r.queue_tag))
         result.conversations_lost = _forget_resident(scheduler, reason)
         lent_pages, lent_states = scheduler.loans.rebuilt()  # a restore still answering may still write them
         scheduler.pages.reset(keep=lent_pages)

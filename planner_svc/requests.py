@@ -75,6 +75,7 @@ class Request:
         default_factory=list
     )  # n > 1: the other choices let in so far (choices.py)
     n: int = 1  # choices of its prompt wanted (n > 1: this is the first; choices.py lets in the others)
+    later_choice: bool = False  # choice 2 to n: queued at its first's place, charged with the first
 
     phase: Phase = Phase.WAITING
     pages: list[int] = field(default_factory=list)

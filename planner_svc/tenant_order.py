@@ -1,15 +1,16 @@
 """Where a request joins the waiting queue: tenants take turns (start-time fair queueing, weighted by tokens).
 
 A request costs the positions it holds once admitted (`end_len`: its prompt and max_tokens; admission gives
-it every page it can write). It gets a start tag when it is queued, the later of the clock and where its
-tenant's previous request ends (that one's start tag plus its cost). The queue stays ordered by start tag, ties
-in arrival order. The clock is the head's start tag (with nothing waiting, where the requests admitted end), so
-requests admitted past a head waiting for pages do not move it. One tenant's requests thus keep first come,
-first served; a request queued behind another tenant's backlog waits for about one turn of each tenant with
-requests waiting, not for the backlog, and a turn is tokens, not requests: a tenant of short requests gets many
-through for another's long one; a tenant idle for a while starts at the clock, with no turns saved up.
-Admission (admission.py) takes the queue in order, a head waiting for pages passed by a bounded number of
-requests.
+it every page it can write), once for each of its n choices: choices 2 to n are queued once the first has read
+the prompt, at the first's place, charged with it. It gets a start tag when it is queued, the later of the
+clock and where its tenant's previous request ends (that one's start tag plus its cost). The queue stays
+ordered by start tag, ties in arrival order. The clock is the head's start tag (with nothing waiting, where the
+requests admitted end), so requests admitted past a head waiting for pages do not move it. One tenant's
+requests thus keep first come, first served; a request queued behind another tenant's backlog waits for about
+one turn of each tenant with requests waiting, not for the backlog, and a turn is tokens, not requests: a
+tenant of short requests gets many through for another's long one; a tenant idle for a while starts at the
+clock, with no turns saved up. Admission (admission.py) takes the queue in order, a head waiting for pages
+passed by a bounded number of requests.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Protocol, TypeVar
 class Queued(Protocol):
     tenant: str
     queue_tag: int  # its start tag
+    n: int
+    later_choice: bool
 
     @property
     def end_len(self) -> int: ...
@@ -39,10 +42,12 @@ class TenantOrder:
         self._last: dict[str, int] = {}  # tenant -> where its latest request ends
 
     def place(self, waiting: deque[T], request: T) -> None:
-        """Tag the request and insert it into `waiting` (ordered by start tag) after every tag up to its own."""
-        request.queue_tag = max(self.clock, self._last.get(request.tenant, 0))
-        self._last[request.tenant] = _end(request)
-        waiting.insert(bisect.bisect_right(waiting, request.queue_tag, key=lambda r: r.queue_tag), request)
+        """Tag the request and insert it into `waiting` (ordered by start tag) after every tag up to its own.
+        A later choice comes with its first's tag: it goes before its tenant's requests queued since."""
+        if not request.later_choice:
+            request.queue_tag = max(self.clock, self._last.get(request.tenant, 0))
+            self._last[request.tenant] = _end(request)
+        _insert(waiting, request)
 
     def admitted(self, request: Queued) -> None:
         self._admitted = max(self._admitted, _end(request))
@@ -54,16 +59,30 @@ class TenantOrder:
             self._last = {tenant: end for tenant, end in self._last.items() if end > self.clock}
 
     def forget(self, waiting: deque[T], request: T) -> None:
-        """It left `waiting` unadmitted (aborted, refused): a tenant is not charged turns its requests never
-        took, so its next request starts where the tenant's latest one still waiting ends."""
-        if self._last.get(request.tenant) != _end(request):
+        """It left `waiting` unadmitted (aborted, refused): its tenant is not charged for it. The tenant's
+        requests queued after it move up by its cost, as does where the tenant's next one starts. (A later
+        choice was charged with its first, which ran.)"""
+        cost = _cost(request)
+        if not cost:
             return
-        ends = [_end(r) for r in waiting if r.tenant == request.tenant]
-        if ends:
-            self._last[request.tenant] = max(ends)
-        else:
-            del self._last[request.tenant]
+        behind = [
+            r for r in waiting if r.tenant == request.tenant and r.queue_tag > request.queue_tag and _cost(r)
+        ]
+        for moved in behind:
+            waiting.remove(moved)
+            moved.queue_tag -= cost
+            _insert(waiting, moved)
+        if request.tenant in self._last:
+            self._last[request.tenant] -= cost
+
+
+def _cost(request: Queued) -> int:
+    return 0 if request.later_choice else request.end_len * request.n
 
 
 def _end(request: Queued) -> int:
-    return request.queue_tag + request.end_len
+    return request.queue_tag + _cost(request)
+
+
+def _insert(waiting: deque[T], request: T) -> None:
+    waiting.insert(bisect.bisect_right(waiting, request.queue_tag, key=lambda r: r.queue_tag), request)

@@ -1,5 +1,5 @@
-"""Tenants over real gRPC. The requests queue with no room for any; then room for one at a time opens, so
-admission order is finish order. A tenant whose request arrives behind another tenant's queue runs after one
+"""Tenants over real gRPC. The requests queue with no room for any; then room for one at a time opens, and the
+order they are admitted in is recorded. A tenant whose request arrives behind another tenant's queue runs after one
 of those, not after all of them; with --max-waiting-per-tenant a tenant at its share of the queue is refused
 while another's request still queues."""
 
@@ -27,13 +27,21 @@ def _prompt() -> list[int]:
 
 
 @asynccontextmanager
-async def _queue_then_one_at_a_time(stack, monkeypatch) -> AsyncIterator[asyncio.Event]:
+async def _queue_then_one_at_a_time(stack, monkeypatch) -> AsyncIterator[tuple[asyncio.Event, list[str]]]:
     """Every free page held until the event is set, then all but one request's two. Relief is off: it would
     drop earlier tests' idle conversations while the head waits for pages, and their pages would let requests
     run before the test opens room, or two at a time."""
     await stack.wait_idle()
     monkeypatch.setattr(stack.engine, "on_blocked", None)
     scheduler = stack.scheduler
+    admitted: list[str] = []
+    record = scheduler.order.admitted
+
+    def recorded(request) -> None:
+        admitted.append(request.request_id)
+        record(request)
+
+    monkeypatch.setattr(scheduler.order, "admitted", recorded)
     held = scheduler.pages.allocate(scheduler.pages.free_count)
     opened = asyncio.Event()
 
@@ -44,7 +52,7 @@ async def _queue_then_one_at_a_time(stack, monkeypatch) -> AsyncIterator[asyncio
 
     opener = asyncio.create_task(open_room())
     try:
-        yield opened
+        yield opened, admitted
     finally:
         opened.set()
         await opener
@@ -58,42 +66,38 @@ async def _until_waiting(scheduler, count: int) -> None:
             await asyncio.sleep(0.005)
 
 
-def _run(client: PlannerClient, request_id: str, tenant: str, finished: list[str]) -> asyncio.Task:
+def _run(client: PlannerClient, request_id: str, tenant: str) -> asyncio.Task:
     async def run() -> int:
         options = GenerateOptions(
             token_ids=_prompt(), max_tokens=8, ignore_eos=True, request_id=request_id, tenant=tenant
         )
-        generated = await client.generate_all(options)
-        finished.append(request_id)
-        return len(generated.token_ids)
+        return len((await client.generate_all(options)).token_ids)
 
     return asyncio.create_task(run())
 
 
 async def test_a_tenant_behind_anothers_queue_waits_one_turn(smol_stack, monkeypatch):
-    finished: list[str] = []
     async with (
         PlannerClient(smol_stack.addr) as client,
-        _queue_then_one_at_a_time(smol_stack, monkeypatch) as opened,
+        _queue_then_one_at_a_time(smol_stack, monkeypatch) as (opened, admitted),
     ):
-        flood = [_run(client, f"a{i}", "alice", finished) for i in range(5)]
+        flood = [_run(client, f"a{i}", "alice") for i in range(5)]
         await _until_waiting(smol_stack.scheduler, 5)
-        late = _run(client, "b0", "bob", finished)
+        late = _run(client, "b0", "bob")
         await _until_waiting(smol_stack.scheduler, 6)
         opened.set()
         await asyncio.wait_for(asyncio.gather(*flood, late), 120)
     # alice's first (in whatever order hers arrived), then bob's, then the rest of hers
-    assert finished[1] == "b0" and sorted(finished) == ["a0", "a1", "a2", "a3", "a4", "b0"]
+    assert admitted[1] == "b0" and sorted(admitted) == ["a0", "a1", "a2", "a3", "a4", "b0"]
 
 
 async def test_a_tenant_at_its_share_of_the_queue_is_refused_while_another_queues(smol_stack, monkeypatch):
     monkeypatch.setattr(smol_stack.planner, "max_waiting_per_tenant", 2)
-    finished: list[str] = []
     async with (
         PlannerClient(smol_stack.addr) as client,
-        _queue_then_one_at_a_time(smol_stack, monkeypatch) as opened,
+        _queue_then_one_at_a_time(smol_stack, monkeypatch) as (opened, _),
     ):
-        queued = [_run(client, f"a{i}", "alice", finished) for i in range(2)]  # alice's share
+        queued = [_run(client, f"a{i}", "alice") for i in range(2)]  # alice's share
         await _until_waiting(smol_stack.scheduler, 2)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await client.generate_all(GenerateOptions(token_ids=_prompt(), max_tokens=8, tenant="alice"))
@@ -102,7 +106,7 @@ async def test_a_tenant_at_its_share_of_the_queue_is_refused_while_another_queue
             "tenant 'alice' has its share of the waiting queue: 2 choices wait for admission "
             "(--max-waiting-per-tenant 2); retry later"
         )
-        bob = _run(client, "b0", "bob", finished)  # another tenant's request still queues, and runs
+        bob = _run(client, "b0", "bob")  # another tenant's request still queues, and runs
         await _until_waiting(smol_stack.scheduler, 3)
         opened.set()
         assert await asyncio.wait_for(asyncio.gather(*queued, bob), 120) == [8, 8, 8]

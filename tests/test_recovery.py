@@ -283,3 +283,23 @@ def test_a_turn_that_stopped_keeps_no_checkpoint_of_its_refused_run_after_the_st
     recover(scheduler, last_seq=2, refused_seq=2)
     assert max(conversation.states) == 6  # positions 0-5 written, the state read those 6 tokens
     assert conversation.retention.positions[-1] == 6
+
+
+def test_a_lost_executor_puts_the_queue_back_in_tenant_order():
+    """Requests admitted past a head waiting for pages come back behind it: the queue stays ordered by tag, as
+    tenant_order places into it (they went first, and the head to the back)."""
+    scheduler = make_scheduler(pool_pages=16, budget=16)  # 15 pages of 4 tokens
+    loop = Loop(scheduler)
+    running = req(0, prompt_len=10, max_tokens=20)  # 8 pages
+    started(scheduler, loop, [running], 4)
+    big = req(1, prompt_len=20, max_tokens=20)  # 10 pages: waits for the running one's
+    small = req(2, prompt_len=4, max_tokens=4)  # 2 pages: admitted past it
+    scheduler.add(big)
+    scheduler.add(small)
+    loop.plan()  # a step reading the small prompt, never to be answered
+    assert list(scheduler.waiting) == [big] and small.phase is not Phase.WAITING and not small.output_ids
+
+    recover(scheduler, last_seq=loop.seq - 1, refused_seq=None, reason="gone")
+    loop.pending.clear()
+    assert list(scheduler.waiting) == [big, small]
+    assert [r.queue_tag for r in scheduler.waiting] == sorted(r.queue_tag for r in scheduler.waiting)

@@ -19,6 +19,8 @@ class Queued:
     name: str
     end_len: int = 1
     queue_tag: int = 0
+    n: int = 1
+    later_choice: bool = False
 
 
 def _queue(order: TenantOrder, waiting: deque[Queued], *arrivals: str, tokens: int = 1) -> None:
@@ -62,6 +64,36 @@ def test_a_long_request_aborted_while_waiting_gives_its_tokens_back():
     assert _names(waiting) == ["a.1", "b.1", "b.2", "a.3"]  # a.3 starts where a.1 ends, not past a.2
 
 
+def test_a_request_of_n_choices_is_charged_n_turns_and_its_later_choices_take_its_place():
+    order, waiting = TenantOrder(), deque[Queued]()
+    first = Queued("a", "a.1", end_len=10, n=3)
+    order.place(waiting, first)
+    _queue(order, waiting, "a.2", "b.1", "b.2", "b.3", "b.4", tokens=10)
+    assert _names(waiting) == ["a.1", "b.1", "b.2", "b.3", "a.2", "b.4"]
+    _admit(order, waiting, "a.1", "b.1")  # the first has read the prompt: its later choices queue
+    for index in (2, 3):
+        order.place(
+            waiting, Queued("a", f"a.1#{index}", end_len=10, queue_tag=first.queue_tag, later_choice=True)
+        )
+    assert _names(waiting) == ["a.1#2", "a.1#3", "b.2", "b.3", "a.2", "b.4"]
+    later = waiting[0]
+    waiting.remove(later)
+    order.forget(waiting, later)  # charged with the first, which ran: nothing moves
+    assert [q.queue_tag for q in waiting] == [0, 10, 20, 30, 30]
+
+
+def test_an_abort_gives_back_its_own_tokens_only_not_those_of_the_tenants_request_that_ran():
+    order, waiting = TenantOrder(), deque[Queued]()
+    _queue(order, waiting, "b.1", "a.1", tokens=20)
+    _queue(order, waiting, "a.2", tokens=1000)
+    _admit(order, waiting, "a.1")  # past b.1, which waits for pages: the clock stays at 0
+    (long,) = [q for q in waiting if q.name == "a.2"]
+    waiting.remove(long)
+    order.forget(waiting, long)
+    _queue(order, waiting, "a.3", tokens=20)
+    assert [(q.name, q.queue_tag) for q in waiting] == [("b.1", 0), ("a.3", 20)]
+
+
 def _admit(order: TenantOrder, waiting: deque[Queued], *names: str) -> None:
     """Admit these (from anywhere in the queue: past a head waiting for pages too), then settle the clock."""
     for name in names:
@@ -102,13 +134,14 @@ def test_a_tenant_is_not_charged_turns_its_aborted_requests_never_took():
         order.forget(waiting, queued)
     _queue(order, waiting, *(f"b.{i}" for i in range(1, 11)), "a.31")
     assert _names(waiting)[:3] == ["b.1", "a.31", "b.2"]
-    # one aborted from the middle of a tenant's requests leaves its later tags where they are
+    # one aborted from the middle of a tenant's requests: the tenant's later ones move up by its cost
     _queue(order, waiting, "a.32", "a.33")
     (middle,) = [q for q in waiting if q.name == "a.32"]
     waiting.remove(middle)
     order.forget(waiting, middle)
     _queue(order, waiting, "a.34")
-    assert [q.queue_tag for q in waiting if q.tenant == "a"] == [0, 2, 3]
+    assert [q.queue_tag for q in waiting if q.tenant == "a"] == [0, 1, 2]
+    assert [q.queue_tag for q in waiting] == sorted(q.queue_tag for q in waiting)
 
 
 def test_tenants_behind_the_clock_are_forgotten_past_the_prune_limit():
