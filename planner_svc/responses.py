@@ -20,8 +20,6 @@ from protos.wire import pack_i32
 
 log = structlog.get_logger("deltaserve.planner")
 
-PIN_REPORT_WAIT_S = 30.0  # for a turn's end after its last token, at most (a plan's steps: milliseconds)
-
 _FINISH = {
     Finish.STOP: client_pb2.FINISH_REASON_STOP,
     Finish.LENGTH: client_pb2.FINISH_REASON_LENGTH,
@@ -133,16 +131,14 @@ class ResponseStreams:
 
 async def _pin_report(engine: Engine, req: Request) -> tuple[int, str]:
     """The pin the turn's conversation kept and why not the one asked for, settled at the turn's end: when its
-    pages go back, which may be a step after its last token (a stop the planner could not foresee)."""
-    try:
-        await asyncio.wait_for(engine.released(req), PIN_REPORT_WAIT_S)
-    except TimeoutError:  # never expected: every end of a request releases it
-        log.error(
-            "the turn's end was not seen after its last token (a planner defect)", wait_s=PIN_REPORT_WAIT_S
-        )
-        assert req.conversation is not None
-        pinned = req.conversation.retention.pinned or 0
-        return pinned, f"not known: the turn had not ended {PIN_REPORT_WAIT_S:.0f} s after its last token"
+    pages go back, which may be a step after its last token (a stop the planner could not foresee). Every end
+    of a request releases it: a commit, an abort, or a recovery (the step watchdog bounds the wait)."""
+    await engine.released(req)
+    conversation = req.conversation
+    assert conversation is not None
+    if req.pin_kept and conversation.lost and conversation.retention.pinned != req.pin_kept:
+        # an executor lost since the turn ended: the conversation forgot its KV, the pin with it
+        return 0, f"the conversation's KV went with its executor after the turn: {conversation.lost}"
     return req.pin_kept, req.pin_note
 
 

@@ -1,5 +1,6 @@
 """Turns waiting with their conversations' pages mounted, each needing pages the other holds, with nothing
-running: one gives its mount back (Turns._unmount), or the engine would wait for ever."""
+running: one gives its mount back (Turns._unmount), or the engine would wait for ever. And what a turn's last
+message reports of its pin when an executor was lost after the turn ended."""
 
 from __future__ import annotations
 
@@ -58,3 +59,29 @@ def test_a_waiting_turn_behind_the_head_gives_its_mount_back_when_nothing_else_c
     step = s.plan(0)
     assert step is not None and [chunk.request for chunk in step.prefill] == [first]
     s.pages.check()
+
+
+def test_a_pin_report_after_an_executor_lost_since_the_turn_says_the_kv_went_with_it():
+    """The turn's end kept its pin; a loss before its last message was written forgot the conversation's KV."""
+    from planner_svc.recovery import recover
+    from planner_svc.responses import _pin_report
+
+    s = scheduler()
+    conversation = s.conversations.open("t", "doc")
+    history = list(range(10, 38))
+    s.conversations.finish_turn(conversation, history, s.pages.allocate(7), [16, 28], pinned=16)
+    request = Request("doc", history, 4, Sampling(), pinned=16, pin_asked=True, released=True)
+    request.conversation, request.pin_kept = conversation, 16
+
+    async def report() -> tuple[int, str]:
+        async def released(_: Request) -> None:
+            return None
+
+        return await _pin_report(SimpleNamespace(released=released), request)  # type: ignore[arg-type]
+
+    assert asyncio.run(report()) == (16, "")
+    recover(s, last_seq=-1, refused_seq=None, reason="executor 127.0.0.1:1 lost: gone")
+    assert asyncio.run(report()) == (
+        0,
+        "the conversation's KV went with its executor after the turn: executor 127.0.0.1:1 lost: gone",
+    )
