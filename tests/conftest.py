@@ -31,6 +31,16 @@ class Stack:
     def engine(self):
         return self.planner.engines[0]
 
+    def hold_free_pages(self, monkeypatch) -> list[int]:
+        """Every free KV page, taken for a test: requests queue, and stay queued until `give_back`, however fast
+        or slow the machine. Relief is off for the test: it would drop idle conversations' pages for them."""
+        monkeypatch.setattr(self.engine, "on_blocked", None)
+        return self.scheduler.pages.allocate(self.scheduler.pages.free_count)
+
+    def give_back(self, pages: list[int]) -> None:
+        self.scheduler.return_pages(pages)
+        self.engine.wake()
+
     async def wait_idle(self, timeout: float = 30.0) -> None:
         """Until every request has finished and its last step committed (pages and slots returned)."""
         deadline = asyncio.get_running_loop().time() + timeout

@@ -79,7 +79,9 @@ async def test_resume_while_its_turn_runs_is_refused(stack):
         assert (await client.park("running")).bytes > 0
         await client.resume("running")  # the cache keeps the snapshot
         history = list(conversation.tokens) + [5, 6]
-        options = GenerateOptions(token_ids=history, max_tokens=40, conversation_id="running")
+        options = GenerateOptions(
+            token_ids=history, max_tokens=40, ignore_eos=True, conversation_id="running"
+        )
         stream = client.generate(options)
         await stream.__anext__()  # its turn runs
         with pytest.raises(grpc.aio.AioRpcError) as refused:

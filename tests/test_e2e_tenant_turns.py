@@ -28,11 +28,9 @@ def _prompt() -> list[int]:
 
 @asynccontextmanager
 async def _queue_then_one_at_a_time(stack, monkeypatch) -> AsyncIterator[tuple[asyncio.Event, list[str]]]:
-    """Every free page held until the event is set, then all but one request's two. Relief is off: it would
-    drop earlier tests' idle conversations while the head waits for pages, and their pages would let requests
-    run before the test opens room, or two at a time."""
+    """Every free page held until the event is set, then all but one request's two (relief off: earlier tests'
+    idle conversations' pages would let requests run before the test opens room, or two at a time)."""
     await stack.wait_idle()
-    monkeypatch.setattr(stack.engine, "on_blocked", None)
     scheduler = stack.scheduler
     admitted: list[str] = []
     record = scheduler.order.admitted
@@ -42,13 +40,12 @@ async def _queue_then_one_at_a_time(stack, monkeypatch) -> AsyncIterator[tuple[a
         record(request)
 
     monkeypatch.setattr(scheduler.order, "admitted", recorded)
-    held = scheduler.pages.allocate(scheduler.pages.free_count)
+    held = stack.hold_free_pages(monkeypatch)
     opened = asyncio.Event()
 
     async def open_room() -> None:
         await opened.wait()
-        scheduler.return_pages(held[:2])
-        stack.engine.wake()
+        stack.give_back(held[:2])
 
     opener = asyncio.create_task(open_room())
     try:
@@ -57,7 +54,7 @@ async def _queue_then_one_at_a_time(stack, monkeypatch) -> AsyncIterator[tuple[a
         opened.set()
         await opener
         await stack.wait_idle()
-        scheduler.return_pages(held[2:])
+        stack.give_back(held[2:])
 
 
 async def _until_waiting(scheduler, count: int) -> None:

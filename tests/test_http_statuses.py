@@ -8,6 +8,7 @@ conversation."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import httpx2 as httpx
@@ -83,24 +84,9 @@ async def test_a_batch_wider_than_the_waiting_queue_runs_a_window_at_a_time(keye
     assert sorted(choice["index"] for choice in answer.json()["choices"]) == list(range(8))
 
 
-async def test_a_full_waiting_queue_is_429(keyed):
-    stack, client, _, model = keyed
-    long = GenerateOptions(token_ids=[1] * 8, max_tokens=80, ignore_eos=True)  # 6 of the 7 pages
-    async with PlannerClient(stack.addr, ChannelSecurity(api_key=ALICE)) as planner:
-        running = asyncio.create_task(planner.generate_all(long))
-        while not stack.scheduler.running:
-            await asyncio.sleep(0.01)
-        waiting = asyncio.create_task(planner.generate_all(long))  # no pages: it waits
-        while not stack.scheduler.waiting:
-            await asyncio.sleep(0.01)
-        with pytest.raises(
-            openai.RateLimitError, match=r"waiting queue is full: 1 choice waits .*--max-waiting 1"
-        ):
-            await client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2)
-        for task in (running, waiting):
-            task.cancel()
-        await asyncio.gather(running, waiting, return_exceptions=True)
-    await stack.wait_idle()
+def _long(i: int = 0, n: int = 1) -> GenerateOptions:
+    """6 of the 7 pages: none fits beside it."""
+    return GenerateOptions(token_ids=[1 + i] * 8, max_tokens=80, ignore_eos=True, n=n)
 
 
 async def _until(condition, what: str, timeout: float = 10.0) -> None:
@@ -108,6 +94,23 @@ async def _until(condition, what: str, timeout: float = 10.0) -> None:
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, what
         await asyncio.sleep(0.01)
+
+
+async def test_a_full_waiting_queue_is_429(keyed, monkeypatch):
+    stack, client, _, model = keyed
+    await stack.wait_idle()
+    held = stack.hold_free_pages(monkeypatch)
+    async with PlannerClient(stack.addr, ChannelSecurity(api_key=ALICE)) as planner:
+        waiting = asyncio.create_task(planner.generate_all(_long()))  # no pages: it waits
+        await _until(lambda: stack.scheduler.waiting, "the request was not queued")
+        with pytest.raises(
+            openai.RateLimitError, match=r"waiting queue is full: 1 choice waits .*--max-waiting 1"
+        ):
+            await client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+    await stack.wait_idle()
+    stack.give_back(held)
 
 
 async def test_requests_arriving_together_wait_no_more_than_the_limit(keyed, monkeypatch):
@@ -125,15 +128,12 @@ async def test_requests_arriving_together_wait_no_more_than_the_limit(keyed, mon
 
     monkeypatch.setattr(stack.planner.intake, "prepare", slow_prepare)
 
-    def long(i: int = 0, conversation_id: str = "") -> GenerateOptions:  # 6 of the 7 pages: none fits beside
-        return GenerateOptions(
-            token_ids=[1 + i] * 8, max_tokens=80, ignore_eos=True, conversation_id=conversation_id
-        )
+    def long(i: int = 0, conversation_id: str = "") -> GenerateOptions:
+        return replace(_long(i), conversation_id=conversation_id)
 
     await stack.wait_idle()
+    held = stack.hold_free_pages(monkeypatch)  # what is queued stays queued
     async with PlannerClient(stack.addr, ChannelSecurity(api_key=ALICE)) as planner:
-        running = asyncio.create_task(planner.generate_all(long()))
-        await _until(lambda: stack.scheduler.running, "the long request did not start")
         # Plain requests and conversations' first turns
         burst = [
             asyncio.create_task(planner.generate_all(long(i, f"burst-{i}" if i % 2 else "")))
@@ -143,7 +143,6 @@ async def test_requests_arriving_together_wait_no_more_than_the_limit(keyed, mon
             lambda: sum(t.done() for t in burst) + len(stack.scheduler.waiting) >= burst_size,
             "the burst was neither queued nor refused",
         )
-        assert stack.scheduler.running == 1  # the long request still holds the pages
         assert len(stack.scheduler.waiting) == limit
         refused = [t.exception() for t in burst if t.done()]
         assert len(refused) == burst_size - limit
@@ -155,9 +154,9 @@ async def test_requests_arriving_together_wait_no_more_than_the_limit(keyed, mon
             )
             assert NEVER_FITS_METADATA not in dict(error.trailing_metadata() or ())  # retryable
         assert stack.planner.starting == 0
-        for task in (running, *burst):
+        for task in burst:
             task.cancel()
-        await asyncio.gather(running, *burst, return_exceptions=True)
+        await asyncio.gather(*burst, return_exceptions=True)
         await stack.wait_idle()
         # Refused after the check: an empty prompt, one that never fits, a turn on a conversation running one
         for options, code in (
@@ -168,7 +167,7 @@ async def test_requests_arriving_together_wait_no_more_than_the_limit(keyed, mon
                 await planner.generate_all(options)
             assert caught.value.code() == code
         turn = asyncio.create_task(planner.generate_all(long(conversation_id="busy")))
-        await _until(lambda: stack.scheduler.running, "the turn did not start")
+        await _until(lambda: stack.scheduler.waiting, "the turn was not queued")  # its conversation is busy
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await planner.generate_all(long(conversation_id="busy"))
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -178,23 +177,21 @@ async def test_requests_arriving_together_wait_no_more_than_the_limit(keyed, mon
         assert stack.planner.starting == 0
         # Nothing stays counted: a later request runs, and the queue takes `limit` again
         monkeypatch.setattr(stack.planner.intake, "prepare", prepare)
+        stack.give_back(held)
         assert (await planner.generate_all(GenerateOptions(token_ids=[5] * 4, max_tokens=2))).token_ids
-        running = asyncio.create_task(planner.generate_all(long()))
-        await _until(lambda: stack.scheduler.running, "the long request did not start")
+        await stack.wait_idle()
+        held = stack.hold_free_pages(monkeypatch)
         queued = [asyncio.create_task(planner.generate_all(long(i))) for i in range(1, limit + 1)]
         await _until(lambda: len(stack.scheduler.waiting) == limit, "the queue did not take the limit")
         assert not any(t.done() for t in queued)
-        for task in (running, *queued):
+        for task in queued:
             task.cancel()
-        await asyncio.gather(running, *queued, return_exceptions=True)
+        await asyncio.gather(*queued, return_exceptions=True)
+        await stack.wait_idle()
+        stack.give_back(held)
         for conversation in await planner.conversations():  # what the turns left: the pool whole again
             await planner.delete_conversation(conversation.conversation_id)
     await stack.wait_idle()
-
-
-def _long(i: int = 0, n: int = 1) -> GenerateOptions:
-    """6 of the 7 pages: none fits beside it."""
-    return GenerateOptions(token_ids=[1 + i] * 8, max_tokens=80, ignore_eos=True, n=n)
 
 
 async def _refused(call) -> grpc.aio.AioRpcError:
@@ -220,8 +217,7 @@ async def test_the_waiting_queue_counts_a_request_by_its_choices(keyed, monkeypa
         assert dict(never.trailing_metadata() or ()).get(NEVER_FITS_METADATA) == "1"
         with pytest.raises(openai.BadRequestError, match="n is 4: more choices"):  # no retry mends it: 400
             await client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, n=4)
-        running = asyncio.create_task(planner.generate_all(_long()))
-        await _until(lambda: stack.scheduler.running, "the long request did not start")
+        held = stack.hold_free_pages(monkeypatch)  # what is queued stays queued
         one = asyncio.create_task(planner.generate_all(_long(1)))
         await _until(lambda: len(stack.scheduler.waiting) == 1, "the second request was not queued")
         # 1 waits: 3 more choices would make 4
@@ -237,10 +233,11 @@ async def test_the_waiting_queue_counts_a_request_by_its_choices(keyed, monkeypa
         assert stack.planner.starting == 1
         last = await _refused(planner.generate_all(_long(4)))
         assert f"queue is full: 3 choices wait for admission (--max-waiting {limit}); retry" in last.details()
-        for task in (running, one, pair):
+        for task in (one, pair):
             task.cancel()
-        await asyncio.gather(running, one, pair, return_exceptions=True)
+        await asyncio.gather(one, pair, return_exceptions=True)
     await stack.wait_idle()
+    stack.give_back(held)
     assert stack.planner.starting == 0  # the pair's second choice, never queued, counted no more
 
 
