@@ -198,6 +198,14 @@ def add_planner_flags(flags: Flags) -> None:
         "other tenants' still queue); 0: no share of its own",
     )
     flags.option(
+        "--default-max-tokens",
+        type=int_at_least(0),
+        default=defaults.default_max_tokens,
+        metavar="N",
+        help="max_tokens of a request that leaves it unset; 0: as many as fit after the prompt (a request "
+        "holds the KV pages of all it may write, so then a whole context's)",
+    )
+    flags.option(
         "--executor-timeout",
         type=float_in(0.1, 3600.0),
         default=defaults.executor_timeout,

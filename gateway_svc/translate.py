@@ -139,7 +139,7 @@ def _base_options(body: GenerationBody, conversation: str, max_tokens: int | Non
             "shared_prefix", "shared_prefix marks a conversation's prefix: give a conversation_id too"
         )
     return GenerateOptions(
-        max_tokens=max_tokens or 0,  # 0: as many as fit in the context after the prompt
+        max_tokens=max_tokens or 0,  # 0: the planner's --default-max-tokens, else all that fit
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or ()),
         frequency_penalty=body.frequency_penalty or 0.0,
         presence_penalty=body.presence_penalty or 0.0,

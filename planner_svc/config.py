@@ -79,6 +79,9 @@ class PlannerConfig:
     model: str | None = None
     max_waiting: int = DEFAULT_MAX_WAITING  # waiting choices (n per request) before RESOURCE_EXHAUSTED
     max_waiting_per_tenant: int = 0  # of those, the most one tenant may have; 0: no share of its own
+    # max_tokens of a request that leaves it unset (0: as many as fit after the prompt, OpenAI's default):
+    # admission gives a request the pages of all it may write, so that default holds a whole context's.
+    default_max_tokens: int = 0
     inflight_plans: int = 2  # plans in flight per executor: the step running and the next
     # Seconds a step may go without output (plus 25 ms per prompt token it reads) before its executor
     # counts as hung: lost, its requests failed or re-queued, and reconnected.
@@ -101,3 +104,5 @@ class PlannerConfig:
             raise ValueError(f"max_waiting must be positive, got {self.max_waiting}")
         if self.max_waiting_per_tenant < 0:
             raise ValueError(f"max_waiting_per_tenant must be >= 0, got {self.max_waiting_per_tenant}")
+        if self.default_max_tokens < 0:
+            raise ValueError(f"default_max_tokens must be >= 0, got {self.default_max_tokens}")

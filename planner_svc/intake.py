@@ -40,9 +40,19 @@ def model_eos_ids(described: executor_pb2.ExecutorDescription, tokenizer_eos: in
 
 
 class Intake:
-    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], vocab_size: int, max_seq_len: int):
+    def __init__(
+        self,
+        tokenizer,
+        eos_token_ids: tuple[int, ...],
+        vocab_size: int,
+        max_seq_len: int,
+        default_max_tokens: int = 0,
+    ):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.default_max_tokens = (
+            default_max_tokens  # for a request that leaves max_tokens unset (0: all that fit)
+        )
         self.limits = limits_for(tokenizer, vocab_size, max_seq_len)
         self.schemas = SchemaCompiler(tokenizer, vocab_size)
         self._threads = ThreadPoolExecutor(max_workers=TOKENIZING_THREADS, thread_name_prefix="tokenize")
@@ -114,8 +124,12 @@ class Intake:
             raise ValueError(f"chat: the model's chat template refused the messages: {error}") from None
         if not prompt_ids:
             raise ValueError("the prompt is empty: give text, chat messages or token ids")
-        # 0: as many as fit after the prompt (OpenAI's and vLLM's default when max_tokens is not given)
-        max_tokens = request.max_tokens or max(1, self.limits.max_seq_len - len(prompt_ids))
+        # 0: --default-max-tokens (min_tokens if more), else as many as fit after the prompt (OpenAI's default)
+        fit = max(1, self.limits.max_seq_len - len(prompt_ids))
+        default = (
+            min(fit, max(self.default_max_tokens, request.min_tokens)) if self.default_max_tokens else fit
+        )
+        max_tokens = request.max_tokens or default
         check_length(len(prompt_ids), max_tokens, self.limits.max_seq_len)
         check_min_tokens(request.min_tokens, max_tokens)
         params = request.sampling

@@ -11,7 +11,7 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry
 
-from planner_svc.config import DEFAULT_MAX_WAITING, PlannerConfig
+from planner_svc.config import PlannerConfig
 from planner_svc.conversations import Mount
 from planner_svc.engine import Engine
 from planner_svc.engine_build import build_engine, release_attached
@@ -60,12 +60,12 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         descriptions: list[executor_pb2.ExecutorDescription],
         tokenizer,
         turns: Turns,
-        max_waiting: int = DEFAULT_MAX_WAITING,
-        max_waiting_per_tenant: int = 0,
+        config: PlannerConfig | None = None,
     ):
+        config = config or PlannerConfig()
         self.engines = engines
-        self.max_waiting = max_waiting  # choices waiting for admission, all engines together
-        self.max_waiting_per_tenant = max_waiting_per_tenant  # of those, one tenant's at most; 0: no limit
+        self.max_waiting = config.max_waiting  # choices waiting for admission, all engines together
+        self.max_waiting_per_tenant = config.max_waiting_per_tenant  # of those, one tenant's at most; 0: none
         # Choices past that check in no scheduler's queue yet (being prepared, n > 1's later ones): counted too.
         self.room = WaitingRoom()
         self.turns = turns
@@ -81,7 +81,8 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         self._request_ids: set[tuple[str, str]] = set()  # taken from the first await of a Generate to its end
         # Aborted while still starting (tokenizing, waiting for its conversation, restoring): ended at admission.
         self._early_aborts: set[tuple[str, str]] = set()
-        self.intake = Intake(tokenizer, self.eos_token_ids, described.vocab_size, described.max_seq_len)
+        vocab, context = described.vocab_size, described.max_seq_len
+        self.intake = Intake(tokenizer, self.eos_token_ids, vocab, context, config.default_max_tokens)
         self.running_requests = self._requests  # what a drain waits for (drain.py)
         self.draining: str | None = None  # set by a drain: new requests are refused with it
         self.cut: dict[tuple[str, str], str] = {}  # (tenant, request id) -> why a drain cut it
@@ -359,9 +360,7 @@ async def start_planner_server(
         for engine in built:
             opened.append(engine)
             await engine.start()
-        servicer = PlannerServicer(
-            built, descriptions, tokenizer, turns, config.max_waiting, config.max_waiting_per_tenant
-        )
+        servicer = PlannerServicer(built, descriptions, tokenizer, turns, config)
         if metrics is not None:
             servicer.metrics = PlannerMetrics(metrics)
             servicer.metrics.follow(lambda: [engine.scheduler for engine in built])

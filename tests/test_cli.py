@@ -161,6 +161,7 @@ def test_bad_values_name_the_flag_or_variable(capsys):
     assert "--device" in usage_error(capsys, ["up", "--device", "gpu"])
     assert "--decode-path" in usage_error(capsys, ["executor", "--decode-path", "planned"])
     assert "--port" in usage_error(capsys, ["up", "--port", "70000"])
+    assert "--default-max-tokens" in usage_error(capsys, ["up", "--default-max-tokens", "-1"])
     assert "--top-p" in usage_error(capsys, ["generate", "--text", "a", "--max-tokens", "1", "--top-p", "0"])
     # A bad variable only fails the commands that have its flag.
     assert parse(["generate", "--text", "a", "--max-tokens", "1"], DELTASERVE_PAGE_SIZE="x").max_tokens == 1
@@ -385,6 +386,10 @@ def test_configs_from_flags():
         "spread",
         True,
     )
+    assert planner.default_max_tokens == 0  # a request without max_tokens: all that fit after its prompt
+    capped = parse(["planner", "--executor", "x:1", "--default-max-tokens", "256"])
+    assert planner_config(capped, executors=[], cache=None).default_max_tokens == 256
+    assert parse(["up"], DELTASERVE_DEFAULT_MAX_TOKENS="64").default_max_tokens == 64
 
 
 def test_cache_flags_of_executor_and_planner_and_their_env():
