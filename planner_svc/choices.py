@@ -28,8 +28,7 @@ def other_choices(first: Request, n: int) -> list[Request]:
             stop_strings=first.stop_strings,
             min_tokens=first.min_tokens,
             grammar=first.grammar,
-            later_choice=True,
-            queue_tag=first.queue_tag,
+            later_choice=True,  # queued at the first's tag (responses.py)
         )
         for index in range(1, n)
     ]

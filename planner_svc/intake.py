@@ -17,7 +17,14 @@ from planner_svc.json_grammar import SchemaCompiler
 from planner_svc.requests import Request, Sampling
 from planner_svc.shared_prefix import resolve_shared_prefix
 from planner_svc.tokenizer import chat_ids, text_ids
-from planner_svc.validation import GREEDY_BELOW, check_generate, check_length, check_min_tokens, limits_for
+from planner_svc.validation import (
+    GREEDY_BELOW,
+    check_generate,
+    check_length,
+    check_min_tokens,
+    limits_for,
+    unset_max_tokens,
+)
 from protos import client_pb2, executor_pb2
 from protos.wire import unpack_i32
 
@@ -124,12 +131,9 @@ class Intake:
             raise ValueError(f"chat: the model's chat template refused the messages: {error}") from None
         if not prompt_ids:
             raise ValueError("the prompt is empty: give text, chat messages or token ids")
-        # 0: --default-max-tokens (min_tokens if more), else as many as fit after the prompt (OpenAI's default)
-        fit = max(1, self.limits.max_seq_len - len(prompt_ids))
-        default = (
-            min(fit, max(self.default_max_tokens, request.min_tokens)) if self.default_max_tokens else fit
+        max_tokens = request.max_tokens or unset_max_tokens(
+            len(prompt_ids), self.limits.max_seq_len, self.default_max_tokens, request.min_tokens
         )
-        max_tokens = request.max_tokens or default
         check_length(len(prompt_ids), max_tokens, self.limits.max_seq_len)
         check_min_tokens(request.min_tokens, max_tokens)
         params = request.sampling

@@ -50,6 +50,7 @@ class ResponseStreams:
             if first.finish is Finish.ABORT:
                 held.let_go()  # never to be queued
                 return
+            other.queue_tag = first.queue_tag  # as it is now: an abort ahead of the first may have moved it
             other_queue = engine.submit(other)
             held.let_go()  # counted by the scheduler's waiting queue from here
             first.choices.append(other)

@@ -316,7 +316,7 @@ class Scheduler:
         self.pages.free(freed)  # state pressure: a checkpoint's copy went back (state_pressure.py)
         for request in self.admission.take(self.waiting, self._can_admit, frees_head):
             self.order.admitted(request)
-            request.admitted_at = time.perf_counter()
+            request.admitted_at = request.admitted_at or time.perf_counter()  # a requeued one: its first
             if self.prefix_cache and not request.pages:
                 self._match_prefix(request)
             if self.states.enabled and not request.state_slot:

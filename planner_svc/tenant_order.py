@@ -60,20 +60,23 @@ class TenantOrder:
 
     def forget(self, waiting: deque[T], request: T) -> None:
         """It left `waiting` unadmitted (aborted, refused): its tenant is not charged for it. The tenant's
-        requests queued after it move up by its cost, as does where the tenant's next one starts. (A later
-        choice was charged with its first, which ran.)"""
-        cost = _cost(request)
+        requests queued after it move up by its cost, not past the clock (one requeued by a recovery may be
+        behind it, and those after it were not tagged from it), as does where the tenant's next one starts. (A
+        later choice was charged with its first, which ran.)"""
+        cost, tenant = _cost(request), request.tenant
         if not cost:
             return
-        behind = [
-            r for r in waiting if r.tenant == request.tenant and r.queue_tag > request.queue_tag and _cost(r)
-        ]
-        for moved in behind:
-            waiting.remove(moved)
-            moved.queue_tag -= cost
-            _insert(waiting, moved)
-        if request.tenant in self._last:
-            self._last[request.tenant] -= cost
+        moved = False
+        for other in waiting:
+            if other.tenant == tenant and other.queue_tag > request.queue_tag and _cost(other):
+                other.queue_tag = max(self.clock, other.queue_tag - cost)
+                moved = True
+        if moved:  # one pass: a whole backlog cancelled one by one stays quadratic, not cubic
+            ordered = sorted(waiting, key=lambda r: r.queue_tag)
+            waiting.clear()
+            waiting.extend(ordered)
+        if tenant in self._last:
+            self._last[tenant] = max(self.clock, self._last[tenant] - cost)
 
 
 def _cost(request: Queued) -> int:

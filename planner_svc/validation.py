@@ -266,6 +266,13 @@ def _check_text_size(field: str, size: int, limits: Limits) -> None:
         )
 
 
+def unset_max_tokens(prompt_len: int, max_seq_len: int, default: int, min_tokens: int) -> int:
+    """max_tokens for a request that left it unset: `default` (--default-max-tokens), or its min_tokens if more,
+    at most what the context leaves after the prompt; with no default, all of that (OpenAI's default)."""
+    fit = max(1, max_seq_len - prompt_len)
+    return min(fit, max(default, min_tokens)) if default else fit
+
+
 def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
     """After tokenizing, where max_tokens was 0 (the rest of the context): min_tokens fits in that rest."""
     if min_tokens > max_tokens:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -31,13 +33,23 @@ class Stack:
     def engine(self):
         return self.planner.engines[0]
 
-    def hold_free_pages(self, monkeypatch) -> list[int]:
-        """Every free KV page, taken for a test: requests queue, and stay queued until `give_back`, however fast
-        or slow the machine. Relief is off for the test: it would drop idle conversations' pages for them."""
+    @asynccontextmanager
+    async def free_pages_held(self, monkeypatch) -> AsyncIterator[list[int]]:
+        """Every free KV page, taken for a test once idle: requests queue, and stay queued however fast or slow
+        the machine, until `give_back` returns some; the rest go back on the way out, failed or not. Relief is
+        off for the test: it would drop idle conversations' pages for them."""
+        await self.wait_idle()
         monkeypatch.setattr(self.engine, "on_blocked", None)
-        return self.scheduler.pages.allocate(self.scheduler.pages.free_count)
+        held = self.scheduler.pages.allocate(self.scheduler.pages.free_count)
+        try:
+            yield held
+        finally:
+            self.give_back(held)
 
-    def give_back(self, pages: list[int]) -> None:
+    def give_back(self, held: list[int], count: int | None = None) -> None:
+        """`count` of the held pages (all by default) back to the pool, and out of `held`."""
+        count = len(held) if count is None else count
+        pages, held[:count] = held[:count], []
         self.scheduler.return_pages(pages)
         self.engine.wake()
 

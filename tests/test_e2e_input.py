@@ -148,24 +148,14 @@ async def test_a_request_without_max_tokens_gets_the_planners_default_where_one_
     smol_stack, monkeypatch
 ):
     """--default-max-tokens: what a request leaving max_tokens unset may write (and hold pages for), or its
-    min_tokens if more; where the prompt leaves less room before the context's end, that much; without it, all
-    that fits."""
-    intake = smol_stack.planner.intake
-    context = intake.limits.max_seq_len
+    min_tokens if more (the arithmetic at the context's end: test_validation.py)."""
+    monkeypatch.setattr(smol_stack.planner.intake, "default_max_tokens", 5)
     async with PlannerClient(smol_stack.addr) as client:
-
-        async def unset(prompt_len: int, min_tokens: int = 0) -> int:
+        for min_tokens, expected in ((0, 5), (7, 7)):
             options = GenerateOptions(
-                token_ids=[504] * prompt_len, max_tokens=0, ignore_eos=True, min_tokens=min_tokens
+                token_ids=[504] * 8, max_tokens=0, ignore_eos=True, min_tokens=min_tokens
             )
-            return len((await client.generate_all(options)).token_ids)
-
-        monkeypatch.setattr(intake, "default_max_tokens", 5)
-        assert await unset(8) == 5
-        assert await unset(context - 3) == 3
-        assert await unset(8, min_tokens=7) == 7  # the default does not cut below what the request asks for
-        monkeypatch.setattr(intake, "default_max_tokens", 0)
-        assert await unset(context - 4) == 4
+            assert len((await client.generate_all(options)).token_ids) == expected
 
 
 async def test_invalid_utf8_is_invalid_argument_naming_the_field(smol_stack):

@@ -30,31 +30,27 @@ def _prompt() -> list[int]:
 async def _queue_then_one_at_a_time(stack, monkeypatch) -> AsyncIterator[tuple[asyncio.Event, list[str]]]:
     """Every free page held until the event is set, then all but one request's two (relief off: earlier tests'
     idle conversations' pages would let requests run before the test opens room, or two at a time)."""
-    await stack.wait_idle()
-    scheduler = stack.scheduler
     admitted: list[str] = []
-    record = scheduler.order.admitted
+    record = stack.scheduler.order.admitted
 
     def recorded(request) -> None:
         admitted.append(request.request_id)
         record(request)
 
-    monkeypatch.setattr(scheduler.order, "admitted", recorded)
-    held = stack.hold_free_pages(monkeypatch)
-    opened = asyncio.Event()
+    monkeypatch.setattr(stack.scheduler.order, "admitted", recorded)
+    async with stack.free_pages_held(monkeypatch) as held:
+        opened = asyncio.Event()
 
-    async def open_room() -> None:
-        await opened.wait()
-        stack.give_back(held[:2])
+        async def open_room() -> None:
+            await opened.wait()
+            stack.give_back(held, 2)
 
-    opener = asyncio.create_task(open_room())
-    try:
-        yield opened, admitted
-    finally:
-        opened.set()
-        await opener
-        await stack.wait_idle()
-        stack.give_back(held[2:])
+        opener = asyncio.create_task(open_room())
+        try:
+            yield opened, admitted
+        finally:
+            opened.set()
+            await opener
 
 
 async def _until_waiting(scheduler, count: int) -> None:

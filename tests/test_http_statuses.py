@@ -98,9 +98,10 @@ async def _until(condition, what: str, timeout: float = 10.0) -> None:
 
 async def test_a_full_waiting_queue_is_429(keyed, monkeypatch):
     stack, client, _, model = keyed
-    await stack.wait_idle()
-    held = stack.hold_free_pages(monkeypatch)
-    async with PlannerClient(stack.addr, ChannelSecurity(api_key=ALICE)) as planner:
+    async with (
+        stack.free_pages_held(monkeypatch),
+        PlannerClient(stack.addr, ChannelSecurity(api_key=ALICE)) as planner,
+    ):
         waiting = asyncio.create_task(planner.generate_all(_long()))  # no pages: it waits
         await _until(lambda: stack.scheduler.waiting, "the request was not queued")
         with pytest.raises(
@@ -110,7 +111,6 @@ async def test_a_full_waiting_queue_is_429(keyed, monkeypatch):
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
     await stack.wait_idle()
-    stack.give_back(held)
 
 
 async def test_requests_arriving_together_wait_no_more_than_the_limit(keyed, monkeypatch):
@@ -131,64 +131,61 @@ async def test_requests_arriving_together_wait_no_more_than_the_limit(keyed, mon
     def long(i: int = 0, conversation_id: str = "") -> GenerateOptions:
         return replace(_long(i), conversation_id=conversation_id)
 
-    await stack.wait_idle()
-    held = stack.hold_free_pages(monkeypatch)  # what is queued stays queued
     async with PlannerClient(stack.addr, ChannelSecurity(api_key=ALICE)) as planner:
-        # Plain requests and conversations' first turns
-        burst = [
-            asyncio.create_task(planner.generate_all(long(i, f"burst-{i}" if i % 2 else "")))
-            for i in range(1, burst_size + 1)
-        ]
-        await _until(
-            lambda: sum(t.done() for t in burst) + len(stack.scheduler.waiting) >= burst_size,
-            "the burst was neither queued nor refused",
-        )
-        assert len(stack.scheduler.waiting) == limit
-        refused = [t.exception() for t in burst if t.done()]
-        assert len(refused) == burst_size - limit
-        for error in refused:
-            assert isinstance(error, grpc.aio.AioRpcError)
-            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert f"queue is full: {limit} choices wait for admission (--max-waiting {limit})" in (
-                error.details()
+        async with stack.free_pages_held(monkeypatch):  # what is queued stays queued
+            # Plain requests and conversations' first turns
+            burst = [
+                asyncio.create_task(planner.generate_all(long(i, f"burst-{i}" if i % 2 else "")))
+                for i in range(1, burst_size + 1)
+            ]
+            await _until(
+                lambda: sum(t.done() for t in burst) + len(stack.scheduler.waiting) >= burst_size,
+                "the burst was neither queued nor refused",
             )
-            assert NEVER_FITS_METADATA not in dict(error.trailing_metadata() or ())  # retryable
-        assert stack.planner.starting == 0
-        for task in burst:
-            task.cancel()
-        await asyncio.gather(*burst, return_exceptions=True)
-        await stack.wait_idle()
-        # Refused after the check: an empty prompt, one that never fits, a turn on a conversation running one
-        for options, code in (
-            (GenerateOptions(token_ids=[], max_tokens=1), grpc.StatusCode.INVALID_ARGUMENT),
-            (GenerateOptions(token_ids=[1] * 8, max_tokens=300), grpc.StatusCode.RESOURCE_EXHAUSTED),
-        ):
+            assert len(stack.scheduler.waiting) == limit
+            refused = [t.exception() for t in burst if t.done()]
+            assert len(refused) == burst_size - limit
+            for error in refused:
+                assert isinstance(error, grpc.aio.AioRpcError)
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert f"queue is full: {limit} choices wait for admission (--max-waiting {limit})" in (
+                    error.details()
+                )
+                assert NEVER_FITS_METADATA not in dict(error.trailing_metadata() or ())  # retryable
+            assert stack.planner.starting == 0
+            for task in burst:
+                task.cancel()
+            await asyncio.gather(*burst, return_exceptions=True)
+            await stack.wait_idle()
+            # Refused after the check: an empty prompt, one that never fits, a turn on a conversation running one
+            for options, code in (
+                (GenerateOptions(token_ids=[], max_tokens=1), grpc.StatusCode.INVALID_ARGUMENT),
+                (GenerateOptions(token_ids=[1] * 8, max_tokens=300), grpc.StatusCode.RESOURCE_EXHAUSTED),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await planner.generate_all(options)
+                assert caught.value.code() == code
+            turn = asyncio.create_task(planner.generate_all(long(conversation_id="busy")))
+            await _until(
+                lambda: stack.scheduler.waiting, "the turn was not queued"
+            )  # its conversation is busy
             with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await planner.generate_all(options)
-            assert caught.value.code() == code
-        turn = asyncio.create_task(planner.generate_all(long(conversation_id="busy")))
-        await _until(lambda: stack.scheduler.waiting, "the turn was not queued")  # its conversation is busy
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await planner.generate_all(long(conversation_id="busy"))
-        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        turn.cancel()
-        await asyncio.gather(turn, return_exceptions=True)
-        await stack.wait_idle()
-        assert stack.planner.starting == 0
+                await planner.generate_all(long(conversation_id="busy"))
+            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            turn.cancel()
+            await asyncio.gather(turn, return_exceptions=True)
+            await stack.wait_idle()
+            assert stack.planner.starting == 0
         # Nothing stays counted: a later request runs, and the queue takes `limit` again
         monkeypatch.setattr(stack.planner.intake, "prepare", prepare)
-        stack.give_back(held)
         assert (await planner.generate_all(GenerateOptions(token_ids=[5] * 4, max_tokens=2))).token_ids
-        await stack.wait_idle()
-        held = stack.hold_free_pages(monkeypatch)
-        queued = [asyncio.create_task(planner.generate_all(long(i))) for i in range(1, limit + 1)]
-        await _until(lambda: len(stack.scheduler.waiting) == limit, "the queue did not take the limit")
-        assert not any(t.done() for t in queued)
-        for task in queued:
-            task.cancel()
-        await asyncio.gather(*queued, return_exceptions=True)
-        await stack.wait_idle()
-        stack.give_back(held)
+        async with stack.free_pages_held(monkeypatch):
+            queued = [asyncio.create_task(planner.generate_all(long(i))) for i in range(1, limit + 1)]
+            await _until(lambda: len(stack.scheduler.waiting) == limit, "the queue did not take the limit")
+            assert not any(t.done() for t in queued)
+            for task in queued:
+                task.cancel()
+            await asyncio.gather(*queued, return_exceptions=True)
         for conversation in await planner.conversations():  # what the turns left: the pool whole again
             await planner.delete_conversation(conversation.conversation_id)
     await stack.wait_idle()
@@ -217,27 +214,29 @@ async def test_the_waiting_queue_counts_a_request_by_its_choices(keyed, monkeypa
         assert dict(never.trailing_metadata() or ()).get(NEVER_FITS_METADATA) == "1"
         with pytest.raises(openai.BadRequestError, match="n is 4: more choices"):  # no retry mends it: 400
             await client.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, n=4)
-        held = stack.hold_free_pages(monkeypatch)  # what is queued stays queued
-        one = asyncio.create_task(planner.generate_all(_long(1)))
-        await _until(lambda: len(stack.scheduler.waiting) == 1, "the second request was not queued")
-        # 1 waits: 3 more choices would make 4
-        full = await _refused(planner.generate_choices(_long(2, n=3)))
-        assert (
-            f"queue is full: 1 choice waits for admission (--max-waiting {limit}), no room for this "
-            "request's 3 choices; retry later" in full.details()
-        )
-        assert NEVER_FITS_METADATA not in dict(full.trailing_metadata() or ())
-        # 2 more fit: the first queued, the second counted while it waits for the first to read the prompt
-        pair = asyncio.create_task(planner.generate_choices(_long(3, n=2)))
-        await _until(lambda: len(stack.scheduler.waiting) == 2, "the pair's first choice was not queued")
-        assert stack.planner.starting == 1
-        last = await _refused(planner.generate_all(_long(4)))
-        assert f"queue is full: 3 choices wait for admission (--max-waiting {limit}); retry" in last.details()
-        for task in (one, pair):
-            task.cancel()
-        await asyncio.gather(one, pair, return_exceptions=True)
+        async with stack.free_pages_held(monkeypatch):  # what is queued stays queued
+            one = asyncio.create_task(planner.generate_all(_long(1)))
+            await _until(lambda: len(stack.scheduler.waiting) == 1, "the request was not queued")
+            # 1 waits: 3 more choices would make 4
+            full = await _refused(planner.generate_choices(_long(2, n=3)))
+            assert (
+                f"queue is full: 1 choice waits for admission (--max-waiting {limit}), no room for this "
+                "request's 3 choices; retry later" in full.details()
+            )
+            assert NEVER_FITS_METADATA not in dict(full.trailing_metadata() or ())
+            # 2 more fit: the first queued, the second counted while it waits for the first to read the prompt
+            pair = asyncio.create_task(planner.generate_choices(_long(3, n=2)))
+            await _until(lambda: len(stack.scheduler.waiting) == 2, "the pair's first choice was not queued")
+            assert stack.planner.starting == 1
+            last = await _refused(planner.generate_all(_long(4)))
+            assert (
+                f"queue is full: 3 choices wait for admission (--max-waiting {limit}); retry"
+                in last.details()
+            )
+            for task in (one, pair):
+                task.cancel()
+            await asyncio.gather(one, pair, return_exceptions=True)
     await stack.wait_idle()
-    stack.give_back(held)
     assert stack.planner.starting == 0  # the pair's second choice, never queued, counted no more
 
 

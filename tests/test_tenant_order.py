@@ -3,6 +3,7 @@ A request costs its `end_len` in tokens: one each in the tests of the order alon
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass
 
@@ -92,6 +93,37 @@ def test_an_abort_gives_back_its_own_tokens_only_not_those_of_the_tenants_reques
     order.forget(waiting, long)
     _queue(order, waiting, "a.3", tokens=20)
     assert [(q.name, q.queue_tag) for q in waiting] == [("b.1", 0), ("a.3", 20)]
+
+
+def test_an_abort_moves_no_request_past_the_clock():
+    """A request requeued by a recovery keeps its old tag, below the tenant's newer ones, which were tagged from
+    the clock, not from it: aborting it must not move those ahead of other tenants' waiting requests."""
+    order, waiting = TenantOrder(), deque[Queued]()
+    _queue(order, waiting, "b.1", "a.1", tokens=10)
+    _admit(order, waiting, "b.1", "a.1")
+    _queue(order, waiting, "c.1", "a.2", tokens=10)  # tagged from the clock, 10
+    requeued = Queued("a", "a.1", end_len=10, queue_tag=0)  # a.1 back from a lost executor
+    waiting.appendleft(requeued)
+    waiting.remove(requeued)
+    order.forget(waiting, requeued)
+    assert [(q.name, q.queue_tag) for q in waiting] == [("c.1", 10), ("a.2", 10)]
+
+
+def test_random_places_aborts_and_admissions_keep_the_queue_in_tag_order():
+    rng = random.Random(7)
+    order, waiting = TenantOrder(), deque[Queued]()
+    for step in range(3000):
+        action = rng.random()
+        if action < 0.5 or not waiting:
+            order.place(waiting, Queued(rng.choice("abc"), f"q{step}", end_len=rng.randint(1, 50)))
+        elif action < 0.75:
+            gone = rng.choice(list(waiting))
+            waiting.remove(gone)
+            order.forget(waiting, gone)
+        else:
+            _admit(order, waiting, rng.choice(list(waiting)[:3]).name)
+        tags = [q.queue_tag for q in waiting]
+        assert tags == sorted(tags) and all(tag >= 0 for tag in tags)
 
 
 def _admit(order: TenantOrder, waiting: deque[Queued], *names: str) -> None:

@@ -14,6 +14,7 @@ from planner_svc.validation import (
     check_min_tokens,
     longest_token_bytes,
     text_byte_limit,
+    unset_max_tokens,
 )
 from protos import client_pb2
 from protos.decode_guard import undecodable_field
@@ -191,6 +192,15 @@ def test_min_tokens_within_the_rest_of_the_context():
         InvalidRequest, match="min_tokens is 5: more than the 4 output tokens the context leaves"
     ):
         check_min_tokens(5, 4)
+
+
+def test_an_unset_max_tokens_is_the_default_or_min_tokens_within_what_the_context_leaves():
+    assert unset_max_tokens(prompt_len=8, max_seq_len=100, default=0, min_tokens=0) == 92  # all that fits
+    assert unset_max_tokens(prompt_len=8, max_seq_len=100, default=5, min_tokens=0) == 5
+    assert unset_max_tokens(prompt_len=97, max_seq_len=100, default=5, min_tokens=0) == 3
+    assert unset_max_tokens(prompt_len=8, max_seq_len=100, default=5, min_tokens=7) == 7
+    assert unset_max_tokens(prompt_len=97, max_seq_len=100, default=5, min_tokens=7) == 3  # then refused
+    assert unset_max_tokens(prompt_len=100, max_seq_len=100, default=0, min_tokens=0) == 1  # then refused
 
 
 def test_length_against_the_context():
