@@ -57,9 +57,7 @@ class Intake:
     ):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.default_max_tokens = (
-            default_max_tokens  # for a request that leaves max_tokens unset (0: all that fit)
-        )
+        self.default_max_tokens = default_max_tokens  # for requests without max_tokens (0: all that fit)
         self.limits = limits_for(tokenizer, vocab_size, max_seq_len)
         self.schemas = SchemaCompiler(tokenizer, vocab_size)
         self._threads = ThreadPoolExecutor(max_workers=TOKENIZING_THREADS, thread_name_prefix="tokenize")
