@@ -1,6 +1,6 @@
 """Tenants over real gRPC. The requests queue with no room for any; then room for one at a time opens, and the
 order they are admitted in is recorded. A tenant whose request arrives behind another tenant's queue runs after one
-of those, not after all of them; with --max-waiting-per-tenant a tenant at its share of the queue is refused
+of those, not after all of them; a request's later choices keep its place; with --max-waiting-per-tenant a tenant at its share of the queue is refused
 while another's request still queues."""
 
 from __future__ import annotations
@@ -55,16 +55,16 @@ async def _queue_then_one_at_a_time(stack, monkeypatch) -> AsyncIterator[tuple[a
 
 async def _until_waiting(scheduler, count: int) -> None:
     async with asyncio.timeout(60):
-        while len(scheduler.waiting) < count:
+        while len(scheduler.waiting) != count:
             await asyncio.sleep(0.005)
 
 
-def _run(client: PlannerClient, request_id: str, tenant: str) -> asyncio.Task:
-    async def run() -> int:
+def _run(client: PlannerClient, request_id: str, tenant: str, n: int = 1) -> asyncio.Task:
+    async def run() -> list[int]:
         options = GenerateOptions(
-            token_ids=_prompt(), max_tokens=8, ignore_eos=True, request_id=request_id, tenant=tenant
+            token_ids=_prompt(), max_tokens=8, ignore_eos=True, request_id=request_id, tenant=tenant, n=n
         )
-        return len((await client.generate_all(options)).token_ids)
+        return [len(choice.token_ids) for choice in await client.generate_choices(options)]
 
     return asyncio.create_task(run())
 
@@ -102,4 +102,25 @@ async def test_a_tenant_at_its_share_of_the_queue_is_refused_while_another_queue
         bob = _run(client, "b0", "bob")  # another tenant's request still queues, and runs
         await _until_waiting(smol_stack.scheduler, 3)
         opened.set()
-        assert await asyncio.wait_for(asyncio.gather(*queued, bob), 120) == [8, 8, 8]
+        assert await asyncio.wait_for(asyncio.gather(*queued, bob), 120) == [[8], [8], [8]]
+
+
+async def test_a_later_choice_takes_its_firsts_place_as_it_is_when_queued(smol_stack, monkeypatch):
+    """alice's a1 (two choices) is tagged behind her a0, and bob's b1 with it; a0 aborted, a1 moves up to the
+    clock. Its second choice, queued once a1's first has read the prompt, goes where a1 is now: before b1."""
+    async with (
+        PlannerClient(smol_stack.addr) as client,
+        _queue_then_one_at_a_time(smol_stack, monkeypatch) as (opened, admitted),
+    ):
+        queued = []
+        for count, (request_id, tenant, n) in enumerate(
+            [("a0", "alice", 1), ("b0", "bob", 1), ("a1", "alice", 2), ("b1", "bob", 1)], start=1
+        ):
+            queued.append(_run(client, request_id, tenant, n))
+            await _until_waiting(smol_stack.scheduler, count)  # each tagged in this order
+        aborted = queued.pop(0)
+        aborted.cancel()
+        await _until_waiting(smol_stack.scheduler, 3)
+        opened.set()
+        assert await asyncio.wait_for(asyncio.gather(*queued), 120) == [[8], [8, 8], [8]]
+    assert admitted == ["b0", "a1", "a1", "b1"]
