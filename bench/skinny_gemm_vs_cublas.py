@@ -49,18 +49,28 @@ def graph_us(call, copies: int) -> float:
     return captured_us(calls, _REPLAYS) / copies
 
 
-def candidates(rows: int, n: int, k: int, dtype: torch.dtype) -> list[SkinnyConfig]:
+_SHARED_BYTES = 220 << 10  # an H100's or H200's shared memory a block, less some for the kernel's own
+
+
+def candidates(
+    rows: int, n: int, k: int, dtype: torch.dtype, block_ns: tuple[int, ...] = (16, 32, 64, 128, 256)
+) -> list[SkinnyConfig]:
+    """The launch grid: column blocks up to 256 (a wide projection's x tile is re-read from L2 once a column
+    block, so a narrow block reads x more than its weights), K chunks, splits, warps and pipeline stages, where
+    the grid has about one to eight programs an SM and the pipeline fits shared memory."""
     configs = []
-    # 8 warps too: compiled for sm90 (Triton 3.6, ptxas 12.8) the default launch at 64 rows spills 550 bytes a
-    # thread on 4 warps, 128 on 8 (and none at K chunks of 128)
-    for block_n, block_k, split_k, warps in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8), (4, 8)):
+    size = torch.tensor([], dtype=dtype).element_size()
+    grid = itertools.product(block_ns, (64, 128, 256), (1, 2, 4, 8), (4, 8), (3, 4))
+    for block_n, block_k, split_k, warps, stages in grid:
         programs = triton.cdiv(n, block_n) * split_k
-        if 66 <= programs <= 1100 and triton.cdiv(k, block_k) >= 2 * split_k:
-            configs.append(SkinnyConfig(block_n, block_k, split_k, warps, 3))
+        shared = stages * (max(16, rows) + block_n) * block_k * size
+        if 66 <= programs <= 1100 and triton.cdiv(k, block_k) >= 2 * split_k and shared <= _SHARED_BYTES:
+            configs.append(SkinnyConfig(block_n, block_k, split_k, warps, stages))
     return configs
 
 
-def measure(rows: int, n: int, k: int, dtype: torch.dtype, sweep: bool) -> dict:
+def measure(rows: int, n: int, k: int, dtype: torch.dtype, sweep: tuple[int, ...]) -> dict:
+    """cuBLAS and the default launch; with `sweep` (column blocks), the best of the launch grid too."""
     bytes_each = n * k * torch.tensor([], dtype=dtype).element_size()
     copies = max(2, min(128, _COLD_BYTES // bytes_each))
     weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.05 for _ in range(copies)]
@@ -73,7 +83,7 @@ def measure(rows: int, n: int, k: int, dtype: torch.dtype, sweep: bool) -> dict:
     }
     if sweep:
         best = None
-        for config in candidates(rows, n, k, dtype):
+        for config in candidates(rows, n, k, dtype, sweep):
             try:
                 us = graph_us(lambda i, c=config: skinny_gemm(x, weights[i], c), copies)
             except Exception as error:  # a grid whose pipeline does not fit the SM's shared memory
@@ -93,6 +103,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--sweep", action="store_true", help="also time the launch grid around the default")
+    parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64, 128, 256], help="the sweep's")
+    parser.add_argument(
+        "--projections", nargs="+", default=[name for name, *_ in PROJECTIONS], help="of PROJECTIONS' names"
+    )
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     parser.add_argument("--out", default="docs/bench/skinny_gemm.json")
     args = parser.parse_args()
@@ -101,12 +115,15 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         each = {}
         for name, n, k, _count in PROJECTIONS:
-            each[name] = measure(rows, n, k, dtype, args.sweep and dtype == torch.bfloat16)
+            if name not in args.projections:
+                continue
+            sweep = tuple(args.block_n) if args.sweep and dtype == torch.bfloat16 else ()
+            each[name] = measure(rows, n, k, dtype, sweep)
             print(dtype_name, rows, name, each[name], flush=True)
         step = {
             key: round(sum(each[name][key] * count for name, _, _, count in PROJECTIONS), 1)
             for key in ("linear_us", "skinny_us", "best_us")
-            if all(key in each[name] for name, *_ in PROJECTIONS)
+            if len(each) == len(PROJECTIONS) and all(key in each[name] for name in each)
         }
         results.append({"dtype": dtype_name, "rows": rows, "step_us": step, "projections": each})
         print(dtype_name, rows, "a step:", step, flush=True)
