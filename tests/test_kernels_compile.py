@@ -24,9 +24,13 @@ _POINTERS_F32 = ("part_out_ptr", "part_lse_ptr", "partial_ptr")
 _POINTERS_I32 = ("counters_ptr", "counter_ptr", "rows_ptr")
 
 
-def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None, warps: int = 4):
+def compile_for_sm90(
+    kernel, constexprs: dict, types: dict | None = None, warps: int = 4, divisible: tuple[str, ...] = ()
+):
     """triton.compile of `kernel` for sm90 with these constexprs on `warps` warps (the compiled kernel);
-    pointers bf16 unless named above or in `types`, other arguments int32."""
+    pointers bf16 unless named above or in `types`, other arguments int32. `divisible`: integer arguments the
+    launch probed passes as multiples of 16, as a launch specializes them (what lets a masked load vectorize and
+    a loop from a program's own K offset pipeline its loads; left out, the build is another than the launch's)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -49,7 +53,11 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None, warps:
 
     signature = {name: type_of(name) for name in names}
     # as a launch specializes 16-byte aligned tensors and strides divisible by 16 (what lets loads vectorize)
-    aligned = [i for i, name in enumerate(names) if signature[name].startswith("*") or "stride" in name]
+    aligned = [
+        i
+        for i, name in enumerate(names)
+        if signature[name].startswith("*") or "stride" in name or name in divisible
+    ]
     source = ASTSource(
         fn=kernel,
         signature=signature,
@@ -93,6 +101,18 @@ def _compile_all() -> None:
             dict(SPLIT_K=split_k, SUMS_ONLY=sums_only, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, DOT_IN_F32=False)
             | dict(LINE_ELEMENTS=64),
         )
+    # at 64 rows of Qwen3.5-0.8B's shapes every size is a multiple of 16: the loads pipeline, and nothing spills
+    for split_k, block_n in ((1, 128), (2, 32)):
+        compiled = compile_for_sm90(
+            _skinny_gemm_kernel,
+            dict(SPLIT_K=split_k, SUMS_ONLY=False, BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=128, DOT_IN_F32=False)
+            | dict(LINE_ELEMENTS=64),
+            divisible=("rows", "n_out", "k_in", "k_per_split"),
+        )
+        assert "async_copy_global_to_local" in compiled.asm["ttgir"], (
+            "the skinny GEMM's loads do not pipeline"
+        )
+        assert stack_bytes(compiled) == 0, f"the skinny GEMM spills at {block_n}-wide blocks"
 
 
 def _compile_hybrid_step() -> None:
@@ -128,7 +148,6 @@ def _compile_hybrid_step() -> None:
 def _compile_prefill() -> None:
     """The prefill's packed conv at Qwen3.5-0.8B's heads as conv_qkv launches it by default, and on the sweep's
     runner-up: its token loads and q/k/v stores 16 bytes at a time, and no spills; and its states' moves."""
-    import triton
 
     from executor_svc.kernels.gated_delta_conv import _conv_kernel, conv_qkv
     from executor_svc.kernels.state_moves import _gather_kernel, _scatter_kernel
@@ -156,18 +175,25 @@ def _compile_prefill() -> None:
         assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, (
             f"the packed conv's loads are not vectorized at {tokens} tokens"
         )
-        # a spilling kernel has a stack frame (its local memory)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(compiled.asm["cubin"])
-            cubin.flush()
-            usage = subprocess.run(
-                [triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", cubin.name],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-        stack = re.search(r"STACK:(\d+)", usage)
-        assert stack and stack.group(1) == "0", f"the packed conv spills at {tokens} tokens: {usage}"
+        assert stack_bytes(compiled) == 0, f"the packed conv spills at {tokens} tokens"
+
+
+def stack_bytes(compiled) -> int:
+    """A compiled kernel's stack frame a thread, in bytes: a spilling kernel has one (its local memory)."""
+    import triton
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run(
+            [triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", cubin.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    stack = re.search(r"STACK:(\d+)", usage)
+    assert stack, usage
+    return int(stack.group(1))
 
 
 def _compile_dependents() -> None:
