@@ -5,7 +5,8 @@ come from memory, not the L2 cache, as a decode step finds them; the per-step su
 makes each projection (18 gated delta net layers, 6 attention layers). --sweep also times the launch grid
 (column block, K chunk, K splits) around the default and reports the best.
 
-    python bench/skinny_gemm_vs_cublas.py [--rows 8 16 32 64] [--sweep] [--out docs/bench/skinny_gemm.json]
+    python bench/skinny_gemm_vs_cublas.py [--rows 8 16 32 64] [--sweep [--block-n 64 128]]
+        [--projections gate_up ...] [--out docs/bench/skinny_gemm.json]
 """
 
 from __future__ import annotations
@@ -103,10 +104,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--sweep", action="store_true", help="also time the launch grid around the default")
-    parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64, 128, 256], help="the sweep's")
     parser.add_argument(
-        "--projections", nargs="+", default=[name for name, *_ in PROJECTIONS], help="of PROJECTIONS' names"
+        "--block-n", type=int, nargs="+", default=[16, 32, 64, 128, 256], help="column blocks the sweep tries"
     )
+    names = [name for name, *_ in PROJECTIONS]
+    parser.add_argument("--projections", nargs="+", choices=names, default=names, help="which to time")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     parser.add_argument("--out", default="docs/bench/skinny_gemm.json")
     args = parser.parse_args()
