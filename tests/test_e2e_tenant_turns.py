@@ -1,7 +1,7 @@
 """Tenants over real gRPC. The requests queue with no room for any; then room for one at a time opens, and the
 order they are admitted in is recorded. A tenant whose request arrives behind another tenant's queue runs after one
-of those, not after all of them; a request's later choices keep its place; with --max-waiting-per-tenant a tenant at its share of the queue is refused
-while another's request still queues."""
+of those, not after all of them; a request's later choices keep its place; with --max-waiting-per-tenant a tenant
+at its share of the queue is refused while another's request still queues."""
 
 from __future__ import annotations
 

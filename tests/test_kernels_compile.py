@@ -148,7 +148,6 @@ def _compile_hybrid_step() -> None:
 def _compile_prefill() -> None:
     """The prefill's packed conv at Qwen3.5-0.8B's heads as conv_qkv launches it by default, and on the sweep's
     runner-up: its token loads and q/k/v stores 16 bytes at a time, and no spills; and its states' moves."""
-
     from executor_svc.kernels.gated_delta_conv import _conv_kernel, conv_qkv
     from executor_svc.kernels.state_moves import _gather_kernel, _scatter_kernel
 
