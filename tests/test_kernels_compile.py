@@ -179,6 +179,11 @@ def _compile_prefill() -> None:
 
 def stack_bytes(compiled) -> int:
     """A compiled kernel's stack frame a thread, in bytes: a spilling kernel has one (its local memory)."""
+    return resource_usage(compiled)["STACK"]
+
+
+def resource_usage(compiled) -> dict[str, int]:
+    """What cuobjdump says a compiled kernel uses: REG (registers a thread), STACK (bytes a thread), SHARED..."""
     import triton
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -190,9 +195,9 @@ def stack_bytes(compiled) -> int:
             text=True,
             check=True,
         ).stdout
-    stack = re.search(r"STACK:(\d+)", usage)
-    assert stack, usage
-    return int(stack.group(1))
+    found = {name: int(value) for name, value in re.findall(r"(\w+):(\d+)", usage)}
+    assert "STACK" in found and "REG" in found, usage
+    return found
 
 
 def _compile_dependents() -> None:
