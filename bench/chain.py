@@ -38,7 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.common import commit_hash, write_json  # noqa: E402
-from bench.decode import arm_list, in_process  # noqa: E402
+from bench.decode_arms import arm_list, in_process  # noqa: E402
 
 SEGMENTS = ("exec_out", "grpc_out", "planner", "grpc_in", "to_launch", "launch", "chain", "period")
 BATCH_IDLE_MS = 1.0  # the executor idle this long before a step that reads prompts: a new batch of requests

@@ -29,7 +29,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0")
 
 import deltaserve.aio
 from bench.common import commit_hash, write_json
-from bench.decode import MODEL_SHAPES, random_model
+from bench.decode_model import MODEL_SHAPES, random_model
 from bench.soak import DisplacedCounter, one_request
 from executor_svc.config import ExecutorConfig
 from executor_svc.runner import runner_for_model

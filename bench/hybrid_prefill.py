@@ -31,7 +31,7 @@ from executor_svc.prefill.batch import PrefillBatch
 from executor_svc.state_pool import StateInputs
 
 PAGE = 16
-GRAPH_MAX_SEQ_LEN = 1024  # bench/decode.py's MAX_SEQ_LEN
+GRAPH_MAX_SEQ_LEN = 1024  # bench/decode_model.py's MAX_SEQ_LEN
 TOP_KERNELS = 15  # kernel names reported by GPU time
 
 

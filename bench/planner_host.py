@@ -36,7 +36,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import commit_hash, write_json
-from bench.decode import PAGE_SIZE, SMOLLM2, ClientsChild, per_step
+from bench.decode_children import ClientsChild
+from bench.decode_measure import per_step
+from bench.decode_model import PAGE_SIZE, SMOLLM2
 from executor_svc.config import DEFAULT_BUCKETS
 from executor_svc.plan import PlanLimits, check_plan
 from executor_svc.slot_store import SlotStore

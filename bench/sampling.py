@@ -30,7 +30,7 @@ from dataclasses import asdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import commit_hash, write_json
-from bench.decode import RecordingLink
+from bench.decode_arms import RecordingLink
 from executor_svc.config import ExecutorConfig
 from executor_svc.runner import RunnerTimes, build_runner
 from executor_svc.server import start_executor_server
