@@ -115,6 +115,15 @@ class DeviceStandIn:
         await asyncio.Event().wait()
         return "never"
 
+    async def park(self, request: executor_pb2.ParkPagesRequest) -> executor_pb2.ParkPagesReply:
+        raise NotImplementedError("the stand-in keeps no pages: the benchmark parks no conversation")
+
+    async def restore(self, request: executor_pb2.RestorePagesRequest) -> executor_pb2.RestorePagesReply:
+        raise NotImplementedError("the stand-in keeps no pages: the benchmark restores no conversation")
+
+    async def prepare_grammar(self, grammar: executor_pb2.Grammar) -> None:
+        raise NotImplementedError("the benchmark's requests ask for no grammar")
+
     async def close(self) -> None:
         pass
 
@@ -149,7 +158,8 @@ def apply_replay(
     limits = PlanLimits(
         layout, buckets, SMOLLM2.vocab_size, MAX_SEQ_LEN, PAGE_SIZE, pool_pages, store.max_run_cells
     )
-    steady, writing = [], []
+    steady: list[float] = []
+    writing: list[float] = []
     for index, plan in enumerate(plans):
         began = time.perf_counter()
         checked = check_plan(plan, limits, store.bucket)

@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,7 +54,7 @@ SCHEMA = {
     "required": ["name", "age", "city", "hobbies"],
     "additionalProperties": False,
 }
-ARMS = {
+ARMS: dict[str, dict[str, Any]] = {
     "plain": dict(temperature=0.8, ignore_eos=True),
     "controls": dict(
         temperature=0.8,
