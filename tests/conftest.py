@@ -1,20 +1,29 @@
-"""Shared fixtures: the real stack (executor + planner over gRPC on loopback) serving SmolLM2 in fp32."""
+"""Shared fixtures: the real stack (executor + planner over gRPC on loopback) serving SmolLM2 in fp32; and those
+several test modules share: the step runner's tiny model, an in-process cache server, logging put back."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
 import pytest_asyncio
+import structlog
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import torch
+
 from executor_svc.config import ExecutorConfig
 from planner_svc.config import PlannerConfig, SchedulingConfig
+
+if TYPE_CHECKING:
+    from executor_svc.models.dense import DenseModel
 
 SMOL_BUCKETS = (1, 2, 4, 8, 16)
 
@@ -185,3 +194,48 @@ async def http(smol_stack):
         model = (await planner.model_info()).name
         yield Http(smol_stack, gateway, planner, model)
     await gateway.stop()
+
+
+# The step runner's tiny random Llama (tests/runner_script.py), one a module and device: test_runner_plans.py,
+# test_runner_bad_plans.py.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def model(request) -> DenseModel:
+    from tests.runner_script import tiny_model
+
+    return tiny_model(device=request.param)
+
+
+# An in-process cache server on port 0 and its client, a fresh one a test: test_cache_rpcs.py,
+# test_cache_refusals.py.
+@pytest_asyncio.fixture(loop_scope="session")
+async def served(tmp_path):
+    from cache_svc.client import CacheClient
+    from cache_svc.server import start_cache_server
+    from tests.cache_snapshots import MiB
+
+    server = await start_cache_server(str(tmp_path), budget_bytes=64 * MiB)
+    client = CacheClient(f"127.0.0.1:{server.port}")
+    yield server, client, tmp_path
+    await client.close()
+    await server.stop(None)
+
+
+# test_cli_errors.py, test_cli_runtime.py
+@pytest.fixture
+def restore_logging():
+    """configure_logging changes process-wide state; put it back for the tests that follow."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    library_levels = {name: logging.getLogger(name).level for name in ("grpc", "transformers", "asyncio")}
+    had_tqdm_disable = "TQDM_DISABLE" in os.environ
+    yield
+    root.handlers = handlers
+    root.setLevel(level)
+    for name, library_level in library_levels.items():
+        logging.getLogger(name).setLevel(library_level)
+    structlog.reset_defaults()
+    if not had_tqdm_disable:
+        os.environ.pop("TQDM_DISABLE", None)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from planner_svc.config import PlannerConfig, SchedulingConfig
 from planner_svc.server import start_planner_server
+from tests.cli_helpers import Serving, free_port
 from tests.conftest import Stack
-from tests.test_cli import Serving, free_port
 
 STAGE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--pool-pages", "400", "--buckets", "1,2,4,8")
 

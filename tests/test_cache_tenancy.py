@@ -11,7 +11,7 @@ from cache_svc.client import CacheClient
 from cache_svc.server import start_cache_server
 from protos.auth import parse_keys
 from protos.rpc import ChannelSecurity, ServerSecurity
-from tests.test_cache_server import expect_status, snapshot
+from tests.cache_snapshots import expect_status, snapshot
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -18,7 +18,7 @@ from planner_svc.client import Deleted, PlannerClient
 from planner_svc.drain import DRAINING
 from protos import client_pb2
 from protos.wire import pack_i32
-from tests.test_e2e_conversations import PAGE, CachedStack, reply, turn
+from tests.cached_stack import PAGE, CachedStack, reply, turn
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -15,7 +15,7 @@ from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig, SchedulingConfig
 from planner_svc.link import GrpcLink
 from planner_svc.server import start_planner_server
-from tests.test_runner import BUCKETS, PAGE, TINY, tiny_model
+from tests.runner_script import BUCKETS, PAGE, TINY, tiny_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

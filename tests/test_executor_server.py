@@ -13,7 +13,7 @@ from planner_svc.link import GrpcLink, LinkLost, StepRefused
 from protos import executor_pb2, executor_pb2_grpc
 from protos.rpc import PLANNER_ID_METADATA
 from protos.wire import pack_i32
-from tests.test_runner import scripted_plans, tiny_model, tiny_runner, without_timing
+from tests.runner_script import scripted_plans, tiny_model, tiny_runner, without_timing
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -18,7 +18,7 @@ import pytest
 from cache_svc.client import CacheClient
 from cache_svc.manifest import snapshot_key
 from planner_svc.client import GenerateOptions, PlannerClient
-from tests.test_cli import Serving, deltaserve_json, free_port
+from tests.cli_helpers import Serving, deltaserve_json, free_port
 
 DRAIN_TIMEOUT_S = 2.0
 PROMPT = [504, 3575, 282, 4649, 314] * 4  # 20 tokens: one whole page of 16 and a part

@@ -23,7 +23,7 @@ from planner_svc.link import GrpcLink
 from planner_svc.server import start_planner_server
 from protos import client_pb2, client_pb2_grpc
 from protos.wire import pack_i32, unpack_i32
-from tests.test_cli import Serving, free_port
+from tests.cli_helpers import Serving, free_port
 
 EXECUTOR_TIMEOUT_S = 2.0
 SERVING = health_pb2.HealthCheckResponse.SERVING

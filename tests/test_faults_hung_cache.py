@@ -17,7 +17,7 @@ from cache_svc.client import CacheClient, _transport_failure
 from planner_svc.client import PlannerClient
 from planner_svc.drain import PARKING_MIN_S
 from protos.rpc import INTERNAL_CHANNEL_OPTIONS, INTERNAL_KEEPALIVE_MS, INTERNAL_KEEPALIVE_TIMEOUT_MS
-from tests.test_cli import Serving, free_port
+from tests.cli_helpers import Serving, free_port
 from tests.test_faults_drain_cache import DRAIN_TIMEOUT_S, PROMPT, Stack, turn
 
 # A hung peer is given up on once a ping goes unanswered: the ping after INTERNAL_KEEPALIVE_MS, then its timeout.

@@ -161,9 +161,9 @@ async def test_up_layer_split_runs_the_stages_as_processes(tmp_path):
     import urllib.request
 
     from executor_svc.config import ExecutorConfig
+    from tests.cli_helpers import Serving, deltaserve_json, free_port
     from tests.conftest import start_stack, stop_stack
     from tests.hf_reference import hf_tokenizer
-    from tests.test_cli import Serving, deltaserve_json, free_port
 
     model = tiny_checkpoint(tmp_path / "tiny", "llama3")
     hf_tokenizer().save_pretrained(model)  # `up`'s planner reads its tokenizer from --model

@@ -20,7 +20,7 @@ from executor_svc.plan import PlanError
 from executor_svc.sampler_controls import SamplerControls
 from protos import executor_pb2
 from protos.grammar_compile import MAX_JSON_WHITESPACE
-from tests.test_cli import REPO, cli_env
+from tests.cli_helpers import REPO, cli_env
 
 VOCAB = 49152  # SmolLM2's
 EOS = 2

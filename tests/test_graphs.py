@@ -33,7 +33,7 @@ from executor_svc.runner import StepRunner, runner_for_model
 from executor_svc.slot_store import GREEDY, SAMPLED, SlotStore
 from protos.layout import RowLayout
 from protos.wire import unpack_i32
-from tests.test_runner import (
+from tests.runner_script import (
     BUCKETS,
     LAYOUT,
     PAGE,
@@ -47,7 +47,7 @@ from tests.test_runner import (
 
 DEVICE = torch.device("cpu" if interpreting() else "cuda")
 KV_LEN, POS_OFFSET, BLOCK_TABLE = RowLayout.KV_LEN, RowLayout.POS_OFFSET, RowLayout.BLOCK_TABLE
-# Triton's dot needs a head_dim of at least 16; the rest is test_runner's tiny model, so its scripts apply.
+# Triton's dot needs a head_dim of at least 16; the rest is runner_script.py's tiny model, so its scripts apply.
 GRAPH_TINY = dataclasses.replace(TINY, head_dim=16)
 needs_gpu = pytest.mark.skipif(interpreting(), reason="CUDA graphs and compiled kernels need a GPU")
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from planner_svc.client import PlannerClient
 from protos.rpc import ChannelSecurity
-from tests.test_cli import Serving, free_port
+from tests.cli_helpers import Serving, free_port
 
 ALICE = "alice-http-key-0123456789"
 QUESTION = [{"role": "user", "content": "Name a colour."}]
@@ -299,7 +299,7 @@ def a_worker_killed_is_started_again(up: Serving, http_port: int) -> None:
 def a_second_group_of_workers_on_the_port_is_refused(http_port: int, planner_port: int) -> None:
     """Workers share their port through SO_REUSEPORT: a second `http --workers` on it would have shared it
     silently (a third of the answers from the wrong planner); it is refused, naming the port."""
-    from tests.test_cli import deltaserve
+    from tests.cli_helpers import deltaserve
 
     argv = ["http", "--port", str(http_port), "--workers", "2", "--planner", f"127.0.0.1:{planner_port}"]
     done = deltaserve(*argv)

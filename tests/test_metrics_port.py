@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from protos.metrics_port import serve_metrics
 from protos.tls import ServerTLS
 from tests.certs import make_pki
-from tests.test_cli import Serving, free_port, parse, usage_error
+from tests.cli_helpers import Serving, free_port, parse, usage_error
 
 
 def get(port: int, context: ssl.SSLContext | None = None) -> tuple[int, str]:

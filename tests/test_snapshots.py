@@ -22,7 +22,7 @@ from executor_svc.snapshot_states import LayerKinds, restored_states
 from executor_svc.staging_plan import INDEX_BYTES
 from protos import cache_pb2, executor_pb2, executor_pb2_grpc
 from protos.wire import pack_i32, unpack_i32
-from tests.test_runner import BUCKETS, LAYOUT, PAGE, POOL_PAGES, TINY, prefill_chunk, tiny_model
+from tests.runner_script import BUCKETS, LAYOUT, PAGE, POOL_PAGES, TINY, prefill_chunk, tiny_model
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")  # the loop the fixtures run on
 

@@ -13,7 +13,7 @@ import pytest
 from executor_svc.plan import PlanError
 from executor_svc.step_loop import StepLauncher, StepSkipped, collect_when_ready
 from protos import executor_pb2
-from tests.test_runner import scripted_plans, tiny_model, tiny_runner, without_timing
+from tests.runner_script import scripted_plans, tiny_model, tiny_runner, without_timing
 
 
 @pytest.fixture

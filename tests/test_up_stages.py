@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import Serving, deltaserve_json, free_port
+from tests.cli_helpers import Serving, deltaserve_json, free_port
 
 UP_START_S = 120  # two stage processes importing torch on a shared 2-core machine
 

@@ -1,5 +1,6 @@
-"""Conversations over the real stack with the cache service: reuse across turns, park and restart,
-history rewrites, corrupted snapshots, shared prefixes and KV pressure (issue 4)."""
+"""Conversations over the real stack with the cache service, on one stack for the module: reuse across
+turns and retries, an abort before a turn starts, park and restart, history rewrites, corrupted snapshots
+and restores refused by the guard, shared prefixes, unknown or busy conversations, and tenants (issue 4)."""
 
 from __future__ import annotations
 
@@ -12,42 +13,12 @@ import pytest_asyncio
 import torch
 
 from cache_svc.manifest import snapshot_key
-from cache_svc.server import start_cache_server
-from executor_svc.config import ExecutorConfig
 from executor_svc.copy_stream import CopyStream
-from planner_svc.client import GenerateOptions, PlannerClient
-from planner_svc.config import PlannerConfig, SchedulingConfig
+from planner_svc.client import PlannerClient
 from protos import client_pb2
-from protos.wire import unpack_i32
-from tests.conftest import SMOL_BUCKETS, start_stack, stop_stack
+from tests.cached_stack import PAGE, SYSTEM, CachedStack, reply, turn
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
-PAGE = 16
-
-
-class CachedStack:
-    """Cache, executor and planner on loopback, restartable on the same cache directory."""
-
-    def __init__(self, cache_dir: str, pool_pages: int = 400, cache_bytes: int = 2 << 30):
-        self.cache_dir, self.pool_pages, self.cache_bytes = cache_dir, pool_pages, cache_bytes
-        self.servers = []
-
-    async def start(self):
-        cache = await start_cache_server(self.cache_dir, budget_bytes=self.cache_bytes)
-        address = f"127.0.0.1:{cache.port}"
-        self.stack, servers = await start_stack(
-            ExecutorConfig(
-                device="cpu", dtype="float32", pool_pages=self.pool_pages, buckets=SMOL_BUCKETS, cache=address
-            ),
-            PlannerConfig(cache=address, scheduling=SchedulingConfig(prefill_token_budget=512)),
-        )
-        self.servers = [*servers, cache]
-        return self.stack
-
-    async def stop(self):
-        await stop_stack(self.servers)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -56,26 +27,6 @@ async def cached(tmp_path_factory):
     await stack.start()
     yield stack
     await stack.stop()
-
-
-async def turn(client, chat, conversation="", max_tokens=8, **fields):
-    """One Generate, gathering the final message's mount details."""
-    tokens, last = [], None
-    async for response in client._stub.Generate(
-        client_pb2.GenerateRequest(
-            chat=client_pb2.ChatMessages(messages=[client_pb2.ChatMessage(**m) for m in chat]),
-            max_tokens=max_tokens,
-            conversation_id=conversation,
-            **fields,
-        )
-    ):
-        tokens += unpack_i32(response.token_ids).tolist()
-        last = response
-    return tokens, last
-
-
-def reply(stack, tokens):
-    return stack.planner.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 async def test_second_turn_reuses_the_first(cached):
@@ -340,110 +291,3 @@ async def test_tenants_do_not_see_each_other(cached):
         assert not [c for c in listed.conversations if c.conversation_id == "mine"]
         _, done = await turn(client, chat, "mine", tenant="bob")  # bob's own, new conversation
         assert not done.checkpoint.startswith("snapshot")
-
-
-async def test_cache_down_generation_works_and_parking_is_refused(tmp_path):
-    stack = CachedStack(str(tmp_path))
-    await stack.start()
-    try:
-        await stack.servers[-1].stop(None)  # the cache goes away
-        chat = [SYSTEM, {"role": "user", "content": "Count to three."}]
-        async with PlannerClient(stack.stack.addr) as client:
-            tokens, done = await turn(client, chat, "nocache")
-            assert tokens and done.finish_reason in (1, 2)
-            await stack.stack.wait_idle()
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await client._stub.Park(client_pb2.ParkRequest(conversation_id="nocache"))
-            assert caught.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
-            assert (
-                "cache" in caught.value.details().lower() or "unavailable" in caught.value.details().lower()
-            )
-            # nothing changed: the conversation still holds its pages and continues from them
-            conversation = stack.stack.scheduler.conversations.get("default", "nocache")
-            assert conversation.pages and not conversation.parked
-    finally:
-        await stack.stop()
-
-
-async def test_a_full_cache_evicts_a_resumed_conversations_spare_copy_before_a_parked_ones_only_one(tmp_path):
-    """A cache with room for two snapshots: park A, park B, resume B (its pages back in the pool, its snapshot a
-    spare), park C. C's put evicts B's spare, not A's only copy, so A still resumes (it used to be evicted, the
-    least recently used, and its KV lost)."""
-    stack = CachedStack(str(tmp_path), cache_bytes=5_000_000)  # a snapshot here is ~2.2 MB
-    await stack.start()
-    try:
-        s = stack.stack
-        async with PlannerClient(s.addr) as client:
-            for name in ("A", "B", "C"):
-                await turn(
-                    client, [SYSTEM, {"role": "user", "content": f"Conversation {name}: a fact."}], name
-                )
-                await s.wait_idle()
-                if name != "C":
-                    await client.park(name)
-            await client.resume("B")
-            await client.park("C")
-            resumed = await client.resume("A")
-            assert resumed.tokens == len(s.scheduler.conversations.get("default", "A").tokens)
-            assert s.scheduler.conversations.get("default", "B").pages  # B lives on in the pool
-    finally:
-        await stack.stop()
-
-
-async def test_a_resume_short_of_pages_parks_idle_conversations_first(tmp_path):
-    """A parked conversation resumed while idle ones hold the pages it needs: the coldest idle ones are
-    parked to make room (as KV pressure parks them), and it is restored instead of reading its prompt again."""
-    stack = CachedStack(str(tmp_path), pool_pages=120)
-    await stack.start()
-    try:
-        s = stack.stack
-        async with PlannerClient(s.addr) as client:
-            await turn(client, [SYSTEM, {"role": "user", "content": "Big chat " * 570}], "big", max_tokens=2)
-            await s.wait_idle()
-            await client.park("big")
-            for name in ("idle-1", "idle-2"):
-                await turn(
-                    client, [SYSTEM, {"role": "user", "content": f"{name} " * 150}], name, max_tokens=2
-                )
-            await s.wait_idle()
-            big = s.scheduler.conversations.get("default", "big")
-            need = -(-len(big.tokens) // PAGE)
-            assert s.scheduler.pages.free_count < need, "the test needs a pool short of the snapshot"
-            resumed = await client.resume("big")
-            assert resumed.tokens == len(big.tokens) and big.pages
-            assert s.scheduler.conversations.get("default", "idle-1").parked
-    finally:
-        await stack.stop()
-
-
-async def test_kv_pressure_parks_the_coldest_conversation(tmp_path):
-    stack = CachedStack(str(tmp_path), pool_pages=120)
-    await stack.start()
-    try:
-        s = stack.stack
-        async with PlannerClient(s.addr) as client:
-            await turn(
-                client, [SYSTEM, {"role": "user", "content": "First chat " * 200}], "cold", max_tokens=2
-            )
-            await s.wait_idle()
-            cold = s.scheduler.conversations.get("default", "cold")
-            assert cold.pages
-            big = await client.generate_all(
-                GenerateOptions(token_ids=[5 + i % 40 for i in range(1500)], max_tokens=4)
-            )
-            assert big.finish_reason == "length"
-            assert cold.parked and not cold.pages
-            _, done = await turn(
-                client,
-                [
-                    SYSTEM,
-                    {"role": "user", "content": "First chat " * 200},
-                    {"role": "assistant", "content": "ok"},
-                    {"role": "user", "content": "again"},
-                ],
-                "cold",
-                max_tokens=2,
-            )
-            assert done.checkpoint.startswith("snapshot@") and done.reused_tokens > 0
-    finally:
-        await stack.stop()
