@@ -125,6 +125,7 @@ async def run_grpc_arm(root: str, manifest: dict, blobs: list[bytes], rounds: in
     )
     seconds: dict[str, list[float]] = {"park": [], "restore": [], "restore-cold": []}
     try:
+        assert server.stdout is not None  # stdout=PIPE
         port = int(server.stdout.readline())
         async with CacheClient(f"127.0.0.1:{port}") as client:
             await client.wait_ready(30)

@@ -132,9 +132,12 @@ async def start_arm(
     """The arm's planner, linked to its runner in this process or to its child's executor over gRPC."""
     tls = name == TLS_ARM and certs is not None
     link_security = ChannelSecurity(tls=ClientTLS(ca=certs["ca"]) if tls and certs else None)
-    link = RecordingLink(
-        InProcessLink(runner) if child is None else GrpcLink(f"127.0.0.1:{child.port}", link_security)
-    )
+    if child is None:
+        # an arm without a child executor has its runner in this process (decode_run passes its runners)
+        assert runner is not None
+        link = RecordingLink(InProcessLink(runner))
+    else:
+        link = RecordingLink(GrpcLink(f"127.0.0.1:{child.port}", link_security))
     security = ServerSecurity(
         tls=ServerTLS(certs["cert"], certs["key"]) if tls and certs else None,
         keys=parse_keys(f"{BENCH_KEY} bench\n") if name == AUTH_ARM else None,

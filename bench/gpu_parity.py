@@ -212,9 +212,9 @@ def families(args: argparse.Namespace) -> None:
             expected = [greedy(hybrid, list(map(int, p)), args.max_tokens) for p in prompts]
             print(f"qwen3_5: checkpoint and reference in {time.perf_counter() - began:.1f} s", flush=True)
             options = [GenerateOptions(token_ids=p, max_tokens=args.max_tokens) for p in prompts]
-            for variant, directory in zip(("qwen3_5_text", "qwen3_5"), layouts, strict=True):
+            for variant, layout in zip(("qwen3_5_text", "qwen3_5"), layouts, strict=True):
                 for record in deltaserve.aio.run(
-                    lambda stop: serve_and_compare(args, directory, options, expected, lengths)  # noqa: B023
+                    lambda stop: serve_and_compare(args, layout, options, expected, lengths)  # noqa: B023
                 ):
                     records.append({"variant": variant, **record})
     report(args, records, args.out_families)

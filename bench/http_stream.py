@@ -88,7 +88,8 @@ async def http_request(client: httpx.AsyncClient, model: str, prompt: list[int],
         "stream": True,
         "return_token_ids": True,
     }
-    sent, arrivals, tokens = time.perf_counter(), [], 0
+    arrivals: list[tuple[float, int]] = []
+    sent, tokens = time.perf_counter(), 0
     async with client.stream("POST", "/v1/completions", json=body) as reply:
         if reply.status_code != 200:
             return Result(

@@ -143,7 +143,7 @@ def prefill_time(model: Qwen35Model, sequences: int, tokens: int, packed: bool, 
     mixed = torch.randn(total, cfg.conv_channels, device="cuda", dtype=torch.bfloat16)
     g = -torch.rand(total, hv, device="cuda")
     beta = torch.rand(total, hv, device="cuda", dtype=torch.bfloat16)
-    weight = model.layers[0].linear_attn.conv1d.weight[:, 0, :]
+    weight = model._decoder_layers()[0].linear_attn.conv1d.weight[:, 0, :]
     prefill = prefill_for(torch.device("cuda"), torch.bfloat16)
 
     def split(x: torch.Tensor):

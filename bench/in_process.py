@@ -6,18 +6,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections import deque
+from typing import TYPE_CHECKING
 
 from executor_svc.control_writes import grammar_text
 from executor_svc.step_loop import StepLauncher, collect_when_ready
 from planner_svc.link import LinkError
 from protos import executor_pb2
 
+if TYPE_CHECKING:
+    from executor_svc.runner import StepRunner
+
 
 class InProcessLink:
     """Launches plans from this process's event loop as the executor does (`StepLauncher`) and polls their
     outputs there: the executor's own steps without the gRPC hop (the benchmark's baseline for it)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner: StepRunner) -> None:
         self.address = "in-process"
         self._runner = runner
         self._compute = concurrent.futures.ThreadPoolExecutor(

@@ -21,7 +21,12 @@ from bench.common import commit_hash, write_json
 from executor_svc.models import packed_kernel
 
 # name, output rows N, input size K, bits
-SHAPES = (("qkv", 960, 576, 4), ("o", 576, 576, 4), ("gate_up", 3072, 576, 4), ("down", 576, 1536, 4))
+SHAPES: tuple[tuple[str, int, int, int], ...] = (
+    ("qkv", 960, 576, 4),
+    ("o", 576, 576, 4),
+    ("gate_up", 3072, 576, 4),
+    ("down", 576, 1536, 4),
+)
 SHAPES += (("head", 49152, 576, 8),)
 
 

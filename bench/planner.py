@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import commit_hash, write_json
 from planner_svc.config import SchedulingConfig
+from planner_svc.planned import PlannedStep
 from planner_svc.requests import Request
 from planner_svc.scheduler import Scheduler, SchedulerConfig
 from planner_svc.step_wire import to_proto
@@ -48,7 +49,10 @@ def measure(rows: int, case: str, steps: int) -> dict:
     requests = [Request(f"r{i}", [1] * (100 + i % stagger), 8000) for i in range(rows)]
     for request in requests:
         scheduler.add(request)
-    seq, pending, samples, sizes = 0, [], [], []
+    seq = 0
+    pending: list[PlannedStep] = []
+    samples: list[float] = []
+    sizes: list[int] = []
     tokens = np.full(256, 7, dtype=np.int32)
     rng = np.random.default_rng(0)
     while seq < steps + 8:
@@ -60,6 +64,9 @@ def measure(rows: int, case: str, steps: int) -> dict:
                 scheduler.mark_stale([requests[i] for i in picks])
         began = time.perf_counter_ns()
         step = scheduler.plan(seq)
+        # None only when nothing can run until a commit; here step seq - 2 has committed and every request
+        # still decodes (8000 tokens each, more than the steps measured).
+        assert step is not None
         message = to_proto(step).SerializeToString()
         elapsed = time.perf_counter_ns() - began
         if seq >= 8:  # past the prefill and the first whole-row writes

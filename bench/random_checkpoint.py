@@ -31,7 +31,10 @@ def main() -> None:
         num_attention_heads=shape.num_heads,
         num_key_value_heads=shape.num_kv_heads,
         intermediate_size=shape.intermediate_size,
-        rope_theta=shape.rope_theta,
+        # transformers 5 still takes the legacy rope_theta (its dataclass init hands unknown keywords to
+        # __post_init__, which moves it into rope_parameters), but its typed signature lists only
+        # rope_parameters; rope_theta is also what pyproject's floor, transformers 4.46, knows.
+        rope_theta=shape.rope_theta,  # type: ignore[call-arg]
         rms_norm_eps=shape.rms_eps,
         max_position_embeddings=shape.max_seq_len,
         tie_word_embeddings=shape.tie_embeddings,
@@ -39,7 +42,11 @@ def main() -> None:
         eos_token_id=list(shape.eos_token_ids),
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config)
+    # PreTrainedModel.to is functools.wraps(Module.to), which typeshed types as a callable that does not bind
+    # self; called as a Module, it is the same method (PreTrainedModel.to, which casts in place).
+    module: torch.nn.Module = model
+    module.to(torch.bfloat16)
     model.save_pretrained(args.out)
     AutoTokenizer.from_pretrained(args.tokenizer).save_pretrained(args.out)
     print(f"wrote {args.out}", flush=True)

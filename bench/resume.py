@@ -45,12 +45,16 @@ def chat_request(messages, conversation: str, max_tokens: int) -> client_pb2.Gen
 
 async def timed(stub, request) -> dict:
     began = time.perf_counter()
-    first, last, tokens = None, None, []
+    first: float | None = None
+    last: client_pb2.GenerateResponse | None = None
+    tokens: list[int] = []
     async for response in stub.Generate(request):
         tokens += unpack_i32(response.token_ids).tolist()
         if first is None and tokens:
             first = time.perf_counter() - began
         last = response
+    # Each request here asks for a token or more with ignore_eos: a stream that ends without error had one.
+    assert first is not None and last is not None
     return {
         "ttft_s": round(first, 3),
         "prompt_tokens": last.prompt_tokens,

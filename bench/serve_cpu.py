@@ -21,6 +21,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,6 +34,7 @@ from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig
 from planner_svc.link import GrpcLink
 from planner_svc.server import start_planner_server
+from protos.rpc import StartedServer
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}]
 
@@ -58,7 +60,7 @@ async def main_async(args) -> list[dict]:
     grpc_runner, local_runner = [await asyncio.to_thread(build_runner, config) for _ in range(2)]
     executor_server = await start_executor_server(grpc_runner)
     arms = {}
-    servers = [executor_server]
+    servers: list[StartedServer[Any]] = [executor_server]  # the executor and each arm's planner
     links = (
         ("grpc", GrpcLink(f"127.0.0.1:{executor_server.port}")),
         ("in-process", InProcessLink(local_runner)),

@@ -5,18 +5,33 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import TypedDict
 
 from planner_svc.client import GenerateOptions
 
 
+class SoakRequest(TypedDict):
+    """The GenerateOptions fields of one soak request (callers resend them, e.g. with another request_id)."""
+
+    token_ids: list[int]
+    max_tokens: int
+    request_id: str
+    temperature: float
+    seed: int
+    top_k: int
+    top_p: float
+    stop_token_ids: list[int]
+    ignore_eos: bool
+
+
 async def one_request(
     client, rng: random.Random, i: int, vocab_size: int, longest: int = 30, tokens_up_to: int = 25
-):
+) -> tuple[SoakRequest, list[int], bool]:
     """A random request (prompt of up to `longest` ids, up to `tokens_up_to` tokens, greedy or seeded) sent after a
     random pause; 15% are abandoned by the client after a few tokens. Returns (fields, tokens, finished)."""
     prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randrange(1, longest))]
     greedy = rng.random() < 0.5
-    fields = dict(
+    fields = SoakRequest(
         token_ids=prompt,
         max_tokens=rng.randrange(1, tokens_up_to),
         request_id=f"soak-{i}",
@@ -29,7 +44,7 @@ async def one_request(
     )
     await asyncio.sleep(rng.random() * 0.5)  # staggered arrivals
     abort_after = rng.randrange(1, 6) if rng.random() < 0.15 else None
-    tokens = []
+    tokens: list[int] = []
     async for response in client.generate(GenerateOptions(**fields)):
         tokens.extend(
             int.from_bytes(response.token_ids[j : j + 4], "little")

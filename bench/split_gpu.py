@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TRITON_INTERPRET", "0")
@@ -90,7 +91,7 @@ def stop(processes: list[subprocess.Popen]) -> None:
         process.wait(60)
 
 
-async def planner_for(cache: str, *, groups: list[list[str]] = (), executors: list[str] = ()):
+async def planner_for(cache: str, *, groups: Sequence[list[str]] = (), executors: Sequence[str] = ()):
     config = PlannerConfig(
         model=MODEL[1] if MODEL else None,
         executors=list(executors),
@@ -139,12 +140,13 @@ def hog() -> tuple[subprocess.Popen, int]:
         "device='cuda:0')\nprint(torch.cuda.mem_get_info(0)[0], flush=True)\ntime.sleep(3600)\n"
     )
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None  # stdout=PIPE
     return process, int(process.stdout.readline())  # held
 
 
 def checkpoint_reference(directory: str):
     """chat_ids and hf_greedy (tests/hf_reference.py's) for a checkpoint directory: transformers in fp32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
@@ -152,7 +154,9 @@ def checkpoint_reference(directory: str):
     pad = eos[0] if isinstance(eos, list) else eos
 
     def chat_ids(messages: list[dict]) -> list[int]:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        assert isinstance(encoded, BatchEncoding)  # tokenize and return_dict default to True: the encoding
+        return list(encoded["input_ids"])
 
     def hf_greedy(ids: list[int], max_new_tokens: int) -> list[int]:
         with torch.inference_mode():
