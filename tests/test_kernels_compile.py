@@ -25,9 +25,14 @@ _POINTERS_I32 = ("counters_ptr", "counter_ptr", "rows_ptr")
 
 
 def compile_for_sm90(
-    kernel, constexprs: dict, types: dict | None = None, warps: int = 4, divisible: tuple[str, ...] = ()
+    kernel,
+    constexprs: dict,
+    types: dict | None = None,
+    warps: int = 4,
+    divisible: tuple[str, ...] = (),
+    stages: int = 3,
 ):
-    """triton.compile of `kernel` for sm90 with these constexprs on `warps` warps (the compiled kernel);
+    """triton.compile of `kernel` for sm90 with these constexprs on `warps` warps and `stages` pipeline stages;
     pointers bf16 unless named above or in `types`, other arguments int32. `divisible`: integer arguments the
     launch probed passes as multiples of 16, as a launch specializes them (what lets a masked load vectorize and
     a loop from a program's own K offset pipeline its loads; left out, the build is another than the launch's)."""
@@ -65,7 +70,7 @@ def compile_for_sm90(
         attrs={(i,): [["tt.divisibility", 16]] for i in aligned if signature[names[i]] != "constexpr"},
     )
     return triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3}
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
     )
 
 
@@ -102,12 +107,19 @@ def _compile_all() -> None:
             | dict(LINE_ELEMENTS=64),
         )
     # at 64 rows of Qwen3.5-0.8B's shapes every size is a multiple of 16: the loads pipeline, and nothing spills
-    for split_k, block_n in ((1, 128), (2, 32)):
+    # (the wide projections' launch: 64-wide blocks four stages deep, at 64 rows and at 16)
+    for split_k, block_n, block_m, stages in (
+        (1, 128, 64, 3),
+        (2, 32, 64, 3),
+        (1, 64, 64, 4),
+        (1, 64, 16, 4),
+    ):
         compiled = compile_for_sm90(
             _skinny_gemm_kernel,
-            dict(SPLIT_K=split_k, SUMS_ONLY=False, BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=128, DOT_IN_F32=False)
-            | dict(LINE_ELEMENTS=64),
+            dict(SPLIT_K=split_k, SUMS_ONLY=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128)
+            | dict(DOT_IN_F32=False, LINE_ELEMENTS=64),
             divisible=("rows", "n_out", "k_in", "k_per_split"),
+            stages=stages,
         )
         assert "async_copy_global_to_local" in compiled.asm["ttgir"], (
             "the skinny GEMM's loads do not pipeline"

@@ -64,14 +64,20 @@ def test_skinny_gemm_takes_a_strided_input():
 
 def test_default_config_splits_narrow_projections_to_fill_the_gpu():
     narrow = default_config(16, 1024, 3584, torch.bfloat16)
+    middling = default_config(16, 5120, 1024, torch.bfloat16)
     wide = default_config(16, 8224, 1024, torch.bfloat16)
     assert narrow.split_k > 1 and 1024 // narrow.block_n * narrow.split_k >= 128
-    assert wide.split_k == 1
+    assert middling.split_k == 1 and middling.block_n == 32
+    assert wide == SkinnyConfig(block_n=64, block_k=128, split_k=1, warps=4, stages=4)
 
 
 def test_wins_only_where_measured():
     assert wins(16, 1024, 3584, torch.bfloat16) and wins(MAX_ROWS, 1024, 2048, torch.bfloat16)
-    assert not wins(16, 8224, 1024, torch.bfloat16)  # wide: cuBLAS
+    # the widest (7 outputs an input and more, inputs up to 1,024) from 16 rows; 5,120 x 1,024: cuBLAS
+    assert wins(16, 8224, 1024, torch.bfloat16) and wins(MAX_ROWS, 7168, 1024, torch.bfloat16)
+    assert not wins(8, 8224, 1024, torch.bfloat16) and not wins(16, 5120, 1024, torch.bfloat16)
+    assert not wins(16, 16384, 2048, torch.bfloat16)  # an input wider than measured
+    assert not wins(16, 3072, 576, torch.bfloat16)  # SmolLM2's gate_up: 5.3 outputs an input
     assert not wins(16, 576, 1536, torch.bfloat16)  # narrower than measured: cuBLAS
     assert not wins(16, 1024, 3584, torch.float32)
     assert not wins(MIN_ROWS - 1, 1024, 3584, torch.bfloat16) and not wins(
@@ -87,20 +93,22 @@ def test_skinny_gemm_refuses_what_it_does_not_take():
         skinny_gemm(x[:8], torch.zeros(16, 32, device=DEVICE, dtype=torch.bfloat16))
 
 
-def test_projections_route_narrow_bfloat16_projections_here_with_their_bias():
+@pytest.mark.parametrize(
+    ("rows", "hidden", "n_out"), [(8, 2048, 1024), (16, 1024, 7168)], ids=["narrow", "widest"]
+)
+def test_projections_route_bfloat16_projections_here_with_their_bias(rows: int, hidden: int, n_out: int):
     from executor_svc.kernels.fused import rmsnorm_residual
     from executor_svc.models.dense_kernels import Projections
 
     gen = torch.Generator().manual_seed(3)
-    rows, hidden, narrow = 8, 2048, 1024
-    assert wins(rows, narrow, hidden, torch.bfloat16)
+    assert wins(rows, n_out, hidden, torch.bfloat16)
     x, residual = (
         randn(rows, hidden, gen=gen, dtype=torch.bfloat16),
         randn(rows, hidden, gen=gen, dtype=torch.bfloat16),
     )
     weight, bias = (
-        randn(narrow, hidden, gen=gen, dtype=torch.bfloat16, scale=0.1),
-        randn(narrow, gen=gen, dtype=torch.bfloat16),
+        randn(n_out, hidden, gen=gen, dtype=torch.bfloat16, scale=0.1),
+        randn(n_out, gen=gen, dtype=torch.bfloat16),
     )
     norm_weight = randn(hidden, gen=gen, dtype=torch.bfloat16)
     projections = Projections(rows, EPS)

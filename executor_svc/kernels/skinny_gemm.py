@@ -34,6 +34,13 @@ class SkinnyConfig(NamedTuple):
     stages: int
 
 
+# The wide projections it takes (wins()): outputs at least 7 times an input of at most 1,024, at 16 rows or more
+_WIDE_RATIO, _WIDE_WIDEST_INPUT, _WIDE_FEWEST_ROWS = 7, 1024, 16
+# their launch: 64-wide column blocks (a 32-wide block re-reads x from L2 at twice its weights' bytes), each
+# program all of K, four stages deep
+_WIDE_CONFIG = SkinnyConfig(block_n=64, block_k=128, split_k=1, warps=4, stages=4)
+
+
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr,
@@ -132,9 +139,12 @@ def block_m(rows: int) -> int:
 
 
 def default_config(rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> SkinnyConfig:
-    """The launch for a projection (chosen on the H200 by bench/skinny_gemm_vs_cublas.py --sweep, Qwen3.5-0.8B's
-    narrow projections at 8 to 64 rows): 32-wide column blocks, K in chunks of 256, split until there is about
-    a program an SM, each split with at least two chunks."""
+    """The launch for a projection (chosen by bench/skinny_gemm_vs_cublas.py --sweep at Qwen3.5-0.8B's shapes):
+    a narrow one (on the H200, 8 to 64 rows), 32-wide column blocks, K in chunks of 256, split until there is
+    about a program an SM, each split with at least two chunks; a wide one (on an H100, 16 to 64 rows),
+    _WIDE_CONFIG."""
+    if dtype != torch.float32 and _wide(n_out, k_in):
+        return _WIDE_CONFIG
     block_n = 32
     block_k = 256 if dtype != torch.float32 else 64  # float32's pipeline fits shared memory at 64
     chunks = triton.cdiv(k_in, block_k)
@@ -153,9 +163,18 @@ def wins(rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> bool:
     loses on the wide ones (up to 1.5x: 5,120 x 1,024 at 64 rows, 5.5 against 8.4); in float32 (tl.dot
     "ieee", no tensor cores) it lost at most shapes, up to 5x (one exception: 1,024 x 2,048 at 16 rows, 27.5
     against 23.2). Outputs narrower than 1,024 (SmolLM2's 576-wide down projection) were not measured and
-    stay with cuBLAS."""
+    stay with cuBLAS. The widest projections win in 64-wide column blocks (on an H100, bf16, us, at 64 rows in
+    _WIDE_CONFIG: 8,224 x 1,024 8.5 against 7.9, 7,168 x 1,024 7.7 against 7.3; at 16 rows, in K chunks of 256,
+    8.3 against 7.8 and 7.6 against 6.9; Qwen3.5-0.8B's decode graph in _WIDE_CONFIG 1.5% shorter at 16 and 64
+    rows, unchanged at 32), unlike 5,120 x 1,024 (at 64 rows 6.5 against 6.7); below 16 rows they were not
+    measured."""
     narrow = _NARROWEST_MEASURED <= n_out < k_in
-    return MIN_ROWS <= rows <= MAX_ROWS and dtype == torch.bfloat16 and narrow
+    wide = _wide(n_out, k_in) and rows >= _WIDE_FEWEST_ROWS
+    return MIN_ROWS <= rows <= MAX_ROWS and dtype == torch.bfloat16 and (narrow or wide)
+
+
+def _wide(n_out: int, k_in: int) -> bool:
+    return n_out >= _WIDE_RATIO * k_in and k_in <= _WIDE_WIDEST_INPUT
 
 
 class SplitSums(NamedTuple):
