@@ -21,6 +21,7 @@ from executor_svc.sampler_controls import SamplerControls
 from protos import executor_pb2
 from protos.grammar_compile import MAX_JSON_WHITESPACE
 from tests.cli_helpers import REPO, cli_env
+from tests.loop_turns import loop_turns
 
 VOCAB = 49152  # SmolLM2's
 EOS = 2
@@ -40,21 +41,10 @@ def writes(*schemas: dict) -> executor_pb2.StepPlan:
 
 def test_grammars_compile_off_the_loop_into_a_bounded_map(grammars):
     async def compile_while_the_loop_turns() -> int:
-        turns = 0
-
-        async def ticker() -> None:
-            nonlocal turns
-            while True:
-                turns += 1
-                await asyncio.sleep(0)
-
-        task = asyncio.create_task(ticker())
-        await asyncio.sleep(0)
-        before = turns
         schemas = [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}} for i in range(3)]
-        await grammars.compile_ahead(plan_grammars(writes(*schemas)))
-        task.cancel()
-        return turns - before
+        async with loop_turns() as turns:
+            await grammars.compile_ahead(plan_grammars(writes(*schemas)))
+        return turns()
 
     assert asyncio.run(compile_while_the_loop_turns()) > 0  # the loop ran while they compiled
     assert len(grammars._compiled) == 2  # the oldest of three dropped

@@ -5,8 +5,6 @@ resolution."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 import torch
@@ -16,6 +14,7 @@ from executor_svc.models.dense import DenseModel
 from executor_svc.step_loop import collect_when_ready
 from protos import executor_pb2
 from protos.wire import unpack_i32
+from tests.loop_turns import loop_turns
 from tests.runner_script import (
     DECODE_STEPS,
     KV_LEN,
@@ -69,19 +68,10 @@ async def test_collecting_a_step_polls_it_and_leaves_the_loop_free(model: DenseM
         runner.run(plan)
     step = runner.launch(plans[3])
     step.done = _EventDoneAfter(queries=5)
-    turns = 0
-
-    async def count_turns() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0)
-
-    counter = asyncio.create_task(count_turns())
-    output = await collect_when_ready(runner, step)
-    counter.cancel()
+    async with loop_turns() as turns:
+        output = await collect_when_ready(runner, step)
     assert step.done.queries_left < 0  # polled until done
-    assert turns >= 5  # the loop ran other tasks between polls
+    assert turns() >= 5  # the loop ran other tasks between polls
     assert output.seq == plans[3].seq and len(unpack_i32(output.tokens)) == 2
 
 
