@@ -202,7 +202,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.fixture(scope="module", params=DEVICES)
-def model(request) -> DenseModel:
+def tiny_llama(request) -> DenseModel:
     from tests.runner_script import tiny_model
 
     return tiny_model(device=request.param)

@@ -27,8 +27,8 @@ from tests.runner_script import (
 )
 
 
-def test_several_steps_over_rows_with_sampling_controls_are_refused(model: DenseModel):
-    runner = tiny_runner(model)
+def test_several_steps_over_rows_with_sampling_controls_are_refused(tiny_llama: DenseModel):
+    runner = tiny_runner(tiny_llama)
     seq = steady_from_written_rows(runner)
     # min_p on slot 1: its rows run the CONTROLLED sampler, whose logprobs and grammars go one step a plan
     controls = dict(
@@ -100,11 +100,11 @@ BAD_PLANS = [
 ]
 
 
-def test_rows_past_the_context_step_clamped_and_leave_the_runner_whole(model: DenseModel):
+def test_rows_past_the_context_step_clamped_and_leave_the_runner_whole(tiny_llama: DenseModel):
     """Steady steps grow lengths on the device, where no host check sees them, and a row's KV_LEN and
     POS_OFFSET may each be in range while their sum is not: such rows run at the tables' last position and
     write their span's end to the sink page. Nothing indexes past a table, so the step and the next work."""
-    runner = tiny_runner(model)
+    runner = tiny_runner(tiny_llama)
     for plan in scripted_plans([1, 2])[:2]:
         runner.run(plan)
     every_page = list(range(1, LAYOUT.block_span + 1))
@@ -116,15 +116,15 @@ def test_rows_past_the_context_step_clamped_and_leave_the_runner_whole(model: De
     assert int(runner.store.rows[1, KV_LEN]) == 77
     offset_past = executor_pb2.StepPlan(seq=5, bucket=1, row_runs=pack_runs((1, [6, 60, 0, 3, 4])))
     runner.run(offset_past)  # position 66
-    fresh = tiny_runner(model)
+    fresh = tiny_runner(tiny_llama)
     for plan, expected in zip(scripted_plans([1, 2]), map(fresh.run, scripted_plans([1, 2]))):
         plan.seq += 5
         assert runner.run(plan).tokens == expected.tokens
 
 
 @pytest.mark.parametrize(("fields", "message"), BAD_PLANS, ids=[message for _, message in BAD_PLANS])
-def test_malformed_plans_are_refused_and_change_nothing(model: DenseModel, fields: dict, message: str):
-    runner = tiny_runner(model)
+def test_malformed_plans_are_refused_and_change_nothing(tiny_llama: DenseModel, fields: dict, message: str):
+    runner = tiny_runner(tiny_llama)
     for plan in scripted_plans([1, 2])[:3]:
         runner.run(plan)
     state = {

@@ -31,15 +31,15 @@ from tests.runner_script import (
 )
 
 
-def test_plans_equal_calling_the_model_directly(model: DenseModel):
-    runner = tiny_runner(model)
-    assert run_script(runner, [2, 0, 1, 0]) == reference_tokens(model)
+def test_plans_equal_calling_the_model_directly(tiny_llama: DenseModel):
+    runner = tiny_runner(tiny_llama)
+    assert run_script(runner, [2, 0, 1, 0]) == reference_tokens(tiny_llama)
     assert runner.store.rows[1, KV_LEN] == len(PROMPT_A) + DECODE_STEPS
     assert runner.store.rows[2, KV_LEN] == len(PROMPT_B) + DECODE_STEPS
 
 
-def test_padding_rows_change_nothing(model: DenseModel):
-    narrow, padded = tiny_runner(model), tiny_runner(model)
+def test_padding_rows_change_nothing(tiny_llama: DenseModel):
+    narrow, padded = tiny_runner(tiny_llama), tiny_runner(tiny_llama)
     assert run_script(narrow, [1, 2]) == run_script(padded, [0, 1, 0, 2])
     for name in ("rows", "last_token", "temperature", "top_p", "top_k", "seed"):
         assert torch.equal(getattr(narrow.store, name), getattr(padded.store, name)), name
@@ -61,8 +61,8 @@ class _EventDoneAfter:
         return self.queries_left < 0
 
 
-async def test_collecting_a_step_polls_it_and_leaves_the_loop_free(model: DenseModel):
-    runner = tiny_runner(model)
+async def test_collecting_a_step_polls_it_and_leaves_the_loop_free(tiny_llama: DenseModel):
+    runner = tiny_runner(tiny_llama)
     plans = scripted_plans([1, 2])
     for plan in plans[:3]:
         runner.run(plan)
@@ -75,8 +75,8 @@ async def test_collecting_a_step_polls_it_and_leaves_the_loop_free(model: DenseM
     assert output.seq == plans[3].seq and len(unpack_i32(output.tokens)) == 2
 
 
-def test_a_plan_of_several_steps_equals_as_many_steady_plans(model: DenseModel):
-    one_each, joined = tiny_runner(model), tiny_runner(model)
+def test_a_plan_of_several_steps_equals_as_many_steady_plans(tiny_llama: DenseModel):
+    one_each, joined = tiny_runner(tiny_llama), tiny_runner(tiny_llama)
     seq = steady_from_written_rows(one_each)
     assert steady_from_written_rows(joined) == seq
     singles = [
@@ -89,8 +89,8 @@ def test_a_plan_of_several_steps_equals_as_many_steady_plans(model: DenseModel):
     assert torch.equal(one_each.kv_pool.k, joined.kv_pool.k)
 
 
-def test_row_check_counts_cells_that_differ_from_the_mirror(model: DenseModel):
-    runner = tiny_runner(model)
+def test_row_check_counts_cells_that_differ_from_the_mirror(tiny_llama: DenseModel):
+    runner = tiny_runner(tiny_llama)
     plans = scripted_plans([1, 2])
     for plan in plans[:2]:
         runner.run(plan)
@@ -101,8 +101,8 @@ def test_row_check_counts_cells_that_differ_from_the_mirror(model: DenseModel):
     assert runner.run(plans[2]).row_mismatches == 2
 
 
-def test_describe(model: DenseModel):
-    described = tiny_runner(model).describe()
+def test_describe(tiny_llama: DenseModel):
+    described = tiny_runner(tiny_llama).describe()
     assert described.model_name == "tiny-llama" and described.model_fingerprint == "tiny"
     assert (described.vocab_size, described.max_seq_len, described.num_layers) == (64, 64, 2)
     assert (described.page_size, described.pool_pages, list(described.buckets)) == (
@@ -112,20 +112,20 @@ def test_describe(model: DenseModel):
     )
     assert (described.slots, described.row_columns, described.block_span) == (9, 19, 16)
     assert (described.dtype, described.layer_begin, described.layer_end) == ("float32", 0, 2)
-    assert described.device == str(model.device)
+    assert described.device == str(tiny_llama.device)
     assert (
         described.eos_token_id == TINY.eos_token_ids[0]
         and tuple(described.eos_token_ids) == TINY.eos_token_ids
     )
 
 
-def test_planner_stops_on_the_models_own_eos(model: DenseModel):
+def test_planner_stops_on_the_models_own_eos(tiny_llama: DenseModel):
     """The end-of-sequence id comes from the model's metadata, not from whatever the tokenizer reports."""
     from types import SimpleNamespace
 
     from planner_svc.server import PlannerServicer
 
-    described = tiny_runner(model).describe()
+    described = tiny_runner(tiny_llama).describe()
     eos = TINY.eos_token_ids[0]
     other_tokenizer = SimpleNamespace(eos_token_id=eos + 1)
     assert PlannerServicer([], [described], other_tokenizer, turns=None).eos_token_ids == (eos,)
