@@ -173,3 +173,57 @@ def test_a_projection_into_a_norm_leaves_the_skinny_gemms_sums_to_it(rows: int):
         torch.testing.assert_close(a, b, atol=0.0, rtol=0.0)
     # a bias follows the product: the sum is made first
     assert isinstance(projections.project_to_norm(x, weight, bias), torch.Tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_a_gated_input_is_read_as_silu_mul_of_its_gate_up(split_k: int, dtype: torch.dtype):
+    """gated: the kernel applies SiLU(gate) * up to the gate_up it reads, rounded as fused.silu_mul writes it."""
+    from executor_svc.kernels.fused import silu_mul
+    from executor_svc.kernels.skinny_gemm import skinny_sums
+
+    gen = torch.Generator().manual_seed(split_k)
+    rows, k_in, n_out = 9, 100, 70
+    gate_up = randn(rows, 2 * k_in, gen=gen, dtype=dtype, scale=2.0)
+    weight = randn(n_out, k_in, gen=gen, dtype=dtype, scale=0.05)
+    config = SkinnyConfig(block_n=16, block_k=16, split_k=split_k, warps=4, stages=2)
+    activated = silu_mul(gate_up)
+    exact = dict(atol=0.0, rtol=0.0)
+    torch.testing.assert_close(
+        skinny_gemm(gate_up, weight, config, gated=True), skinny_gemm(activated, weight, config), **exact
+    )
+    sums = skinny_sums(gate_up, weight, config, gated=True).sums
+    torch.testing.assert_close(sums, skinny_sums(activated, weight, config).sums, **exact)
+    with pytest.raises(ValueError, match=r"\[M, 2K\] where gated"):
+        skinny_gemm(activated, weight, config, gated=True)
+
+
+@pytest.mark.parametrize("rows", [2, 8])  # the GEMV's, the skinny GEMM's
+@pytest.mark.parametrize("biased", [False, True])
+def test_an_mlp_equals_its_projections_and_activation_one_by_one(rows: int, biased: bool):
+    """mlp_to_norm puts the activation in the GEMV or the skinny GEMM where it can: the same output as
+    gate_up, silu_mul and down launched one by one."""
+    from executor_svc.kernels.fused import silu_mul
+    from executor_svc.kernels.skinny_gemm import SplitSums
+    from executor_svc.models.dense_kernels import Mlp, Projections, tensor
+
+    gen = torch.Generator().manual_seed(rows)
+    hidden, intermediate = 1024, 2048
+    x, residual = (randn(rows, hidden, gen=gen, dtype=torch.bfloat16) for _ in range(2))
+    norm_weight = randn(hidden, gen=gen, dtype=torch.bfloat16)
+    mlp = Mlp(
+        randn(2 * intermediate, hidden, gen=gen, dtype=torch.bfloat16, scale=0.05),
+        randn(2 * intermediate, gen=gen, dtype=torch.bfloat16) if biased else None,
+        randn(hidden, intermediate, gen=gen, dtype=torch.bfloat16, scale=0.05),
+        randn(hidden, gen=gen, dtype=torch.bfloat16) if biased else None,
+    )
+    projections = Projections(rows, EPS)
+    out, new_residual = projections.mlp_to_norm(x, residual, norm_weight, mlp)
+    gate_up, expected_residual = projections.norm_project(
+        x, residual, norm_weight, mlp.gate_up_weight, mlp.gate_up_bias
+    )
+    expected = projections.project_to_norm(silu_mul(gate_up), mlp.down_weight, mlp.down_bias)
+    torch.testing.assert_close(new_residual, expected_residual, atol=0.0, rtol=0.0)
+    fused_in_skinny = rows > 4 and not biased
+    assert isinstance(out, SplitSums) == fused_in_skinny
+    torch.testing.assert_close(tensor(out), tensor(expected), atol=0.0, rtol=0.0)
