@@ -40,7 +40,7 @@ def main() -> None:
             compiled = compile_for_sm90(
                 _skinny_gemm_kernel,
                 dict(SPLIT_K=splits, SUMS_ONLY=False, BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k)
-                | dict(DOT_IN_F32=False, LINE_ELEMENTS=64, GATED=False),
+                | dict(DOT_IN_F32=False, LINE_ELEMENTS=64),
                 warps=warps,
                 divisible=divisible,
                 stages=stages,

@@ -104,23 +104,20 @@ def _compile_all() -> None:
         compile_for_sm90(
             _skinny_gemm_kernel,
             dict(SPLIT_K=split_k, SUMS_ONLY=sums_only, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, DOT_IN_F32=False)
-            | dict(LINE_ELEMENTS=64, GATED=False),
+            | dict(LINE_ELEMENTS=64),
         )
     # at 64 rows of Qwen3.5-0.8B's shapes every size is a multiple of 16: the loads pipeline, and nothing spills
-    # (the wide projections' launch: 64-wide blocks four stages deep, at 64 rows and at 16; a down projection
-    # reading its gate_up, SiLU-mul on the way, left as sums)
-    for split_k, block_n, block_m, block_k, stages, gated in (
-        (1, 128, 64, 128, 3, False),
-        (2, 32, 64, 128, 3, False),
-        (1, 64, 64, 128, 4, False),
-        (1, 64, 16, 128, 4, False),
-        (4, 32, 64, 256, 3, True),
-        (4, 32, 16, 256, 3, True),
+    # (the wide projections' launch: 64-wide blocks four stages deep, at 64 rows and at 16)
+    for split_k, block_n, block_m, stages in (
+        (1, 128, 64, 3),
+        (2, 32, 64, 3),
+        (1, 64, 64, 4),
+        (1, 64, 16, 4),
     ):
         compiled = compile_for_sm90(
             _skinny_gemm_kernel,
-            dict(SPLIT_K=split_k, SUMS_ONLY=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-            | dict(DOT_IN_F32=False, LINE_ELEMENTS=64, GATED=gated),
+            dict(SPLIT_K=split_k, SUMS_ONLY=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128)
+            | dict(DOT_IN_F32=False, LINE_ELEMENTS=64),
             divisible=("rows", "n_out", "k_in", "k_per_split"),
             stages=stages,
         )
@@ -227,7 +224,7 @@ def _compile_dependents() -> None:
     state = {"states_ptr": "*fp32", "slots_ptr": "*i64", "decay_rate_ptr": "*fp32", "dt_bias_ptr": "*fp32"}
     positions = {"positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     pages = {"write_page_ptr": "*i32", "write_offset_ptr": "*i32"}
-    skinny = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, DOT_IN_F32=False, LINE_ELEMENTS=64, GATED=False)
+    skinny = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, DOT_IN_F32=False, LINE_ELEMENTS=64)
     cases = (  # kernel, constexprs, pointer and float types, warps, prefetches before its wait
         (fused._rmsnorm_residual_kernel, dict(HAS_RESIDUAL=True, SPLITS=0, BLOCK=1024), floats, 4, False),
         (

@@ -7,7 +7,6 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_svc.kernels.activation import silu_times
 from executor_svc.kernels.dependent import await_inputs, dependent
 from executor_svc.kernels.skinny_gemm import SplitSums
 
@@ -268,9 +267,11 @@ def _silu_mul_kernel(
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < intermediate
-    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=live, other=0.0)
-    up = tl.load(gate_up_ptr + row * stride_in + intermediate + cols, mask=live, other=0.0)
-    tl.store(out_ptr + row * intermediate + cols, silu_times(gate, up), mask=live)
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=live, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + intermediate + cols, mask=live, other=0.0).to(tl.float32)
+    # As eager torch: F.silu rounds to the dtype, then the product rounds again.
+    silu = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * intermediate + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=live)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

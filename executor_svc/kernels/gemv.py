@@ -8,7 +8,6 @@ import torch
 import triton
 import triton.language as tl
 
-from executor_svc.kernels.activation import silu_times
 from executor_svc.kernels.dependent import await_inputs, dependent
 
 MAX_ROWS = 4  # above this cuBLAS wins (H200, SmolLM2: equal at 4 rows, 1.3x faster at 8, 2x at 16)
@@ -73,8 +72,11 @@ def _gemv_kernel(
             x = ((x32 * inv_rms).to(dtype).to(tl.float32) * norm_weight).to(dtype)
         x32 = x.to(tl.float32)
         out = tl.sum(w * x32[None, :], 1)
-        if GATED:  # as eager torch: the projections round, then the activation
-            out = silu_times(out.to(dtype), tl.sum(w_up * x32[None, :], 1).to(dtype))
+        if GATED:
+            # As eager torch: the projection rounds, F.silu rounds, then the product rounds.
+            gate = out.to(dtype).to(tl.float32)
+            up = tl.sum(w_up * x32[None, :], 1).to(dtype).to(tl.float32)
+            out = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up
         tl.store(out_ptr + m * stride_out + n, out.to(dtype), mask=live_n)
 
 

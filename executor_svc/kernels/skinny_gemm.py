@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from executor_svc.kernels import interpreting
-from executor_svc.kernels.activation import silu_times
 from executor_svc.kernels.dependent import LINE, await_inputs, dependent, prefetch_l2
 
 MIN_ROWS, MAX_ROWS = 5, 64  # below: the GEMV (gemv.MAX_ROWS); above: one row block would no longer cover M
@@ -62,15 +61,12 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     DOT_IN_F32: tl.constexpr,
     LINE_ELEMENTS: tl.constexpr,
-    GATED: tl.constexpr,
     DEPENDENT: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * weight[n, k] for outputs [pid0 * BLOCK_N, +BLOCK_N), every row m, over the
     K range [pid1 * k_per_split, +k_per_split); with SPLIT_K > 1, the partial goes to partial[pid1] and the
     column block's last split sums partial[0..SPLIT_K) in order into out and resets its counter. SUMS_ONLY: each
-    split's partial goes to partial[pid1] and the kernel ends there, the sum left to the kernel that reads it.
-    GATED: x is a gate_up projection's output [M, 2K], and the kernel reads SiLU(gate) * up as fused.silu_mul
-    would have written it (a down projection then takes no activation kernel of its own)."""
+    split's partial goes to partial[pid1] and the kernel ends there, the sum left to the kernel that reads it."""
     column_block, split = tl.program_id(0), tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
     n = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,11 +87,9 @@ def _skinny_gemm_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         live_k = k < k_end
         # x: [BLOCK_M, BLOCK_K]; w: [BLOCK_K, BLOCK_N], weight's rows as columns
-        x_at = x_ptr + m[:, None] * stride_x + k[None, :]
-        x_live = live_m[:, None] & live_k[None, :]
-        x = tl.load(x_at, mask=x_live, other=0.0)
-        if GATED:  # x was the gate; the up half follows it
-            x = silu_times(x, tl.load(x_at + k_in, mask=x_live, other=0.0))
+        x = tl.load(
+            x_ptr + m[:, None] * stride_x + k[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0
+        )
         w = tl.load(
             weight_ptr + n[None, :] * k_in + k[:, None], mask=live_k[:, None] & live_n[None, :], other=0.0
         )
@@ -198,31 +192,26 @@ class SplitSums(NamedTuple):
         return total.to(self.dtype)
 
 
-def skinny_gemm(
-    x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None, gated: bool = False
-) -> torch.Tensor:
-    """x[M, K] @ weight[N, K].T -> out[M, N] in x's dtype (float32 accumulation), for M <= MAX_ROWS. gated: x is
-    a gate_up [M, 2K], and the product is fused.silu_mul(x) @ weight.T."""
-    return _launch(x, weight, config, sums_only=False, gated=gated)[0]
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """x[M, K] @ weight[N, K].T -> out[M, N] in x's dtype (float32 accumulation), for M <= MAX_ROWS."""
+    return _launch(x, weight, config, sums_only=False)[0]
 
 
-def skinny_sums(
-    x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None, gated: bool = False
-) -> SplitSums:
+def skinny_sums(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> SplitSums:
     """skinny_gemm's product as its splits' float32 sums, for a reader that adds them up itself: the kernel ends
     without the last split's wait on an atomic counter and its read-back of the others."""
-    return SplitSums(_launch(x, weight, config, sums_only=True, gated=gated)[1], x.dtype)
+    return SplitSums(_launch(x, weight, config, sums_only=True)[1], x.dtype)
 
 
 def _launch(
-    x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None, sums_only: bool, gated: bool
+    x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None, sums_only: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's launch: (out, partial); where sums_only, partial holds the product and out is not written."""
-    rows, x_width = x.shape
-    n_out, k_in = weight.shape
-    if rows > MAX_ROWS or x_width != (2 * k_in if gated else k_in):
+    rows, k_in = x.shape
+    n_out, weight_k = weight.shape
+    if rows > MAX_ROWS or weight_k != k_in:
         raise ValueError(
-            f"skinny_gemm takes x [M <= {MAX_ROWS}, K] ([M, 2K] where gated) and weight [N, K], "
+            f"skinny_gemm takes x [M <= {MAX_ROWS}, K] and weight [N, K], "
             f"got {tuple(x.shape)}, {tuple(weight.shape)}"
         )
     if x.stride(1) != 1 or not weight.is_contiguous() or x.dtype != weight.dtype:
@@ -257,7 +246,6 @@ def _launch(
         BLOCK_K=config.block_k,
         DOT_IN_F32=x.dtype == torch.bfloat16 and interpreting(),
         LINE_ELEMENTS=LINE // x.element_size(),
-        GATED=gated,
         num_warps=config.warps,
         num_stages=config.stages,
         **dependent(x.device),

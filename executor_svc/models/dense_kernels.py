@@ -105,50 +105,21 @@ class Projections:
         bias: torch.Tensor | None = None,
         gated: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """rmsnorm(x + residual) * norm_weight projected, and the new residual; gated: the projection is a
-        gate_up and the GEMV (a few rows, no bias) returns SiLU(gate) * up, any other path the projection."""
+        """rmsnorm(x + residual) * norm_weight projected (SiLU(gate) * up when gated), and the new residual."""
         from executor_svc.kernels import gemv
-        from executor_svc.kernels.fused import rmsnorm_residual
+        from executor_svc.kernels.fused import rmsnorm_residual, silu_mul
 
         if self.few:
             x = tensor(x)  # (a few rows' projections are the GEMV's: never split sums)
-            norm = (residual, norm_weight, self.eps)
             if bias is None:
-                return gemv.gemv(x, weight, norm=norm, gated=gated)
+                return gemv.gemv(x, weight, norm=(residual, norm_weight, self.eps), gated=gated)
             # the bias goes in before the gate: the GEMV's own gating cannot take it
-            out, residual = gemv.gemv(x, weight, norm=norm)
-            return out + bias, residual
-        h, residual = rmsnorm_residual(x, residual, norm_weight, self.eps)
-        return self.project(h, weight, bias), residual
-
-    def mlp_to_norm(
-        self, x: torch.Tensor | SplitSums, residual: torch.Tensor | None, norm_weight: torch.Tensor, mlp: Mlp
-    ) -> tuple[torch.Tensor | SplitSums, torch.Tensor]:
-        """The MLP of rmsnorm(x + residual) * norm_weight, as project_to_norm's output, and the new residual. The
-        activation SiLU(gate) * up goes where it costs no kernel of its own: into the GEMV that projects
-        gate_up, or the skinny GEMM that projects down; otherwise its own kernel between the two."""
-        from executor_svc.kernels import skinny_gemm
-        from executor_svc.kernels.fused import silu_mul
-
-        activated_here = self.few and mlp.gate_up_bias is None
-        gate_up, residual = self.norm_project(
-            x, residual, norm_weight, mlp.gate_up_weight, mlp.gate_up_bias, gated=activated_here
-        )
-        if activated_here:
-            return self.project_to_norm(gate_up, mlp.down_weight, mlp.down_bias), residual
-        n_out, k_in = mlp.down_weight.shape
-        if not self.few and mlp.down_bias is None and skinny_gemm.wins(self.rows, n_out, k_in, gate_up.dtype):
-            return skinny_gemm.skinny_sums(gate_up, mlp.down_weight, gated=True), residual
-        return self.project_to_norm(silu_mul(gate_up), mlp.down_weight, mlp.down_bias), residual
-
-
-class Mlp(NamedTuple):
-    """A layer's MLP weights as the kernels take them: gate and up fused, [2 I, hidden], and down."""
-
-    gate_up_weight: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
-    down_bias: torch.Tensor | None
+            out, residual = gemv.gemv(x, weight, norm=(residual, norm_weight, self.eps))
+            out = out + bias
+        else:
+            h, residual = rmsnorm_residual(x, residual, norm_weight, self.eps)
+            out = self.project(h, weight, bias)
+        return (silu_mul(out) if gated else out), residual
 
 
 def tensor(x: torch.Tensor | SplitSums) -> torch.Tensor:
@@ -203,9 +174,11 @@ def forward_kernels(
         )
         attended = attention.forward(index, q).flatten(1)
         x = project_to_norm(attended, attn.o_proj.weight, attn.o_proj.bias)
-        down = layer.mlp.down_proj
-        mlp = Mlp(fused.gate_up_weight, fused.gate_up_bias, down.weight, down.bias)
-        x, residual = projections.mlp_to_norm(x, residual, layer.post_attention_layernorm.weight, mlp)
+        # act: [B, I], SiLU(gate) * up
+        act, residual = norm_project(
+            x, residual, layer.post_attention_layernorm.weight, fused.gate_up_weight, fused.gate_up_bias, True
+        )
+        x = project_to_norm(act, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)
     assert residual is not None, "no layer ran: a stage holds at least one layer"
     if not model.stage.layers.last:  # the next stage starts from the sum, as a first stage from its embedding
         model.stage.hand_on(tensor(x) + residual)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from executor_svc.models.dense_kernels import Mlp, Projections, join_rows, tensor
+from executor_svc.models.dense_kernels import Projections, join_rows, tensor
 from executor_svc.models.qwen3_5_config import LINEAR
 
 if TYPE_CHECKING:
@@ -108,8 +108,8 @@ def forward_kernels(
         else:
             gated = _attention_core(model, fused, mixed, inputs, attention, pool_index)
             x = project_to_norm(gated, layer.self_attn.o_proj.weight)
-        mlp = Mlp(fused.gate_up_weight, None, layer.mlp.down_proj.weight, None)
-        x, residual = projections.mlp_to_norm(x, residual, fused.post_norm, mlp)
+        act, residual = norm_project(x, residual, fused.post_norm, fused.gate_up_weight, gated=True)
+        x = project_to_norm(act, layer.mlp.down_proj.weight)
     assert residual is not None, "no layer ran: a stage holds at least one layer"
     if not model.stage.layers.last:  # the next stage starts from the sum, as a first stage from its embedding
         model.stage.hand_on(tensor(x) + residual)
