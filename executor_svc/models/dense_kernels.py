@@ -119,6 +119,8 @@ class Projections:
         else:
             h, residual = rmsnorm_residual(x, residual, norm_weight, self.eps)
             out = self.project(h, weight, bias)
+        # SiLU-mul stays a kernel of its own past the GEMV: read by the down projection's skinny GEMM instead, its
+        # input is no longer pipelined into the dot, and the step ran longer in each of four forms (BENCHMARKS)
         return (silu_mul(out) if gated else out), residual
 
 
