@@ -19,6 +19,7 @@ from planner_svc.drain import DRAINING
 from protos import client_pb2
 from protos.wire import pack_i32
 from tests.cached_stack import PAGE, CachedStack, reply, turn
+from tests.chat_streams import streaming_turn
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -315,10 +316,7 @@ async def test_the_http_route_deletes_and_answers_as_openai_errors(deleting):
             "stream": True,
             "conversation_id": "web-2",
         }
-        async with http.stream("POST", "/v1/chat/completions", json=body) as streamed:
-            lines = streamed.aiter_lines()
-            while not (await anext(lines)).startswith("data: "):
-                pass
+        async with streaming_turn(http, body):
             busy = await http.delete("/v1/conversations/web-2")
         assert (busy.status_code, busy.json()["error"]["code"]) == (409, "failed_precondition")
         await stack.wait_idle(timeout=10)

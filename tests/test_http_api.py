@@ -11,6 +11,7 @@ import httpx2 as httpx
 import pytest
 
 from planner_svc.client import GenerateOptions
+from tests.chat_streams import streaming_turn
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -123,13 +124,8 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_pages(http):
         "temperature": 0,
         "stream": True,
     }
-    async with httpx.AsyncClient(base_url=http.base) as client:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
-            assert reply.status_code == 200
-            lines = reply.aiter_lines()
-            while not (await anext(lines)).startswith("data: "):
-                pass
-            assert http.stack.planner.running_requests  # it runs now
+    async with httpx.AsyncClient(base_url=http.base) as client, streaming_turn(client, body):
+        assert http.stack.planner.running_requests  # it runs now
     # the connection closed: the planner aborts the request long before its 2000 tokens
     await http.stack.wait_idle(timeout=10)
     assert scheduler.pages.free_count == free_before and not http.stack.planner.running_requests

@@ -12,6 +12,7 @@ import httpx2 as httpx
 import pytest
 
 from gateway_svc.http_server import start_gateway
+from tests.chat_streams import streaming_turn
 from tests.test_http_api import QUESTION
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -244,13 +245,8 @@ async def test_a_second_turn_while_the_first_streams_is_a_409(http):
         "stream": True,
         "conversation_id": "busy",
     }
-    async with httpx.AsyncClient(base_url=http.base) as client:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
-            assert reply.status_code == 200
-            lines = reply.aiter_lines()
-            while not (await anext(lines)).startswith("data: "):
-                pass
-            status, error = await _error(http, "/v1/chat/completions", {**body, "stream": False})
+    async with httpx.AsyncClient(base_url=http.base) as client, streaming_turn(client, body):
+        status, error = await _error(http, "/v1/chat/completions", {**body, "stream": False})
     assert (status, error["type"], error["code"]) == (409, "conflict_error", "failed_precondition")
     assert "already running a turn" in error["message"]
     await http.stack.wait_idle(timeout=10)
