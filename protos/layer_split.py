@@ -39,6 +39,14 @@ class LayerRange:
     def count(self) -> int:
         return self.end - self.begin
 
+    def holds_embedding(self, tied_head: bool) -> bool:
+        """Whether the stage holds the embedding: the first stage's input, and the last's head where tied."""
+        return self.first or (self.last and tied_head)
+
+    def holds_head(self, tied_head: bool) -> bool:
+        """Whether the stage holds a head of its own (a tied head is the embedding)."""
+        return self.last and not tied_head
+
 
 def parse_layers(text: str) -> tuple[int, int]:
     """`A:B` -> (A, B), 0 <= A < B; the model's layer count is checked once it is loaded."""

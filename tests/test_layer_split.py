@@ -53,6 +53,22 @@ def test_layer_ranges_and_their_ends():
         LayerRange(20, 31, 30)
 
 
+@pytest.mark.parametrize(
+    "begin, end, tied, embedding, head",
+    [
+        (0, 30, False, True, True),
+        (0, 30, True, True, False),
+        (0, 10, True, True, False),
+        (10, 20, True, False, False),
+        (20, 30, True, True, False),  # a tied head is the embedding
+        (20, 30, False, False, True),
+    ],
+)
+def test_the_ends_a_stage_holds(begin, end, tied, embedding, head):
+    held = LayerRange(begin, end, 30)
+    assert (held.holds_embedding(tied), held.holds_head(tied)) == (embedding, head)
+
+
 def test_a_group_must_hold_every_layer_once_in_rank_order():
     check_stages([(0, 7), (7, 19), (19, 30)], 30)
     with pytest.raises(ValueError, match="stage 1 holds layers 8:19; expected it to start at 7"):

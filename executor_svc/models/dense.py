@@ -172,17 +172,16 @@ class DenseModel(nn.Module):
         # the last the final norm and the head (the embedding again where the head is tied to it).
         self.stage = Stage.whole(config.num_layers) if stage is None else stage
         held = self.stage.layers
-        tied_head = held.last and config.tie_embeddings
         self.embed_tokens = (
             Embedding(config.vocab_size, config.hidden_size, self.device, dtype)
-            if held.first or tied_head
+            if held.holds_embedding(config.tie_embeddings)
             else None
         )
         self.layers = nn.ModuleList(DenseLayer(config, self.device, dtype) for _ in range(held.count))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps, self.device, dtype) if held.last else None
         self.lm_head = (
             Linear(config.hidden_size, config.vocab_size, self.device, dtype)
-            if held.last and not config.tie_embeddings
+            if held.holds_head(config.tie_embeddings)
             else None
         )
         self.scale = config.head_dim**-0.5

@@ -16,6 +16,7 @@ from executor_svc.kernels import gated_delta_ref as ref
 from executor_svc.kernels.gated_delta_fla import capturable, prefill_for
 from executor_svc.kv_pool import KVPool
 from executor_svc.models.qwen3_5_config import FULL, LINEAR, Qwen35Config
+from executor_svc.models.rope import default_inv_freq, rope_tables
 from executor_svc.stage import Stage
 from executor_svc.state_pool import StateInputs, StatePool
 
@@ -177,7 +178,7 @@ class Qwen35Model(nn.Module):
         self.layer_types = config.layer_types[held.begin : held.end]  # this stage's
         self.embed_tokens = (
             _Embedding(config.hidden_size, config.vocab_size, self.device, dtype)
-            if held.first or (held.last and config.tie_embeddings)
+            if held.holds_embedding(config.tie_embeddings)
             else None
         )
         self.layers = nn.ModuleList(_Layer(config, kind, self.device, dtype) for kind in self.layer_types)
@@ -186,7 +187,7 @@ class Qwen35Model(nn.Module):
         )
         self.lm_head = (
             _Linear(config.hidden_size, config.vocab_size, self.device, dtype)
-            if held.last and not config.tie_embeddings
+            if held.holds_head(config.tie_embeddings)
             else None
         )
         self.scale = config.head_dim**-0.5
@@ -198,15 +199,11 @@ class Qwen35Model(nn.Module):
         # The layer's index in this stage's pool: KV layers for full attention, state layers for gated delta nets.
         self.pool_index = [self.layer_types[:i].count(kind) for i, kind in enumerate(self.layer_types)]
         self.fused: FusedWeights | None = None  # built by qwen3_5_kernels on the first fused forward
-        # Default rope over the first rotary_dim dims, as transformers computes it (float32, then the dtype).
-        dim = config.rotary_dim
-        steps = torch.arange(0, dim, 2, dtype=torch.float, device=self.device)
-        inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
-        positions = torch.arange(config.max_seq_len, dtype=torch.float, device=self.device)
-        angles = positions[:, None] * inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)  # angles: [max_seq_len, rotary_dim]
-        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        # Default rope over the first rotary_dim dims only (partial rotary), as transformers computes it.
+        inv_freq = default_inv_freq(config.rope_theta, config.rotary_dim)
+        cos, sin = rope_tables(inv_freq, 1.0, config.max_seq_len, self.device, dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     @property
     def prefill_capturable(self) -> bool:
