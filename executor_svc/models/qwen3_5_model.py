@@ -171,8 +171,7 @@ class Qwen35Model(nn.Module):
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        # A stage of a layer split holds its layers only (renumbered from 0), the first stage the embedding,
-        # the last the final norm and the head (the embedding again where the head is tied to it).
+        # A stage of a layer split holds its layers only (renumbered from 0) and the ends its LayerRange says.
         self.stage = Stage.whole(config.num_layers) if stage is None else stage
         held = self.stage.layers
         self.layer_types = config.layer_types[held.begin : held.end]  # this stage's
