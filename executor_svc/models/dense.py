@@ -19,6 +19,7 @@ from executor_svc.models.family import check_activation, stop_ids
 from executor_svc.models.layers import Embedding, GatedMLP, Linear, RMSNorm, apply_rope
 from executor_svc.models.packed_kernel import MAX_ROWS
 from executor_svc.models.rope import default_inv_freq, hf_rope, rope_tables
+from executor_svc.models.staged import StagedModel
 from executor_svc.stage import Stage
 
 # A CPU prefill of up to this many tokens runs in the C decode step, MAX_ROWS tokens a call (each call reads the
@@ -150,7 +151,7 @@ class DenseLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, device, dtype, cfg.mlp_bias)
 
 
-class DenseModel(nn.Module):
+class DenseModel(StagedModel[DenseConfig]):
     """Parameter names follow Hugging Face's Llama and Qwen3 with the leading `model.` dropped.
 
     One entry point, `forward(inputs, attention)`: a position for each of B rows, whether the rows are a
@@ -164,12 +165,7 @@ class DenseModel(nn.Module):
     def __init__(
         self, config: DenseConfig, device: torch.device | str, dtype: torch.dtype, stage: Stage | None = None
     ) -> None:
-        super().__init__()
-        self.config = config
-        self.device = torch.device(device)
-        self.dtype = dtype
-        # A stage of a layer split holds its layers only (renumbered from 0) and the ends its LayerRange says.
-        self.stage = Stage.whole(config.num_layers) if stage is None else stage
+        super().__init__(config, device, dtype, stage)
         held = self.stage.layers
         self.embed_tokens = (
             Embedding(config.vocab_size, config.hidden_size, self.device, dtype)
@@ -183,7 +179,6 @@ class DenseModel(nn.Module):
             if held.holds_head(config.tie_embeddings)
             else None
         )
-        self.scale = config.head_dim**-0.5
         if config.rope_inv_freq is None:
             inv_freq = default_inv_freq(config.rope_theta, config.head_dim)
         else:
@@ -195,33 +190,13 @@ class DenseModel(nn.Module):
         # The CPU decode step in C over one pool (None: it cannot serve them), made on the first decode step.
         self.cpu_layers: tuple[KVPool, CpuDecodeLayers | None] | None = None
 
-    def make_kv_pool(
-        self,
-        num_pages: int,
-        page_size: int,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> KVPool:
-        cfg = self.config
-        return KVPool(
-            self.stage.layers.count,  # this stage's layers only
-            num_pages,
-            page_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            dtype=self.dtype if dtype is None else dtype,
-            device=self.device if device is None else device,
-        )
+    @property
+    def kv_layers(self) -> int:
+        return self.stage.layers.count  # every layer attends
 
     def decoder_layers(self) -> Sequence[DenseLayer]:
         """self.layers, each a DenseLayer (nn.ModuleList types its items as Module)."""
         return cast("Sequence[DenseLayer]", self.layers)
-
-    def enter(self, tokens: torch.Tensor) -> torch.Tensor:
-        """x[B, hidden]: the tokens' embeddings on the first stage, the previous stage's output on a later one."""
-        return self.stage.first_input(
-            self.embed_tokens, tokens, self.config.hidden_size, self.dtype, self.device
-        )
 
     @property
     def head(self) -> tuple[RMSNorm, nn.Module]:

@@ -14,9 +14,9 @@ from torch import nn
 
 from executor_svc.kernels import gated_delta_ref as ref
 from executor_svc.kernels.gated_delta_fla import capturable, prefill_for
-from executor_svc.kv_pool import KVPool
 from executor_svc.models.qwen3_5_config import FULL, LINEAR, Qwen35Config
 from executor_svc.models.rope import default_inv_freq, rope_tables
+from executor_svc.models.staged import StagedModel
 from executor_svc.stage import Stage
 from executor_svc.state_pool import StateInputs, StatePool
 
@@ -151,7 +151,7 @@ def _decode_rule_for(device: torch.device) -> Callable[..., torch.Tensor]:
     return ref.delta_rule_step_at_slots
 
 
-class Qwen35Model(nn.Module):
+class Qwen35Model(StagedModel[Qwen35Config]):
     """Parameter names follow transformers' Qwen3_5ForCausalLM with the leading `model.` dropped.
 
     The KV pool holds the stage's full-attention layers only (KV layer i is the i-th of them); the state pool
@@ -163,16 +163,12 @@ class Qwen35Model(nn.Module):
 
     rope_cos: torch.Tensor  # buffers [max_seq_len, rotary_dim], registered in __init__
     rope_sin: torch.Tensor
+    embed_tokens: _Embedding | None
 
     def __init__(
         self, config: Qwen35Config, device: torch.device | str, dtype: torch.dtype, stage: Stage | None = None
     ) -> None:
-        super().__init__()
-        self.config = config
-        self.device = torch.device(device)
-        self.dtype = dtype
-        # A stage of a layer split holds its layers only (renumbered from 0) and the ends its LayerRange says.
-        self.stage = Stage.whole(config.num_layers) if stage is None else stage
+        super().__init__(config, device, dtype, stage)
         held = self.stage.layers
         self.layer_types = config.layer_types[held.begin : held.end]  # this stage's
         self.embed_tokens = (
@@ -189,7 +185,6 @@ class Qwen35Model(nn.Module):
             if held.holds_head(config.tie_embeddings)
             else None
         )
-        self.scale = config.head_dim**-0.5
         # The decode step reads and updates the states in the pool by slot (Triton on CUDA); prefill in
         # fla-core's chunked kernel, the batch's sequences in one call, for 16-bit models on CUDA; the torch
         # reference otherwise.
@@ -214,24 +209,9 @@ class Qwen35Model(nn.Module):
         """This stage's gated delta net layers (none in a stage of full-attention layers only)."""
         return self.layer_types.count(LINEAR)
 
-    def make_kv_pool(
-        self,
-        num_pages: int,
-        page_size: int,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> KVPool:
-        cfg = self.config
-        # This stage's full-attention layers: none in a stage of gated delta nets only.
-        return KVPool(
-            self.layer_types.count(FULL),
-            num_pages,
-            page_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            dtype=self.dtype if dtype is None else dtype,
-            device=self.device if device is None else device,
-        )
+    @property
+    def kv_layers(self) -> int:
+        return self.layer_types.count(FULL)  # none in a stage of gated delta nets only
 
     def make_state_pool(self, num_slots: int, device: torch.device | str | None = None) -> StatePool:
         cfg = self.config
@@ -249,12 +229,6 @@ class Qwen35Model(nn.Module):
 
     def _decoder_layers(self) -> Sequence[_Layer]:
         return self.layers  # type: ignore[return-value]
-
-    def enter(self, tokens: torch.Tensor) -> torch.Tensor:
-        """x[B, hidden]: the tokens' embeddings on the first stage, the previous stage's output on a later one."""
-        return self.stage.first_input(
-            self.embed_tokens, tokens, self.config.hidden_size, self.dtype, self.device
-        )
 
     @property
     def head(self) -> tuple[OffsetRMSNorm, torch.Tensor]:
