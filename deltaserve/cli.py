@@ -14,8 +14,6 @@ from deltaserve.flag_groups import (
     add_client_flags,
     add_executor_key_flag,
     add_global_flags,
-    add_http_flags,
-    add_http_port_flag,
     add_model_flags,
     add_planner_flags,
     add_serve_flags,
@@ -33,6 +31,7 @@ from deltaserve.flags import (
     port,
 )
 from deltaserve.generate_flags import GENERATE_HELP, add_generate_command, resolve_prompt
+from deltaserve.http_flags import add_http_flags, add_http_port_flag
 from deltaserve.logs import configure_logging, get_logger
 from deltaserve.memory_errors import POOL_FLAGS, memory_detail, out_of_memory
 from deltaserve.serve import CACHE_PORT, EXECUTOR_PORT, HTTP_PORT, PLANNER_PORT

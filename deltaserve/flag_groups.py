@@ -1,5 +1,5 @@
 """The flag groups of the `deltaserve` commands: global, model, serving, planner, cache store and client
-(stage_flags.py: the layer split's)."""
+(stage_flags.py: the layer split's; http_flags.py: the HTTP API's)."""
 
 from __future__ import annotations
 
@@ -339,55 +339,4 @@ def add_executor_key_flag(flags: Flags) -> None:
         type=api_key,
         metavar=SECRET_METAVAR,
         help="the service key sent to the executors (a `* ` line of their --api-keys)",
-    )
-
-
-def add_http_port_flag(flags: Flags) -> None:
-    """`up`'s HTTP API beside its gRPC port."""
-    flags.option(
-        "--http-port",
-        type=port,
-        metavar="PORT",
-        help="also serve the OpenAI-compatible HTTP API on --host:PORT (0 picks a free one; HTTPS with "
-        "--tls-cert); unset: gRPC only",
-    )
-    flags.switch(
-        "--http-process",
-        default=True,
-        help="serve the HTTP API from a process of its own (--no-http-process: on the planner's event "
-        "loop, where its per-token SSE work competes with the planner's steps)",
-    )
-    flags.option(
-        "--http-workers",
-        type=int_at_least(1),
-        default=1,
-        metavar="N",
-        help="processes serving the HTTP API on its one port (the kernel spreads connections over them)",
-    )
-
-
-def add_http_flags(flags: Flags, *, planner_port: int, http_port: int) -> None:
-    """`http`: where the gateway listens, the planner it talks to, and TLS on both sides."""
-    add_serve_flags(flags, port_number=http_port)
-    flags.option(
-        "--workers",
-        type=int_at_least(1),
-        default=1,
-        metavar="N",
-        help="processes serving the API on its one port (1: this one; more: that many children, the "
-        "kernel spreading connections over them)",
-    )
-    flags.option(
-        "--planner",
-        type=address,
-        default=f"127.0.0.1:{planner_port}",
-        metavar="HOST:PORT",
-        help="the planner's gRPC address (each caller's `Authorization: Bearer` key is forwarded to it)",
-    )
-    add_server_trust_flags(flags, api_keys=False, links=False)
-    flags.option(
-        "--tls-ca",
-        metavar="PEM",
-        help="reach the planner with TLS, trusting this CA; --tls-cert is the client certificate where it "
-        "requires one",
     )
