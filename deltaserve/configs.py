@@ -44,6 +44,7 @@ def planner_config(args: argparse.Namespace, *, executors: list[str], cache: str
         max_waiting=args.max_waiting,
         max_waiting_per_tenant=args.max_waiting_per_tenant,
         default_max_tokens=args.default_max_tokens,
+        served_model_name=args.served_model_name,
         executor_timeout=args.executor_timeout,
         cache=cache,
         scheduling=SchedulingConfig(

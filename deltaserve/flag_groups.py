@@ -16,6 +16,7 @@ from deltaserve.flags import (
     device,
     float_in,
     int_at_least,
+    model_name,
     port,
     prefill_buckets,
 )
@@ -204,6 +205,13 @@ def add_planner_flags(flags: Flags) -> None:
         metavar="N",
         help="max_tokens of a request that leaves it unset; 0: as many as fit after the prompt (a request "
         "holds the KV pages of all it may write, so then a whole context's)",
+    )
+    flags.option(
+        "--served-model-name",
+        type=model_name,
+        metavar="NAME",
+        help="the name the API serves the model under (GET /v1/models' id, what requests give as `model`); "
+        "unset: the checkpoint's own name",
     )
     flags.option(
         "--executor-timeout",

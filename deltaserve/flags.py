@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from planner_svc.config import model_name_error
 from protos.auth import MAX_KEY_CHARS
 
 ENV_PREFIX = "DELTASERVE_"
@@ -81,6 +82,13 @@ def api_key(text: str) -> str:
         raise BadValue(f"the key has {len(text)} characters; no key has more than {MAX_KEY_CHARS}")
     if not (text.isascii() and text.isprintable()):
         raise BadValue("the key has characters a key cannot send (printable ASCII only)")
+    return text
+
+
+def model_name(text: str) -> str:
+    error = model_name_error(text)
+    if error:
+        raise BadValue(error)
     return text
 
 

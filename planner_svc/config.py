@@ -66,6 +66,18 @@ class SchedulingConfig:
 
 
 DEFAULT_MAX_WAITING = 1024
+MAX_MODEL_NAME_CHARS = 256
+
+
+def model_name_error(name: str) -> str | None:
+    """What is wrong with a name to serve the model under (requests give it as `model`), or None."""
+    if not name or name != name.strip():
+        return f"a model name must be non-empty without spaces at its ends, got {name!r}"
+    if len(name) > MAX_MODEL_NAME_CHARS:
+        return f"a model name has at most {MAX_MODEL_NAME_CHARS} characters, got {len(name)}"
+    if not name.isprintable():
+        return f"a model name must be printable, got {name!r}"
+    return None
 
 
 @dataclass(slots=True)
@@ -82,6 +94,9 @@ class PlannerConfig:
     # max_tokens of a request that leaves it unset (0: as many as fit after the prompt, OpenAI's default):
     # admission gives a request the pages of all it may write, so that default holds a whole context's.
     default_max_tokens: int = 0
+    # The name the API serves the model under (GET /v1/models' id, what requests give as `model`); None:
+    # the executor's model name (the checkpoint's own).
+    served_model_name: str | None = None
     inflight_plans: int = 2  # plans in flight per executor: the step running and the next
     # Seconds a step may go without output (plus 25 ms per prompt token it reads) before its executor
     # counts as hung: lost, its requests failed or re-queued, and reconnected.
@@ -106,3 +121,6 @@ class PlannerConfig:
             raise ValueError(f"max_waiting_per_tenant must be >= 0, got {self.max_waiting_per_tenant}")
         if self.default_max_tokens < 0:
             raise ValueError(f"default_max_tokens must be >= 0, got {self.default_max_tokens}")
+        name_error = None if self.served_model_name is None else model_name_error(self.served_model_name)
+        if name_error:
+            raise ValueError(f"served_model_name: {name_error}")

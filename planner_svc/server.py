@@ -70,6 +70,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
         self.room = WaitingRoom()
         self.turns = turns
         self.description = descriptions[0]
+        self.model_name = config.served_model_name or self.description.model_name  # as the API names it
         self.tokenizer = tokenizer
         # The model's end-of-sequence id where the executor names it: tokenizer versions differ on it
         # (transformers 5.17 on the GPU machine did not report <|im_end|> for SmolLM2's GGUF; requests
@@ -280,7 +281,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
     async def GetModelInfo(self, request: client_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
         d = self.description
         return client_pb2.ModelInfo(
-            name=d.model_name,
+            name=self.model_name,
             vocab_size=d.vocab_size,
             max_seq_len=d.max_seq_len,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else -1,

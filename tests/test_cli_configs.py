@@ -9,6 +9,7 @@ import pytest
 from deltaserve.configs import GIB, cache_config, executor_config, planner_config
 from deltaserve.flags import default_cache_dir
 from executor_svc.config import DEFAULT_PREFILL_BUCKETS, DEFAULT_SHARD_LAYERS
+from planner_svc.config import PlannerConfig
 from tests.cli_helpers import parse, usage_error
 
 
@@ -81,6 +82,11 @@ def test_configs_from_flags():
     capped = parse(["planner", "--executor", "x:1", "--default-max-tokens", "256"])
     assert planner_config(capped, executors=[], cache=None).default_max_tokens == 256
     assert parse(["up"], DELTASERVE_DEFAULT_MAX_TOKENS="64").default_max_tokens == 64
+    assert planner.served_model_name is None  # the checkpoint's own name
+    named = parse(["planner", "--executor", "x:1", "--served-model-name", "smollm2"])
+    assert planner_config(named, executors=[], cache=None).served_model_name == "smollm2"
+    with pytest.raises(ValueError, match="served_model_name: a model name has at most 256 characters"):
+        PlannerConfig(served_model_name="m" * 257)
 
 
 def test_cache_flags_of_executor_and_planner_and_their_env():

@@ -67,6 +67,11 @@ def test_bad_values_name_the_flag_or_variable(capsys):
     assert "--decode-path" in usage_error(capsys, ["executor", "--decode-path", "planned"])
     assert "--port" in usage_error(capsys, ["up", "--port", "70000"])
     assert "--default-max-tokens" in usage_error(capsys, ["up", "--default-max-tokens", "-1"])
+    assert "without spaces at its ends" in usage_error(capsys, ["up", "--served-model-name", " smol"])
+    assert "must be printable" in usage_error(
+        capsys, ["planner", "--executor", "a:1", "--served-model-name", "a\tb"]
+    )
+    assert parse(["up"], DELTASERVE_SERVED_MODEL_NAME="smollm2").served_model_name == "smollm2"
     assert "--top-p" in usage_error(capsys, ["generate", "--text", "a", "--max-tokens", "1", "--top-p", "0"])
     # A bad variable only fails the commands that have its flag.
     assert parse(["generate", "--text", "a", "--max-tokens", "1"], DELTASERVE_PAGE_SIZE="x").max_tokens == 1

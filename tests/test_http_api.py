@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx2 as httpx
+import openai
 import pytest
 
 from planner_svc.client import GenerateOptions
@@ -74,6 +75,19 @@ async def test_models_health_and_the_openapi_schema(http):
         assert (health.status_code, health.json()) == (200, {"status": "serving"})
         schema = (await client.get("/openapi.json")).json()
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"} <= set(schema["paths"])
+
+
+async def test_the_served_model_name_is_the_one_listed_and_asked_for(http, monkeypatch):
+    """--served-model-name: the API lists and takes that name; the checkpoint's own is then a 404."""
+    monkeypatch.setattr(http.stack.planner, "model_name", "smollm2-135m")
+    assert [m.id for m in (await http.client.models.list()).data] == ["smollm2-135m"]
+    messages = [{"role": "user", "content": "Hi"}]
+    answer = await http.client.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=2, temperature=0
+    )
+    assert answer.model == "smollm2-135m"
+    with pytest.raises(openai.NotFoundError, match="this server serves 'smollm2-135m'"):
+        await http.client.chat.completions.create(model=http.model, messages=messages, max_tokens=2)
 
 
 async def test_an_idle_pooled_connection_outlives_the_clients_pool_expiry(http):
