@@ -161,6 +161,7 @@ class DenseModel(StagedModel[DenseConfig]):
 
     rope_cos: torch.Tensor  # buffers [max_seq_len, head_dim], registered in __init__
     rope_sin: torch.Tensor
+    embed_tokens: Embedding | None
 
     def __init__(
         self, config: DenseConfig, device: torch.device | str, dtype: torch.dtype, stage: Stage | None = None

@@ -17,11 +17,12 @@ class RopeError(ValueError):
     """A checkpoint's rope settings that deltaserve cannot serve."""
 
 
-def default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
-    """float32[head_dim / 2]: Hugging Face's default rope frequencies, with its arithmetic (on the CPU, as it
+def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    """float32[dim / 2]: Hugging Face's default rope frequencies over `dim` rotated dims (the head's, or its
+    first ones where the rotary is partial), with its arithmetic (on the CPU, as it
     computes them when a model is built)."""
-    steps = torch.arange(0, head_dim, 2, dtype=torch.int64).float()
-    return 1.0 / (theta ** (steps / head_dim))
+    steps = torch.arange(0, dim, 2, dtype=torch.int64).float()
+    return 1.0 / (theta ** (steps / dim))
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -66,9 +67,9 @@ def rope_tables(
     device: torch.device,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each [max_seq_len, head_dim] in `dtype`: Hugging Face's arithmetic (angles in float32, both
+    """(cos, sin), each [max_seq_len, dim] (dim = 2 * len(inv_freq), the rotated dims) in `dtype`: Hugging Face's arithmetic (angles in float32, both
     scaled by the attention factor, then rounded), so the tables match its own."""
     positions = torch.arange(max_seq_len, dtype=torch.float, device=device)
     freqs = positions[:, None] * inv_freq.to(device)[None, :]
-    angles = torch.cat((freqs, freqs), dim=-1)  # angles: [max_seq_len, head_dim]
+    angles = torch.cat((freqs, freqs), dim=-1)  # angles: [max_seq_len, dim]
     return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)

@@ -17,7 +17,8 @@ ConfigT = TypeVar("ConfigT", bound=ModelConfig)
 
 class StagedModel(nn.Module, Generic[ConfigT]):
     """A stage holds its layers only (renumbered from 0) and the ends its LayerRange says: the embedding (a
-    module that maps tokens) on the first, and on the last the final norm and head."""
+    module that maps tokens) on the first, and on the last the final norm and head (the embedding again where
+    the head is tied to it)."""
 
     embed_tokens: nn.Module | None
 
