@@ -1,5 +1,6 @@
 """The OpenAI-compatible routes: chat and text completions (streamed as server-sent events or whole),
-models, deleting a conversation, health; FastAPI serves their OpenAPI schema at /openapi.json (and /docs)."""
+models (listed, or one by name), deleting a conversation, health; FastAPI serves their OpenAPI schema at
+/openapi.json (and /docs)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,17 @@ from gateway_svc.http_errors import ApiError, install_error_handlers
 from gateway_svc.http_metrics import Count, CountResponses
 from gateway_svc.openai_replies import ChoiceState, ChunkWriter, Kind
 from gateway_svc.openai_schema import ChatCompletionBody, CompletionBody, GenerationBody
-from gateway_svc.relay import ModelCatalog, arrived_together, responses, rpc, unless_disconnected
+from gateway_svc.relay import (
+    ModelCatalog,
+    arrived_together,
+    responses,
+    rpc,
+    unknown_model,
+    unless_disconnected,
+)
 from gateway_svc.translate import BadField, Choice, UnsupportedField, chat_choices, completion_choices
 from planner_svc.client import PlannerClient
+from protos import client_pb2
 from protos.auth import MAX_KEY_CHARS
 
 log = structlog.get_logger("deltaserve.gateway")
@@ -208,22 +217,30 @@ async def completions(
     return await _answer(request, "text", body, credentials, x_conversation_id)
 
 
+def _model_card(info: client_pb2.ModelInfo, created: int) -> dict[str, Any]:
+    return {
+        "id": info.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "deltaserve",
+        "max_model_len": info.max_seq_len,
+    }
+
+
 @router.get("/v1/models", summary="the model this server serves")
 async def models(request: Request, credentials: Bearer):
     gateway = _gateway(request)
     info = await gateway.models.ask(_key(credentials))
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": info.name,
-                "object": "model",
-                "created": gateway.started,
-                "owned_by": "deltaserve",
-                "max_model_len": info.max_seq_len,
-            }
-        ],
-    }
+    return {"object": "list", "data": [_model_card(info, gateway.started)]}
+
+
+@router.get("/v1/models/{model:path}", summary="the served model by its name (404 for any other name)")
+async def model_by_name(model: str, request: Request, credentials: Bearer):
+    gateway = _gateway(request)
+    info = await gateway.models.ask(_key(credentials))  # each caller's key checked, as for the list
+    if model != info.name:
+        raise unknown_model(model, info.name)
+    return _model_card(info, gateway.started)
 
 
 @router.delete(

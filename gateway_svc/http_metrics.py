@@ -9,6 +9,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")  # others count as "other"
 CONVERSATION = "/v1/conversations/"  # counted under one label whatever the id (ids are unbounded)
+MODEL = "/v1/models/"  # as CONVERSATION: a name asked for is the caller's to choose
 
 
 Count = Callable[[str, str], None]  # one answer's (path, status)
@@ -17,7 +18,9 @@ Count = Callable[[str, str], None]  # one answer's (path, status)
 def _label(path: str) -> str:
     if path in PATHS:
         return path
-    return CONVERSATION + "{conversation_id}" if path.startswith(CONVERSATION) else "other"
+    if path.startswith(CONVERSATION):
+        return CONVERSATION + "{conversation_id}"
+    return MODEL + "{model}" if path.startswith(MODEL) else "other"
 
 
 def count_into(registry: CollectorRegistry) -> Count:

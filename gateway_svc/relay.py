@@ -46,13 +46,17 @@ class ModelCatalog:
         if model != info.name:
             info = await self.ask(key)
         if model != info.name:
-            raise ApiError(
-                404,
-                f"the model {model!r} does not exist; this server serves {info.name!r} (GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+            raise unknown_model(model, info.name)
         return info.name
+
+
+def unknown_model(model: str, served: str) -> ApiError:
+    return ApiError(
+        404,
+        f"the model {model!r} does not exist; this server serves {served!r} (GET /v1/models)",
+        param="model",
+        code="model_not_found",
+    )
 
 
 async def rpc(call: Awaitable[T]) -> T:

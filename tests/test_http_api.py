@@ -70,6 +70,9 @@ async def test_models_health_and_the_openapi_schema(http):
     models = await http.client.models.list()
     assert [m.id for m in models.data] == [http.model]
     assert models.data[0].model_extra["max_model_len"] == http.stack.planner.description.max_seq_len
+    assert await http.client.models.retrieve(http.model) == models.data[0]
+    with pytest.raises(openai.NotFoundError, match="the model 'other/model' does not exist"):
+        await http.client.models.retrieve("other/model")
     async with httpx.AsyncClient(base_url=http.base) as client:
         health = await client.get("/health")
         assert (health.status_code, health.json()) == (200, {"status": "serving"})
@@ -81,6 +84,7 @@ async def test_the_served_model_name_is_the_one_listed_and_asked_for(http, monke
     """--served-model-name: the API lists and takes that name; the checkpoint's own is then a 404."""
     monkeypatch.setattr(http.stack.planner, "model_name", "smollm2-135m")
     assert [m.id for m in (await http.client.models.list()).data] == ["smollm2-135m"]
+    assert (await http.client.models.retrieve("smollm2-135m")).id == "smollm2-135m"
     messages = [{"role": "user", "content": "Hi"}]
     answer = await http.client.chat.completions.create(
         model="smollm2-135m", messages=messages, max_tokens=2, temperature=0

@@ -195,6 +195,8 @@ def check_metrics(base: str, planner: str, metrics_port: int) -> None:
     before = scrape(metrics_port)
     client = openai.OpenAI(api_key=ALICE, base_url=base, max_retries=0)
     model = client.models.list().data[0].id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("any/other-model")
     chat = [*QUESTION]
     first = client.chat.completions.create(
         model=model, messages=chat, max_tokens=3, temperature=0, extra_body={"conversation_id": "m"}
@@ -234,6 +236,7 @@ def check_metrics(base: str, planner: str, metrics_port: int) -> None:
     )
     assert after[("deltaserve_cache_snapshots", ())] >= 1 and after[("deltaserve_cache_bytes", ())] > 0
     assert grew("deltaserve_http_responses_total", path="/v1/chat/completions", status="200") == 2
+    assert grew("deltaserve_http_responses_total", path="/v1/models/{model}", status="404") == 1
     assert ("deltaserve_cache_checksum_failures_total", ()) in after and (
         "deltaserve_cache_evictions_total",
         (),

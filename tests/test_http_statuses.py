@@ -278,14 +278,16 @@ async def test_a_tenant_key_naming_another_tenant_is_403(keyed):
 
 
 async def test_the_model_list_asks_for_a_key_every_time(keyed):
-    """/v1/models checks each caller's key: one allowed caller does not open it to everyone after."""
-    _, client, base, _ = keyed
-    assert (await client.models.list()).data
+    """/v1/models (and a model by name) checks each caller's key: one allowed caller does not open it to
+    everyone after."""
+    _, client, base, model = keyed
+    assert (await client.models.list()).data and (await client.models.retrieve(model)).id == model
     for key in (None, "wrong-key-0123456789"):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         async with httpx.AsyncClient() as http:
-            reply = await http.get(f"{base}/models", headers=headers)
-        assert (reply.status_code, reply.json()["error"]["type"]) == (401, "authentication_error")
+            for path in ("/models", f"/models/{model}"):
+                reply = await http.get(f"{base}{path}", headers=headers)
+                assert (reply.status_code, reply.json()["error"]["type"]) == (401, "authentication_error")
 
 
 async def test_a_key_no_key_can_be_is_401(keyed):
