@@ -223,7 +223,7 @@ async def serve_up(
             **http_fields,
             **metrics_fields,
             device=described.device,
-            model=planner_cfg.served_model_name or described.model_name,
+            model=planner.servicer.model_name,
             dtype=described.dtype,
             executor=executor_addr,
             **cache_fields,
@@ -307,7 +307,7 @@ async def serve_planner(args: argparse.Namespace, config: PlannerConfig, stop: a
             **metrics_fields,
             executor_groups=config.executor_groups,
             device=described.device,
-            model=config.served_model_name or described.model_name,
+            model=planner.servicer.model_name,
             cache=config.cache or "off",
         )
         await _drain_planner(planner, args.drain_timeout)

@@ -166,8 +166,8 @@ def wins(rows: int, n_out: int, k_in: int, dtype: torch.dtype) -> bool:
     stay with cuBLAS. The widest projections win in 64-wide column blocks (on an H100, bf16, us, at 64 rows in
     _WIDE_CONFIG: 8,224 x 1,024 8.5 against 7.9, 7,168 x 1,024 7.7 against 7.3; at 16 rows, swept in K chunks of
     256, 8.3 against 7.8 and 7.6 against 6.9, where the launch keeps chunks of 128; Qwen3.5-0.8B's decode graph
-    in _WIDE_CONFIG 1.5% shorter at 16 and 64 rows, unchanged at 32), unlike 5,120 x 1,024 (at 64 rows 6.5 against 6.7); below 16 rows they were not
-    measured."""
+    in _WIDE_CONFIG 1.5% shorter at 16 and 64 rows, unchanged at 32), unlike 5,120 x 1,024 (at 64 rows 6.5
+    against 6.7); below 16 rows they were not measured."""
     narrow = _NARROWEST_MEASURED <= n_out < k_in
     wide = _wide(n_out, k_in) and rows >= _WIDE_FEWEST_ROWS
     return MIN_ROWS <= rows <= MAX_ROWS and dtype == torch.bfloat16 and (narrow or wide)

@@ -67,8 +67,9 @@ def rope_tables(
     device: torch.device,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each [max_seq_len, dim] (dim = 2 * len(inv_freq), the rotated dims) in `dtype`: Hugging Face's arithmetic (angles in float32, both
-    scaled by the attention factor, then rounded), so the tables match its own."""
+    """(cos, sin), each [max_seq_len, dim] (dim = 2 * len(inv_freq), the rotated dims) in `dtype`: Hugging
+    Face's arithmetic (angles in float32, both scaled by the attention factor, then rounded), so the tables
+    match its own."""
     positions = torch.arange(max_seq_len, dtype=torch.float, device=device)
     freqs = positions[:, None] * inv_freq.to(device)[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)  # angles: [max_seq_len, dim]
