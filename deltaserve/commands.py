@@ -124,6 +124,7 @@ def _request_options(args: argparse.Namespace) -> GenerateOptions:
     return GenerateOptions(
         text=args.text,
         chat=args.chat,
+        chat_template_kwargs=args.chat_template_kwargs,
         token_ids=args.token_ids,
         max_tokens=args.max_tokens,
         temperature=args.temperature,

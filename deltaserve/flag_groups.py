@@ -19,6 +19,7 @@ from deltaserve.flags import (
     model_name,
     port,
     prefill_buckets,
+    text_file,
 )
 from executor_svc.config import (
     DECODE_PATHS,
@@ -212,6 +213,13 @@ def add_planner_flags(flags: Flags) -> None:
         metavar="NAME",
         help="the name the API serves the model under (GET /v1/models' id, what requests give as `model`); "
         "unset: the checkpoint's own name",
+    )
+    flags.option(
+        "--chat-template",
+        type=text_file,
+        metavar="FILE",
+        help="a Jinja chat template to render chat prompts with, in place of the tokenizer's own (for a "
+        "checkpoint without one, or to serve another); requests' chat_template_kwargs are its variables",
     )
     flags.option(
         "--executor-timeout",

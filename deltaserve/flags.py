@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import pathlib
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -90,6 +92,19 @@ def model_name(text: str) -> str:
     if error:
         raise BadValue(error)
     return text
+
+
+def text_file(path: str) -> str:
+    """The path of a non-empty file of UTF-8 text (a chat template), read once to check it, so a mistake stops
+    the command before any model loads. The path, not the text: argparse applies a type to a default (the
+    flag's variable) again."""
+    try:
+        text = pathlib.Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise BadValue(f"cannot read {path!r}: {error}") from None
+    if not text.strip():
+        raise BadValue(f"{path!r} is empty")
+    return path
 
 
 def port(text: str) -> int:
@@ -199,6 +214,17 @@ def shared_prefix(text: str) -> dict[str, int]:
     if kind is not None:
         return {kind: numbers[0]}
     return {"message": numbers[0], "chars": numbers[1]}
+
+
+def json_object(text: str) -> dict[str, object]:
+    """A JSON object's text -> the dict (the planner checks what its keys may be)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise BadValue(f"expected a JSON object, got {text!r}: {error}") from None
+    if not isinstance(value, dict):
+        raise BadValue(f"expected a JSON object, got {text!r}")
+    return value
 
 
 # ---- argparse pieces ----

@@ -14,6 +14,7 @@ from deltaserve.flags import (
     address,
     env_name,
     int_at_least,
+    json_object,
     shared_prefix,
     token_ids,
 )
@@ -41,6 +42,12 @@ def add_generate_command(generate: Flags) -> None:
         type=token_ids,
         metavar="1,2,3",
         help=f"the prompt as token ids [env {env_name('--token-ids')}]",
+    )
+    generate.option(
+        "--chat-template-kwargs",
+        type=json_object,
+        metavar="JSON",
+        help="more variables for the model's chat template (with --chat-json), e.g. '{\"enable_thinking\": false}'",
     )
     generate.option(
         "--max-tokens",
@@ -103,6 +110,8 @@ def resolve_prompt(
         args.chat = _read_chat(parser, args.chat_json)
     else:
         args.chat = None
+        if args.chat_template_kwargs:
+            parser.error("--chat-template-kwargs are variables of the chat template: give --chat-json")
 
 
 def _read_chat(parser: argparse.ArgumentParser, path: str) -> list[dict[str, str]]:

@@ -93,6 +93,9 @@ class ChatCompletionBody(GenerationBody):
     max_completion_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Int32 | None = None
+    # vLLM's extension: more variables for the chat template, such as Qwen3's enable_thinking (the planner
+    # checks the names)
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None

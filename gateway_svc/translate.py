@@ -63,7 +63,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     ),
     "continue_final_message": ("continue_final_message is not supported", (None, False)),
     "chat_template": ("chat_template is not supported: the model's own template is used", (None,)),
-    "chat_template_kwargs": ("chat_template_kwargs are not supported", (None, {})),
 }
 
 
@@ -210,7 +209,8 @@ def chat_choices(body: ChatCompletionBody, conversation_header: str | None, requ
         top_logprobs=body.top_logprobs or 0,
     )
     chat = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
-    return _fan_out([replace(base, chat=chat)], body.n or 1, body.seed, request_id)
+    base = replace(base, chat=chat, chat_template_kwargs=body.chat_template_kwargs)
+    return _fan_out([base], body.n or 1, body.seed, request_id)
 
 
 def _prompts(prompt) -> list[str | list[int]]:

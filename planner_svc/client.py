@@ -71,7 +71,9 @@ class ConversationInfo:
     pinned_prefix: int  # tokens of its pinned shared prefix; 0: none
 
 
-def _chat_messages(chat: Sequence[Mapping[str, str]]) -> client_pb2.ChatMessages:
+def _chat_messages(
+    chat: Sequence[Mapping[str, str]], template_kwargs: Mapping[str, Any] | None
+) -> client_pb2.ChatMessages:
     messages = []
     for i, message in enumerate(chat):
         if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
@@ -79,7 +81,11 @@ def _chat_messages(chat: Sequence[Mapping[str, str]]) -> client_pb2.ChatMessages
                 f"chat message {i} must be a dict with exactly 'role' and 'content', got {message!r}"
             )
         messages.append(client_pb2.ChatMessage(role=str(message["role"]), content=str(message["content"])))
-    return client_pb2.ChatMessages(messages=messages)
+    try:
+        kwargs = json.dumps(dict(template_kwargs)) if template_kwargs else ""
+    except TypeError as error:  # a value JSON has no form for (a set, an object)
+        raise ValueError(f"chat_template_kwargs must be JSON values: {error}") from None
+    return client_pb2.ChatMessages(messages=messages, template_kwargs=kwargs)
 
 
 def _response_format(response_format: Mapping[str, Any]) -> client_pb2.ResponseFormat:
@@ -139,6 +145,8 @@ class GenerateOptions:
     max_tokens: int  # 0: as many as fit in the context after the prompt
     text: str | None = None
     chat: Sequence[Mapping[str, str]] | None = None
+    # More variables for the chat template, such as {"enable_thinking": False} for Qwen3's (needs a chat)
+    chat_template_kwargs: Mapping[str, Any] | None = None
     token_ids: Sequence[int] | None = None
     temperature: float = 0.0
     top_p: float = 1.0
@@ -165,7 +173,8 @@ class GenerateOptions:
 
 def build_generate_request(options: GenerateOptions) -> client_pb2.GenerateRequest:
     """The GenerateRequest of `options`; ValueError unless exactly one of text, chat or token_ids is given,
-    for a malformed chat message or shared prefix, and for a shared prefix without a conversation."""
+    for a malformed chat message or shared prefix, for a shared prefix without a conversation and for chat
+    template kwargs without a chat."""
     o = options
     given = [
         name
@@ -174,6 +183,8 @@ def build_generate_request(options: GenerateOptions) -> client_pb2.GenerateReque
     ]
     if len(given) != 1:
         raise ValueError(f"give exactly one of text, chat or token_ids (got {', '.join(given) or 'none'})")
+    if o.chat_template_kwargs and o.chat is None:
+        raise ValueError("chat_template_kwargs are variables of the chat template: give a chat")
     request = client_pb2.GenerateRequest(
         request_id=o.request_id,
         sampling=client_pb2.SamplingParams(
@@ -207,7 +218,7 @@ def build_generate_request(options: GenerateOptions) -> client_pb2.GenerateReque
     if o.text is not None:
         request.text = o.text
     elif o.chat is not None:
-        request.chat.CopyFrom(_chat_messages(o.chat))
+        request.chat.CopyFrom(_chat_messages(o.chat, o.chat_template_kwargs))
     else:
         request.token_ids = pack_i32(o.token_ids)
     return request

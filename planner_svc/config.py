@@ -97,6 +97,8 @@ class PlannerConfig:
     # The name the API serves the model under (GET /v1/models' id, what requests give as `model`); None:
     # the executor's model name (the checkpoint's own).
     served_model_name: str | None = None
+    # A Jinja chat template (its text) in place of the tokenizer's own; None: the tokenizer's.
+    chat_template: str | None = None
     inflight_plans: int = 2  # plans in flight per executor: the step running and the next
     # Seconds a step may go without output (plus 25 ms per prompt token it reads) before its executor
     # counts as hung: lost, its requests failed or re-queued, and reconnected.
@@ -124,3 +126,5 @@ class PlannerConfig:
         name_error = None if self.served_model_name is None else model_name_error(self.served_model_name)
         if name_error:
             raise ValueError(f"served_model_name: {name_error}")
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ValueError("chat_template is empty: give a template, or None for the tokenizer's own")

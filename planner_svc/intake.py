@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import secrets
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jinja2
 import structlog
@@ -16,7 +18,8 @@ from planner_svc.conversations import common_prefix
 from planner_svc.json_grammar import SchemaCompiler
 from planner_svc.requests import Request, Sampling
 from planner_svc.shared_prefix import resolve_shared_prefix
-from planner_svc.tokenizer import chat_ids, text_ids
+from planner_svc.template_kwargs import parse_template_kwargs
+from planner_svc.tokenizer import chat_ids, reserved_template_names, text_ids
 from planner_svc.validation import (
     GREEDY_BELOW,
     check_generate,
@@ -56,43 +59,51 @@ class Intake:
         default_max_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
+        self.reserved = reserved_template_names(tokenizer)  # names a chat's template kwargs may not take
         self.eos_token_ids = eos_token_ids
         self.default_max_tokens = default_max_tokens  # for requests without max_tokens (0: all that fit)
         self.limits = limits_for(tokenizer, vocab_size, max_seq_len)
         self.schemas = SchemaCompiler(tokenizer, vocab_size)
         self._threads = ThreadPoolExecutor(max_workers=TOKENIZING_THREADS, thread_name_prefix="tokenize")
 
-    async def prepare(
-        self, request: client_pb2.GenerateRequest, request_id: str
-    ) -> tuple[Request, Messages | None]:
+    async def prepare(self, request: client_pb2.GenerateRequest, request_id: str) -> Request:
         """The request checked and its prompt tokenized; ValueError (INVALID_ARGUMENT) says what is wrong."""
         check_generate(request, self.limits)
         call = contextvars.copy_context().run  # the request id stays bound in the worker's log lines
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._threads, call, self._make_request, request, request_id)
 
-    def _prompt(self, request: client_pb2.GenerateRequest) -> tuple[list[int], Messages | None]:
-        """The prompt's ids, and its chat messages when it came as a chat."""
+    def _prompt(
+        self, request: client_pb2.GenerateRequest
+    ) -> tuple[list[int], Messages | None, dict[str, Any]]:
+        """The prompt's ids, and its chat messages and template kwargs when it came as a chat."""
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            return (text_ids(self.tokenizer, request.text) if request.text else []), None
+            return (text_ids(self.tokenizer, request.text) if request.text else []), None, {}
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            kwargs = parse_template_kwargs(request.chat.template_kwargs, self.reserved)
             if not messages:
-                return [], messages
-            return chat_ids(self.tokenizer, messages), messages
+                return [], messages, kwargs
+            return chat_ids(self.tokenizer, messages, kwargs), messages, kwargs
         if kind == "token_ids":
-            return unpack_i32(request.token_ids).tolist(), None
-        return [], None
+            return unpack_i32(request.token_ids).tolist(), None, {}
+        return [], None, {}
 
-    def _render(self, messages: Messages) -> list[int]:
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-
-    def _marks(self, request: client_pb2.GenerateRequest, req: Request, messages: Messages | None) -> None:
-        """The root (end of the system prompt) and the pinned shared prefix of a conversation's turn."""
+    def _marks(
+        self,
+        request: client_pb2.GenerateRequest,
+        req: Request,
+        messages: Messages | None,
+        kwargs: dict[str, Any],
+    ) -> None:
+        """The root (end of the system prompt) and the pinned shared prefix of a conversation's turn, found by
+        rendering the first messages as the prompt's were (with the same template kwargs)."""
+        render = functools.partial(
+            chat_ids, self.tokenizer, template_kwargs=kwargs, add_generation_prompt=False
+        )
         if messages and messages[0]["role"] == "system":
-            req.root = common_prefix(self._render(messages[:1]), req.prompt_ids) or None
+            req.root = common_prefix(render(messages[:1]), req.prompt_ids) or None
         if request.HasField("shared_prefix"):
             prefix = request.shared_prefix
             kind = prefix.WhichOneof("prefix")
@@ -101,7 +112,7 @@ class Intake:
                 value = (prefix.message.message, prefix.message.chars)
             elif kind:
                 value = getattr(prefix, kind)
-            tokens, why = resolve_shared_prefix(kind, value, req.prompt_ids, messages, self._render)
+            tokens, why = resolve_shared_prefix(kind, value, req.prompt_ids, messages, render)
             if tokens is None:
                 log.info("shared prefix not marked", reason=why)
                 req.pin_note = f"the shared prefix was not marked: {why}"
@@ -120,11 +131,9 @@ class Intake:
             raise ValueError(f"response_format.json_schema.schema {error}")
         return schema
 
-    def _make_request(
-        self, request: client_pb2.GenerateRequest, request_id: str
-    ) -> tuple[Request, Messages | None]:
+    def _make_request(self, request: client_pb2.GenerateRequest, request_id: str) -> Request:
         try:
-            prompt_ids, messages = self._prompt(request)
+            prompt_ids, messages, kwargs = self._prompt(request)
         except jinja2.TemplateError as error:
             raise ValueError(f"chat: the model's chat template refused the messages: {error}") from None
         if not prompt_ids:
@@ -157,5 +166,5 @@ class Intake:
         req.grammar = self._grammar(request)
         req.n = max(request.n, 1)
         if request.conversation_id:
-            self._marks(request, req, messages)
-        return req, messages
+            self._marks(request, req, messages, kwargs)
+        return req

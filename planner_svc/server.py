@@ -24,13 +24,13 @@ from planner_svc.planned import CapacityError
 from planner_svc.refusals import Refusals
 from planner_svc.requests import Finish, Request
 from planner_svc.responses import ResponseStreams
+from planner_svc.tokenizer import planner_tokenizer
 from planner_svc.turns import Turns
 from planner_svc.validation import MAX_CHOICES, InvalidRequest, check_named
 from planner_svc.waiting_room import TenantShare, WaitingRoom
 from protos import client_pb2, client_pb2_grpc, executor_pb2
 from protos.auth import TenantMismatch, request_tenant, tenant_of
 from protos.decode_guard import guarded
-from protos.model_files import load_tokenizer
 from protos.rpc import (
     NEVER_FITS_METADATA,
     ChannelSecurity,
@@ -138,7 +138,7 @@ class PlannerServicer(client_pb2_grpc.PlannerServicer):
             # up on one lock).
             held = self.room.enter(choices, queued, self.max_waiting, self._share(tenant))
             try:
-                req, messages = await self.intake.prepare(request, request_id)
+                req = await self.intake.prepare(request, request_id)
                 if request.conversation_id:
                     engine, queue, mount = await self.turns.start(
                         req, await self._owner(req, request, context), request.conversation_id
@@ -336,9 +336,10 @@ async def start_planner_server(
     """Attach to the executors (waiting until they answer), then serve the client API.
 
     Stopping the returned server stops the engines and closes the cache channel; a start that fails or is
-    cancelled part way (a stop signal while an executor does not answer) closes what it had opened. `security`: TLS and API
-    keys of the client API; `executor_channel` and `cache_channel`: how it reaches the executors (TLS) and
-    the cache (TLS, and the service key). `metrics`: the registry its metrics are recorded in (planner_svc/metrics.py).
+    cancelled part way (a stop signal while an executor does not answer) closes what it had opened.
+    `security`: TLS and API keys of the client API; `executor_channel` and `cache_channel`: how it reaches the
+    executors (TLS) and the cache (TLS, and the service key). `metrics`: the registry its metrics are recorded
+    in (planner_svc/metrics.py).
     """
     if links is None:
         if not config.executors and not config.executor_groups:
@@ -355,7 +356,7 @@ async def start_planner_server(
         fingerprints = {d.model_fingerprint for d in descriptions}
         if len(fingerprints) > 1:
             raise ValueError(f"the executors serve different models: {sorted(fingerprints)}")
-        tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
+        tokenizer = await asyncio.to_thread(planner_tokenizer, config.model, config.chat_template)
         built = [build_engine(d, link, config) for d, link in zip(descriptions, links)]
         turns = Turns(built, config.cache, cache_channel)
         for engine in built:

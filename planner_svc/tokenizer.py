@@ -2,11 +2,53 @@
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
 
-def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+import jinja2
+
+from protos.model_files import load_tokenizer
+
+
+def planner_tokenizer(model: str | None, chat_template: str | None):
+    """The model's tokenizer, with `chat_template` (a Jinja template's text) in place of its own where one is
+    given: for a checkpoint that has none, or to serve another. ValueError for a template that does not parse."""
+    tokenizer = load_tokenizer(model)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+        try:  # transformers compiles a template when it first renders one
+            chat_ids(tokenizer, [{"role": "user", "content": "hi"}], {})
+        except jinja2.TemplateSyntaxError as error:
+            raise ValueError(f"the chat template does not parse: {error} (line {error.lineno})") from None
+        except jinja2.TemplateError:  # it parses, and refuses this chat: a template may ask for a system turn
+            pass
+    return tokenizer
+
+
+def chat_ids(
+    tokenizer,
+    messages: list[dict[str, str]],
+    template_kwargs: dict[str, Any],
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The ids of a chat rendered by the chat template, `template_kwargs` its request's extra variables; ending
+    with the assistant's turn opened unless `add_generation_prompt` is false (a history's rendering)."""
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
     return list(ids)
+
+
+def reserved_template_names(tokenizer) -> frozenset[str]:
+    """The names a request's chat template kwargs may not take: apply_chat_template's own parameters (a kwarg
+    `tokenize` would change what it returns) and the tokenizer's special tokens, which the template is given."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    names = set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    names.update(inspect.signature(render_jinja_template).parameters)
+    names.update(tokenizer.special_tokens_map)
+    return frozenset(names)
 
 
 def text_ids(tokenizer, text: str) -> list[int]:

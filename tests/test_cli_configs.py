@@ -89,6 +89,22 @@ def test_configs_from_flags():
         PlannerConfig(served_model_name="m" * 257)
 
 
+def test_a_chat_template_is_read_from_its_file_when_the_flag_is_given(tmp_path, capsys):
+    template = tmp_path / "chatml.jinja"
+    template.write_text("{% for message in messages %}{{ message['content'] }}{% endfor %}")
+    assert planner_config(parse(["up"]), executors=[], cache=None).chat_template is None  # the tokenizer's
+    args = parse(["planner", "--executor", "x:1", "--chat-template", str(template)])
+    assert planner_config(args, executors=[], cache=None).chat_template == template.read_text()
+    from_env = parse(["up"], DELTASERVE_CHAT_TEMPLATE=str(template))
+    assert planner_config(from_env, executors=[], cache=None).chat_template == template.read_text()
+    (tmp_path / "empty.jinja").write_text(" \n")
+    assert "is empty" in usage_error(capsys, ["up", "--chat-template", str(tmp_path / "empty.jinja")])
+    said = usage_error(capsys, ["up", "--chat-template", str(tmp_path / "missing.jinja")])
+    assert "--chat-template" in said and "cannot read" in said and "missing.jinja" in said
+    with pytest.raises(ValueError, match="chat_template is empty"):
+        PlannerConfig(chat_template="")
+
+
 def test_cache_flags_of_executor_and_planner_and_their_env():
     executor = parse(["executor", "--cache", "cache:50071", "--shard-layers", "4"])
     assert (executor.cache, executor.shard_layers) == ("cache:50071", 4)

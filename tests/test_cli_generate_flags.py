@@ -49,6 +49,20 @@ def test_generate_takes_exactly_one_prompt(capsys, tmp_path):
     )
 
 
+def test_generate_chat_template_kwargs_go_with_a_chat(capsys, tmp_path):
+    chat_file = tmp_path / "chat.json"
+    chat_file.write_text(json.dumps([{"role": "user", "content": "hello"}]))
+    flags = ["generate", "--chat-json", str(chat_file), "--max-tokens", "3"]
+    args = parse([*flags, "--chat-template-kwargs", '{"enable_thinking": false}'])
+    request = build_generate_request(commands._request_options(args))
+    assert json.loads(request.chat.template_kwargs) == {"enable_thinking": False}
+    assert parse(flags, DELTASERVE_CHAT_TEMPLATE_KWARGS='{"a": 1}').chat_template_kwargs == {"a": 1}
+    assert "expected a JSON object" in usage_error(capsys, [*flags, "--chat-template-kwargs", "[1]"])
+    assert "give --chat-json" in usage_error(
+        capsys, ["generate", "--text", "a", "--max-tokens", "3", "--chat-template-kwargs", '{"a": 1}']
+    )
+
+
 @pytest.mark.parametrize(
     "flags, said",
     [

@@ -17,7 +17,7 @@ async def test_chat_prompt_ids_equal_transformers(smol_stack):
     from tests.hf_reference import chat_ids, chat_prompts
 
     for chat in chat_prompts():
-        assert planner_chat_ids(smol_stack.planner.tokenizer, chat) == chat_ids(chat)
+        assert planner_chat_ids(smol_stack.planner.tokenizer, chat, {}) == chat_ids(chat)
 
 
 async def test_one_at_a_time_equals_transformers(smol_stack, hf_answers):

@@ -35,6 +35,19 @@ def test_generate_request_takes_exactly_one_prompt():
         build_generate_request(GenerateOptions(chat=[{"text": "hi"}], max_tokens=1))
 
 
+def test_chat_template_kwargs_travel_as_json_with_a_chat_only():
+    chat = [{"role": "user", "content": "hi"}]
+    request = build_generate_request(
+        GenerateOptions(chat=chat, max_tokens=1, chat_template_kwargs={"enable_thinking": False, "n": 3})
+    )
+    assert json.loads(request.chat.template_kwargs) == {"enable_thinking": False, "n": 3}
+    assert build_generate_request(GenerateOptions(chat=chat, max_tokens=1)).chat.template_kwargs == ""
+    with pytest.raises(ValueError, match="give a chat"):
+        build_generate_request(GenerateOptions(text="a", max_tokens=1, chat_template_kwargs={"x": 1}))
+    with pytest.raises(ValueError, match="must be JSON values"):
+        build_generate_request(GenerateOptions(chat=chat, max_tokens=1, chat_template_kwargs={"x": {1, 2}}))
+
+
 def test_an_unseeded_request_leaves_the_seed_unset_for_the_planner_to_draw():
     unseeded = build_generate_request(GenerateOptions(text="a", max_tokens=1, temperature=1.0))
     assert not unseeded.sampling.HasField("seed")

@@ -43,6 +43,7 @@ def test_a_chat_body_maps_onto_the_planners_request():
         stop_token_ids=[5],
         conversation_id="c",
         shared_prefix={"message": 0, "chars": 3},
+        chat_template_kwargs={"enable_thinking": False},
     )
     [choice] = chat_choices(body, None, "chatcmpl-x")
     o = choice.options
@@ -50,6 +51,7 @@ def test_a_chat_body_maps_onto_the_planners_request():
     assert (o.max_tokens, o.temperature, o.top_p, o.top_k, o.seed) == (7, 0.5, 0.9, 3, 11)
     assert (tuple(o.stop_token_ids), o.conversation_id, o.request_id, o.n) == ((5,), "c", "chatcmpl-x-0", 1)
     assert o.shared_prefix == {"message": 0, "chars": 3}
+    assert o.chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_defaults_are_openais():
@@ -111,7 +113,6 @@ VLLM_REFUSED = [
     ("include_stop_str_in_output", True),
     ("skip_special_tokens", False),
     ("add_generation_prompt", False),
-    ("chat_template_kwargs", {"enable_thinking": False}),
     ("echo", True),  # vLLM's chat takes echo too
 ]
 VLLM_HARMLESS = {

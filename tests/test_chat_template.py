@@ -1,0 +1,137 @@
+"""A chat template of the server's choosing (--chat-template) and requests' chat_template_kwargs (vLLM's
+extension; Qwen3's enable_thinking): checked where they are parsed, and over the real stack (SmolLM2 on the
+CPU) through OpenAI's client: the prompt the model reads is transformers' rendering of the template with the
+request's variables, and a bad variable is a 400 that harms no later request."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import pytest_asyncio
+
+from executor_svc.config import ExecutorConfig
+from planner_svc.client import GenerateOptions, PlannerClient
+from planner_svc.config import PlannerConfig
+from planner_svc.template_kwargs import MAX_TEMPLATE_KWARGS, parse_template_kwargs
+from planner_svc.tokenizer import chat_ids, planner_tokenizer, reserved_template_names
+from tests.conftest import SMOL_BUCKETS, start_stack, stop_stack
+
+# ChatML, as SmolLM2's own template but without its default system turn, and Qwen3's switch: an empty
+# thinking block after the assistant's header when a request turns thinking off.
+THINKING_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% endif %}{% endif %}"
+)
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+RESERVED = frozenset({"tokenize", "bos_token"})
+
+# ---- parsing (pure) ----
+
+
+def test_template_kwargs_are_a_json_object_of_new_identifiers():
+    assert parse_template_kwargs("", RESERVED) == {}
+    assert parse_template_kwargs('{"enable_thinking": false, "n": 3}', RESERVED) == {
+        "enable_thinking": False,
+        "n": 3,
+    }
+    too_many = json.dumps({f"k{i}": i for i in range(MAX_TEMPLATE_KWARGS + 1)})
+    for text, says in (
+        ("{", "not valid JSON"),
+        ("[1]", "must be a JSON object, got list"),
+        ('{"a-b": 1}', "must be an identifier, got 'a-b'"),
+        ('{"tokenize": false}', "'tokenize' is the template's own variable"),
+        ('{"messages": []}', "'messages' is the template's own variable"),
+        ('{"bos_token": "x"}', "'bos_token' is the template's own variable"),
+        (too_many, f"at most {MAX_TEMPLATE_KWARGS} keys"),
+        ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            parse_template_kwargs(text, RESERVED)
+
+
+def test_the_reserved_names_are_apply_chat_templates_parameters_and_the_special_tokens():
+    tokenizer = planner_tokenizer(None, None)
+    reserved = reserved_template_names(tokenizer)
+    assert {"tokenize", "return_dict", "add_generation_prompt", "tools", "chat_template"} <= reserved
+    assert {"bos_token", "eos_token"} <= reserved
+    assert "enable_thinking" not in reserved
+
+
+def test_a_server_template_replaces_the_tokenizers_own_and_reads_the_requests_variables():
+    own = planner_tokenizer(None, None)
+    served = planner_tokenizer(None, THINKING_TEMPLATE)
+    plain = chat_ids(served, QUESTION, {})
+    assert plain != chat_ids(own, QUESTION, {})  # no default system turn
+    assert (
+        plain
+        == own.apply_chat_template(QUESTION, chat_template=THINKING_TEMPLATE, add_generation_prompt=True)[
+            "input_ids"
+        ]
+    )
+    thinking_off = chat_ids(served, QUESTION, {"enable_thinking": False})
+    assert thinking_off[: len(plain)] == plain and len(thinking_off) > len(plain)
+    with pytest.raises(ValueError, match="the chat template does not parse"):
+        planner_tokenizer(None, "{% for message in messages %}")
+
+
+# ---- over the stack ----
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def served():
+    """SmolLM2 served with THINKING_TEMPLATE, and the HTTP gateway in front of it."""
+    from gateway_svc.http_server import start_gateway
+
+    stack, servers = await start_stack(
+        ExecutorConfig(device="cpu", dtype="float32", pool_pages=128, buckets=SMOL_BUCKETS),
+        PlannerConfig(chat_template=THINKING_TEMPLATE),
+    )
+    gateway = await start_gateway(stack.addr)
+    client = openai.AsyncOpenAI(
+        api_key="unused", base_url=f"http://127.0.0.1:{gateway.port}/v1", max_retries=0
+    )
+    async with PlannerClient(stack.addr) as planner:
+        model = (await planner.model_info()).name
+        yield stack, planner, client, model
+    await gateway.stop()
+    await stop_stack(servers)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_the_model_reads_the_template_rendered_with_the_requests_variables(served):
+    stack, planner, client, model = served
+    fields = dict(model=model, messages=QUESTION, max_tokens=6, temperature=0)
+    for kwargs in ({}, {"enable_thinking": False}):
+        rendered = chat_ids(stack.planner.tokenizer, QUESTION, kwargs)
+        by_ids = await planner.generate_all(GenerateOptions(token_ids=rendered, max_tokens=6))
+        extra = {"return_token_ids": True, **({"chat_template_kwargs": kwargs} if kwargs else {})}
+        reply = await client.chat.completions.create(**fields, extra_body=extra)
+        assert reply.usage.prompt_tokens == len(rendered)
+        assert reply.choices[0].model_extra["token_ids"] == by_ids.token_ids
+        over_grpc = await planner.generate_all(
+            GenerateOptions(chat=QUESTION, chat_template_kwargs=kwargs, max_tokens=6)
+        )
+        assert (over_grpc.prompt_tokens, over_grpc.token_ids) == (len(rendered), by_ids.token_ids)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_bad_variable_is_a_400_that_harms_no_later_request(served):
+    _, _, client, model = served
+    fields = dict(model=model, messages=QUESTION, max_tokens=3, temperature=0)
+    before = await client.chat.completions.create(**fields)
+    for kwargs, says in (
+        ({"tokenize": False}, "'tokenize' is the template's own variable"),
+        ({"not-a-name": 1}, "must be an identifier"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=says):
+            await client.chat.completions.create(**fields, extra_body={"chat_template_kwargs": kwargs})
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+        await client.chat.completions.create(
+            **fields, extra_body={"chat_template_kwargs": ["enable_thinking"]}
+        )
+    after = await client.chat.completions.create(**fields)
+    assert after.choices[0].message.content == before.choices[0].message.content
