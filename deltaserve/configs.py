@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import pathlib
 
 from cache_svc.config import CacheServiceConfig
 from executor_svc.config import ExecutorConfig
@@ -46,9 +45,7 @@ def planner_config(args: argparse.Namespace, *, executors: list[str], cache: str
         max_waiting_per_tenant=args.max_waiting_per_tenant,
         default_max_tokens=args.default_max_tokens,
         served_model_name=args.served_model_name,
-        chat_template=None
-        if args.chat_template is None
-        else pathlib.Path(args.chat_template).read_text(encoding="utf-8"),
+        chat_template=None if args.chat_template is None else args.chat_template.text,
         executor_timeout=args.executor_timeout,
         cache=cache,
         scheduling=SchedulingConfig(

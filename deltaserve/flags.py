@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from planner_svc.config import model_name_error
@@ -94,17 +95,25 @@ def model_name(text: str) -> str:
     return text
 
 
-def text_file(path: str) -> str:
-    """The path of a non-empty file of UTF-8 text (a chat template), read once to check it, so a mistake stops
-    the command before any model loads. The path, not the text: argparse applies a type to a default (the
-    flag's variable) again."""
+@dataclass(frozen=True, slots=True)
+class TextFile:
+    """A file's path and its text, read once when the flag is parsed. Not a str: argparse applies a flag's type
+    again to a default (the flag's variable) that is one."""
+
+    path: str
+    text: str
+
+
+def text_file(path: str) -> TextFile:
+    """A non-empty file of UTF-8 text (a chat template), read when the flag is given, so a mistake stops the
+    command before any model loads."""
     try:
         text = pathlib.Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise BadValue(f"cannot read {path!r}: {error}") from None
     if not text.strip():
         raise BadValue(f"{path!r} is empty")
-    return path
+    return TextFile(path, text)
 
 
 def port(text: str) -> int:

@@ -110,7 +110,10 @@ def resolve_prompt(
         args.chat = _read_chat(parser, args.chat_json)
     else:
         args.chat = None
-        if args.chat_template_kwargs:
+        variable = environ.get(env_name("--chat-template-kwargs"))
+        if variable is not None and args.chat_template_kwargs == json_object(variable):
+            args.chat_template_kwargs = None  # the variable is for chats, and harms no other prompt
+        elif args.chat_template_kwargs:
             parser.error("--chat-template-kwargs are variables of the chat template: give --chat-json")
 
 

@@ -62,7 +62,10 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
         (None, True),
     ),
     "continue_final_message": ("continue_final_message is not supported", (None, False)),
-    "chat_template": ("chat_template is not supported: the model's own template is used", (None,)),
+    "chat_template": (
+        "chat_template is not supported: the server's template is used (its --chat-template)",
+        (None,),
+    ),
 }
 
 

@@ -81,9 +81,11 @@ def _chat_messages(
                 f"chat message {i} must be a dict with exactly 'role' and 'content', got {message!r}"
             )
         messages.append(client_pb2.ChatMessage(role=str(message["role"]), content=str(message["content"])))
-    try:
-        kwargs = json.dumps(dict(template_kwargs)) if template_kwargs else ""
-    except TypeError as error:  # a value JSON has no form for (a set, an object)
+    if template_kwargs and not all(isinstance(key, str) for key in template_kwargs):
+        raise ValueError(f"chat_template_kwargs' keys must be strings, got {list(template_kwargs)!r}")
+    try:  # strict JSON: no NaN or infinity
+        kwargs = json.dumps(dict(template_kwargs), allow_nan=False) if template_kwargs else ""
+    except (TypeError, ValueError, RecursionError) as error:  # a set, NaN, a value holding itself, ...
         raise ValueError(f"chat_template_kwargs must be JSON values: {error}") from None
     return client_pb2.ChatMessages(messages=messages, template_kwargs=kwargs)
 

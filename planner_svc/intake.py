@@ -11,7 +11,6 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import jinja2
 import structlog
 
 from planner_svc.conversations import common_prefix
@@ -19,7 +18,7 @@ from planner_svc.json_grammar import SchemaCompiler
 from planner_svc.requests import Request, Sampling
 from planner_svc.shared_prefix import resolve_shared_prefix
 from planner_svc.template_kwargs import parse_template_kwargs
-from planner_svc.tokenizer import chat_ids, reserved_template_names, text_ids
+from planner_svc.tokenizer import TemplateRefused, chat_ids, reserved_template_names, text_ids
 from planner_svc.validation import (
     GREEDY_BELOW,
     check_generate,
@@ -103,7 +102,10 @@ class Intake:
             chat_ids, self.tokenizer, template_kwargs=kwargs, add_generation_prompt=False
         )
         if messages and messages[0]["role"] == "system":
-            req.root = common_prefix(render(messages[:1]), req.prompt_ids) or None
+            try:
+                req.root = common_prefix(render(messages[:1]), req.prompt_ids) or None
+            except TemplateRefused:  # a template may refuse a system turn alone: then the turn has no root
+                pass
         if request.HasField("shared_prefix"):
             prefix = request.shared_prefix
             kind = prefix.WhichOneof("prefix")
@@ -112,7 +114,10 @@ class Intake:
                 value = (prefix.message.message, prefix.message.chars)
             elif kind:
                 value = getattr(prefix, kind)
-            tokens, why = resolve_shared_prefix(kind, value, req.prompt_ids, messages, render)
+            try:
+                tokens, why = resolve_shared_prefix(kind, value, req.prompt_ids, messages, render)
+            except TemplateRefused as error:
+                tokens, why = None, f"the shared prefix's messages alone do not render: {error}"
             if tokens is None:
                 log.info("shared prefix not marked", reason=why)
                 req.pin_note = f"the shared prefix was not marked: {why}"
@@ -132,10 +137,7 @@ class Intake:
         return schema
 
     def _make_request(self, request: client_pb2.GenerateRequest, request_id: str) -> Request:
-        try:
-            prompt_ids, messages, kwargs = self._prompt(request)
-        except jinja2.TemplateError as error:
-            raise ValueError(f"chat: the model's chat template refused the messages: {error}") from None
+        prompt_ids, messages, kwargs = self._prompt(request)
         if not prompt_ids:
             raise ValueError("the prompt is empty: give text, chat messages or token ids")
         max_tokens = request.max_tokens or unset_max_tokens(

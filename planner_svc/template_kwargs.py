@@ -6,31 +6,43 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from planner_svc.schema_limits import json_depth
+from planner_svc.validation import InvalidRequest
+
 MAX_TEMPLATE_KWARGS = 32
-# Names the chat template is given whatever a request says, besides apply_chat_template's own parameters
-# (the tokenizer's edge adds those, and its special tokens): the messages, and transformers' template globals.
+# Objects and arrays nested in a value: transformers copies the values recursively (~450 levels overflow).
+MAX_TEMPLATE_KWARGS_DEPTH = 32
+# Names the chat template is given whatever a request says, besides apply_chat_template's own parameters and
+# the tokenizer's special tokens (the tokenizer's edge adds those, and Jinja's globals such as `range`): the
+# messages, and the globals transformers adds.
 TEMPLATE_NAMES = frozenset({"messages", "raise_exception", "strftime_now", "dict", "namespace"})
 
 
 def parse_template_kwargs(text: str, reserved: frozenset[str]) -> dict[str, Any]:
-    """The variables of `text`, a JSON object ("" is none); ValueError says what is wrong. A key must be an
+    """The variables of `text`, a JSON object ("" is none); InvalidRequest says what is wrong. A key must be an
     identifier (what a template can name) and none of `reserved`, the names the template already gets: a
-    request may add variables, never replace the messages or the tokenizer's own."""
+    request may add variables, never replace the messages, the template's functions or the tokenizer's own."""
     if not text:
         return {}
     try:
         kwargs = json.loads(text)
     except ValueError as error:  # JSONDecodeError
-        raise ValueError(f"chat template kwargs are not valid JSON: {error}") from None
+        raise InvalidRequest(f"chat_template_kwargs is not valid JSON: {error}") from None
     except RecursionError:  # arrays or objects nested thousands deep
-        raise ValueError("chat template kwargs are nested too deeply") from None
+        raise InvalidRequest(f"chat_template_kwargs nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH}") from None
     if not isinstance(kwargs, dict):
-        raise ValueError(f"chat template kwargs must be a JSON object, got {type(kwargs).__name__}")
+        raise InvalidRequest(f"chat_template_kwargs must be a JSON object, got {type(kwargs).__name__}")
     if len(kwargs) > MAX_TEMPLATE_KWARGS:
-        raise ValueError(f"chat template kwargs: at most {MAX_TEMPLATE_KWARGS} keys, got {len(kwargs)}")
+        raise InvalidRequest(
+            f"chat_template_kwargs has at most {MAX_TEMPLATE_KWARGS} keys, got {len(kwargs)}"
+        )
+    if json_depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH + 1:  # the object itself is one level
+        raise InvalidRequest(f"chat_template_kwargs nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH}")
     for key in kwargs:
         if not key.isidentifier():
-            raise ValueError(f"chat template kwargs: a key must be an identifier, got {key!r}")
+            raise InvalidRequest(f"chat_template_kwargs: a key must be an identifier, got {key!r}")
         if key in reserved or key in TEMPLATE_NAMES:
-            raise ValueError(f"chat template kwargs: {key!r} is the template's own variable, not a request's")
+            raise InvalidRequest(
+                f"chat_template_kwargs: {key!r} is the template's own variable, not a request's"
+            )
     return kwargs

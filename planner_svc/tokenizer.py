@@ -9,6 +9,14 @@ import jinja2
 
 from protos.model_files import load_tokenizer
 
+# What rendering a chat raises for the chat's own sake: the template refuses the messages (raise_exception), or a
+# request's variable has a type the template cannot use (a TypeError inside it), or nests too deep to copy.
+_RENDER_ERRORS = (jinja2.TemplateError, TypeError, RecursionError)
+
+
+class TemplateRefused(ValueError):
+    """The chat template could not render a chat (INVALID_ARGUMENT)."""
+
 
 def planner_tokenizer(model: str | None, chat_template: str | None):
     """The model's tokenizer, with `chat_template` (a Jinja template's text) in place of its own where one is
@@ -17,10 +25,10 @@ def planner_tokenizer(model: str | None, chat_template: str | None):
     if chat_template is not None:
         tokenizer.chat_template = chat_template
         try:  # transformers compiles a template when it first renders one
-            chat_ids(tokenizer, [{"role": "user", "content": "hi"}], {})
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
         except jinja2.TemplateSyntaxError as error:
             raise ValueError(f"the chat template does not parse: {error} (line {error.lineno})") from None
-        except jinja2.TemplateError:  # it parses, and refuses this chat: a template may ask for a system turn
+        except _RENDER_ERRORS:  # it parses, and refuses this chat: a template may ask for a system turn
             pass
     return tokenizer
 
@@ -32,20 +40,26 @@ def chat_ids(
     add_generation_prompt: bool = True,
 ) -> list[int]:
     """The ids of a chat rendered by the chat template, `template_kwargs` its request's extra variables; ending
-    with the assistant's turn opened unless `add_generation_prompt` is false (a history's rendering)."""
-    encoded = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, **template_kwargs
-    )
+    with the assistant's turn opened unless `add_generation_prompt` is false (a history's rendering).
+    TemplateRefused when the template cannot render it."""
+    try:
+        encoded = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+    except _RENDER_ERRORS as error:
+        raise TemplateRefused(f"chat: the chat template refused the messages: {error}") from None
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
     return list(ids)
 
 
 def reserved_template_names(tokenizer) -> frozenset[str]:
     """The names a request's chat template kwargs may not take: apply_chat_template's own parameters (a kwarg
-    `tokenize` would change what it returns) and the tokenizer's special tokens, which the template is given."""
+    `tokenize` would change what it returns), the tokenizer's special tokens and Jinja's globals (`range`), which
+    the template is given."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    names = set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    names = set(jinja2.defaults.DEFAULT_NAMESPACE)
+    names.update(inspect.signature(type(tokenizer).apply_chat_template).parameters)  # `self` too
     names.update(inspect.signature(render_jinja_template).parameters)
     names.update(tokenizer.special_tokens_map)
     return frozenset(names)

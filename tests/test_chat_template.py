@@ -14,8 +14,9 @@ import pytest_asyncio
 from executor_svc.config import ExecutorConfig
 from planner_svc.client import GenerateOptions, PlannerClient
 from planner_svc.config import PlannerConfig
-from planner_svc.template_kwargs import MAX_TEMPLATE_KWARGS, parse_template_kwargs
-from planner_svc.tokenizer import chat_ids, planner_tokenizer, reserved_template_names
+from planner_svc.template_kwargs import MAX_TEMPLATE_KWARGS, MAX_TEMPLATE_KWARGS_DEPTH, parse_template_kwargs
+from planner_svc.tokenizer import TemplateRefused, chat_ids, planner_tokenizer, reserved_template_names
+from planner_svc.validation import InvalidRequest
 from tests.conftest import SMOL_BUCKETS, start_stack, stop_stack
 
 # ChatML, as SmolLM2's own template but without its default system turn, and Qwen3's switch: an empty
@@ -39,6 +40,7 @@ def test_template_kwargs_are_a_json_object_of_new_identifiers():
         "n": 3,
     }
     too_many = json.dumps({f"k{i}": i for i in range(MAX_TEMPLATE_KWARGS + 1)})
+    deep = '{"a": ' + "[" * 500 + "]" * 500 + "}"
     for text, says in (
         ("{", "not valid JSON"),
         ("[1]", "must be a JSON object, got list"),
@@ -47,10 +49,13 @@ def test_template_kwargs_are_a_json_object_of_new_identifiers():
         ('{"messages": []}', "'messages' is the template's own variable"),
         ('{"bos_token": "x"}', "'bos_token' is the template's own variable"),
         (too_many, f"at most {MAX_TEMPLATE_KWARGS} keys"),
-        ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+        ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests deeper than"),  # json refuses it
+        (deep, f"nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH}"),  # transformers' copy would overflow
     ):
-        with pytest.raises(ValueError, match=says):
+        with pytest.raises(InvalidRequest, match=says):
             parse_template_kwargs(text, RESERVED)
+    depth = MAX_TEMPLATE_KWARGS_DEPTH
+    assert parse_template_kwargs('{"a": ' + "[" * depth + "]" * depth + "}", RESERVED)
 
 
 def test_the_reserved_names_are_apply_chat_templates_parameters_and_the_special_tokens():
@@ -58,6 +63,7 @@ def test_the_reserved_names_are_apply_chat_templates_parameters_and_the_special_
     reserved = reserved_template_names(tokenizer)
     assert {"tokenize", "return_dict", "add_generation_prompt", "tools", "chat_template"} <= reserved
     assert {"bos_token", "eos_token"} <= reserved
+    assert {"self", "range", "cycler"} <= reserved  # a `self` kwarg is a TypeError; `range` Jinja's function
     assert "enable_thinking" not in reserved
 
 
@@ -76,6 +82,41 @@ def test_a_server_template_replaces_the_tokenizers_own_and_reads_the_requests_va
     assert thinking_off[: len(plain)] == plain and len(thinking_off) > len(plain)
     with pytest.raises(ValueError, match="the chat template does not parse"):
         planner_tokenizer(None, "{% for message in messages %}")
+    # a variable the template cannot use as it is (a TypeError inside it), and one it refuses: a 400 each
+    counting = planner_tokenizer(None, "{{ messages[0]['content'] }}{{ repeat + 1 }}")
+    assert chat_ids(counting, QUESTION, {"repeat": 1})
+    for kwargs in ({"repeat": [1]}, {"repeat": "1"}):
+        with pytest.raises(TemplateRefused, match="the chat template refused the messages"):
+            chat_ids(counting, QUESTION, kwargs)
+    refusing = planner_tokenizer(None, "{% if strict %}{{ raise_exception('no system turns') }}{% endif %}x")
+    with pytest.raises(TemplateRefused, match="no system turns"):
+        chat_ids(refusing, QUESTION, {"strict": True})
+
+
+def test_a_template_that_refuses_the_system_turn_alone_leaves_a_turn_unmarked_not_refused():
+    """The root and a shared prefix of messages are found by rendering the first messages alone, which a
+    template may refuse (it asks for a user turn): the turn goes on without them, saying why for the pin."""
+    from planner_svc.intake import Intake
+    from protos import client_pb2
+
+    template = (
+        "{% if messages[-1]['role'] == 'system' %}{{ raise_exception('a chat ends with a user turn') }}{% endif %}"
+        + THINKING_TEMPLATE
+    )
+    tokenizer = planner_tokenizer(None, template)
+    intake = Intake(tokenizer, (2,), vocab_size=len(tokenizer), max_seq_len=2048)
+    chat = [{"role": "system", "content": "Be brief."}, *QUESTION]
+    request = client_pb2.GenerateRequest(
+        chat=client_pb2.ChatMessages(messages=[client_pb2.ChatMessage(**m) for m in chat]),
+        max_tokens=4,
+        conversation_id="c",
+        shared_prefix=client_pb2.SharedPrefix(messages=1),
+    )
+    req = intake._make_request(request, "r")
+    assert req.prompt_ids == chat_ids(tokenizer, chat, {})
+    assert req.root is None and req.pinned is None
+    assert "the shared prefix's messages alone do not render" in req.pin_note
+    assert "a chat ends with a user turn" in req.pin_note
 
 
 # ---- over the stack ----
@@ -126,6 +167,8 @@ async def test_a_bad_variable_is_a_400_that_harms_no_later_request(served):
     for kwargs, says in (
         ({"tokenize": False}, "'tokenize' is the template's own variable"),
         ({"not-a-name": 1}, "must be an identifier"),
+        ({"self": 1}, "'self' is the template's own variable"),
+        ({"range": 1}, "'range' is the template's own variable"),
     ):
         with pytest.raises(openai.BadRequestError, match=says):
             await client.chat.completions.create(**fields, extra_body={"chat_template_kwargs": kwargs})

@@ -58,9 +58,9 @@ def test_generate_chat_template_kwargs_go_with_a_chat(capsys, tmp_path):
     assert json.loads(request.chat.template_kwargs) == {"enable_thinking": False}
     assert parse(flags, DELTASERVE_CHAT_TEMPLATE_KWARGS='{"a": 1}').chat_template_kwargs == {"a": 1}
     assert "expected a JSON object" in usage_error(capsys, [*flags, "--chat-template-kwargs", "[1]"])
-    assert "give --chat-json" in usage_error(
-        capsys, ["generate", "--text", "a", "--max-tokens", "3", "--chat-template-kwargs", '{"a": 1}']
-    )
+    text = ["generate", "--text", "a", "--max-tokens", "3"]
+    assert "give --chat-json" in usage_error(capsys, [*text, "--chat-template-kwargs", '{"a": 1}'])
+    assert parse(text, DELTASERVE_CHAT_TEMPLATE_KWARGS='{"a": 1}').chat_template_kwargs is None  # chats' only
 
 
 @pytest.mark.parametrize(
