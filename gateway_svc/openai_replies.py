@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway_svc.tool_calls import ToolCallStream, parse_calls
 from planner_svc.client import FINISH_REASONS
 from protos import client_pb2
 from protos.wire import unpack_i32
@@ -37,6 +38,8 @@ class ChoiceState:
     offset_decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
+    tools: ToolCallStream | None = None  # the tools whose calls its text may make (tool_choice auto)
+    calls: list[dict[str, Any]] = field(default_factory=list)  # the calls it made, found at its end
 
     def text_offsets(self, entries: Sequence[client_pb2.TokenLogprobs]) -> list[int]:
         """The text_offset of each of these tokens, the choice's next ones."""
@@ -59,7 +62,18 @@ class ChoiceState:
 
     @property
     def finish_reason(self) -> str | None:
+        if self.calls:
+            return "tool_calls"
         return None if self.last is None else FINISH_REASONS[self.last.finish_reason]
+
+    def message(self) -> dict[str, Any]:
+        """The whole answer's chat message: its text, or the calls it makes and the text before them."""
+        text = "".join(self.text)
+        parsed = parse_calls(text, self.tools.spec) if self.tools is not None else None
+        if parsed is None:
+            return {"role": "assistant", "content": text}
+        content, self.calls = parsed
+        return {"role": "assistant", "content": content.strip() or None, "tool_calls": self.calls}
 
     @property
     def stop_reason(self) -> str | None:
@@ -149,17 +163,14 @@ def completion(
     """The whole (non-streamed) answer."""
     choices = []
     for state in sorted(states, key=lambda s: s.index):
+        answer = state.message() if kind == "chat" else "".join(state.text)  # first: it finds the calls
         choice: dict[str, Any] = {
             "index": state.index,
             "finish_reason": state.finish_reason,
             "stop_reason": state.stop_reason,
             "logprobs": logprobs(kind, state.logprobs, state) if with_logprobs else None,
         }
-        text = "".join(state.text)
-        if kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        choice["message" if kind == "chat" else "text"] = answer
         if token_ids:
             choice["token_ids"] = state.token_ids
         choices.append(choice)
@@ -201,13 +212,19 @@ class ChunkWriter:
         self, state: ChoiceState, response: client_pb2.GenerateResponse, ids: list[int]
     ) -> bytes | None:
         """The event of one planner response of a choice (None when it carries nothing to send yet: text
-        held back until a character is whole)."""
+        held back until a character is whole, or while it may begin a call of a tool)."""
+        text = response.text
+        if state.tools is not None:
+            text = state.tools.feed(text)
+            if state.last is response:
+                rest, state.calls = state.tools.finish()
+                text += rest
         finish = state.finish_reason if state.last is response else None
         first = state.index not in self._started
-        if not (response.text or finish or first or ((self.token_ids or self.with_logprobs) and ids)):
+        if not (text or finish or first or ((self.token_ids or self.with_logprobs) and ids)):
             return None
         if not (first or finish or self.with_logprobs):  # most events: their bytes written directly
-            return self._head + self._plain_choice(state.index, response.text, ids).encode() + self._tail
+            return self._head + self._plain_choice(state.index, text, ids).encode() + self._tail
         self._started.add(state.index)
         choice: dict[str, Any] = {"index": state.index, "finish_reason": finish, "logprobs": None}
         if self.with_logprobs:
@@ -216,11 +233,13 @@ class ChunkWriter:
             choice["stop_reason"] = state.stop_reason
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if response.text or first:
-                delta["content"] = response.text
+            if text or first:
+                delta["content"] = text
+            if finish is not None and state.calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(state.calls)]
             choice["delta"] = delta
         else:
-            choice["text"] = response.text
+            choice["text"] = text
         if self.token_ids:
             choice["token_ids"] = ids
         if finish is None:

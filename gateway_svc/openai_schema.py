@@ -26,12 +26,15 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message; `content` as a string or a list of text parts (joined), null for an empty one."""
+    """One message; `content` as a string or a list of text parts (joined), null for an empty one; an
+    assistant's calls of tools, or the id of the call a tool message answers."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     role: Annotated[str, Field(min_length=1)]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class StreamOptions(BaseModel):
@@ -96,8 +99,8 @@ class ChatCompletionBody(GenerationBody):
     # vLLM's extension: more variables for the chat template, such as Qwen3's enable_thinking (the planner
     # checks the names)
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = None  # function tools, given to the chat template
+    tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None

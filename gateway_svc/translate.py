@@ -12,12 +12,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway_svc.openai_schema import ChatCompletionBody, ChatMessage, CompletionBody, GenerationBody
+from gateway_svc.tool_calls import ToolSpec
 from planner_svc.client import GenerateOptions
 
 _TOKEN_ID = re.compile(r"-?[0-9]{1,10}")  # an int32's digits at most (int() refuses 4,301 and more)
 MAX_COMPLETION_LOGPROBS = 20  # the alternatives the planner returns at most (its top_logprobs)
 
-_TOOLS = "tools and function calling are not supported"
+_FUNCTIONS = "functions and function_call are not supported: give tools and tool_choice"
 _GUIDED = "is not supported (guided decoding): response_format takes json_object or a json_schema"
 # The one list of fields the gateway cannot honour: body field -> (why it is refused, the values that mean "not
 # asked for" even when a client sends them explicitly). A field is refused, with a 400 naming it, when it is set
@@ -26,10 +27,8 @@ _GUIDED = "is not supported (guided decoding): response_format takes json_object
 # min_tokens, stop_token_ids, ignore_eos and return_token_ids, and refuses these rather than ignore them.
 UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "best_of": ("best_of is not supported", (None, 1)),
-    "tools": (_TOOLS, (None, [])),  # an empty list asks for no tools
-    "tool_choice": (_TOOLS, (None, "none")),
-    "functions": (_TOOLS, (None, [])),
-    "function_call": (_TOOLS, (None, "none")),  # the deprecated spelling of tool_choice
+    "functions": (_FUNCTIONS, (None, [])),  # the deprecated spelling of tools
+    "function_call": (_FUNCTIONS, (None, "none")),  # and of tool_choice
     "audio": ("audio is not supported", (None,)),
     "modalities": ("only text is supported", (None, ["text"])),
     "prediction": ("predicted outputs are not supported", (None,)),
@@ -97,6 +96,7 @@ class Choice:
     index: int  # the index of its first choice in the response (prompt x n)
     prompt: int  # which prompt it answers (usage counts each prompt once)
     options: GenerateOptions
+    tools: ToolSpec | None = None  # the tools whose calls its answers' text may make (tool_choice auto)
 
     def indices(self) -> range:
         return range(self.index, self.index + self.options.n)
@@ -173,12 +173,9 @@ def _fan_out(prompts: list[GenerateOptions], n: int, seed: int | None, request_i
 
 def message_text(message: ChatMessage, index: int) -> str:
     """A message's content as one string: the string, its text parts joined, or "" for none. A message
-    carrying tool calls is refused: the prompt would lose them."""
-    for name in ("tool_calls", "function_call"):
-        if (message.model_extra or {}).get(name):
-            raise UnsupportedField(
-                f"messages.{index}.{name}", f"messages[{index}]: tools and function calling are not supported"
-            )
+    carrying a function_call (tool_calls' deprecated form) is refused: the prompt would lose it."""
+    if (message.model_extra or {}).get("function_call"):
+        raise UnsupportedField(f"messages.{index}.function_call", f"messages[{index}]: {_FUNCTIONS}")
     if message.name:
         raise UnsupportedField(
             f"messages.{index}.name",
@@ -211,9 +208,37 @@ def chat_choices(body: ChatCompletionBody, conversation_header: str | None, requ
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
     )
-    chat = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)]
-    base = replace(base, chat=chat, chat_template_kwargs=body.chat_template_kwargs)
-    return _fan_out([base], body.n or 1, body.seed, request_id)
+    chat = [_message(m, i) for i, m in enumerate(body.messages)]
+    tools, spec = _tools(body)
+    base = replace(base, chat=chat, chat_template_kwargs=body.chat_template_kwargs, tools=tools)
+    return [replace(choice, tools=spec) for choice in _fan_out([base], body.n or 1, body.seed, request_id)]
+
+
+def _message(message: ChatMessage, index: int) -> dict[str, Any]:
+    fields: dict[str, Any] = {"role": message.role, "content": message_text(message, index)}
+    if message.tool_calls:
+        fields["tool_calls"] = message.tool_calls
+    if message.tool_call_id:
+        fields["tool_call_id"] = message.tool_call_id
+    return fields
+
+
+def _tools(body: ChatCompletionBody) -> tuple[list[dict[str, Any]] | None, ToolSpec | None]:
+    """The tools for the chat template, and those whose calls the answer's text is searched for: all of them
+    with tool_choice auto (the default), none with none."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none", "auto"):
+            raise BadField("tool_choice", "tool_choice names a tool to call: give tools")
+        return None, None
+    if choice in (None, "auto"):
+        return body.tools, ToolSpec.of(body.tools)
+    if choice == "none":
+        return body.tools, None
+    raise UnsupportedField(
+        "tool_choice",
+        "tool_choice takes auto or none: forcing a call (required, or a named function) is not supported",
+    )
 
 
 def _prompts(prompt) -> list[str | list[int]]:

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from planner_svc.chat_wire import chat_messages
 from protos import client_pb2, client_pb2_grpc
 from protos.rpc import ChannelSecurity, open_channel, wait_serving
 from protos.wire import pack_i32, unpack_i32
@@ -71,25 +72,6 @@ class ConversationInfo:
     pinned_prefix: int  # tokens of its pinned shared prefix; 0: none
 
 
-def _chat_messages(
-    chat: Sequence[Mapping[str, str]], template_kwargs: Mapping[str, Any] | None
-) -> client_pb2.ChatMessages:
-    messages = []
-    for i, message in enumerate(chat):
-        if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
-            raise ValueError(
-                f"chat message {i} must be a dict with exactly 'role' and 'content', got {message!r}"
-            )
-        messages.append(client_pb2.ChatMessage(role=str(message["role"]), content=str(message["content"])))
-    if template_kwargs and not all(isinstance(key, str) for key in template_kwargs):
-        raise ValueError(f"chat_template_kwargs' keys must be strings, got {list(template_kwargs)!r}")
-    try:  # strict JSON: no NaN or infinity
-        kwargs = json.dumps(dict(template_kwargs), allow_nan=False) if template_kwargs else ""
-    except (TypeError, ValueError, RecursionError) as error:  # a set, NaN, a value holding itself, ...
-        raise ValueError(f"chat_template_kwargs must be JSON values: {error}") from None
-    return client_pb2.ChatMessages(messages=messages, template_kwargs=kwargs)
-
-
 def _response_format(response_format: Mapping[str, Any]) -> client_pb2.ResponseFormat:
     """OpenAI's shape: {"type": "json_object"} | {"type": "json_schema", "json_schema": {"name": ...,
     "schema": {...} or JSON text, "strict": true}} | {"type": "text"} (no constraint)."""
@@ -146,9 +128,11 @@ class GenerateOptions:
 
     max_tokens: int  # 0: as many as fit in the context after the prompt
     text: str | None = None
-    chat: Sequence[Mapping[str, str]] | None = None
+    # Messages: role and content, and an assistant's tool_calls (OpenAI's list) or a tool's tool_call_id
+    chat: Sequence[Mapping[str, Any]] | None = None
     # More variables for the chat template, such as {"enable_thinking": False} for Qwen3's (needs a chat)
     chat_template_kwargs: Mapping[str, Any] | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None  # OpenAI's function tools, for the chat template
     token_ids: Sequence[int] | None = None
     temperature: float = 0.0
     top_p: float = 1.0
@@ -176,7 +160,7 @@ class GenerateOptions:
 def build_generate_request(options: GenerateOptions) -> client_pb2.GenerateRequest:
     """The GenerateRequest of `options`; ValueError unless exactly one of text, chat or token_ids is given,
     for a malformed chat message or shared prefix, for a shared prefix without a conversation and for chat
-    template kwargs without a chat."""
+    template kwargs or tools without a chat."""
     o = options
     given = [
         name
@@ -185,8 +169,8 @@ def build_generate_request(options: GenerateOptions) -> client_pb2.GenerateReque
     ]
     if len(given) != 1:
         raise ValueError(f"give exactly one of text, chat or token_ids (got {', '.join(given) or 'none'})")
-    if o.chat_template_kwargs and o.chat is None:
-        raise ValueError("chat_template_kwargs are variables of the chat template: give a chat")
+    if (o.chat_template_kwargs or o.tools) and o.chat is None:
+        raise ValueError("chat_template_kwargs and tools are given to the chat template: give a chat")
     request = client_pb2.GenerateRequest(
         request_id=o.request_id,
         sampling=client_pb2.SamplingParams(
@@ -220,7 +204,7 @@ def build_generate_request(options: GenerateOptions) -> client_pb2.GenerateReque
     if o.text is not None:
         request.text = o.text
     elif o.chat is not None:
-        request.chat.CopyFrom(_chat_messages(o.chat, o.chat_template_kwargs))
+        request.chat.CopyFrom(chat_messages(o.chat, o.chat_template_kwargs, o.tools))
     else:
         request.token_ids = pack_i32(o.token_ids)
     return request

@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from planner_svc.chat_tools import parse_tool_calls, parse_tools
 from planner_svc.conversations import common_prefix
 from planner_svc.json_grammar import SchemaCompiler
 from planner_svc.requests import Request, Sampling
@@ -35,7 +36,7 @@ log = structlog.get_logger("deltaserve.planner")
 TOKENIZING_THREADS = 2
 DRAWN_SEED_BITS = 53  # an unseeded request's seed: JavaScript's Number holds every integer below 2^53
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]  # role, content, and an assistant's tool_calls or a tool's tool_call_id
 
 
 def model_eos_ids(described: executor_pb2.ExecutorDescription, tokenizer_eos: int | None) -> tuple[int, ...]:
@@ -46,6 +47,16 @@ def model_eos_ids(described: executor_pb2.ExecutorDescription, tokenizer_eos: in
     if described.HasField("eos_token_id"):
         return (described.eos_token_id,)
     return () if tokenizer_eos is None else (tokenizer_eos,)
+
+
+def _message(index: int, message: client_pb2.ChatMessage) -> dict[str, Any]:
+    """A chat message as the chat template reads it."""
+    fields: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        fields["tool_calls"] = parse_tool_calls(index, message.tool_calls)
+    if message.tool_call_id:
+        fields["tool_call_id"] = message.tool_call_id
+    return fields
 
 
 class Intake:
@@ -75,13 +86,17 @@ class Intake:
     def _prompt(
         self, request: client_pb2.GenerateRequest
     ) -> tuple[list[int], Messages | None, dict[str, Any]]:
-        """The prompt's ids, and its chat messages and template kwargs when it came as a chat."""
+        """The prompt's ids, and its chat messages and template kwargs (its tools among them) when it came as a
+        chat."""
         kind = request.WhichOneof("prompt")
         if kind == "text":
             return (text_ids(self.tokenizer, request.text) if request.text else []), None, {}
         if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            messages = [_message(index, m) for index, m in enumerate(request.chat.messages)]
             kwargs = parse_template_kwargs(request.chat.template_kwargs, self.reserved)
+            tools = parse_tools(request.chat.tools)
+            if tools is not None:  # apply_chat_template's own parameter, passed with the variables
+                kwargs["tools"] = tools
             if not messages:
                 return [], messages, kwargs
             return chat_ids(self.tokenizer, messages, kwargs), messages, kwargs

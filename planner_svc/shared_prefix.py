@@ -4,10 +4,11 @@ token count: the longest common start of the prompt's ids and the ids of that pr
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from planner_svc.conversations import common_prefix
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 
 
 def resolve_shared_prefix(

@@ -35,7 +35,7 @@ def planner_tokenizer(model: str | None, chat_template: str | None):
 
 def chat_ids(
     tokenizer,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     template_kwargs: dict[str, Any],
     add_generation_prompt: bool = True,
 ) -> list[int]:

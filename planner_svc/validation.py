@@ -222,9 +222,9 @@ def check_generate(request: client_pb2.GenerateRequest, limits: Limits) -> None:
     if kind == "text":
         _check_text_size("text", len(request.text.encode("utf-8")), limits)
     elif kind == "chat":
-        size = sum(
-            len(m.role.encode("utf-8")) + len(m.content.encode("utf-8")) for m in request.chat.messages
-        )
+        texts = [request.chat.tools, request.chat.template_kwargs]
+        texts += [t for m in request.chat.messages for t in (m.role, m.content, m.tool_calls, m.tool_call_id)]
+        size = sum(len(text.encode("utf-8")) for text in texts)
         _check_text_size("chat", size, limits)
         # a chat template spends a token or more a message
         if len(request.chat.messages) > limits.max_seq_len:

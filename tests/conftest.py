@@ -196,6 +196,35 @@ async def http(smol_stack):
     await gateway.stop()
 
 
+class Templated:
+    """SmolLM2 served with tests/chat_templates.py's TOOLS_TEMPLATE (the planner's --chat-template), its planner's
+    client, and the HTTP gateway in front of it with OpenAI's client."""
+
+    def __init__(self, stack, planner, gateway, model: str):
+        import openai
+
+        self.stack, self.planner, self.gateway, self.model = stack, planner, gateway, model
+        base = f"http://127.0.0.1:{gateway.port}/v1"
+        self.client = openai.AsyncOpenAI(api_key="unused", base_url=base, max_retries=0)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def templated():
+    from gateway_svc.http_server import start_gateway
+    from planner_svc.client import PlannerClient
+    from tests.chat_templates import TOOLS_TEMPLATE
+
+    stack, servers = await start_stack(
+        ExecutorConfig(device="cpu", dtype="float32", pool_pages=256, buckets=SMOL_BUCKETS),
+        PlannerConfig(chat_template=TOOLS_TEMPLATE),
+    )
+    gateway = await start_gateway(stack.addr)
+    async with PlannerClient(stack.addr) as planner:
+        yield Templated(stack, planner, gateway, (await planner.model_info()).name)
+    await gateway.stop()
+    await stop_stack(servers)
+
+
 # The step runner's tiny random Llama (tests/runner_script.py), one a module and device: test_runner_plans.py,
 # test_runner_bad_plans.py.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -9,24 +9,13 @@ import json
 
 import openai
 import pytest
-import pytest_asyncio
 
-from executor_svc.config import ExecutorConfig
-from planner_svc.client import GenerateOptions, PlannerClient
-from planner_svc.config import PlannerConfig
+from planner_svc.client import GenerateOptions
 from planner_svc.template_kwargs import MAX_TEMPLATE_KWARGS, MAX_TEMPLATE_KWARGS_DEPTH, parse_template_kwargs
 from planner_svc.tokenizer import TemplateRefused, chat_ids, planner_tokenizer, reserved_template_names
 from planner_svc.validation import InvalidRequest
-from tests.conftest import SMOL_BUCKETS, start_stack, stop_stack
+from tests.chat_templates import TOOLS_TEMPLATE
 
-# ChatML, as SmolLM2's own template but without its default system turn, and Qwen3's switch: an empty
-# thinking block after the assistant's header when a request turns thinking off.
-THINKING_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
-    "{% endif %}{% endif %}"
-)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 RESERVED = frozenset({"tokenize", "bos_token"})
 
@@ -69,12 +58,12 @@ def test_the_reserved_names_are_apply_chat_templates_parameters_and_the_special_
 
 def test_a_server_template_replaces_the_tokenizers_own_and_reads_the_requests_variables():
     own = planner_tokenizer(None, None)
-    served = planner_tokenizer(None, THINKING_TEMPLATE)
+    served = planner_tokenizer(None, TOOLS_TEMPLATE)
     plain = chat_ids(served, QUESTION, {})
     assert plain != chat_ids(own, QUESTION, {})  # no default system turn
     assert (
         plain
-        == own.apply_chat_template(QUESTION, chat_template=THINKING_TEMPLATE, add_generation_prompt=True)[
+        == own.apply_chat_template(QUESTION, chat_template=TOOLS_TEMPLATE, add_generation_prompt=True)[
             "input_ids"
         ]
     )
@@ -101,7 +90,7 @@ def test_a_template_that_refuses_the_system_turn_alone_leaves_a_turn_unmarked_no
 
     template = (
         "{% if messages[-1]['role'] == 'system' %}{{ raise_exception('a chat ends with a user turn') }}{% endif %}"
-        + THINKING_TEMPLATE
+        + TOOLS_TEMPLATE
     )
     tokenizer = planner_tokenizer(None, template)
     intake = Intake(tokenizer, (2,), vocab_size=len(tokenizer), max_seq_len=2048)
@@ -122,29 +111,9 @@ def test_a_template_that_refuses_the_system_turn_alone_leaves_a_turn_unmarked_no
 # ---- over the stack ----
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def served():
-    """SmolLM2 served with THINKING_TEMPLATE, and the HTTP gateway in front of it."""
-    from gateway_svc.http_server import start_gateway
-
-    stack, servers = await start_stack(
-        ExecutorConfig(device="cpu", dtype="float32", pool_pages=128, buckets=SMOL_BUCKETS),
-        PlannerConfig(chat_template=THINKING_TEMPLATE),
-    )
-    gateway = await start_gateway(stack.addr)
-    client = openai.AsyncOpenAI(
-        api_key="unused", base_url=f"http://127.0.0.1:{gateway.port}/v1", max_retries=0
-    )
-    async with PlannerClient(stack.addr) as planner:
-        model = (await planner.model_info()).name
-        yield stack, planner, client, model
-    await gateway.stop()
-    await stop_stack(servers)
-
-
 @pytest.mark.asyncio(loop_scope="session")
-async def test_the_model_reads_the_template_rendered_with_the_requests_variables(served):
-    stack, planner, client, model = served
+async def test_the_model_reads_the_template_rendered_with_the_requests_variables(templated):
+    stack, planner, client, model = templated.stack, templated.planner, templated.client, templated.model
     fields = dict(model=model, messages=QUESTION, max_tokens=6, temperature=0)
     for kwargs in ({}, {"enable_thinking": False}):
         rendered = chat_ids(stack.planner.tokenizer, QUESTION, kwargs)
@@ -160,8 +129,8 @@ async def test_the_model_reads_the_template_rendered_with_the_requests_variables
 
 
 @pytest.mark.asyncio(loop_scope="session")
-async def test_a_bad_variable_is_a_400_that_harms_no_later_request(served):
-    _, _, client, model = served
+async def test_a_bad_variable_is_a_400_that_harms_no_later_request(templated):
+    client, model = templated.client, templated.model
     fields = dict(model=model, messages=QUESTION, max_tokens=3, temperature=0)
     before = await client.chat.completions.create(**fields)
     for kwargs, says in (

@@ -50,7 +50,23 @@ async def _error(http, path: str, body: dict, headers: dict | None = None) -> tu
             "messages.0.content",
             "only text content parts",
         ),
-        ({"model": "{model}", "messages": QUESTION, "tools": [{"type": "function"}]}, 400, "tools", "tools"),
+        (
+            {
+                "model": "{model}",
+                "messages": QUESTION,
+                "tools": [{"type": "function"}],
+                "tool_choice": "required",
+            },
+            400,
+            "tool_choice",
+            "forcing a call",
+        ),
+        (
+            {"model": "{model}", "messages": QUESTION, "tools": [{"type": "function"}]},
+            400,
+            None,
+            'chat.tools[0] must be {"type": "function", "function": {"name": ..., ...}}',
+        ),
         ({"model": "{model}", "messages": QUESTION, "max_tokens": 9000}, 400, None, "context is 8192"),
         (
             {"model": "{model}", "messages": QUESTION, "shared_prefix": {"messages": 1}},
@@ -128,7 +144,7 @@ async def test_the_gateways_own_errors_carry_their_status_name_as_code(http):
     async with httpx.AsyncClient(base_url=http.base) as client:
         answers = [
             await client.post("/v1/chat/completions", json={"messages": QUESTION}),
-            await client.post("/v1/chat/completions", json={**chat, "tools": [{"type": "function"}]}),
+            await client.post("/v1/chat/completions", json={**chat, "functions": [{"name": "f"}]}),
             await client.post("/v1/nothing", json=chat),
             await client.post(
                 "/v1/chat/completions", json=chat, headers={"Authorization": "Bearer " + "k" * 20000}

@@ -82,7 +82,8 @@ def test_the_conversation_comes_from_the_body_or_the_header():
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"best_of": 2}, "best_of"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -194,11 +195,28 @@ def test_values_past_the_wire_types_are_refused_by_field():
         chat_choices(chat(logit_bias={str(2**31): 1.0}), None, "r")
 
 
-def test_a_message_with_tool_calls_is_refused_not_dropped():
-    calls = {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}
+def test_tools_their_calls_and_answers_go_to_the_planner_and_function_call_is_refused():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    messages.append({"role": "tool", "content": "42", "tool_call_id": "1"})
+    [choice] = chat_choices(chat(messages=messages, tools=[tool]), None, "r")
+    assert choice.options.chat == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "1"},
+    ]
+    assert (
+        choice.options.tools == [tool] and choice.tools is not None and set(choice.tools.parameters) == {"f"}
+    )
+    [offered] = chat_choices(chat(tools=[tool], tool_choice="none"), None, "r")  # in the prompt, never parsed
+    assert offered.options.tools == [tool] and offered.tools is None
+    with pytest.raises(BadField, match="give tools"):
+        chat_choices(chat(tool_choice={"type": "function", "function": {"name": "f"}}), None, "r")
+    legacy = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}
     with pytest.raises(UnsupportedField) as refused:
-        chat_choices(chat(messages=[USER, calls]), None, "r")
-    assert refused.value.param == "messages.1.tool_calls"
+        chat_choices(chat(messages=[USER, legacy]), None, "r")
+    assert refused.value.param == "messages.1.function_call"
 
 
 def test_a_completion_takes_response_format():

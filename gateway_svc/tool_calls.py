@@ -1,0 +1,138 @@
+"""A chat answer's calls of the request's tools, found in its text: pure, no I/O.
+
+Models trained on tools write each call in <tool_call> tags, as JSON (Hermes', Qwen2.5's and Qwen3's form:
+{"name": ..., "arguments": {...}}) or as XML (Qwen3-Coder's and Qwen3.5's: <function=NAME><parameter=KEY>
+value</parameter></function>). Text before the first call is the message's content. A call that does not
+parse, or names no tool of the request, leaves the whole text as content, as if no call were made.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)  # the last may be cut
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*|\Z)", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """The tools a choice may call: each function's name and its parameters' JSON Schema."""
+
+    parameters: Mapping[str, Mapping[str, Any]]
+
+    @classmethod
+    def of(cls, tools: Sequence[Any]) -> ToolSpec:
+        """From OpenAI's tools list (entries not of that shape are skipped: the planner refuses them)."""
+        parameters: dict[str, Mapping[str, Any]] = {}
+        for tool in tools:
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("name"), str):
+                schema = function.get("parameters")
+                parameters[function["name"]] = schema if isinstance(schema, dict) else {}
+        return cls(parameters)
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    """One entry of OpenAI's tool_calls: the arguments as JSON text."""
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
+
+
+def _json_call(body: str) -> tuple[str, Any] | None:
+    try:
+        call = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    return (call["name"], arguments) if isinstance(arguments, dict) else None
+
+
+def _value(text: str, schema: Any) -> Any:
+    """An XML parameter's value: the text for a string (or a parameter the schema does not type), else the JSON
+    value it spells (a number, a boolean, an object), else the text."""
+    text = text.removeprefix("\n").removesuffix("\n")
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind in (None, "string"):
+        return text
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+def _xml_call(body: str, spec: ToolSpec) -> tuple[str, Any] | None:
+    function = _FUNCTION.fullmatch(body.strip() + "\n")
+    if function is None:
+        return None
+    name = function.group(1).strip()
+    properties = spec.parameters.get(name, {}).get("properties", {})
+    properties = properties if isinstance(properties, dict) else {}
+    arguments = {
+        key.strip(): _value(value, properties.get(key.strip()))
+        for key, value in _PARAMETER.findall(function.group(2))
+    }
+    return name, arguments
+
+
+def parse_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]] | None:
+    """(the content before the first call, the calls) where `text` makes calls, each whole and of a tool of
+    `spec`; None where it makes none."""
+    start = text.find(OPEN)
+    if start < 0:
+        return None
+    calls = []
+    for body in _BLOCK.findall(text, start):
+        found = _json_call(body.strip()) or _xml_call(body, spec)
+        if found is None or found[0] not in spec.parameters:
+            return None
+        calls.append(_call(*found))
+    return text[:start], calls
+
+
+def _held_back(text: str) -> int:
+    """How many characters at the end of `text` could begin OPEN (held back until the next text says)."""
+    for size in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-size:]):
+            return size
+    return 0
+
+
+@dataclass(slots=True)
+class ToolCallStream:
+    """One streamed choice's text, passed on as content until a call begins; the calls at the end."""
+
+    spec: ToolSpec
+    _held: str = ""
+    _calling: bool = False  # OPEN was seen: everything from it is held for the calls
+
+    def feed(self, text: str) -> str:
+        """The content of `text` to send now."""
+        held = self._held + text
+        if not self._calling and (at := held.find(OPEN)) >= 0:
+            self._calling = True
+            self._held = held[at:]
+            return held[:at]
+        if self._calling:
+            self._held = held
+            return ""
+        keep = _held_back(held)
+        self._held = held[len(held) - keep :]
+        return held[: len(held) - keep]
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """At the choice's end: the content still to send, and the calls made (none: the held text is content)."""
+        held, self._held = self._held, ""
+        parsed = parse_calls(held, self.spec) if self._calling else None
+        return ("", parsed[1]) if parsed is not None else (held, [])

@@ -1,0 +1,178 @@
+"""Tools (OpenAI's function calling): the tools and the history's calls and answers checked and rendered by the
+chat template, the calls found in the answer's text (<tool_call> JSON or XML), whole and streamed; and over the
+real stack (SmolLM2 on the CPU with tests/chat_templates.py's template, through OpenAI's client) a few-shot
+history after which the model calls the tool: the same call whole and streamed, raw text with tool_choice
+none."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway_svc.tool_calls import ToolCallStream, ToolSpec, parse_calls
+from planner_svc.chat_tools import MAX_TOOLS_DEPTH, parse_tool_calls, parse_tools
+from planner_svc.tokenizer import chat_ids
+from planner_svc.validation import InvalidRequest
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+SPEC = ToolSpec.of([WEATHER])
+
+# ---- the planner's side: what the chat template reads ----
+
+
+def test_tools_and_tool_calls_are_checked_and_arguments_become_mappings():
+    assert parse_tools("") is None
+    deep: object = 0
+    for _ in range(MAX_TOOLS_DEPTH):
+        deep = [deep]
+    assert parse_tools(json.dumps([WEATHER])) == [WEATHER]
+    for text, says in (
+        ("[]", "non-empty JSON list"),
+        ('[{"type": "function"}]', r"chat.tools\[0\] must be"),
+        ('[{"type": "code", "function": {"name": "f"}}]', r"chat.tools\[0\] must be"),
+        (json.dumps([{**WEATHER, "x": deep}]), "nests deeper"),
+        ("[", "not valid JSON"),
+    ):
+        with pytest.raises(InvalidRequest, match=says):
+            parse_tools(text)
+    calls = [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}},
+        {"id": "b", "type": "function", "function": {"name": "f", "arguments": "not json"}},
+    ]
+    parsed = parse_tool_calls(3, json.dumps(calls))
+    assert parsed[0]["function"]["arguments"] == {"city": "Paris"}  # templates walk or tojson a mapping
+    assert parsed[1]["function"]["arguments"] == "not json" and parsed[0]["id"] == "a"
+    with pytest.raises(InvalidRequest, match=r"chat.messages\[3\].tool_calls\[0\] must be"):
+        parse_tool_calls(3, '[{"type": "function", "function": {}}]')
+
+
+# ---- the gateway's side: the calls in the answer ----
+
+
+def _arguments(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_calls_in_json_and_in_xml_are_found_after_the_content():
+    content, calls = parse_calls(
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}',  # cut: no close
+        SPEC,
+    )
+    assert content == "Let me look.\n"
+    assert _arguments(calls) == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "Rome", "days": 2}),
+    ]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    # Qwen3.5's form: the schema types the values (a string stays one, even when it spells a number)
+    xml = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\n1984\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    assert _arguments(parse_calls(xml, SPEC)[1]) == [("get_weather", {"city": "1984", "days": 3})]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no call here",
+        '<tool_call>{"name": "launch", "arguments": {}}</tool_call>',  # not a tool of the request
+        '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',  # not JSON
+        '<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>',  # arguments not an object
+    ],
+)
+def test_text_without_a_whole_call_of_a_given_tool_makes_none(text):
+    assert parse_calls(text, SPEC) is None
+
+
+def test_a_stream_sends_the_content_and_holds_from_where_a_call_may_begin():
+    stream = ToolCallStream(SPEC)
+    pieces = ["Let me", " look. <to", 'ol_call>\n{"name": "get_weather",', ' "arguments": {"city": "Oslo"}}']
+    assert [stream.feed(p) for p in pieces] == ["Let me", " look. ", "", ""]
+    rest, calls = stream.finish()
+    assert rest == "" and _arguments(calls) == [("get_weather", {"city": "Oslo"})]
+    plain = ToolCallStream(SPEC)
+    assert [plain.feed(p) for p in ["a <to", "ol box", " <"]] == ["a ", "<tool box", " "]
+    assert plain.finish() == ("<", [])  # the end: what was held is content
+    broken = ToolCallStream(SPEC)
+    assert broken.feed('<tool_call>{"name": "launch"}') == ""
+    assert broken.finish() == ('<tool_call>{"name": "launch"}', [])  # no call: the text, unchanged
+
+
+# ---- over the stack ----
+
+
+def _few_shot() -> list[dict]:
+    """Three questions, each answered by a call, its result and a sentence; then a fourth question."""
+    messages: list[dict] = []
+    for i, city in enumerate(["Paris", "Berlin", "Rome"]):
+        arguments = json.dumps({"city": city})
+        call = {
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments},
+        }
+        messages += [
+            {"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "sunny", "tool_call_id": f"call_{i}"},
+            {"role": "assistant", "content": f"It is sunny in {city}."},
+        ]
+    return [*messages, {"role": "user", "content": "What is the weather in Madrid?"}]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_the_model_calls_the_tool_whole_and_streamed(templated):
+    messages = _few_shot()
+    fields = dict(model=templated.model, messages=messages, tools=[WEATHER], max_tokens=40, temperature=0)
+    whole = await templated.client.chat.completions.create(**fields)
+    [choice] = whole.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Madrid"})
+    # the prompt: the template's rendering of the tools, and of each call with its arguments as a mapping
+    for message in messages:
+        for past in message.get("tool_calls") or ():
+            past["function"]["arguments"] = json.loads(past["function"]["arguments"])
+    tokenizer = templated.stack.planner.tokenizer
+    rendered = chat_ids(
+        tokenizer, [{**m, "content": m["content"] or ""} for m in messages], {"tools": [WEATHER]}
+    )
+    assert whole.usage.prompt_tokens == len(rendered)
+
+    stream = await templated.client.chat.completions.create(**fields, stream=True)
+    chunks = [chunk async for chunk in stream]
+    assert not any(c.choices[0].delta.content for c in chunks)  # the call's text is never content
+    [streamed] = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert (streamed.index, streamed.type, streamed.function.name) == (0, "function", "get_weather")
+    assert json.loads(streamed.function.arguments) == {"city": "Madrid"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_with_tool_choice_none_the_answer_is_text(templated):
+    reply = await templated.client.chat.completions.create(
+        model=templated.model,
+        messages=_few_shot(),
+        tools=[WEATHER],
+        tool_choice="none",
+        max_tokens=40,
+        temperature=0,
+    )
+    [choice] = reply.choices
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.content.startswith("<tool_call>")  # the model's text, as it wrote it
