@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gateway_svc.tool_calls import ToolCallStream, parse_calls
+from gateway_svc.tool_calls import ToolCallStream
 from planner_svc.client import FINISH_REASONS
 from protos import client_pb2
 from protos.wire import unpack_i32
@@ -69,7 +69,7 @@ class ChoiceState:
     def message(self) -> dict[str, Any]:
         """The whole answer's chat message: its text, or the calls it makes and the text before them."""
         text = "".join(self.text)
-        parsed = parse_calls(text, self.tools.spec) if self.tools is not None else None
+        parsed = self.tools.spec.find(text) if self.tools is not None else None
         if parsed is None:
             return {"role": "assistant", "content": text}
         content, self.calls = parsed

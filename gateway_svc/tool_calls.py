@@ -4,6 +4,9 @@ Models trained on tools write each call in <tool_call> tags, as JSON (Hermes', Q
 {"name": ..., "arguments": {...}}) or as XML (Qwen3-Coder's and Qwen3.5's: <function=NAME><parameter=KEY>
 value</parameter></function>). Text before the first call is the message's content. A call that does not
 parse, or names no tool of the request, leaves the whole text as content, as if no call were made.
+
+Where the request forces a call (tool_choice required, or a named function), the answer is held to a JSON
+Schema instead (structured output): the named function's arguments, or a list of calls of any tool.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)  # the last may be cut
@@ -23,9 +26,12 @@ _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<paramete
 
 @dataclass(frozen=True, slots=True)
 class ToolSpec:
-    """The tools a choice may call: each function's name and its parameters' JSON Schema."""
+    """The tools a choice may call (each function's name and its parameters' JSON Schema), and whether it must:
+    `auto` (it may, in <tool_call> tags), `required` (one call or more), `named` (a call of `name`)."""
 
     parameters: Mapping[str, Mapping[str, Any]]
+    mode: Literal["auto", "required", "named"] = "auto"
+    name: str | None = None  # the function a `named` choice calls
 
     @classmethod
     def of(cls, tools: Sequence[Any]) -> ToolSpec:
@@ -38,13 +44,50 @@ class ToolSpec:
                 parameters[function["name"]] = schema if isinstance(schema, dict) else {}
         return cls(parameters)
 
+    def _arguments_schema(self, name: str) -> Mapping[str, Any]:
+        return self.parameters[name] or {"type": "object"}
 
-def _call(name: str, arguments: Any) -> dict[str, Any]:
+    def schema(self) -> dict[str, Any]:
+        """The JSON Schema of a forced call's answer: the named function's arguments, or (required) a list of
+        one call or more, each {"name": ..., "parameters": {...}} of a tool (vLLM's form)."""
+        if self.mode == "named":
+            assert self.name is not None
+            return dict(self._arguments_schema(self.name))
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": self._arguments_schema(name)},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name in self.parameters
+        ]
+        return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+
+    def find(self, text: str) -> tuple[str, list[dict[str, Any]]] | None:
+        """(the content, the calls) `text` makes, or None where it makes none."""
+        if self.mode == "auto":
+            return parse_calls(text, self)
+        if self.mode == "named":
+            assert self.name is not None
+            return "", [_call(self.name, text.strip())]  # arguments as written, even cut by max_tokens
+        try:
+            calls = json.loads(text)
+        except (ValueError, RecursionError):  # cut by max_tokens
+            return None
+        if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and {"name", "parameters"} <= set(c) for c in calls
+        ):
+            return None  # the grammar holds the answer to the schema: not expected
+        return "", [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
     """One entry of OpenAI's tool_calls: the arguments as JSON text."""
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+        "function": {"name": name, "arguments": arguments},
     }
 
 
@@ -97,7 +140,7 @@ def parse_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]] |
         found = _json_call(body.strip()) or _xml_call(body, spec)
         if found is None or found[0] not in spec.parameters:
             return None
-        calls.append(_call(*found))
+        calls.append(_call(found[0], json.dumps(found[1], ensure_ascii=False)))
     return text[:start], calls
 
 
@@ -111,11 +154,15 @@ def _held_back(text: str) -> int:
 
 @dataclass(slots=True)
 class ToolCallStream:
-    """One streamed choice's text, passed on as content until a call begins; the calls at the end."""
+    """One streamed choice's text, passed on as content until a call begins (a forced call's: none of it); the
+    calls at the end."""
 
     spec: ToolSpec
     _held: str = ""
-    _calling: bool = False  # OPEN was seen: everything from it is held for the calls
+    _calling: bool = False  # OPEN was seen (or the call is forced): everything from it is held for the calls
+
+    def __post_init__(self) -> None:
+        self._calling = self.spec.mode != "auto"
 
     def feed(self, text: str) -> str:
         """The content of `text` to send now."""
@@ -134,5 +181,5 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the choice's end: the content still to send, and the calls made (none: the held text is content)."""
         held, self._held = self._held, ""
-        parsed = parse_calls(held, self.spec) if self._calling else None
+        parsed = self.spec.find(held) if self._calling else None
         return ("", parsed[1]) if parsed is not None else (held, [])

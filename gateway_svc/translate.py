@@ -211,6 +211,13 @@ def chat_choices(body: ChatCompletionBody, conversation_header: str | None, requ
     chat = [_message(m, i) for i, m in enumerate(body.messages)]
     tools, spec = _tools(body)
     base = replace(base, chat=chat, chat_template_kwargs=body.chat_template_kwargs, tools=tools)
+    if spec is not None and spec.mode != "auto":  # a forced call: the answer held to its schema
+        if base.response_format is not None:
+            raise BadField(
+                "response_format", "response_format and a forced tool call both shape the answer: give one"
+            )
+        schema = {"name": spec.name or "tool_calls", "schema": spec.schema()}
+        base = replace(base, response_format={"type": "json_schema", "json_schema": schema})
     return [replace(choice, tools=spec) for choice in _fan_out([base], body.n or 1, body.seed, request_id)]
 
 
@@ -224,21 +231,31 @@ def _message(message: ChatMessage, index: int) -> dict[str, Any]:
 
 
 def _tools(body: ChatCompletionBody) -> tuple[list[dict[str, Any]] | None, ToolSpec | None]:
-    """The tools for the chat template, and those whose calls the answer's text is searched for: all of them
-    with tool_choice auto (the default), none with none."""
+    """The tools for the chat template, and the calls the answer makes: found in its text with tool_choice auto
+    (the default), none with none, forced (held to a schema) with required or a named function."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none", "auto"):
-            raise BadField("tool_choice", "tool_choice names a tool to call: give tools")
+            raise BadField("tool_choice", "tool_choice asks for a call of a tool: give tools")
         return None, None
+    spec = ToolSpec.of(body.tools)
     if choice in (None, "auto"):
-        return body.tools, ToolSpec.of(body.tools)
+        return body.tools, spec
     if choice == "none":
         return body.tools, None
-    raise UnsupportedField(
-        "tool_choice",
-        "tool_choice takes auto or none: forcing a call (required, or a named function) is not supported",
+    if choice == "required":
+        return body.tools, replace(spec, mode="required")
+    function = (
+        choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     )
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or name not in spec.parameters:
+        raise BadField(
+            "tool_choice",
+            'tool_choice takes auto, none, required or {"type": "function", "function": {"name": ...}} naming one '
+            f"of the tools, got {repr(choice)[:200]}",
+        )
+    return body.tools, replace(spec, mode="named", name=name)
 
 
 def _prompts(prompt) -> list[str | list[int]]:

@@ -54,12 +54,12 @@ async def _error(http, path: str, body: dict, headers: dict | None = None) -> tu
             {
                 "model": "{model}",
                 "messages": QUESTION,
-                "tools": [{"type": "function"}],
-                "tool_choice": "required",
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
             },
             400,
             "tool_choice",
-            "forcing a call",
+            "naming one of the tools, got {'type': 'function', 'function': {'name': 'g'}}",
         ),
         (
             {"model": "{model}", "messages": QUESTION, "tools": [{"type": "function"}]},

@@ -82,7 +82,6 @@ def test_the_conversation_comes_from_the_body_or_the_header():
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"best_of": 2}, "best_of"),
         (
@@ -211,6 +210,25 @@ def test_tools_their_calls_and_answers_go_to_the_planner_and_function_call_is_re
     )
     [offered] = chat_choices(chat(tools=[tool], tool_choice="none"), None, "r")  # in the prompt, never parsed
     assert offered.options.tools == [tool] and offered.tools is None
+    [named] = chat_choices(
+        chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}), None, "r"
+    )
+    assert named.options.response_format == {
+        "type": "json_schema",
+        "json_schema": {"name": "f", "schema": {"type": "object"}},
+    }
+    assert named.tools is not None and (named.tools.mode, named.tools.name) == ("named", "f")
+    with pytest.raises(BadField, match="response_format and a forced tool call"):
+        chat_choices(
+            chat(tools=[tool], tool_choice="required", response_format={"type": "json_object"}), None, "r"
+        )
+    for other in (
+        {"type": "function", "function": {"name": "g"}},
+        {"type": "function", "function": {"name": ["f"]}},
+        "any",
+    ):
+        with pytest.raises(BadField, match="naming one of the tools"):
+            chat_choices(chat(tools=[tool], tool_choice=other), None, "r")
     with pytest.raises(BadField, match="give tools"):
         chat_choices(chat(tool_choice={"type": "function", "function": {"name": "f"}}), None, "r")
     legacy = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}

@@ -7,6 +7,7 @@ none."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -113,6 +114,27 @@ def test_a_stream_sends_the_content_and_holds_from_where_a_call_may_begin():
     assert broken.finish() == ('<tool_call>{"name": "launch"}', [])  # no call: the text, unchanged
 
 
+def test_a_forced_call_is_held_to_a_schema_and_read_from_it():
+    named = replace(SPEC, mode="named", name="get_weather")
+    assert named.schema() == WEATHER["function"]["parameters"]
+    assert _arguments(named.find(' {"city": "Oslo"}')[1]) == [("get_weather", {"city": "Oslo"})]
+    required = replace(SPEC, mode="required")
+    [one_of] = required.schema()["items"]["anyOf"]
+    assert one_of["properties"] == {
+        "name": {"const": "get_weather"},
+        "parameters": WEATHER["function"]["parameters"],
+    }
+    answer = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_weather", "parameters": {"city": "Bergen"}}]'
+    assert _arguments(required.find(answer)[1]) == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_weather", {"city": "Bergen"}),
+    ]
+    assert required.find('[{"name": "get_weather", "param') is None  # cut by max_tokens: the text is content
+    stream = ToolCallStream(named)
+    assert stream.feed('{"city"') == stream.feed(': "Oslo"}') == ""  # a forced call's text is never content
+    assert _arguments(stream.finish()[1]) == [("get_weather", {"city": "Oslo"})]
+
+
 # ---- over the stack ----
 
 
@@ -176,3 +198,32 @@ async def test_with_tool_choice_none_the_answer_is_text(templated):
     [choice] = reply.choices
     assert choice.finish_reason == "stop" and not choice.message.tool_calls
     assert choice.message.content.startswith("<tool_call>")  # the model's text, as it wrote it
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_forced_call_is_made_named_or_required(templated):
+    fields = dict(model=templated.model, tools=[WEATHER], max_tokens=60, temperature=0)
+    named_choice = {"type": "function", "function": {"name": "get_weather"}}
+    named = await templated.client.chat.completions.create(
+        messages=_few_shot(), tool_choice=named_choice, **fields
+    )
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(
+        json.loads(call.function.arguments)["city"], str
+    )
+    assert named.choices[0].finish_reason == "tool_calls" and named.choices[0].message.content is None
+    stream = await templated.client.chat.completions.create(
+        messages=_few_shot(), tool_choice=named_choice, stream=True, **fields
+    )
+    chunks = [chunk async for chunk in stream]
+    assert not any(c.choices[0].delta.content for c in chunks)
+    [streamed] = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert streamed.function.arguments == call.function.arguments  # greedy: the same call
+
+    question = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    required = await templated.client.chat.completions.create(
+        messages=question, tool_choice="required", **fields
+    )
+    calls = required.choices[0].message.tool_calls
+    assert calls and all(c.function.name == "get_weather" for c in calls)
+    assert all(isinstance(json.loads(c.function.arguments)["city"], str) for c in calls)
