@@ -29,7 +29,6 @@ from gateway_svc.relay import (
     unknown_model,
     unless_disconnected,
 )
-from gateway_svc.tool_calls import ToolCallStream
 from gateway_svc.translate import BadField, Choice, UnsupportedField, chat_choices, completion_choices
 from planner_svc.client import PlannerClient
 from protos import client_pb2
@@ -119,9 +118,7 @@ async def _answer(
     conversation = choices[0].options.conversation_id
     headers = _conversation_header(conversation)
     states = {
-        index: ChoiceState(index, c.prompt, tools=None if c.tools is None else ToolCallStream(c.tools))
-        for c in choices
-        for index in c.indices()
+        index: ChoiceState(index, c.prompt, tool_spec=c.tool_spec) for c in choices for index in c.indices()
     }
     stream = responses(gateway.planner, choices, key)
     created = int(time.time())

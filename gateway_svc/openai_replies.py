@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gateway_svc.tool_calls import ToolCallStream
+from gateway_svc.tool_calls import ToolCallStream, ToolSpec
 from planner_svc.client import FINISH_REASONS
 from protos import client_pb2
 from protos.wire import unpack_i32
@@ -38,8 +38,13 @@ class ChoiceState:
     offset_decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
-    tools: ToolCallStream | None = None  # the tools whose calls its text may make (tool_choice auto)
+    tool_spec: ToolSpec | None = None  # the tools it may call, and whether it must
+    call_stream: ToolCallStream | None = field(default=None, init=False)  # streamed: its text, held for calls
     calls: list[dict[str, Any]] = field(default_factory=list)  # the calls it made, found at its end
+
+    def __post_init__(self) -> None:
+        if self.tool_spec is not None:
+            self.call_stream = ToolCallStream(self.tool_spec)
 
     def text_offsets(self, entries: Sequence[client_pb2.TokenLogprobs]) -> list[int]:
         """The text_offset of each of these tokens, the choice's next ones."""
@@ -62,18 +67,26 @@ class ChoiceState:
 
     @property
     def finish_reason(self) -> str | None:
-        if self.calls:
-            return "tool_calls"
-        return None if self.last is None else FINISH_REASONS[self.last.finish_reason]
+        """The planner's reason, or tool_calls where the choice made calls and ended as the model chose (a
+        forced call cut by max_tokens keeps its `length`)."""
+        if self.last is None:
+            return None
+        reason = FINISH_REASONS[self.last.finish_reason]
+        return "tool_calls" if self.calls and reason == "stop" else reason
 
-    def message(self) -> dict[str, Any]:
-        """The whole answer's chat message: its text, or the calls it makes and the text before them."""
+    def chat_message(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The whole answer's chat message (its text, or the calls it makes and the text before them), and the
+        calls."""
         text = "".join(self.text)
-        parsed = self.tools.spec.find(text) if self.tools is not None else None
+        parsed = self.tool_spec.find(text) if self.tool_spec is not None else None
         if parsed is None:
-            return {"role": "assistant", "content": text}
-        content, self.calls = parsed
-        return {"role": "assistant", "content": content.strip() or None, "tool_calls": self.calls}
+            return {"role": "assistant", "content": text}, []
+        content, calls = parsed
+        return {
+            "role": "assistant",
+            "content": content if content.strip() else None,
+            "tool_calls": calls,
+        }, calls
 
     @property
     def stop_reason(self) -> str | None:
@@ -163,7 +176,9 @@ def completion(
     """The whole (non-streamed) answer."""
     choices = []
     for state in sorted(states, key=lambda s: s.index):
-        answer = state.message() if kind == "chat" else "".join(state.text)  # first: it finds the calls
+        answer: dict[str, Any] | str = "".join(state.text)
+        if kind == "chat":
+            answer, state.calls = state.chat_message()  # before the finish reason, which the calls change
         choice: dict[str, Any] = {
             "index": state.index,
             "finish_reason": state.finish_reason,
@@ -214,10 +229,10 @@ class ChunkWriter:
         """The event of one planner response of a choice (None when it carries nothing to send yet: text
         held back until a character is whole, or while it may begin a call of a tool)."""
         text = response.text
-        if state.tools is not None:
-            text = state.tools.feed(text)
+        if state.call_stream is not None:
+            text = state.call_stream.feed(text)
             if state.last is response:
-                rest, state.calls = state.tools.finish()
+                rest, state.calls = state.call_stream.finish()
                 text += rest
         finish = state.finish_reason if state.last is response else None
         first = state.index not in self._started

@@ -2,8 +2,10 @@
 
 Models trained on tools write each call in <tool_call> tags, as JSON (Hermes', Qwen2.5's and Qwen3's form:
 {"name": ..., "arguments": {...}}) or as XML (Qwen3-Coder's and Qwen3.5's: <function=NAME><parameter=KEY>
-value</parameter></function>). Text before the first call is the message's content. A call that does not
-parse, or names no tool of the request, leaves the whole text as content, as if no call were made.
+value</parameter></function>). Text before the first call is the message's content (calls are looked for after
+a </think>, where a reasoning model's thought ends); text after the calls is dropped. A call that does not
+parse, is not closed (cut by max_tokens), or names no tool of the request, leaves the whole text as content,
+as if no call were made.
 
 Where the request forces a call (tool_choice required, or a named function), the answer is held to a JSON
 Schema instead (structured output): the named function's arguments, or a list of calls of any tool.
@@ -15,13 +17,14 @@ import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)  # the last may be cut
-_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*|\Z)", re.S)
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+THOUGHT_END = "</think>"
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+_JSON = json.JSONDecoder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +94,7 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
     }
 
 
-def _json_call(body: str) -> tuple[str, Any] | None:
+def _json_calls(body: str) -> list[tuple[str, Any]] | None:
     try:
         call = json.loads(body)
     except (ValueError, RecursionError):
@@ -99,15 +102,18 @@ def _json_call(body: str) -> tuple[str, Any] | None:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
-    return (call["name"], arguments) if isinstance(arguments, dict) else None
+    return [(call["name"], arguments)] if isinstance(arguments, dict) else None
 
 
 def _value(text: str, schema: Any) -> Any:
-    """An XML parameter's value: the text for a string (or a parameter the schema does not type), else the JSON
-    value it spells (a number, a boolean, an object), else the text."""
+    """An XML parameter's value: the text for a string (or a parameter the schema does not type), null for a
+    nullable one's `null`, else the JSON value it spells (a number, a boolean, an object), else the text."""
     text = text.removeprefix("\n").removesuffix("\n")
     kind = schema.get("type") if isinstance(schema, dict) else None
-    if kind in (None, "string"):
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    if "null" in kinds and text == "null":
+        return None
+    if kinds & {None, "string"}:
         return text
     try:
         return json.loads(text)
@@ -115,71 +121,93 @@ def _value(text: str, schema: Any) -> Any:
         return text
 
 
-def _xml_call(body: str, spec: ToolSpec) -> tuple[str, Any] | None:
-    function = _FUNCTION.fullmatch(body.strip() + "\n")
-    if function is None:
-        return None
-    name = function.group(1).strip()
-    properties = spec.parameters.get(name, {}).get("properties", {})
-    properties = properties if isinstance(properties, dict) else {}
-    arguments = {
-        key.strip(): _value(value, properties.get(key.strip()))
-        for key, value in _PARAMETER.findall(function.group(2))
-    }
-    return name, arguments
+def _xml_calls(body: str, spec: ToolSpec) -> list[tuple[str, Any]] | None:
+    """The functions a block calls in XML (one or more), each closed; None where it holds none."""
+    calls = []
+    for function in _FUNCTION.finditer(body):
+        name = function.group(1).strip()
+        properties = spec.parameters.get(name, {}).get("properties", {})
+        properties = properties if isinstance(properties, dict) else {}
+        arguments = {
+            key.strip(): _value(value, properties.get(key.strip()))
+            for key, value in _PARAMETER.findall(function.group(2))
+        }
+        calls.append((name, arguments))
+    return calls or None
+
+
+def _blocks(text: str, at: int) -> list[str] | None:
+    """The bodies of the call blocks from `at` on; None where one is not closed. A JSON body is read whole, so
+    that a CALL_CLOSE inside one of its strings (code) does not end it."""
+    bodies = []
+    while (at := text.find(CALL_OPEN, at)) >= 0:
+        body = at + len(CALL_OPEN)
+        close_from = body
+        first = len(text) - len(text[body:].lstrip())
+        if text.startswith("{", first):
+            try:
+                close_from = _JSON.raw_decode(text, first)[1]
+            except (ValueError, RecursionError):
+                pass  # not JSON: the block is read as XML, or refused
+        end = text.find(CALL_CLOSE, close_from)
+        if end < 0:
+            return None
+        bodies.append(text[body:end])
+        at = end + len(CALL_CLOSE)
+    return bodies
 
 
 def parse_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]] | None:
-    """(the content before the first call, the calls) where `text` makes calls, each whole and of a tool of
-    `spec`; None where it makes none."""
-    start = text.find(OPEN)
-    if start < 0:
+    """(the content before the first call, the calls) where `text` makes calls, each whole, closed and of a tool
+    of `spec`; None where it makes none."""
+    thought = text.rfind(THOUGHT_END)
+    start = text.find(CALL_OPEN, 0 if thought < 0 else thought + len(THOUGHT_END))
+    bodies = None if start < 0 else _blocks(text, start)
+    if not bodies:
         return None
     calls = []
-    for body in _BLOCK.findall(text, start):
-        found = _json_call(body.strip()) or _xml_call(body, spec)
-        if found is None or found[0] not in spec.parameters:
+    for body in bodies:
+        found = _json_calls(body.strip()) or _xml_calls(body, spec)
+        if found is None or any(name not in spec.parameters for name, _ in found):
             return None
-        calls.append(_call(found[0], json.dumps(found[1], ensure_ascii=False)))
+        calls += [_call(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in found]
     return text[:start], calls
 
 
 def _held_back(text: str) -> int:
-    """How many characters at the end of `text` could begin OPEN (held back until the next text says)."""
-    for size in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-size:]):
+    """How many characters at the end of `text` could begin CALL_OPEN (held back until the next text says)."""
+    for size in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
+        if CALL_OPEN.startswith(text[-size:]):
             return size
     return 0
 
 
 @dataclass(slots=True)
 class ToolCallStream:
-    """One streamed choice's text, passed on as content until a call begins (a forced call's: none of it); the
-    calls at the end."""
+    """One streamed choice's text, passed on as content until a call may begin (a forced call's: none of it);
+    the calls at the end."""
 
     spec: ToolSpec
-    _held: str = ""
-    _calling: bool = False  # OPEN was seen (or the call is forced): everything from it is held for the calls
+    _held: list[str] = field(default_factory=list)  # pieces: a long call is joined once, at the end
+    _calling: bool = False  # CALL_OPEN was seen (or the call is forced): everything from it is held
 
     def __post_init__(self) -> None:
         self._calling = self.spec.mode != "auto"
 
     def feed(self, text: str) -> str:
         """The content of `text` to send now."""
-        held = self._held + text
-        if not self._calling and (at := held.find(OPEN)) >= 0:
-            self._calling = True
-            self._held = held[at:]
-            return held[:at]
         if self._calling:
-            self._held = held
+            self._held.append(text)
             return ""
-        keep = _held_back(held)
-        self._held = held[len(held) - keep :]
+        held = "".join([*self._held, text])
+        at = held.find(CALL_OPEN)
+        keep = len(held) - at if at >= 0 else _held_back(held)
+        self._calling = at >= 0
+        self._held = [held[len(held) - keep :]] if keep else []
         return held[: len(held) - keep]
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the choice's end: the content still to send, and the calls made (none: the held text is content)."""
-        held, self._held = self._held, ""
+        held, self._held = "".join(self._held), []
         parsed = self.spec.find(held) if self._calling else None
-        return ("", parsed[1]) if parsed is not None else (held, [])
+        return parsed if parsed is not None else (held, [])

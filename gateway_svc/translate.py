@@ -29,6 +29,10 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "best_of": ("best_of is not supported", (None, 1)),
     "functions": (_FUNCTIONS, (None, [])),  # the deprecated spelling of tools
     "function_call": (_FUNCTIONS, (None, "none")),  # and of tool_choice
+    "parallel_tool_calls": (
+        "parallel_tool_calls false is not supported: an answer may make several calls",
+        (None, True),
+    ),
     "audio": ("audio is not supported", (None,)),
     "modalities": ("only text is supported", (None, ["text"])),
     "prediction": ("predicted outputs are not supported", (None,)),
@@ -96,7 +100,7 @@ class Choice:
     index: int  # the index of its first choice in the response (prompt x n)
     prompt: int  # which prompt it answers (usage counts each prompt once)
     options: GenerateOptions
-    tools: ToolSpec | None = None  # the tools whose calls its answers' text may make (tool_choice auto)
+    tool_spec: ToolSpec | None = None  # the tools its answers may call, and whether they must
 
     def indices(self) -> range:
         return range(self.index, self.index + self.options.n)
@@ -218,7 +222,9 @@ def chat_choices(body: ChatCompletionBody, conversation_header: str | None, requ
             )
         schema = {"name": spec.name or "tool_calls", "schema": spec.schema()}
         base = replace(base, response_format={"type": "json_schema", "json_schema": schema})
-    return [replace(choice, tools=spec) for choice in _fan_out([base], body.n or 1, body.seed, request_id)]
+    return [
+        replace(choice, tool_spec=spec) for choice in _fan_out([base], body.n or 1, body.seed, request_id)
+    ]
 
 
 def _message(message: ChatMessage, index: int) -> dict[str, Any]:

@@ -7,25 +7,13 @@ import json
 from typing import Any
 
 from planner_svc.schema_limits import json_depth
-from planner_svc.validation import InvalidRequest
+from planner_svc.validation import InvalidRequest, json_field
 
 MAX_TOOLS = 128
 MAX_TOOL_CALLS = 64  # of one message
 # Objects and arrays nested: a tool's parameters are a JSON Schema (an object's property's items' ...), and
 # transformers copies every value recursively (~450 levels overflow).
 MAX_TOOLS_DEPTH = 64
-
-
-def _json(field: str, text: str) -> Any:
-    try:
-        value = json.loads(text)
-    except ValueError as error:  # JSONDecodeError
-        raise InvalidRequest(f"{field} is not valid JSON: {error}") from None
-    except RecursionError:
-        raise InvalidRequest(f"{field} nests deeper than {MAX_TOOLS_DEPTH} objects and arrays") from None
-    if json_depth(value) > MAX_TOOLS_DEPTH:
-        raise InvalidRequest(f"{field} nests deeper than {MAX_TOOLS_DEPTH} objects and arrays")
-    return value
 
 
 def _function(field: str, item: Any) -> dict[str, Any]:
@@ -40,7 +28,7 @@ def parse_tools(text: str) -> list[dict[str, Any]] | None:
     """The tools of a chat ("" is none): a list of OpenAI's function tools, as the chat template reads them."""
     if not text:
         return None
-    tools = _json("chat.tools", text)
+    tools = json_field("chat.tools", text, MAX_TOOLS_DEPTH)
     if not isinstance(tools, list) or not tools:
         raise InvalidRequest("chat.tools must be a non-empty JSON list of tools")
     if len(tools) > MAX_TOOLS:
@@ -56,7 +44,7 @@ def parse_tool_calls(index: int, text: str) -> list[dict[str, Any]]:
     if not text:
         return []
     field = f"chat.messages[{index}].tool_calls"
-    calls = _json(field, text)
+    calls = json_field(field, text, MAX_TOOLS_DEPTH)
     if not isinstance(calls, list) or len(calls) > MAX_TOOL_CALLS:
         raise InvalidRequest(f"{field} must be a JSON list of at most {MAX_TOOL_CALLS} tool calls")
     parsed = []

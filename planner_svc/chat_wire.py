@@ -37,10 +37,13 @@ def chat_messages(
                 f"chat message {i} must be a dict with 'role' and 'content' (and an assistant's 'tool_calls' or "
                 f"a tool's 'tool_call_id'), got {message!r}"
             )
+        content = message["content"]
+        if not isinstance(content, str | None):
+            raise ValueError(f"chat message {i}'s content must be a string or None, got {content!r}")
         messages.append(
             client_pb2.ChatMessage(
                 role=str(message["role"]),
-                content=str(message["content"]),
+                content=content or "",  # None: an assistant's turn of tool calls alone
                 tool_calls=_json_text(f"chat message {i}'s tool_calls", message.get("tool_calls")),
                 tool_call_id=str(message.get("tool_call_id") or ""),
             )

@@ -3,14 +3,13 @@ enable_thinking), parsed from the JSON text the wire carries and checked: pure, 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from planner_svc.schema_limits import json_depth
-from planner_svc.validation import InvalidRequest
+from planner_svc.validation import InvalidRequest, json_field
 
 MAX_TEMPLATE_KWARGS = 32
-# Objects and arrays nested in a value: transformers copies the values recursively (~450 levels overflow).
+# Objects and arrays nested, the kwargs' own object the first: transformers copies the values recursively
+# (~450 levels overflow).
 MAX_TEMPLATE_KWARGS_DEPTH = 32
 # Names the chat template is given whatever a request says, besides apply_chat_template's own parameters and
 # the tokenizer's special tokens (the tokenizer's edge adds those, and Jinja's globals such as `range`): the
@@ -24,20 +23,13 @@ def parse_template_kwargs(text: str, reserved: frozenset[str]) -> dict[str, Any]
     request may add variables, never replace the messages, the template's functions or the tokenizer's own."""
     if not text:
         return {}
-    try:
-        kwargs = json.loads(text)
-    except ValueError as error:  # JSONDecodeError
-        raise InvalidRequest(f"chat_template_kwargs is not valid JSON: {error}") from None
-    except RecursionError:  # arrays or objects nested thousands deep
-        raise InvalidRequest(f"chat_template_kwargs nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH}") from None
+    kwargs = json_field("chat_template_kwargs", text, MAX_TEMPLATE_KWARGS_DEPTH)
     if not isinstance(kwargs, dict):
         raise InvalidRequest(f"chat_template_kwargs must be a JSON object, got {type(kwargs).__name__}")
     if len(kwargs) > MAX_TEMPLATE_KWARGS:
         raise InvalidRequest(
             f"chat_template_kwargs has at most {MAX_TEMPLATE_KWARGS} keys, got {len(kwargs)}"
         )
-    if json_depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH + 1:  # the object itself is one level
-        raise InvalidRequest(f"chat_template_kwargs nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH}")
     for key in kwargs:
         if not key.isidentifier():
             raise InvalidRequest(f"chat_template_kwargs: a key must be an identifier, got {key!r}")

@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
-from planner_svc.schema_limits import MAX_SCHEMA_DEPTH, schema_limit_error
+from planner_svc.schema_limits import MAX_SCHEMA_DEPTH, json_depth, schema_limit_error
 from protos import client_pb2
 
 TEMPERATURE_MAX = 100.0  # beyond it every token is as likely as any other: no use, only a typo
@@ -163,6 +164,20 @@ def check_grammar_can_end(request: client_pb2.GenerateRequest) -> None:
         )
 
 
+def json_field(field: str, text: str, max_depth: int) -> Any:
+    """`text` read as JSON; InvalidRequest naming `field` where it is not JSON or nests its objects and arrays
+    deeper than `max_depth` (the outermost counts one)."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:  # JSONDecodeError
+        raise InvalidRequest(f"{field} is not JSON: {error}") from None
+    except RecursionError:
+        raise InvalidRequest(f"{field} nests deeper than {max_depth} objects and arrays") from None
+    if json_depth(value) > max_depth:
+        raise InvalidRequest(f"{field} nests deeper than {max_depth} objects and arrays")
+    return value
+
+
 def check_response_format(response_format: client_pb2.ResponseFormat) -> None:
     """The form of the format; what a schema asks for is checked when its grammar is compiled."""
     which = response_format.WhichOneof("format")
@@ -170,12 +185,7 @@ def check_response_format(response_format: client_pb2.ResponseFormat) -> None:
         raise InvalidRequest("response_format.json_object must be true when set (leave it unset for text)")
     if which == "json_schema":
         field = "response_format.json_schema.schema"
-        try:
-            schema = json.loads(response_format.json_schema.schema)
-        except ValueError as error:
-            raise InvalidRequest(f"{field} is not JSON: {error}") from None
-        except RecursionError:
-            raise InvalidRequest(f"{field} nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays") from None
+        schema = json_field(field, response_format.json_schema.schema, MAX_SCHEMA_DEPTH)
         if not isinstance(schema, dict):
             raise _bad(field, schema, "must be a JSON object")
         reason = schema_limit_error(schema)

@@ -31,7 +31,7 @@ def test_template_kwargs_are_a_json_object_of_new_identifiers():
     too_many = json.dumps({f"k{i}": i for i in range(MAX_TEMPLATE_KWARGS + 1)})
     deep = '{"a": ' + "[" * 500 + "]" * 500 + "}"
     for text, says in (
-        ("{", "not valid JSON"),
+        ("{", "is not JSON"),
         ("[1]", "must be a JSON object, got list"),
         ('{"a-b": 1}', "must be an identifier, got 'a-b'"),
         ('{"tokenize": false}', "'tokenize' is the template's own variable"),
@@ -43,7 +43,7 @@ def test_template_kwargs_are_a_json_object_of_new_identifiers():
     ):
         with pytest.raises(InvalidRequest, match=says):
             parse_template_kwargs(text, RESERVED)
-    depth = MAX_TEMPLATE_KWARGS_DEPTH
+    depth = MAX_TEMPLATE_KWARGS_DEPTH - 1  # under the kwargs' own object
     assert parse_template_kwargs('{"a": ' + "[" * depth + "]" * depth + "}", RESERVED)
 
 

@@ -206,10 +206,12 @@ def test_tools_their_calls_and_answers_go_to_the_planner_and_function_call_is_re
         {"role": "tool", "content": "42", "tool_call_id": "1"},
     ]
     assert (
-        choice.options.tools == [tool] and choice.tools is not None and set(choice.tools.parameters) == {"f"}
+        choice.options.tools == [tool]
+        and choice.tool_spec is not None
+        and set(choice.tool_spec.parameters) == {"f"}
     )
     [offered] = chat_choices(chat(tools=[tool], tool_choice="none"), None, "r")  # in the prompt, never parsed
-    assert offered.options.tools == [tool] and offered.tools is None
+    assert offered.options.tools == [tool] and offered.tool_spec is None
     [named] = chat_choices(
         chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}), None, "r"
     )
@@ -217,7 +219,7 @@ def test_tools_their_calls_and_answers_go_to_the_planner_and_function_call_is_re
         "type": "json_schema",
         "json_schema": {"name": "f", "schema": {"type": "object"}},
     }
-    assert named.tools is not None and (named.tools.mode, named.tools.name) == ("named", "f")
+    assert named.tool_spec is not None and (named.tool_spec.mode, named.tool_spec.name) == ("named", "f")
     with pytest.raises(BadField, match="response_format and a forced tool call"):
         chat_choices(
             chat(tools=[tool], tool_choice="required", response_format={"type": "json_object"}), None, "r"

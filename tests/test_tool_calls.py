@@ -11,10 +11,13 @@ from dataclasses import replace
 
 import pytest
 
+from gateway_svc.openai_replies import ChoiceState, ChunkWriter, completion
 from gateway_svc.tool_calls import ToolCallStream, ToolSpec, parse_calls
 from planner_svc.chat_tools import MAX_TOOLS_DEPTH, parse_tool_calls, parse_tools
 from planner_svc.tokenizer import chat_ids
 from planner_svc.validation import InvalidRequest
+from protos import client_pb2
+from protos.wire import pack_i32
 
 WEATHER = {
     "type": "function",
@@ -44,7 +47,7 @@ def test_tools_and_tool_calls_are_checked_and_arguments_become_mappings():
         ('[{"type": "function"}]', r"chat.tools\[0\] must be"),
         ('[{"type": "code", "function": {"name": "f"}}]', r"chat.tools\[0\] must be"),
         (json.dumps([{**WEATHER, "x": deep}]), "nests deeper"),
-        ("[", "not valid JSON"),
+        ("[", "is not JSON"),
     ):
         with pytest.raises(InvalidRequest, match=says):
             parse_tools(text)
@@ -69,7 +72,7 @@ def _arguments(calls):
 def test_calls_in_json_and_in_xml_are_found_after_the_content():
     content, calls = parse_calls(
         'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}',  # cut: no close
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>',
         SPEC,
     )
     assert content == "Let me look.\n"
@@ -94,16 +97,44 @@ def test_calls_in_json_and_in_xml_are_found_after_the_content():
         '<tool_call>{"name": "launch", "arguments": {}}</tool_call>',  # not a tool of the request
         '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',  # not JSON
         '<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>',  # arguments not an object
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}',  # not closed: cut by max_tokens
+        "<tool_call><function=get_weather><parameter=city>San Fr",  # the same in XML
     ],
 )
 def test_text_without_a_whole_call_of_a_given_tool_makes_none(text):
     assert parse_calls(text, SPEC) is None
 
 
+def test_several_calls_in_a_block_code_in_an_argument_and_a_thought_that_quotes_the_tags():
+    xml = "<tool_call><function=get_weather><parameter=city>a</parameter></function>\n"
+    xml += "<function=get_weather><parameter=city>b</parameter></function></tool_call>"
+    assert _arguments(parse_calls(xml, SPEC)[1]) == [
+        ("get_weather", {"city": "a"}),
+        ("get_weather", {"city": "b"}),
+    ]
+    code = {"city": 'print("</tool_call>")'}
+    call = f"<tool_call>{json.dumps({'name': 'get_weather', 'arguments': code})}</tool_call> Done."
+    assert _arguments(parse_calls(call, SPEC)[1]) == [("get_weather", code)]  # the text after it is dropped
+    thought = "<think>I answer with <tool_call> tags.</think>\n"
+    content, calls = parse_calls(thought + call, SPEC)
+    assert content == thought and _arguments(calls) == [("get_weather", code)]
+    nullable = ToolSpec(
+        {"f": {"properties": {"n": {"type": ["string", "null"]}, "m": {"type": ["integer", "null"]}}}}
+    )
+    values = "<tool_call><function=f><parameter=n>42</parameter><parameter=m>null</parameter></function></tool_call>"
+    assert _arguments(parse_calls(values, nullable)[1]) == [("f", {"n": "42", "m": None})]
+
+
 def test_a_stream_sends_the_content_and_holds_from_where_a_call_may_begin():
     stream = ToolCallStream(SPEC)
-    pieces = ["Let me", " look. <to", 'ol_call>\n{"name": "get_weather",', ' "arguments": {"city": "Oslo"}}']
-    assert [stream.feed(p) for p in pieces] == ["Let me", " look. ", "", ""]
+    pieces = [
+        "Let me",
+        " look. <to",
+        'ol_call>\n{"name": "get_weather",',
+        ' "arguments": {"city": "Oslo"}}',
+        "</tool_call>",
+    ]
+    assert [stream.feed(p) for p in pieces] == ["Let me", " look. ", "", "", ""]
     rest, calls = stream.finish()
     assert rest == "" and _arguments(calls) == [("get_weather", {"city": "Oslo"})]
     plain = ToolCallStream(SPEC)
@@ -133,6 +164,59 @@ def test_a_forced_call_is_held_to_a_schema_and_read_from_it():
     stream = ToolCallStream(named)
     assert stream.feed('{"city"') == stream.feed(': "Oslo"}') == ""  # a forced call's text is never content
     assert _arguments(stream.finish()[1]) == [("get_weather", {"city": "Oslo"})]
+
+
+def _responses(pieces: list[str], finish: int) -> list[client_pb2.GenerateResponse]:
+    responses = [
+        client_pb2.GenerateResponse(text=piece, token_ids=pack_i32([i])) for i, piece in enumerate(pieces)
+    ]
+    responses[-1].finish_reason = finish
+    return responses
+
+
+@pytest.mark.parametrize("finish", [client_pb2.FINISH_REASON_STOP, client_pb2.FINISH_REASON_LENGTH])
+def test_a_streamed_choice_and_the_whole_answer_agree(finish):
+    """The chunks' content and calls against the whole answer's: a call ended by the model, and one cut by
+    max_tokens (no call: its text is the content, the finish reason length); token ids go out as they come."""
+    pieces = [
+        "Sure.",
+        "\n<tool",
+        '_call>{"name": "get_weather", ',
+        '"arguments": {"city": "Oslo"}}',
+        "</tool_call>",
+    ]
+    if finish == client_pb2.FINISH_REASON_LENGTH:
+        pieces = pieces[:-1]
+    writer = ChunkWriter(
+        "chat", "chatcmpl-r", 1, "m", "", token_ids=True, include_usage=False, with_logprobs=False
+    )
+    streamed, whole = ChoiceState(0, 0, tool_spec=SPEC), ChoiceState(0, 0, tool_spec=SPEC)
+    deltas = []
+    for response in _responses(pieces, finish):
+        whole.add(response)
+        event = writer.chunk(streamed, response, streamed.add(response))
+        deltas.append(json.loads(event[6:])["choices"][0])
+    assert [d["token_ids"] for d in deltas] == [[i] for i in range(len(pieces))]
+    [answer] = completion("chat", "chatcmpl-r", 1, "m", [whole], "", False, False)["choices"]
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls", ())]
+    assert deltas[-1]["finish_reason"] == answer["finish_reason"]
+    if finish == client_pb2.FINISH_REASON_STOP:
+        assert (content, answer["message"]["content"], answer["finish_reason"]) == (
+            "Sure.\n",
+            "Sure.\n",
+            "tool_calls",
+        )
+        assert (
+            _arguments(calls)
+            == _arguments(answer["message"]["tool_calls"])
+            == [("get_weather", {"city": "Oslo"})]
+        )
+    else:
+        assert (
+            content == answer["message"]["content"] == "".join(pieces) and answer["finish_reason"] == "length"
+        )
+        assert calls == [] and "tool_calls" not in answer["message"]
 
 
 # ---- over the stack ----
