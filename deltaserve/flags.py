@@ -97,10 +97,9 @@ def model_name(text: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class TextFile:
-    """A file's path and its text, read once when the flag is parsed. Not a str: argparse applies a flag's type
-    again to a default (the flag's variable) that is one."""
+    """A file's text, read once when the flag is parsed. Not a str: argparse applies a flag's type again to a
+    default (the flag's variable) that is one."""
 
-    path: str
     text: str
 
 
@@ -113,7 +112,7 @@ def text_file(path: str) -> TextFile:
         raise BadValue(f"cannot read {path!r}: {error}") from None
     if not text.strip():
         raise BadValue(f"{path!r} is empty")
-    return TextFile(path, text)
+    return TextFile(text)
 
 
 def port(text: str) -> int:

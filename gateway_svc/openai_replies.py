@@ -68,11 +68,11 @@ class ChoiceState:
     @property
     def finish_reason(self) -> str | None:
         """The planner's reason, or tool_calls where the choice made calls and ended as the model chose (a
-        forced call cut by max_tokens keeps its `length`)."""
+        forced call cut by max_tokens keeps its `length`, one cut by a stop string its `stop`)."""
         if self.last is None:
             return None
         reason = FINISH_REASONS[self.last.finish_reason]
-        return "tool_calls" if self.calls and reason == "stop" else reason
+        return "tool_calls" if self.calls and reason == "stop" and not self.last.stop_string else reason
 
     def chat_message(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The whole answer's chat message (its text, or the calls it makes and the text before them), and the

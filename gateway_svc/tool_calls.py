@@ -41,7 +41,9 @@ class ToolSpec:
         """From OpenAI's tools list (entries not of that shape are skipped: the planner refuses them)."""
         parameters: dict[str, Mapping[str, Any]] = {}
         for tool in tools:
-            function = tool.get("function") if isinstance(tool, dict) else None
+            function = (
+                tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+            )
             if isinstance(function, dict) and isinstance(function.get("name"), str):
                 schema = function.get("parameters")
                 parameters[function["name"]] = schema if isinstance(schema, dict) else {}
@@ -56,16 +58,20 @@ class ToolSpec:
         if self.mode == "named":
             assert self.name is not None
             return dict(self._arguments_schema(self.name))
-        calls = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": name}, "parameters": self._arguments_schema(name)},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for name in self.parameters
-        ]
-        return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        calls, definitions = [], {}
+        for number, name in enumerate(self.parameters):
+            arguments, defined = _hoisted(self._arguments_schema(name), f"tool{number}_")
+            definitions.update(defined)
+            calls.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "parameters": arguments},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+            )
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        return {**schema, "$defs": definitions} if definitions else schema
 
     def find(self, text: str) -> tuple[str, list[dict[str, Any]]] | None:
         """(the content, the calls) `text` makes, or None where it makes none."""
@@ -83,6 +89,35 @@ class ToolSpec:
         ):
             return None  # the grammar holds the answer to the schema: not expected
         return "", [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+
+
+_DEFINITIONS = ("$defs", "definitions")
+
+
+def _hoisted(schema: Mapping[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A tool's parameters schema without its definitions, and those definitions renamed with `prefix`: nested
+    in the required list's schema, its `#/$defs/X` references would no longer resolve (Pydantic's schemas of
+    nested models have them), so they move to the root and its references are rewritten."""
+    definitions = {
+        f"{prefix}{key}": value
+        for where in _DEFINITIONS
+        if isinstance(schema.get(where), dict)
+        for key, value in schema[where].items()
+    }
+    if not definitions:
+        return dict(schema), {}
+
+    def moved(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            for where in _DEFINITIONS:
+                if isinstance(ref, str) and ref.startswith(f"#/{where}/"):
+                    node = {**node, "$ref": f"#/$defs/{prefix}{ref[len(where) + 3 :]}"}
+            return {key: moved(value) for key, value in node.items()}
+        return [moved(item) for item in node] if isinstance(node, list) else node
+
+    rest = {key: value for key, value in schema.items() if key not in _DEFINITIONS}
+    return moved(rest), {key: moved(value) for key, value in definitions.items()}
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
@@ -110,10 +145,10 @@ def _value(text: str, schema: Any) -> Any:
     nullable one's `null`, else the JSON value it spells (a number, a boolean, an object), else the text."""
     text = text.removeprefix("\n").removesuffix("\n")
     kind = schema.get("type") if isinstance(schema, dict) else None
-    kinds = set(kind) if isinstance(kind, list) else {kind}
+    kinds = {k for k in (kind if isinstance(kind, list) else [kind]) if k is None or isinstance(k, str)}
     if "null" in kinds and text == "null":
         return None
-    if kinds & {None, "string"}:
+    if not kinds or kinds & {None, "string"}:  # untyped (or typed in no way JSON Schema names): the text
         return text
     try:
         return json.loads(text)
@@ -190,6 +225,8 @@ class ToolCallStream:
     spec: ToolSpec
     _held: list[str] = field(default_factory=list)  # pieces: a long call is joined once, at the end
     _calling: bool = False  # CALL_OPEN was seen (or the call is forced): everything from it is held
+    _spoken: bool = False  # content other than white space went out (before it, white space is held: the
+    # whole answer's content is null where only white space comes before a call)
 
     def __post_init__(self) -> None:
         self._calling = self.spec.mode != "auto"
@@ -202,12 +239,18 @@ class ToolCallStream:
         held = "".join([*self._held, text])
         at = held.find(CALL_OPEN)
         keep = len(held) - at if at >= 0 else _held_back(held)
+        if not self._spoken and not held[: len(held) - keep].strip():
+            keep = len(held)
         self._calling = at >= 0
         self._held = [held[len(held) - keep :]] if keep else []
+        self._spoken = self._spoken or keep < len(held)
         return held[: len(held) - keep]
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the choice's end: the content still to send, and the calls made (none: the held text is content)."""
         held, self._held = "".join(self._held), []
         parsed = self.spec.find(held) if self._calling else None
-        return parsed if parsed is not None else (held, [])
+        if parsed is None:
+            return held, []
+        content, calls = parsed
+        return (content if self._spoken or content.strip() else ""), calls

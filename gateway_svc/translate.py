@@ -245,6 +245,10 @@ def _tools(body: ChatCompletionBody) -> tuple[list[dict[str, Any]] | None, ToolS
             raise BadField("tool_choice", "tool_choice asks for a call of a tool: give tools")
         return None, None
     spec = ToolSpec.of(body.tools)
+    if len(spec.parameters) < len(body.tools):  # the planner checks them too; here, named as HTTP names them
+        raise BadField(
+            "tools", 'each of tools must be {"type": "function", "function": {"name": ..., ...}}, named once'
+        )
     if choice in (None, "auto"):
         return body.tools, spec
     if choice == "none":

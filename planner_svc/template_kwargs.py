@@ -11,10 +11,6 @@ MAX_TEMPLATE_KWARGS = 32
 # Objects and arrays nested, the kwargs' own object the first: transformers copies the values recursively
 # (~450 levels overflow).
 MAX_TEMPLATE_KWARGS_DEPTH = 32
-# Names the chat template is given whatever a request says, besides apply_chat_template's own parameters and
-# the tokenizer's special tokens (the tokenizer's edge adds those, and Jinja's globals such as `range`): the
-# messages, and the globals transformers adds.
-TEMPLATE_NAMES = frozenset({"messages", "raise_exception", "strftime_now", "dict", "namespace"})
 
 
 def parse_template_kwargs(text: str, reserved: frozenset[str]) -> dict[str, Any]:
@@ -33,7 +29,7 @@ def parse_template_kwargs(text: str, reserved: frozenset[str]) -> dict[str, Any]
     for key in kwargs:
         if not key.isidentifier():
             raise InvalidRequest(f"chat_template_kwargs: a key must be an identifier, got {key!r}")
-        if key in reserved or key in TEMPLATE_NAMES:
+        if key in reserved:
             raise InvalidRequest(
                 f"chat_template_kwargs: {key!r} is the template's own variable, not a request's"
             )

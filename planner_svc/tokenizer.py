@@ -14,6 +14,11 @@ from protos.model_files import load_tokenizer
 _RENDER_ERRORS = (jinja2.TemplateError, TypeError, RecursionError)
 
 
+# Names a chat template is given besides apply_chat_template's parameters, the special tokens and Jinja's own
+# globals: the messages, and the globals transformers adds.
+TEMPLATE_NAMES = frozenset({"messages", "raise_exception", "strftime_now", "dict", "namespace"})
+
+
 class TemplateRefused(ValueError):
     """The chat template could not render a chat (INVALID_ARGUMENT)."""
 
@@ -53,12 +58,12 @@ def chat_ids(
 
 
 def reserved_template_names(tokenizer) -> frozenset[str]:
-    """The names a request's chat template kwargs may not take: apply_chat_template's own parameters (a kwarg
-    `tokenize` would change what it returns), the tokenizer's special tokens and Jinja's globals (`range`), which
-    the template is given."""
+    """The names a request's chat template kwargs may not take, all of them given to the template already:
+    apply_chat_template's own parameters (a kwarg `tokenize` would change what it returns), the tokenizer's
+    special tokens, the messages, and Jinja's and transformers' globals (`range`, `raise_exception`)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    names = set(jinja2.defaults.DEFAULT_NAMESPACE)
+    names = set(jinja2.defaults.DEFAULT_NAMESPACE) | TEMPLATE_NAMES
     names.update(inspect.signature(type(tokenizer).apply_chat_template).parameters)  # `self` too
     names.update(inspect.signature(render_jinja_template).parameters)
     names.update(tokenizer.special_tokens_map)

@@ -17,7 +17,7 @@ from planner_svc.validation import InvalidRequest
 from tests.chat_templates import TOOLS_TEMPLATE
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-RESERVED = frozenset({"tokenize", "bos_token"})
+RESERVED = frozenset({"tokenize", "bos_token", "messages"})
 
 # ---- parsing (pure) ----
 
@@ -52,7 +52,13 @@ def test_the_reserved_names_are_apply_chat_templates_parameters_and_the_special_
     reserved = reserved_template_names(tokenizer)
     assert {"tokenize", "return_dict", "add_generation_prompt", "tools", "chat_template"} <= reserved
     assert {"bos_token", "eos_token"} <= reserved
-    assert {"self", "range", "cycler"} <= reserved  # a `self` kwarg is a TypeError; `range` Jinja's function
+    assert {
+        "self",
+        "range",
+        "cycler",
+        "messages",
+        "raise_exception",
+    } <= reserved  # a `self` kwarg is a TypeError; `range` Jinja's function
     assert "enable_thinking" not in reserved
 
 

@@ -64,8 +64,8 @@ async def _error(http, path: str, body: dict, headers: dict | None = None) -> tu
         (
             {"model": "{model}", "messages": QUESTION, "tools": [{"type": "function"}]},
             400,
-            None,
-            'chat.tools[0] must be {"type": "function", "function": {"name": ..., ...}}',
+            "tools",
+            'each of tools must be {"type": "function", "function": {"name": ..., ...}}, named once',
         ),
         ({"model": "{model}", "messages": QUESTION, "max_tokens": 9000}, 400, None, "context is 8192"),
         (

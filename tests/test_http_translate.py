@@ -124,7 +124,6 @@ VLLM_HARMLESS = {
     "skip_special_tokens": True,
     "prompt_logprobs": None,
     "add_generation_prompt": True,
-    "chat_template_kwargs": {},
     "echo": False,
 }
 
@@ -192,51 +191,6 @@ def test_values_past_the_wire_types_are_refused_by_field():
             chat(**{field: value})
     with pytest.raises(BadField, match="logit_bias keys"):
         chat_choices(chat(logit_bias={str(2**31): 1.0}), None, "r")
-
-
-def test_tools_their_calls_and_answers_go_to_the_planner_and_function_call_is_refused():
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    messages = [USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
-    messages.append({"role": "tool", "content": "42", "tool_call_id": "1"})
-    [choice] = chat_choices(chat(messages=messages, tools=[tool]), None, "r")
-    assert choice.options.chat == [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "content": "42", "tool_call_id": "1"},
-    ]
-    assert (
-        choice.options.tools == [tool]
-        and choice.tool_spec is not None
-        and set(choice.tool_spec.parameters) == {"f"}
-    )
-    [offered] = chat_choices(chat(tools=[tool], tool_choice="none"), None, "r")  # in the prompt, never parsed
-    assert offered.options.tools == [tool] and offered.tool_spec is None
-    [named] = chat_choices(
-        chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}), None, "r"
-    )
-    assert named.options.response_format == {
-        "type": "json_schema",
-        "json_schema": {"name": "f", "schema": {"type": "object"}},
-    }
-    assert named.tool_spec is not None and (named.tool_spec.mode, named.tool_spec.name) == ("named", "f")
-    with pytest.raises(BadField, match="response_format and a forced tool call"):
-        chat_choices(
-            chat(tools=[tool], tool_choice="required", response_format={"type": "json_object"}), None, "r"
-        )
-    for other in (
-        {"type": "function", "function": {"name": "g"}},
-        {"type": "function", "function": {"name": ["f"]}},
-        "any",
-    ):
-        with pytest.raises(BadField, match="naming one of the tools"):
-            chat_choices(chat(tools=[tool], tool_choice=other), None, "r")
-    with pytest.raises(BadField, match="give tools"):
-        chat_choices(chat(tool_choice={"type": "function", "function": {"name": "f"}}), None, "r")
-    legacy = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}
-    with pytest.raises(UnsupportedField) as refused:
-        chat_choices(chat(messages=[USER, legacy]), None, "r")
-    assert refused.value.param == "messages.1.function_call"
 
 
 def test_a_completion_takes_response_format():

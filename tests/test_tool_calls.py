@@ -1,6 +1,5 @@
-"""Tools (OpenAI's function calling): the tools and the history's calls and answers checked and rendered by the
-chat template, the calls found in the answer's text (<tool_call> JSON or XML), whole and streamed; and over the
-real stack (SmolLM2 on the CPU with tests/chat_templates.py's template, through OpenAI's client) a few-shot
+"""Tools (OpenAI's function calling) in the answer: the calls found in its text (<tool_call> JSON or XML) or read
+from a forced call's JSON, whole and streamed, the two agreeing; and over the real stack (SmolLM2 on the CPU with tests/chat_templates.py's template, through OpenAI's client) a few-shot
 history after which the model calls the tool: the same call whole and streamed, raw text with tool_choice
 none."""
 
@@ -13,9 +12,7 @@ import pytest
 
 from gateway_svc.openai_replies import ChoiceState, ChunkWriter, completion
 from gateway_svc.tool_calls import ToolCallStream, ToolSpec, parse_calls
-from planner_svc.chat_tools import MAX_TOOLS_DEPTH, parse_tool_calls, parse_tools
 from planner_svc.tokenizer import chat_ids
-from planner_svc.validation import InvalidRequest
 from protos import client_pb2
 from protos.wire import pack_i32
 
@@ -32,35 +29,6 @@ WEATHER = {
     },
 }
 SPEC = ToolSpec.of([WEATHER])
-
-# ---- the planner's side: what the chat template reads ----
-
-
-def test_tools_and_tool_calls_are_checked_and_arguments_become_mappings():
-    assert parse_tools("") is None
-    deep: object = 0
-    for _ in range(MAX_TOOLS_DEPTH):
-        deep = [deep]
-    assert parse_tools(json.dumps([WEATHER])) == [WEATHER]
-    for text, says in (
-        ("[]", "non-empty JSON list"),
-        ('[{"type": "function"}]', r"chat.tools\[0\] must be"),
-        ('[{"type": "code", "function": {"name": "f"}}]', r"chat.tools\[0\] must be"),
-        (json.dumps([{**WEATHER, "x": deep}]), "nests deeper"),
-        ("[", "is not JSON"),
-    ):
-        with pytest.raises(InvalidRequest, match=says):
-            parse_tools(text)
-    calls = [
-        {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}},
-        {"id": "b", "type": "function", "function": {"name": "f", "arguments": "not json"}},
-    ]
-    parsed = parse_tool_calls(3, json.dumps(calls))
-    assert parsed[0]["function"]["arguments"] == {"city": "Paris"}  # templates walk or tojson a mapping
-    assert parsed[1]["function"]["arguments"] == "not json" and parsed[0]["id"] == "a"
-    with pytest.raises(InvalidRequest, match=r"chat.messages\[3\].tool_calls\[0\] must be"):
-        parse_tool_calls(3, '[{"type": "function", "function": {}}]')
-
 
 # ---- the gateway's side: the calls in the answer ----
 
@@ -166,57 +134,93 @@ def test_a_forced_call_is_held_to_a_schema_and_read_from_it():
     assert _arguments(stream.finish()[1]) == [("get_weather", {"city": "Oslo"})]
 
 
-def _responses(pieces: list[str], finish: int) -> list[client_pb2.GenerateResponse]:
-    responses = [
-        client_pb2.GenerateResponse(text=piece, token_ids=pack_i32([i])) for i, piece in enumerate(pieces)
-    ]
-    responses[-1].finish_reason = finish
-    return responses
-
-
-@pytest.mark.parametrize("finish", [client_pb2.FINISH_REASON_STOP, client_pb2.FINISH_REASON_LENGTH])
-def test_a_streamed_choice_and_the_whole_answer_agree(finish):
-    """The chunks' content and calls against the whole answer's: a call ended by the model, and one cut by
-    max_tokens (no call: its text is the content, the finish reason length); token ids go out as they come."""
-    pieces = [
-        "Sure.",
-        "\n<tool",
-        '_call>{"name": "get_weather", ',
-        '"arguments": {"city": "Oslo"}}',
-        "</tool_call>",
-    ]
-    if finish == client_pb2.FINISH_REASON_LENGTH:
-        pieces = pieces[:-1]
+def _both(
+    spec: ToolSpec, pieces: list[str], finish: int, stop_string: str = ""
+) -> tuple[dict, str, list, str]:
+    """A choice's pieces of text as the whole answer (its choice) and as a stream (its content, calls and finish
+    reason); token ids go out as they come, whatever is held."""
     writer = ChunkWriter(
         "chat", "chatcmpl-r", 1, "m", "", token_ids=True, include_usage=False, with_logprobs=False
     )
-    streamed, whole = ChoiceState(0, 0, tool_spec=SPEC), ChoiceState(0, 0, tool_spec=SPEC)
+    streamed, whole = ChoiceState(0, 0, tool_spec=spec), ChoiceState(0, 0, tool_spec=spec)
+    responses = [
+        client_pb2.GenerateResponse(text=piece, token_ids=pack_i32([i])) for i, piece in enumerate(pieces)
+    ]
+    responses[-1].finish_reason, responses[-1].stop_string = finish, stop_string
     deltas = []
-    for response in _responses(pieces, finish):
+    for response in responses:
         whole.add(response)
-        event = writer.chunk(streamed, response, streamed.add(response))
-        deltas.append(json.loads(event[6:])["choices"][0])
+        deltas.append(json.loads(writer.chunk(streamed, response, streamed.add(response))[6:])["choices"][0])
     assert [d["token_ids"] for d in deltas] == [[i] for i in range(len(pieces))]
     [answer] = completion("chat", "chatcmpl-r", 1, "m", [whole], "", False, False)["choices"]
     content = "".join(d["delta"].get("content") or "" for d in deltas)
     calls = [c for d in deltas for c in d["delta"].get("tool_calls", ())]
-    assert deltas[-1]["finish_reason"] == answer["finish_reason"]
-    if finish == client_pb2.FINISH_REASON_STOP:
-        assert (content, answer["message"]["content"], answer["finish_reason"]) == (
-            "Sure.\n",
-            "Sure.\n",
-            "tool_calls",
-        )
-        assert (
-            _arguments(calls)
-            == _arguments(answer["message"]["tool_calls"])
-            == [("get_weather", {"city": "Oslo"})]
-        )
-    else:
-        assert (
-            content == answer["message"]["content"] == "".join(pieces) and answer["finish_reason"] == "length"
-        )
-        assert calls == [] and "tool_calls" not in answer["message"]
+    return answer, content, calls, deltas[-1]["finish_reason"]
+
+
+OSLO = ['{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}', "</tool_call>"]
+
+
+@pytest.mark.parametrize(
+    "pieces, content",
+    [
+        (["Sure.", "\n<tool", "_call>", *OSLO], "Sure.\n"),
+        (["\n", " \n<tool_call>", *OSLO], None),  # white space alone before the call: no content
+    ],
+)
+def test_a_streamed_call_and_the_whole_answer_agree(pieces, content):
+    answer, streamed, calls, finish = _both(SPEC, pieces, client_pb2.FINISH_REASON_STOP)
+    assert (answer["message"]["content"], streamed or None) == (content, content)
+    assert (
+        _arguments(calls)
+        == _arguments(answer["message"]["tool_calls"])
+        == [("get_weather", {"city": "Oslo"})]
+    )
+    assert finish == answer["finish_reason"] == "tool_calls"
+
+
+def test_a_call_cut_by_max_tokens_or_a_stop_string_keeps_the_planners_reason():
+    pieces = ["Sure.", "\n<tool_call>", *OSLO[:2]]
+    answer, streamed, calls, finish = _both(SPEC, pieces, client_pb2.FINISH_REASON_LENGTH)
+    assert (
+        answer["message"]["content"] == streamed == "".join(pieces) and "tool_calls" not in answer["message"]
+    )
+    assert calls == [] and finish == answer["finish_reason"] == "length"
+    named = replace(SPEC, mode="named", name="get_weather")
+    for reason, stop_string, said in (
+        (client_pb2.FINISH_REASON_LENGTH, "", "length"),
+        (client_pb2.FINISH_REASON_STOP, "lo", "stop"),
+    ):
+        answer, streamed, calls, finish = _both(named, ['{"city": ', '"Os'], reason, stop_string)
+        assert finish == answer["finish_reason"] == said and streamed == ""
+        assert [c["function"]["arguments"] for c in calls] == ['{"city": "Os']  # as far as it was written
+        assert answer["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Os'
+
+
+def test_a_required_call_of_tools_with_definitions_refers_to_them_at_the_root():
+    city = {"type": "object", "properties": {"name": {"type": "string"}}}
+    moving = {
+        "type": "function",
+        "function": {
+            "name": "move",
+            "parameters": {
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/City"}},
+                "$defs": {"City": city},
+            },
+        },
+    }
+    schema = replace(ToolSpec.of([WEATHER, moving]), mode="required").schema()
+    assert schema["$defs"] == {"tool1_City": city}
+    [weather, move] = schema["items"]["anyOf"]
+    assert move["properties"]["parameters"] == {
+        "type": "object",
+        "properties": {"to": {"$ref": "#/$defs/tool1_City"}},
+    }
+    assert weather["properties"]["parameters"] == WEATHER["function"]["parameters"]
+    odd = ToolSpec({"f": {"properties": {"x": {"type": {"not": "a name"}}, "y": {"type": [["string"]]}}}})
+    xml = "<tool_call><function=f><parameter=x>1</parameter><parameter=y>2</parameter></function></tool_call>"
+    assert _arguments(parse_calls(xml, odd)[1]) == [("f", {"x": "1", "y": "2"})]  # an odd type: the text
 
 
 # ---- over the stack ----
