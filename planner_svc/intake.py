@@ -69,12 +69,16 @@ class Intake:
         default_max_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
-        self.reserved = reserved_template_names(tokenizer)  # names a chat's template kwargs may not take
         self.eos_token_ids = eos_token_ids
         self.default_max_tokens = default_max_tokens  # for requests without max_tokens (0: all that fit)
         self.limits = limits_for(tokenizer, vocab_size, max_seq_len)
         self.schemas = SchemaCompiler(tokenizer, vocab_size)
         self._threads = ThreadPoolExecutor(max_workers=TOKENIZING_THREADS, thread_name_prefix="tokenize")
+
+    @functools.cached_property
+    def reserved(self) -> frozenset[str]:
+        """The names a chat's template kwargs may not take (found at the first chat that has some)."""
+        return reserved_template_names(self.tokenizer)
 
     async def prepare(self, request: client_pb2.GenerateRequest, request_id: str) -> Request:
         """The request checked and its prompt tokenized; ValueError (INVALID_ARGUMENT) says what is wrong."""
