@@ -77,7 +77,7 @@ class Intake:
 
     @functools.cached_property
     def reserved(self) -> frozenset[str]:
-        """The names a chat's template kwargs may not take (found at the first chat that has some)."""
+        """The names a chat's template kwargs may not take (found at the first chat, not at start)."""
         return reserved_template_names(self.tokenizer)
 
     async def prepare(self, request: client_pb2.GenerateRequest, request_id: str) -> Request:
