@@ -7,6 +7,16 @@ from deltaserve.flag_groups import add_serve_flags, add_server_trust_flags
 from deltaserve.flags import Flags, address, int_at_least, port
 
 
+def _add_reasoning_flag(flags: Flags) -> None:
+    flags.switch(
+        "--reasoning-content",
+        default=True,
+        help="give a chat answer's thought (<think>...</think>: Qwen3, Qwen3.5, DeepSeek-R1) in the message's "
+        "reasoning_content, apart from its content, as vLLM's --reasoning-parser does (--no-reasoning-content: "
+        "all of the text in content, as the model wrote it)",
+    )
+
+
 def add_http_port_flag(flags: Flags) -> None:
     """`up`'s HTTP API beside its gRPC port."""
     flags.option(
@@ -29,6 +39,7 @@ def add_http_port_flag(flags: Flags) -> None:
         metavar="N",
         help="processes serving the HTTP API on its one port (the kernel spreads connections over them)",
     )
+    _add_reasoning_flag(flags)
 
 
 def add_http_flags(flags: Flags, *, planner_port: int, http_port: int) -> None:
@@ -49,6 +60,7 @@ def add_http_flags(flags: Flags, *, planner_port: int, http_port: int) -> None:
         metavar="HOST:PORT",
         help="the planner's gRPC address (each caller's `Authorization: Bearer` key is forwarded to it)",
     )
+    _add_reasoning_flag(flags)
     add_server_trust_flags(flags, api_keys=False, links=False)
     flags.option(
         "--tls-ca",

@@ -47,6 +47,7 @@ async def start_http_api(
                 args.log_level,
                 args.log_json,
                 args.command,  # its lines' service: up or http, as the parent's
+                args.reasoning_content,
             )
             process = await start_gateway_process(spec, count)
             servers.push_async_callback(process.stop)
@@ -55,7 +56,13 @@ async def start_http_api(
     from gateway_svc.http_server import start_gateway
 
     started = await start_gateway(
-        planner_addr, args.host, port, planner_channel=link, tls=args.trust.server.tls, count=count
+        planner_addr,
+        args.host,
+        port,
+        planner_channel=link,
+        tls=args.trust.server.tls,
+        count=count,
+        reasoning_content=args.reasoning_content,
     )
     servers.push_async_callback(started.stop)
     return started.port

@@ -40,6 +40,7 @@ class GatewaySpec:
     log_level: str
     log_json: bool | None
     service: str
+    reasoning_content: bool  # a chat answer's thought apart from its content
 
 
 def _child(spec: GatewaySpec, conn: Connection) -> None:
@@ -72,6 +73,7 @@ async def _serve(spec: GatewaySpec, conn: Connection, stop: asyncio.Event) -> No
             tls=spec.tls,
             count=count,
             reuse_port=spec.reuse_port,
+            reasoning_content=spec.reasoning_content,
         )
     except BaseException as error:
         conn.send(("failed", str(error)))

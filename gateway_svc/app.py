@@ -55,8 +55,9 @@ ConversationHeader = Annotated[
 class Gateway:
     """What the routes share: the planner client and its model."""
 
-    def __init__(self, planner: PlannerClient) -> None:
+    def __init__(self, planner: PlannerClient, reasoning_content: bool) -> None:
         self.planner = planner
+        self.reasoning_content = reasoning_content  # a chat's thought apart from its content
         self.models = ModelCatalog(planner)
         self.started = int(time.time())
 
@@ -117,8 +118,13 @@ async def _answer(
     model = await gateway.models.check(body.model, key)
     conversation = choices[0].options.conversation_id
     headers = _conversation_header(conversation)
+    reasoning = kind == "chat" and gateway.reasoning_content
     states = {
-        index: ChoiceState(index, c.prompt, tool_spec=c.tool_spec) for c in choices for index in c.indices()
+        index: ChoiceState(
+            index, c.prompt, tool_spec=c.tool_spec, streamed=bool(body.stream), reasoning=reasoning
+        )
+        for c in choices
+        for index in c.indices()
     }
     stream = responses(gateway.planner, choices, key)
     created = int(time.time())
@@ -279,16 +285,19 @@ async def health(request: Request):
     )
 
 
-def create_app(planner: PlannerClient, count: Count | None = None) -> FastAPI:
+def create_app(
+    planner: PlannerClient, count: Count | None = None, *, reasoning_content: bool = True
+) -> FastAPI:
     """The gateway's ASGI app over a planner client (the caller opens and closes the client); `count`:
-    what each answer's (path, status) is counted with (http_metrics.py)."""
+    what each answer's (path, status) is counted with (http_metrics.py); `reasoning_content`: a chat answer's
+    thought (<think>...</think>) in its own field, apart from the content (reasoning.py)."""
     app = FastAPI(
         title="deltaserve",
         version=VERSION,
         description="OpenAI-compatible chat and text completions over deltaserve's planner, with "
         "conversations (conversation_id) and shared prefixes (shared_prefix); see README's HTTP API.",
     )
-    app.state.gateway = Gateway(planner)
+    app.state.gateway = Gateway(planner, reasoning_content)
     install_error_handlers(app)
     app.include_router(router)
     app.add_middleware(BodyLimit)

@@ -88,13 +88,15 @@ async def start_gateway(
     tls: ServerTLS | None = None,
     count: Count | None = None,
     reuse_port: bool = False,
+    reasoning_content: bool = True,
 ) -> StartedGateway:
     """Serves the HTTP API on host:port, talking to the planner at planner_addr (`planner_channel`: TLS;
     each caller's key is forwarded per call). `tls`: HTTPS with the services' certificate and key (a
-    client CA requires client certificates). `count`: what its answers are counted with."""
+    client CA requires client certificates). `count`: what its answers are counted with. `reasoning_content`:
+    a chat answer's thought apart from its content."""
     planner = PlannerClient(planner_addr, planner_channel)
     config = uvicorn.Config(
-        create_app(planner, count),
+        create_app(planner, count, reasoning_content=reasoning_content),
         log_config=None,  # deltaserve's structlog configuration stays
         access_log=False,
         lifespan="off",
@@ -115,5 +117,11 @@ async def start_gateway(
             raise RuntimeError("the HTTP server stopped before it started")
         await asyncio.sleep(0.01)
     bound = sock.getsockname()[1]
-    log.info("HTTP API listening", address=f"{host}:{bound}", planner=planner_addr, https=tls is not None)
+    log.info(
+        "HTTP API listening",
+        address=f"{host}:{bound}",
+        planner=planner_addr,
+        https=tls is not None,
+        reasoning_content=reasoning_content,
+    )
     return StartedGateway(bound, server, task, planner)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway_svc.reasoning import ThoughtStream, split_thought
 from gateway_svc.tool_calls import ToolCallStream, ToolSpec
 from planner_svc.client import FINISH_REASONS
 from protos import client_pb2
@@ -39,11 +40,17 @@ class ChoiceState:
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
     tool_spec: ToolSpec | None = None  # the tools it may call, and whether it must
+    streamed: bool = False  # its text goes out as it comes (the streams below hold back what may be a tag)
+    reasoning: bool = False  # a chat's thought goes in reasoning_content, apart from its content
+    begins_in_thought: bool = (
+        False  # its text begins inside a thought its prompt opened (its first response's)
+    )
     call_stream: ToolCallStream | None = field(default=None, init=False)  # streamed: its text, held for calls
+    thought_stream: ThoughtStream | None = field(default=None, init=False)  # streamed, with reasoning
     calls: list[dict[str, Any]] = field(default_factory=list)  # the calls it made, found at its end
 
     def __post_init__(self) -> None:
-        if self.tool_spec is not None:
+        if self.streamed and self.tool_spec is not None:
             self.call_stream = ToolCallStream(self.tool_spec)
 
     def text_offsets(self, entries: Sequence[client_pb2.TokenLogprobs]) -> list[int]:
@@ -57,6 +64,10 @@ class ChoiceState:
     def add(self, response: client_pb2.GenerateResponse) -> list[int]:
         """Takes one response in; returns its token ids."""
         ids = unpack_i32(response.token_ids).tolist()
+        if not self.text:  # its first response
+            self.begins_in_thought = response.begins_in_thought
+            if self.streamed and self.reasoning:
+                self.thought_stream = ThoughtStream.of(response.begins_in_thought)
         self.token_ids.extend(ids)
         self.text.append(response.text)
         self.logprobs.extend(response.logprobs)
@@ -75,18 +86,36 @@ class ChoiceState:
         return "tool_calls" if self.calls and reason == "stop" and not self.last.stop_string else reason
 
     def chat_message(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The whole answer's chat message (its text, or the calls it makes and the text before them), and the
-        calls."""
+        """The whole answer's chat message (its thought apart where asked; its text, or the calls it makes and
+        the text before them), and the calls."""
         text = "".join(self.text)
+        message: dict[str, Any] = {"role": "assistant"}
+        if self.reasoning:
+            message["reasoning_content"], text = split_thought(text, self.begins_in_thought)
         parsed = self.tool_spec.find(text) if self.tool_spec is not None else None
         if parsed is None:
-            return {"role": "assistant", "content": text}, []
+            message["content"] = text
+            return message, []
         content, calls = parsed
-        return {
-            "role": "assistant",
-            "content": content if content.strip() else None,
-            "tool_calls": calls,
-        }, calls
+        message.update(content=content if content.strip() else None, tool_calls=calls)
+        return message, calls
+
+    def streamed_text(self, response: client_pb2.GenerateResponse) -> tuple[str, str]:
+        """The (thought, content) of a streamed response to send now: less what may begin a tag or a call, and
+        at the choice's last response everything still held (its calls found)."""
+        thought, text = "", response.text
+        last = self.last is response
+        if self.thought_stream is not None:
+            thought, text = self.thought_stream.feed(text)
+            if last:
+                held_thought, held_text = self.thought_stream.finish()
+                thought, text = thought + held_thought, text + held_text
+        if self.call_stream is not None:
+            text = self.call_stream.feed(text)
+            if last:
+                rest, self.calls = self.call_stream.finish()
+                text += rest
+        return thought, text
 
     @property
     def stop_reason(self) -> str | None:
@@ -228,17 +257,14 @@ class ChunkWriter:
     ) -> bytes | None:
         """The event of one planner response of a choice (None when it carries nothing to send yet: text
         held back until a character is whole, or while it may begin a call of a tool)."""
-        text = response.text
-        if state.call_stream is not None:
-            text = state.call_stream.feed(text)
-            if state.last is response:
-                rest, state.calls = state.call_stream.finish()
-                text += rest
+        thought, text = state.streamed_text(response)
         finish = state.finish_reason if state.last is response else None
         first = state.index not in self._started
-        if not (text or finish or first or ((self.token_ids or self.with_logprobs) and ids)):
+        if not (text or thought or finish or first or ((self.token_ids or self.with_logprobs) and ids)):
             return None
-        if not (first or finish or self.with_logprobs):  # most events: their bytes written directly
+        if not (
+            first or finish or self.with_logprobs or thought
+        ):  # most events: their bytes written directly
             return self._head + self._plain_choice(state.index, text, ids).encode() + self._tail
         self._started.add(state.index)
         choice: dict[str, Any] = {"index": state.index, "finish_reason": finish, "logprobs": None}
@@ -248,7 +274,9 @@ class ChunkWriter:
             choice["stop_reason"] = state.stop_reason
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text or first:
+            if thought:
+                delta["reasoning_content"] = thought
+            if text or (first and not thought):
                 delta["content"] = text
             if finish is not None and state.calls:
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(state.calls)]

@@ -20,8 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from protos.thought import THOUGHT_END
+
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-THOUGHT_END = "</think>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
 _JSON = json.JSONDecoder()
@@ -209,10 +210,10 @@ def parse_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]] |
     return text[:start], calls
 
 
-def _held_back(text: str) -> int:
-    """How many characters at the end of `text` could begin CALL_OPEN (held back until the next text says)."""
-    for size in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
-        if CALL_OPEN.startswith(text[-size:]):
+def tag_begun(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could begin `tag` (held back until the next text says)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
             return size
     return 0
 
@@ -238,7 +239,7 @@ class ToolCallStream:
             return ""
         held = "".join([*self._held, text])
         at = held.find(CALL_OPEN)
-        keep = len(held) - at if at >= 0 else _held_back(held)
+        keep = len(held) - at if at >= 0 else tag_begun(held, CALL_OPEN)
         if not self._spoken and not held[: len(held) - keep].strip():
             keep = len(held)
         self._calling = at >= 0

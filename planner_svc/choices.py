@@ -28,6 +28,7 @@ def other_choices(first: Request, n: int) -> list[Request]:
             stop_strings=first.stop_strings,
             min_tokens=first.min_tokens,
             grammar=first.grammar,
+            begins_in_thought=first.begins_in_thought,
             later_choice=True,  # queued at the first's tag (responses.py)
         )
         for index in range(1, n)

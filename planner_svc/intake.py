@@ -19,7 +19,13 @@ from planner_svc.json_grammar import SchemaCompiler
 from planner_svc.requests import Request, Sampling
 from planner_svc.shared_prefix import resolve_shared_prefix
 from planner_svc.template_kwargs import parse_template_kwargs
-from planner_svc.tokenizer import TemplateRefused, chat_ids, reserved_template_names, text_ids
+from planner_svc.tokenizer import (
+    TemplateRefused,
+    begins_in_thought,
+    chat_ids,
+    reserved_template_names,
+    text_ids,
+)
 from planner_svc.validation import (
     GREEDY_BELOW,
     check_generate,
@@ -186,6 +192,8 @@ class Intake:
         req.stop_strings, req.min_tokens = tuple(request.stop), request.min_tokens
         req.grammar = self._grammar(request)
         req.n = max(request.n, 1)
+        if messages is not None:
+            req.begins_in_thought = begins_in_thought(self.tokenizer, prompt_ids)
         if request.conversation_id:
             self._marks(request, req, messages, kwargs)
         return req

@@ -94,6 +94,7 @@ class Request:
     conversation: Conversation | None = None
     reused: int = 0  # prompt tokens whose KV `pages` already hold at admission
     prefill_read: PrefillRead | None = None  # a long prompt's read being followed (prefill_progress.py)
+    begins_in_thought: bool = False  # a chat whose template opened a thought: its text begins inside one
     root: int | None = None  # end of the system prompt: a checkpoint kept while the cap allows
     pinned: int | None = None  # a shared read-only prefix: a checkpoint never evicted
     pin_asked: bool = False  # the turn asked for a shared prefix (its last message reports the pin kept)

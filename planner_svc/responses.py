@@ -105,6 +105,7 @@ class ResponseStreams:
             if first:
                 response.prompt_tokens = req.prompt_len
                 response.seed = seed
+                response.begins_in_thought = req.begins_in_thought
                 first = False
             if finish is Finish.ABORT and (req.tenant, req.request_id) in self.cut:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, self.cut.pop((req.tenant, req.request_id)))

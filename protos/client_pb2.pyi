@@ -142,7 +142,7 @@ class SharedPrefix(_message.Message):
     def __init__(self, messages: _Optional[int] = ..., message: _Optional[_Union[SharedPrefix.MessageChars, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "prompt_tokens", "reused_tokens", "read_tokens", "checkpoint", "diverged_at", "index", "stop_string", "logprobs", "seed", "pinned_prefix", "pin_note")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "prompt_tokens", "reused_tokens", "read_tokens", "checkpoint", "diverged_at", "index", "stop_string", "logprobs", "seed", "pinned_prefix", "pin_note", "begins_in_thought")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class GenerateResponse(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     PINNED_PREFIX_FIELD_NUMBER: _ClassVar[int]
     PIN_NOTE_FIELD_NUMBER: _ClassVar[int]
+    BEGINS_IN_THOUGHT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: bytes
     text: str
@@ -173,7 +174,8 @@ class GenerateResponse(_message.Message):
     seed: int
     pinned_prefix: int
     pin_note: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., read_tokens: _Optional[int] = ..., checkpoint: _Optional[str] = ..., diverged_at: _Optional[int] = ..., index: _Optional[int] = ..., stop_string: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., seed: _Optional[int] = ..., pinned_prefix: _Optional[int] = ..., pin_note: _Optional[str] = ...) -> None: ...
+    begins_in_thought: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., read_tokens: _Optional[int] = ..., checkpoint: _Optional[str] = ..., diverged_at: _Optional[int] = ..., index: _Optional[int] = ..., stop_string: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., seed: _Optional[int] = ..., pinned_prefix: _Optional[int] = ..., pin_note: _Optional[str] = ..., begins_in_thought: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "token", "token_bytes", "logprob")

@@ -1,7 +1,7 @@
 """A chat template for the tests of --chat-template, chat_template_kwargs and tools: ChatML as SmolLM2's own
 but without its default system turn, with Qwen3's tools (Hermes' <tool_call> form, tool answers in
 <tool_response>) and Qwen3's switch: an empty thinking block after the assistant's header when a request
-turns thinking off."""
+turns thinking off; one opened there (as Qwen3.5's template does) when it turns thinking on."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ TOOLS_TEMPLATE = (
     "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- elif enable_thinking is defined and enable_thinking %}{{- '<think>\\n' }}{%- endif %}"
     "{%- endif %}"
 )

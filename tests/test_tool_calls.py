@@ -10,11 +10,10 @@ from dataclasses import replace
 
 import pytest
 
-from gateway_svc.openai_replies import ChoiceState, ChunkWriter, completion
 from gateway_svc.tool_calls import ToolCallStream, ToolSpec, parse_calls
 from planner_svc.tokenizer import chat_ids
 from protos import client_pb2
-from protos.wire import pack_i32
+from tests.choice_replies import both
 
 WEATHER = {
     "type": "function",
@@ -134,30 +133,6 @@ def test_a_forced_call_is_held_to_a_schema_and_read_from_it():
     assert _arguments(stream.finish()[1]) == [("get_weather", {"city": "Oslo"})]
 
 
-def _both(
-    spec: ToolSpec, pieces: list[str], finish: int, stop_string: str = ""
-) -> tuple[dict, str, list, str]:
-    """A choice's pieces of text as the whole answer (its choice) and as a stream (its content, calls and finish
-    reason); token ids go out as they come, whatever is held."""
-    writer = ChunkWriter(
-        "chat", "chatcmpl-r", 1, "m", "", token_ids=True, include_usage=False, with_logprobs=False
-    )
-    streamed, whole = ChoiceState(0, 0, tool_spec=spec), ChoiceState(0, 0, tool_spec=spec)
-    responses = [
-        client_pb2.GenerateResponse(text=piece, token_ids=pack_i32([i])) for i, piece in enumerate(pieces)
-    ]
-    responses[-1].finish_reason, responses[-1].stop_string = finish, stop_string
-    deltas = []
-    for response in responses:
-        whole.add(response)
-        deltas.append(json.loads(writer.chunk(streamed, response, streamed.add(response))[6:])["choices"][0])
-    assert [d["token_ids"] for d in deltas] == [[i] for i in range(len(pieces))]
-    [answer] = completion("chat", "chatcmpl-r", 1, "m", [whole], "", False, False)["choices"]
-    content = "".join(d["delta"].get("content") or "" for d in deltas)
-    calls = [c for d in deltas for c in d["delta"].get("tool_calls", ())]
-    return answer, content, calls, deltas[-1]["finish_reason"]
-
-
 OSLO = ['{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}', "</tool_call>"]
 
 
@@ -169,7 +144,7 @@ OSLO = ['{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}', "</tool_ca
     ],
 )
 def test_a_streamed_call_and_the_whole_answer_agree(pieces, content):
-    answer, streamed, calls, finish = _both(SPEC, pieces, client_pb2.FINISH_REASON_STOP)
+    answer, streamed, _, calls, finish = both(pieces, client_pb2.FINISH_REASON_STOP, spec=SPEC)
     assert (answer["message"]["content"], streamed or None) == (content, content)
     assert (
         _arguments(calls)
@@ -181,7 +156,7 @@ def test_a_streamed_call_and_the_whole_answer_agree(pieces, content):
 
 def test_a_call_cut_by_max_tokens_or_a_stop_string_keeps_the_planners_reason():
     pieces = ["Sure.", "\n<tool_call>", *OSLO[:2]]
-    answer, streamed, calls, finish = _both(SPEC, pieces, client_pb2.FINISH_REASON_LENGTH)
+    answer, streamed, _, calls, finish = both(pieces, client_pb2.FINISH_REASON_LENGTH, spec=SPEC)
     assert (
         answer["message"]["content"] == streamed == "".join(pieces) and "tool_calls" not in answer["message"]
     )
@@ -191,7 +166,7 @@ def test_a_call_cut_by_max_tokens_or_a_stop_string_keeps_the_planners_reason():
         (client_pb2.FINISH_REASON_LENGTH, "", "length"),
         (client_pb2.FINISH_REASON_STOP, "lo", "stop"),
     ):
-        answer, streamed, calls, finish = _both(named, ['{"city": ', '"Os'], reason, stop_string)
+        answer, streamed, _, calls, finish = both(['{"city": ', '"Os'], reason, stop_string, spec=named)
         assert finish == answer["finish_reason"] == said and streamed == ""
         assert [c["function"]["arguments"] for c in calls] == ['{"city": "Os']  # as far as it was written
         assert answer["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Os'

@@ -1,0 +1,141 @@
+"""A reasoning model's thought apart from its answer (reasoning_content): the split of a whole text, the stream
+agreeing with it however the text is cut, thoughts and tool calls together, where the planner finds a prompt
+opened a thought; and over the real stack (SmolLM2 served with a template that opens a thought when asked) the
+thought split whole and streamed, not split with thinking off or with --no-reasoning-content."""
+
+from __future__ import annotations
+
+import json
+
+import httpx2 as httpx
+import pytest
+
+from gateway_svc.reasoning import ThoughtStream, split_thought
+from gateway_svc.tool_calls import ToolSpec
+from planner_svc.tokenizer import begins_in_thought, chat_ids
+from protos import client_pb2
+from protos.model_files import load_tokenizer
+from tests.choice_replies import both
+
+CASES = [
+    # (text, the prompt opened a thought, thought, content)
+    ("plan\n</think>\n\nHello", True, "plan\n", "\n\nHello"),
+    ("<think>\nplan</think>Hello", False, "\nplan", "Hello"),  # the model opens it (Qwen3)
+    (" \n<think>plan</think>Hello", False, "plan", "Hello"),  # white space before the tag is not content
+    ("still thinking", True, "still thinking", ""),  # cut by max_tokens inside the thought
+    ("<think>still", False, "still", ""),
+    ("Hello <think>not a thought</think>", False, None, "Hello <think>not a thought</think>"),
+    ("<thi", False, None, "<thi"),  # a tag begun and never finished: text
+    ("<think></think>Hello", False, None, "Hello"),  # an empty thought: none
+    ("a</think>b</think>c", True, "a", "b</think>c"),  # the first end ends it
+    ("", False, None, ""),
+    ("  ", False, None, "  "),
+]
+
+
+@pytest.mark.parametrize("text, opened, thought, content", CASES)
+def test_a_whole_text_splits_into_thought_and_content(text, opened, thought, content):
+    assert split_thought(text, opened) == (thought, content)
+
+
+@pytest.mark.parametrize("text, opened, thought, content", CASES)
+def test_the_stream_agrees_with_the_whole_however_the_text_is_cut(text, opened, thought, content):
+    cuts = [[text[:at], text[at:]] for at in range(len(text) + 1)] + [list(text)]
+    for pieces in cuts:
+        stream = ThoughtStream.of(opened)
+        sent = [stream.feed(piece) for piece in pieces] + [stream.finish()]
+        assert "".join(t for t, _ in sent) == (thought or "")
+        assert "".join(c for _, c in sent) == content
+
+
+def test_a_thought_is_sent_as_it_comes_less_what_may_end_it():
+    stream = ThoughtStream.of(True)
+    assert stream.feed("Let me see") == ("Let me see", "")
+    assert stream.feed(". </th") == (". ", "")  # may be the end tag: held
+    assert stream.feed("ink>Hi") == ("", "Hi")
+    assert stream.feed(" there") == ("", " there")
+
+
+SPEC = ToolSpec({"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}})
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+
+
+def test_whole_and_streamed_answers_carry_the_same_thought_and_content():
+    pieces = ["I should", " greet.</th", "ink>\n\nHel", "lo!"]
+    result = both(pieces, client_pb2.FINISH_REASON_STOP, reasoning=True, begins_in_thought=True)
+    message = result.answer["message"]
+    assert (message["reasoning_content"], message["content"]) == ("I should greet.", "\n\nHello!")
+    assert (result.thought, result.content) == ("I should greet.", "\n\nHello!")
+    plain = both(pieces, client_pb2.FINISH_REASON_STOP, begins_in_thought=True)  # --no-reasoning-content
+    assert "reasoning_content" not in plain.answer["message"] and plain.thought == ""
+    assert plain.answer["message"]["content"] == plain.content == "".join(pieces)
+
+
+def test_a_call_in_the_thought_is_thought_and_one_after_it_a_call():
+    pieces = ["Maybe ", CALL[:20], CALL[20:], "? Yes.</think>", "\n", CALL]
+    result = both(pieces, client_pb2.FINISH_REASON_STOP, spec=SPEC, reasoning=True, begins_in_thought=True)
+    message = result.answer["message"]
+    assert message["reasoning_content"] == result.thought == f"Maybe {CALL}? Yes."
+    assert message["content"] is None and result.content == ""  # white space alone before the call
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert [c["function"]["name"] for c in result.calls] == ["get_weather"]
+    assert result.finish == result.answer["finish_reason"] == "tool_calls"
+
+
+def test_the_planner_finds_a_prompt_that_opens_a_thought():
+    from tests.chat_templates import TOOLS_TEMPLATE
+
+    tokenizer = load_tokenizer(None)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    messages = [{"role": "user", "content": "Hi"}]
+    found = {
+        thinking: begins_in_thought(tokenizer, chat_ids(tokenizer, messages, {"enable_thinking": thinking}))
+        for thinking in (True, False)
+    }
+    assert found == {True: True, False: False}  # off: the template closes an empty thought
+    assert not begins_in_thought(tokenizer, chat_ids(tokenizer, messages, {}))
+
+
+# ---- over the stack ----
+
+
+async def _answers(port: int, body: dict) -> tuple[dict, tuple[str, str]]:
+    """The whole answer's message, and the stream's (thought, content)."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+        whole = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+        thought, content = [], []
+        async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as reply:
+            async for line in reply.aiter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    thought.append(delta.get("reasoning_content") or "")
+                    content.append(delta.get("content") or "")
+    return whole, ("".join(thought), "".join(content))
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_thought_the_template_opens_is_reasoning_content_whole_and_streamed(templated):
+    from gateway_svc.http_server import start_gateway
+
+    body = {
+        "model": templated.model,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    thinking = {**body, "chat_template_kwargs": {"enable_thinking": True}}
+    whole, streamed = await _answers(templated.gateway.port, thinking)
+    assert whole["reasoning_content"] and whole["content"] == ""  # SmolLM2 never closes the thought
+    assert streamed == (whole["reasoning_content"], "")
+    plain = await start_gateway(templated.stack.addr, reasoning_content=False)
+    try:
+        raw, raw_streamed = await _answers(plain.port, thinking)
+    finally:
+        await plain.stop()
+    assert "reasoning_content" not in raw and raw["content"] == whole["reasoning_content"]
+    assert raw_streamed == ("", raw["content"])
+    off, off_streamed = await _answers(
+        templated.gateway.port, {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert off["reasoning_content"] is None and off["content"]
+    assert off_streamed == ("", off["content"])
