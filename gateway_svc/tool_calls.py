@@ -2,10 +2,11 @@
 
 Models trained on tools write each call in <tool_call> tags, as JSON (Hermes', Qwen2.5's and Qwen3's form:
 {"name": ..., "arguments": {...}}) or as XML (Qwen3-Coder's and Qwen3.5's: <function=NAME><parameter=KEY>
-value</parameter></function>). Text before the first call is the message's content (calls are looked for after
-a </think>, where a reasoning model's thought ends); text after the calls is dropped. A call that does not
-parse, is not closed (cut by max_tokens), or names no tool of the request, leaves the whole text as content,
-as if no call were made.
+value</parameter></function>), or as Llama 3 does, without tags: an answer that is JSON calls alone, several
+separated by `;` ({"name": ..., "parameters": {...}}). Text before the first call is the message's content
+(calls are looked for after a </think>, where a reasoning model's thought ends); text after tagged calls is
+dropped. A call that does not parse, is not closed (cut by max_tokens), or names no tool of the request,
+leaves the whole text as content, as if no call were made.
 
 Where the request forces a call (tool_choice required, or a named function), the answer is held to a JSON
 Schema instead (structured output): the named function's arguments, or a list of calls of any tool.
@@ -130,15 +131,37 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
     }
 
 
-def _json_calls(body: str) -> list[tuple[str, Any]] | None:
-    try:
-        call = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
+def _named_call(call: Any) -> tuple[str, Any] | None:
+    """A JSON call's (name, arguments): {"name": ..., "arguments" or "parameters": {...}}."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
-    return [(call["name"], arguments)] if isinstance(arguments, dict) else None
+    return (call["name"], arguments) if isinstance(arguments, dict) else None
+
+
+def _json_calls(body: str) -> list[tuple[str, Any]] | None:
+    try:
+        found = _named_call(json.loads(body))
+    except (ValueError, RecursionError):
+        return None
+    return None if found is None else [found]
+
+
+def _bare_calls(text: str) -> list[tuple[str, Any]] | None:
+    """Llama 3's form, no tags: the answer is JSON calls alone, several separated by `;`; None where it is not."""
+    calls, at = [], 0
+    while at < len(text):
+        try:
+            value, at = _JSON.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return None
+        found = _named_call(value)
+        if found is None:
+            return None
+        calls.append(found)
+        rest = text[at:].lstrip()
+        at = len(text) - len(rest.removeprefix(";").lstrip())
+    return calls
 
 
 def _value(text: str, schema: Any) -> Any:
@@ -193,21 +216,34 @@ def _blocks(text: str, at: int) -> list[str] | None:
     return bodies
 
 
-def parse_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]] | None:
-    """(the content before the first call, the calls) where `text` makes calls, each whole, closed and of a tool
-    of `spec`; None where it makes none."""
-    thought = text.rfind(THOUGHT_END)
-    start = text.find(CALL_OPEN, 0 if thought < 0 else thought + len(THOUGHT_END))
-    bodies = None if start < 0 else _blocks(text, start)
+def _tagged_calls(text: str, start: int, spec: ToolSpec) -> list[tuple[str, Any]] | None:
+    """The calls of the <tool_call> blocks from `start` on, each JSON or XML; None where one is not a call."""
+    bodies = _blocks(text, start)
     if not bodies:
         return None
     calls = []
     for body in bodies:
         found = _json_calls(body.strip()) or _xml_calls(body, spec)
-        if found is None or any(name not in spec.parameters for name, _ in found):
+        if found is None:
             return None
-        calls += [_call(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in found]
-    return text[:start], calls
+        calls += found
+    return calls
+
+
+def parse_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]] | None:
+    """(the content before the first call, the calls) where `text` makes calls, each whole, closed and of a tool
+    of `spec`; None where it makes none."""
+    thought = text.rfind(THOUGHT_END)
+    answer = 0 if thought < 0 else thought + len(THOUGHT_END)
+    start = text.find(CALL_OPEN, answer)
+    if start >= 0:
+        found = _tagged_calls(text, start, spec)
+    else:  # no tag: the answer may be Llama 3's bare JSON
+        start = len(text) - len(text[answer:].lstrip())
+        found = _bare_calls(text[start:].rstrip()) if text.startswith("{", start) else None
+    if found is None or any(name not in spec.parameters for name, _ in found):
+        return None
+    return text[:start], [_call(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in found]
 
 
 def tag_begun(text: str, tag: str) -> int:
@@ -239,6 +275,8 @@ class ToolCallStream:
             return ""
         held = "".join([*self._held, text])
         at = held.find(CALL_OPEN)
+        if at < 0 and not self._spoken and held.lstrip().startswith("{"):  # Llama 3's bare JSON may begin
+            at = len(held) - len(held.lstrip())
         keep = len(held) - at if at >= 0 else tag_begun(held, CALL_OPEN)
         if not self._spoken and not held[: len(held) - keep].strip():
             keep = len(held)

@@ -1,7 +1,7 @@
 """Tools (OpenAI's function calling) in the answer: the calls found in its text (<tool_call> JSON or XML) or read
-from a forced call's JSON, whole and streamed, the two agreeing; and over the real stack (SmolLM2 on the CPU with tests/chat_templates.py's template, through OpenAI's client) a few-shot
-history after which the model calls the tool: the same call whole and streamed, raw text with tool_choice
-none."""
+from a forced call's JSON, whole and streamed, the two agreeing; and over the real stack (SmolLM2 on the CPU with
+tests/chat_templates.py's template, through OpenAI's client) a few-shot history after which the model calls the
+tool (in tags, or as Llama 3's bare JSON): the same call whole and streamed, raw text with tool_choice none."""
 
 from __future__ import annotations
 
@@ -136,6 +136,31 @@ def test_a_forced_call_is_held_to_a_schema_and_read_from_it():
 OSLO = ['{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}', "</tool_call>"]
 
 
+LLAMA_OSLO = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+
+
+@pytest.mark.parametrize(
+    "text, content, cities",
+    [
+        (LLAMA_OSLO, "", ["Oslo"]),
+        (f" \n{LLAMA_OSLO}\n", " \n", ["Oslo"]),
+        (f"{LLAMA_OSLO}; {LLAMA_OSLO.replace('Oslo', 'Bergen')};", "", ["Oslo", "Bergen"]),
+        (f"<think>Oslo?</think>\n\n{LLAMA_OSLO}", "<think>Oslo?</think>\n\n", ["Oslo"]),
+        (f"Sure: {LLAMA_OSLO}", None, None),  # text before it: an answer that quotes JSON
+        (f"{LLAMA_OSLO} Done.", None, None),
+        (LLAMA_OSLO.replace("get_weather", "get_time"), None, None),  # no such tool
+        (LLAMA_OSLO[:-3], None, None),  # cut by max_tokens
+        ('{"city": "Oslo"}', None, None),  # JSON, and no call
+    ],
+)
+def test_llama_3s_bare_json_calls_are_found_where_they_are_the_whole_answer(text, content, cities):
+    found = parse_calls(text, SPEC)
+    if cities is None:
+        assert found is None
+    else:
+        assert found[0] == content and _arguments(found[1]) == [("get_weather", {"city": c}) for c in cities]
+
+
 @pytest.mark.parametrize(
     "pieces, content",
     [
@@ -152,6 +177,22 @@ def test_a_streamed_call_and_the_whole_answer_agree(pieces, content):
         == [("get_weather", {"city": "Oslo"})]
     )
     assert finish == answer["finish_reason"] == "tool_calls"
+
+
+def test_a_streamed_bare_json_answer_is_held_until_it_is_read_whole():
+    pieces = ["\n", LLAMA_OSLO[:12], LLAMA_OSLO[12:]]
+    answer, streamed, _, calls, finish = both(pieces, client_pb2.FINISH_REASON_STOP, spec=SPEC)
+    assert answer["message"]["content"] is None and streamed == ""
+    assert (
+        _arguments(calls)
+        == _arguments(answer["message"]["tool_calls"])
+        == [("get_weather", {"city": "Oslo"})]
+    )
+    assert finish == answer["finish_reason"] == "tool_calls"
+    pieces = ['{"city"', ': "Oslo"}']  # JSON that is no call: content, at the end
+    answer, streamed, _, calls, finish = both(pieces, client_pb2.FINISH_REASON_STOP, spec=SPEC)
+    assert answer["message"]["content"] == streamed == '{"city": "Oslo"}' and calls == []
+    assert finish == answer["finish_reason"] == "stop"
 
 
 def test_a_call_cut_by_max_tokens_or_a_stop_string_keeps_the_planners_reason():
@@ -246,6 +287,30 @@ async def test_the_model_calls_the_tool_whole_and_streamed(templated):
     assert (streamed.index, streamed.type, streamed.function.name) == (0, "function", "get_weather")
     assert json.loads(streamed.function.arguments) == {"city": "Madrid"}
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_bare_json_calls_are_found_whole_and_streamed(templated):
+    """Llama 3's form: a history whose answers were calls as JSON alone leads SmolLM2 to answer so."""
+    messages: list[dict] = []
+    for city in ["Paris", "Berlin", "Rome"]:
+        messages += [
+            {"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": LLAMA_OSLO.replace("Oslo", city)},
+            {"role": "user", "content": "sunny"},
+            {"role": "assistant", "content": f"It is sunny in {city}."},
+        ]
+    messages.append({"role": "user", "content": "What is the weather in Madrid?"})
+    fields = dict(model=templated.model, messages=messages, tools=[WEATHER], max_tokens=40, temperature=0)
+    [whole] = (await templated.client.chat.completions.create(**fields)).choices
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    assert _arguments([c.model_dump() for c in whole.message.tool_calls]) == [
+        ("get_weather", {"city": "Madrid"})
+    ]
+    chunks = [chunk async for chunk in await templated.client.chat.completions.create(**fields, stream=True)]
+    assert not any(c.choices[0].delta.content for c in chunks)
+    calls = [d.model_dump() for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert _arguments(calls) == [("get_weather", {"city": "Madrid"})]
 
 
 @pytest.mark.asyncio(loop_scope="session")
