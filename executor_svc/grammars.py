@@ -48,10 +48,12 @@ if TYPE_CHECKING:
 log = structlog.get_logger("deltaserve.executor.grammars")
 
 WARM_EXIT_WAIT_S = 30.0  # how long an exiting process waits for a warm build still under way
-# The warm builds under way. Python 3.11 ends a daemon thread that outlives finalization with pthread_exit, whose
-# forced unwind through xgrammar's C++ import aborts the process ("terminate called without an active
-# exception"): an exit joins them first. They stay daemon threads so a build that hangs holds an exit only
-# WARM_EXIT_WAIT_S.
+# The warm builds' threads, still running or not yet joined. Python 3.11 ends a daemon thread that outlives
+# finalization with pthread_exit, whose forced unwind through C++ aborts the process ("terminate called without an
+# active exception"): through xgrammar's import, or through torch freeing the Grammars' tensors where the thread
+# held the last reference (its target, a bound method, is dropped as the thread ends: after the build). An exit
+# joins them first, so each stays in the set until its thread has ended. They stay daemon threads so a build that
+# hangs holds an exit only WARM_EXIT_WAIT_S.
 _warming: set[threading.Thread] = set()
 
 
@@ -83,7 +85,8 @@ class Grammars:
         self._compiler: Future[Any] | None = None
         if warm:
             self._compiler = Future()
-            thread = threading.Thread(target=self._warm, name="grammar-compiler", daemon=True)
+            thread = threading.Thread(target=self._build_compiler, name="grammar-compiler", daemon=True)
+            _warming.difference_update([t for t in _warming if not t.is_alive()])
             _warming.add(thread)
             thread.start()
         self._compiled: BoundedLru[str, Any] = BoundedLru(cache_size)  # grammar text -> CompiledGrammar
@@ -234,12 +237,6 @@ class Grammars:
         self._compiler = Future()
         self._build_compiler()
         return self._compiler.result()
-
-    def _warm(self) -> None:
-        try:
-            self._build_compiler()
-        finally:
-            _warming.discard(threading.current_thread())
 
     def _build_compiler(self) -> None:
         assert self._compiler is not None

@@ -159,3 +159,19 @@ def test_a_process_exiting_while_the_warm_build_runs_waits_for_it():
     assert done.returncode == 0, done.stderr
     assert "alive at exit: []" in done.stdout, done.stdout + done.stderr
     assert "terminate called" not in done.stderr
+
+
+def test_a_warm_builds_thread_stays_where_the_exit_joins_it_until_it_has_ended():
+    """The thread left the set the exit joins as its build ended, before the thread itself ended: ending, it
+    dropped its target, a bound method holding the last reference to a stopped executor's Grammars, and freed
+    their tensors while the interpreter finalized (the same abort, through torch; one exit in five of
+    tests/test_reasoning.py)."""
+    from executor_svc import grammars as module
+
+    before = set(module._warming)
+    made = Grammars(SamplerControls(1, 49152, torch.device("cpu")), None, warm=True)
+    [thread] = module._warming - before
+    assert made._compiler is not None
+    made._compiler.result(timeout=120)
+    thread.join(120)
+    assert thread in module._warming  # joined at exit (at once, now that it has ended)
