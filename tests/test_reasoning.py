@@ -127,6 +127,12 @@ async def test_a_thought_the_template_opens_is_reasoning_content_whole_and_strea
     whole, streamed = await _answers(templated.gateway.port, thinking)
     assert whole["reasoning_content"] and whole["content"] == ""  # SmolLM2 never closes the thought
     assert streamed == (whole["reasoning_content"], "")
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{templated.gateway.port}", timeout=60) as client:
+        reply = await client.post(
+            "/v1/chat/completions", json={**thinking, "n": 2, "temperature": 1, "seed": 7}
+        )
+    assert [bool(c["message"]["reasoning_content"]) for c in reply.json()["choices"]] == [True, True]
+    assert [c["message"]["content"] for c in reply.json()["choices"]] == ["", ""]  # each choice begins in it
     plain = await start_gateway(templated.stack.addr, reasoning_content=False)
     try:
         raw, raw_streamed = await _answers(plain.port, thinking)
