@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from deltaserve.flag_groups import add_serve_flags, add_server_trust_flags
 from deltaserve.flags import Flags, address, int_at_least, port
+from gateway_svc.reasoning import REASONING_FIELDS
 
 
 def _add_reasoning_flag(flags: Flags) -> None:
-    flags.switch(
-        "--reasoning-content",
-        default=True,
-        help="give a chat answer's thought (<think>...</think>: Qwen3, Qwen3.5, DeepSeek-R1) in the message's "
-        "reasoning_content, apart from its content, as vLLM's --reasoning-parser does (--no-reasoning-content: "
-        "all of the text in content, as the model wrote it)",
+    flags.option(
+        "--reasoning-field",
+        default="reasoning",
+        choices=(*REASONING_FIELDS, "none"),
+        help="the message field a chat answer's thought goes in (<think>...</think>: Qwen3, Qwen3.5, DeepSeek-R1), "
+        "apart from its content: reasoning (vLLM's since 0.11), reasoning_content (DeepSeek's API, vLLM's "
+        "before), or none: all of the text in content, as the model wrote it",
     )
 
 

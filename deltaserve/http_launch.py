@@ -28,6 +28,7 @@ async def start_http_api(
     from gateway_svc.http_metrics import count_into
 
     count = count_into(metrics) if metrics is not None else None
+    reasoning_field = None if args.reasoning_field == "none" else args.reasoning_field
     if processes:
         from deltaserve.http_process import GatewaySpec, start_gateway_process
         from gateway_svc.http_server import check_free
@@ -47,7 +48,7 @@ async def start_http_api(
                 args.log_level,
                 args.log_json,
                 args.command,  # its lines' service: up or http, as the parent's
-                args.reasoning_content,
+                reasoning_field,
             )
             process = await start_gateway_process(spec, count)
             servers.push_async_callback(process.stop)
@@ -62,7 +63,7 @@ async def start_http_api(
         planner_channel=link,
         tls=args.trust.server.tls,
         count=count,
-        reasoning_content=args.reasoning_content,
+        reasoning_field=reasoning_field,
     )
     servers.push_async_callback(started.stop)
     return started.port

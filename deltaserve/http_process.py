@@ -40,7 +40,7 @@ class GatewaySpec:
     log_level: str
     log_json: bool | None
     service: str
-    reasoning_content: bool  # a chat answer's thought apart from its content
+    reasoning_field: str | None  # where a chat answer's thought goes, apart from its content (None: not)
 
 
 def _child(spec: GatewaySpec, conn: Connection) -> None:
@@ -73,7 +73,7 @@ async def _serve(spec: GatewaySpec, conn: Connection, stop: asyncio.Event) -> No
             tls=spec.tls,
             count=count,
             reuse_port=spec.reuse_port,
-            reasoning_content=spec.reasoning_content,
+            reasoning_field=spec.reasoning_field,
         )
     except BaseException as error:
         conn.send(("failed", str(error)))

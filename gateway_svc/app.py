@@ -55,9 +55,11 @@ ConversationHeader = Annotated[
 class Gateway:
     """What the routes share: the planner client and its model."""
 
-    def __init__(self, planner: PlannerClient, reasoning_content: bool) -> None:
+    def __init__(self, planner: PlannerClient, reasoning_field: str | None) -> None:
         self.planner = planner
-        self.reasoning_content = reasoning_content  # a chat's thought apart from its content
+        self.reasoning_field = (
+            reasoning_field  # where a chat's thought goes, apart from its content (None: not)
+        )
         self.models = ModelCatalog(planner)
         self.started = int(time.time())
 
@@ -118,10 +120,14 @@ async def _answer(
     model = await gateway.models.check(body.model, key)
     conversation = choices[0].options.conversation_id
     headers = _conversation_header(conversation)
-    reasoning = kind == "chat" and gateway.reasoning_content
+    reasoning_field = gateway.reasoning_field if kind == "chat" else None
     states = {
         index: ChoiceState(
-            index, c.prompt, tool_spec=c.tool_spec, streamed=bool(body.stream), reasoning=reasoning
+            index,
+            c.prompt,
+            tool_spec=c.tool_spec,
+            streamed=bool(body.stream),
+            reasoning_field=reasoning_field,
         )
         for c in choices
         for index in c.indices()
@@ -286,18 +292,18 @@ async def health(request: Request):
 
 
 def create_app(
-    planner: PlannerClient, count: Count | None = None, *, reasoning_content: bool = True
+    planner: PlannerClient, count: Count | None = None, *, reasoning_field: str | None = "reasoning"
 ) -> FastAPI:
     """The gateway's ASGI app over a planner client (the caller opens and closes the client); `count`:
-    what each answer's (path, status) is counted with (http_metrics.py); `reasoning_content`: a chat answer's
-    thought (<think>...</think>) in its own field, apart from the content (reasoning.py)."""
+    what each answer's (path, status) is counted with (http_metrics.py); `reasoning_field`: the field a chat
+    answer's thought (<think>...</think>) goes in, apart from the content (reasoning.py; None: left in it)."""
     app = FastAPI(
         title="deltaserve",
         version=VERSION,
         description="OpenAI-compatible chat and text completions over deltaserve's planner, with "
         "conversations (conversation_id) and shared prefixes (shared_prefix); see README's HTTP API.",
     )
-    app.state.gateway = Gateway(planner, reasoning_content)
+    app.state.gateway = Gateway(planner, reasoning_field)
     install_error_handlers(app)
     app.include_router(router)
     app.add_middleware(BodyLimit)

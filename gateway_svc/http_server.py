@@ -88,15 +88,15 @@ async def start_gateway(
     tls: ServerTLS | None = None,
     count: Count | None = None,
     reuse_port: bool = False,
-    reasoning_content: bool = True,
+    reasoning_field: str | None = "reasoning",
 ) -> StartedGateway:
     """Serves the HTTP API on host:port, talking to the planner at planner_addr (`planner_channel`: TLS;
     each caller's key is forwarded per call). `tls`: HTTPS with the services' certificate and key (a
-    client CA requires client certificates). `count`: what its answers are counted with. `reasoning_content`:
+    client CA requires client certificates). `count`: what its answers are counted with. `reasoning_field`:
     a chat answer's thought apart from its content."""
     planner = PlannerClient(planner_addr, planner_channel)
     config = uvicorn.Config(
-        create_app(planner, count, reasoning_content=reasoning_content),
+        create_app(planner, count, reasoning_field=reasoning_field),
         log_config=None,  # deltaserve's structlog configuration stays
         access_log=False,
         lifespan="off",
@@ -122,6 +122,6 @@ async def start_gateway(
         address=f"{host}:{bound}",
         planner=planner_addr,
         https=tls is not None,
-        reasoning_content=reasoning_content,
+        reasoning_field=reasoning_field,
     )
     return StartedGateway(bound, server, task, planner)

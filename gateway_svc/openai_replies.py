@@ -41,10 +41,10 @@ class ChoiceState:
     )
     tool_spec: ToolSpec | None = None  # the tools it may call, and whether it must
     streamed: bool = False  # its text goes out as it comes (the streams below hold back what may be a tag)
-    reasoning: bool = False  # a chat's thought goes in reasoning_content, apart from its content
-    begins_in_thought: bool = (
-        False  # its text begins inside a thought its prompt opened (its first response's)
+    reasoning_field: str | None = (
+        None  # the field a chat's thought goes in, apart from its content (None: not)
     )
+    begins_in_thought: bool = False  # its text begins inside a thought its prompt opened (its first response)
     call_stream: ToolCallStream | None = field(default=None, init=False)  # streamed: its text, held for calls
     thought_stream: ThoughtStream | None = field(default=None, init=False)  # streamed, with reasoning
     calls: list[dict[str, Any]] = field(default_factory=list)  # the calls it made, found at its end
@@ -66,8 +66,8 @@ class ChoiceState:
         ids = unpack_i32(response.token_ids).tolist()
         if not self.text:  # its first response
             self.begins_in_thought = response.begins_in_thought
-            if self.streamed and self.reasoning:
-                self.thought_stream = ThoughtStream.of(response.begins_in_thought)
+            if self.streamed and self.reasoning_field is not None:
+                self.thought_stream = ThoughtStream(response.begins_in_thought)
         self.token_ids.extend(ids)
         self.text.append(response.text)
         self.logprobs.extend(response.logprobs)
@@ -90,8 +90,8 @@ class ChoiceState:
         the text before them), and the calls."""
         text = "".join(self.text)
         message: dict[str, Any] = {"role": "assistant"}
-        if self.reasoning:
-            message["reasoning_content"], text = split_thought(text, self.begins_in_thought)
+        if self.reasoning_field is not None:
+            message[self.reasoning_field], text = split_thought(text, self.begins_in_thought)
         parsed = self.tool_spec.find(text) if self.tool_spec is not None else None
         if parsed is None:
             message["content"] = text
@@ -257,15 +257,14 @@ class ChunkWriter:
     ) -> bytes | None:
         """The event of one planner response of a choice (None when it carries nothing to send yet: text
         held back until a character is whole, or while it may begin a call of a tool)."""
+        assert state.streamed, "a choice written as a stream holds its text back in its streams"
         thought, text = state.streamed_text(response)
         finish = state.finish_reason if state.last is response else None
         first = state.index not in self._started
         if not (text or thought or finish or first or ((self.token_ids or self.with_logprobs) and ids)):
             return None
-        if not (
-            first or finish or self.with_logprobs or thought
-        ):  # most events: their bytes written directly
-            return self._head + self._plain_choice(state.index, text, ids).encode() + self._tail
+        if not (first or finish or self.with_logprobs):  # most events: their bytes written directly
+            return self._head + self._plain_choice(state, text, thought, ids).encode() + self._tail
         self._started.add(state.index)
         choice: dict[str, Any] = {"index": state.index, "finish_reason": finish, "logprobs": None}
         if self.with_logprobs:
@@ -275,7 +274,8 @@ class ChunkWriter:
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if thought:
-                delta["reasoning_content"] = thought
+                assert state.reasoning_field is not None  # a thought is split only where it has a field
+                delta[state.reasoning_field] = thought
             if text or (first and not thought):
                 delta["content"] = text
             if finish is not None and state.calls:
@@ -294,11 +294,15 @@ class ChunkWriter:
         payload[EXTENSION] = extension(state, self.conversation)
         return self.event(payload)
 
-    def _plain_choice(self, index: int, text: str, ids: list[int]) -> str:
+    def _plain_choice(self, state: ChoiceState, text: str, thought: str, ids: list[int]) -> str:
         """The choice of a chunk neither first nor last nor with logprobs, as _encode would write its dict
         (a third of the time of building and encoding it)."""
+        index = state.index
         if self.kind == "chat":
-            body = f'"delta":{{"content":{_encode_str(text)}}}' if text else '"delta":{}'
+            fields = [f'"{state.reasoning_field}":{_encode_str(thought)}'] if thought else []
+            if text:
+                fields.append(f'"content":{_encode_str(text)}')
+            body = f'"delta":{{{",".join(fields)}}}'
         else:
             body = f'"text":{_encode_str(text)}'
         if self.token_ids:

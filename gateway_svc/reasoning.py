@@ -1,10 +1,11 @@
-"""A reasoning model's thought, apart from its answer: OpenAI-style `reasoning_content` (DeepSeek's field, vLLM's
-reasoning parsers) beside `content`. Pure, no I/O.
+"""A reasoning model's thought, apart from its answer: a field beside `content` (`reasoning`, as vLLM's reasoning
+parsers give it, or `reasoning_content`, DeepSeek's name). Pure, no I/O.
 
 Qwen3, Qwen3.5 and DeepSeek-R1 think in <think>...</think> before they answer. The chat template may open the
-thought in the prompt (Qwen3.5, R1: the planner says so, GenerateResponse.begins_in_thought), or the model opens
-it as its first words (Qwen3); a template with thinking off closes an empty one in the prompt, and the answer is
-all content. A thought cut by max_tokens is all thought: the answer's content is empty.
+thought in the prompt (Qwen3.5, R1: the planner says so, GenerateResponse.begins_in_thought; a tag the model
+writes again there is dropped), or the model opens it as its first words (Qwen3); a template with thinking off
+closes an empty one in the prompt, and the answer is all content. A thought cut by max_tokens is all thought: the
+answer's content is empty.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from typing import Literal
 from gateway_svc.tool_calls import tag_begun
 from protos.thought import THOUGHT_END, THOUGHT_OPEN
 
+# The message field (and the delta's) a thought goes in: vLLM's since 0.11 (OpenRouter's too), and DeepSeek's API's
+# (vLLM's before).
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+
 Phase = Literal["opening", "thought", "answer"]  # opening: the text so far may still be a THOUGHT_OPEN
 
 
@@ -23,12 +28,9 @@ class ThoughtStream:
     """One choice's text as it streams, split into thought and answer. Text that may be the start of a tag is held
     until the next text says (white space at the start, too, for a thought may open after it)."""
 
-    _phase: Phase
+    in_thought: bool  # the prompt opened a thought: text that does not open one (again, as R1 may) is thought
+    _phase: Phase = "opening"
     _held: str = ""
-
-    @classmethod
-    def of(cls, begins_in_thought: bool) -> ThoughtStream:
-        return cls("thought" if begins_in_thought else "opening")
 
     def feed(self, text: str) -> tuple[str, str]:
         """The (thought, answer) of `text` to send now."""
@@ -42,7 +44,7 @@ class ThoughtStream:
                 self._held = held
                 return "", ""
             else:
-                self._phase = "answer"
+                self._phase = "thought" if self.in_thought else "answer"
         if self._phase == "answer":
             return "", held
         end = held.find(THOUGHT_END)
@@ -56,13 +58,14 @@ class ThoughtStream:
     def finish(self) -> tuple[str, str]:
         """At the choice's end: the (thought, answer) still held."""
         held, self._held = self._held, ""
-        return (held, "") if self._phase == "thought" else ("", held)
+        in_thought = self._phase == "thought" or (self._phase == "opening" and self.in_thought)
+        return (held, "") if in_thought else ("", held)
 
 
 def split_thought(text: str, begins_in_thought: bool) -> tuple[str | None, str]:
     """A whole answer's (thought, content), split as its stream would be; the thought None where there is none (or
     it is empty)."""
-    stream = ThoughtStream.of(begins_in_thought)
+    stream = ThoughtStream(begins_in_thought)
     thought, answer = stream.feed(text)
     held_thought, held_answer = stream.finish()
     return (thought + held_thought) or None, answer + held_answer

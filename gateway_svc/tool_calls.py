@@ -148,18 +148,22 @@ def _json_calls(body: str) -> list[tuple[str, Any]] | None:
 
 
 def _bare_calls(text: str) -> list[tuple[str, Any]] | None:
-    """Llama 3's form, no tags: the answer is JSON calls alone, several separated by `;`; None where it is not."""
+    """Llama 3's form, no tags: the answer is JSON calls alone, each with its `parameters` (or `arguments`),
+    several separated by `;`; None where it is not."""
     calls, at = [], 0
     while at < len(text):
         try:
             value, at = _JSON.raw_decode(text, at)
         except (ValueError, RecursionError):
             return None
-        found = _named_call(value)
+        named = isinstance(value, dict) and ("parameters" in value or "arguments" in value)
+        found = _named_call(value) if named else None
         if found is None:
             return None
         calls.append(found)
         rest = text[at:].lstrip()
+        if rest and not rest.startswith(";"):
+            return None
         at = len(text) - len(rest.removeprefix(";").lstrip())
     return calls
 
@@ -264,6 +268,7 @@ class ToolCallStream:
     _calling: bool = False  # CALL_OPEN was seen (or the call is forced): everything from it is held
     _spoken: bool = False  # content other than white space went out (before it, white space is held: the
     # whole answer's content is null where only white space comes before a call)
+    _answer_spoken: bool = False  # and since the last THOUGHT_END (before it, the answer may be bare JSON)
 
     def __post_init__(self) -> None:
         self._calling = self.spec.mode != "auto"
@@ -274,16 +279,22 @@ class ToolCallStream:
             self._held.append(text)
             return ""
         held = "".join([*self._held, text])
+        thought = held.rfind(THOUGHT_END)
+        answer = 0 if thought < 0 else thought + len(THOUGHT_END)  # where the answer after a thought begins
+        self._answer_spoken = self._answer_spoken and thought < 0
         at = held.find(CALL_OPEN)
-        if at < 0 and not self._spoken and held.lstrip().startswith("{"):  # Llama 3's bare JSON may begin
-            at = len(held) - len(held.lstrip())
-        keep = len(held) - at if at >= 0 else tag_begun(held, CALL_OPEN)
+        rest = held[answer:].lstrip()
+        if at < 0 and not self._answer_spoken and rest.startswith("{"):  # Llama 3's bare JSON may begin
+            at = len(held) - len(rest)
+        keep = len(held) - at if at >= 0 else max(tag_begun(held, CALL_OPEN), tag_begun(held, THOUGHT_END))
         if not self._spoken and not held[: len(held) - keep].strip():
             keep = len(held)
         self._calling = at >= 0
         self._held = [held[len(held) - keep :]] if keep else []
-        self._spoken = self._spoken or keep < len(held)
-        return held[: len(held) - keep]
+        sent = held[: len(held) - keep]
+        self._spoken = self._spoken or bool(sent)
+        self._answer_spoken = self._answer_spoken or bool(sent[answer:].strip())
+        return sent
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the choice's end: the content still to send, and the calls made (none: the held text is content)."""

@@ -192,7 +192,7 @@ class Intake:
         req.stop_strings, req.min_tokens = tuple(request.stop), request.min_tokens
         req.grammar = self._grammar(request)
         req.n = max(request.n, 1)
-        if messages is not None:
+        if messages is not None and req.grammar is None:  # held to JSON from its first token: no thought
             req.begins_in_thought = begins_in_thought(self.tokenizer, prompt_ids)
         if request.conversation_id:
             self._marks(request, req, messages, kwargs)

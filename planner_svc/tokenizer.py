@@ -8,16 +8,16 @@ from typing import Any
 import jinja2
 
 from protos.model_files import load_tokenizer
-from protos.thought import ends_in_thought
+from protos.thought import opens_thought
 
 # What rendering a chat raises for the chat's own sake: the template refuses the messages (raise_exception), or a
 # request's variable has a type the template cannot use (a TypeError inside it), or nests too deep to copy.
 _RENDER_ERRORS = (jinja2.TemplateError, TypeError, RecursionError)
 
 
-# The tokens of a chat prompt's end that say whether its template opened a thought: the generation prompt's few
-# (Qwen3.5's "<|im_start|>assistant\n<think>\n"), with room for a longer one.
-THOUGHT_TAIL_TOKENS = 32
+# The tokens of a chat prompt's end that say whether its template opened a thought: the tag's and white space's
+# (Qwen3.5's "<think>\n" is two; a tokenizer without the tag as a token spells it in a few).
+THOUGHT_TAIL_TOKENS = 16
 
 # Names a chat template is given besides apply_chat_template's parameters, the special tokens and Jinja's own
 # globals: the messages, and the globals transformers adds.
@@ -63,9 +63,9 @@ def chat_ids(
 
 
 def begins_in_thought(tokenizer, prompt_ids: list[int]) -> bool:
-    """Whether a rendered chat's answer begins inside a thought: its template opened one at the end and did not
-    close it (a template with thinking off closes an empty one)."""
-    return ends_in_thought(tokenizer.decode(prompt_ids[-THOUGHT_TAIL_TOKENS:], skip_special_tokens=False))
+    """Whether a rendered chat's answer begins inside a thought: its template opened one at its end (a template
+    with thinking off closes an empty one)."""
+    return opens_thought(tokenizer.decode(prompt_ids[-THOUGHT_TAIL_TOKENS:], skip_special_tokens=False))
 
 
 def reserved_template_names(tokenizer) -> frozenset[str]:

@@ -4,6 +4,7 @@ where the planner finds a chat's answer begins inside a thought, and the gateway
 THOUGHT_OPEN, THOUGHT_END = "<think>", "</think>"
 
 
-def ends_in_thought(text: str) -> bool:
-    """Whether `text` leaves a thought open: its last THOUGHT_OPEN comes after its last THOUGHT_END."""
-    return text.rfind(THOUGHT_OPEN) > text.rfind(THOUGHT_END)
+def opens_thought(prompt: str) -> bool:
+    """Whether `prompt` ends by opening a thought (a generation prompt's "<think>\\n"; a <think> anywhere before
+    its end, a user's message that names the tag, is not one)."""
+    return prompt.rstrip().endswith(THOUGHT_OPEN)

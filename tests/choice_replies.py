@@ -15,7 +15,7 @@ from protos.wire import pack_i32
 class Both(NamedTuple):
     answer: dict[str, Any]  # the whole answer's choice
     content: str  # the stream's content deltas joined
-    thought: str  # its reasoning_content deltas joined
+    thought: str  # its deltas' thought (in reasoning_field) joined
     calls: list[dict[str, Any]]  # its tool_calls
     finish: str  # its finish reason
 
@@ -26,7 +26,7 @@ def both(
     stop_string: str = "",
     *,
     spec: ToolSpec | None = None,
-    reasoning: bool = False,
+    reasoning_field: str | None = None,
     begins_in_thought: bool = False,
 ) -> Both:
     """The whole answer and the stream of a choice whose responses carry `pieces` (the last with `finish`); token
@@ -35,7 +35,8 @@ def both(
         "chat", "chatcmpl-r", 1, "m", "", token_ids=True, include_usage=False, with_logprobs=False
     )
     streamed, whole = (
-        ChoiceState(0, 0, tool_spec=spec, streamed=stream, reasoning=reasoning) for stream in (True, False)
+        ChoiceState(0, 0, tool_spec=spec, streamed=stream, reasoning_field=reasoning_field)
+        for stream in (True, False)
     )
     responses = [
         client_pb2.GenerateResponse(text=piece, token_ids=pack_i32([i])) for i, piece in enumerate(pieces)
@@ -51,7 +52,7 @@ def both(
     return Both(
         answer,
         "".join(d["delta"].get("content") or "" for d in deltas),
-        "".join(d["delta"].get("reasoning_content") or "" for d in deltas),
+        "".join(d["delta"].get(reasoning_field or "") or "" for d in deltas),
         [c for d in deltas for c in d["delta"].get("tool_calls", ())],
         deltas[-1]["finish_reason"],
     )

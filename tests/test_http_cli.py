@@ -158,7 +158,7 @@ def test_the_http_port_binds_again_while_closed_connections_wait_out_time_wait()
 
 def test_a_worker_process_logs_under_the_command_that_started_it(capfd):
     """The children of `http --workers N` said "service": "up" on every line, as if `up` had started them; and
-    --reasoning-content reaches them."""
+    --reasoning-field reaches them."""
     import contextlib
     from types import SimpleNamespace
 
@@ -171,7 +171,7 @@ def test_a_worker_process_logs_under_the_command_that_started_it(capfd):
             trust=SimpleNamespace(server=SimpleNamespace(tls=None)),
             log_level="info",
             log_json=True,
-            reasoning_content=command == "up",
+            reasoning_field="reasoning_content" if command == "up" else "none",
         )
         async with contextlib.AsyncExitStack() as servers:  # no planner there: the API answers 503 meanwhile
             await start_http_api(servers, "127.0.0.1:1", args, 0, ChannelSecurity(), None, processes=1)
@@ -181,7 +181,8 @@ def test_a_worker_process_logs_under_the_command_that_started_it(capfd):
         lines = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
         listening = [line for line in lines if line["event"] == "HTTP API listening"]
         assert [line["service"] for line in listening] == [command], lines
-        assert [line["reasoning_content"] for line in listening] == [command == "up"]  # the flag reached it
+        field = "reasoning_content" if command == "up" else None
+        assert [line["reasoning_field"] for line in listening] == [field]  # the flag reached it
 
 
 def scrape(metrics_port: int) -> dict[tuple[str, tuple], float]:

@@ -226,7 +226,7 @@ async def test_an_error_after_the_stream_began_is_an_event_then_done():
     stream = cut()
     first = await anext(stream)
     writer = ChunkWriter("chat", "chatcmpl-r", 1, "m", "", False, False, False)
-    events = [e async for e in _events(writer, stream, [first], {0: ChoiceState(0, 0)})]
+    events = [e async for e in _events(writer, stream, [first], {0: ChoiceState(0, 0, streamed=True)})]
     assert [e.startswith(b"data: ") and e.endswith(b"\n\n") for e in events] == [True] * 3
     assert json.loads(events[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": "Hi"}
     assert json.loads(events[1][6:])["error"]["type"] == "service_unavailable_error"
@@ -237,7 +237,7 @@ async def test_an_error_after_the_stream_began_is_an_event_then_done():
 @pytest.mark.parametrize("token_ids", [True, False])
 def test_a_plain_chunk_written_directly_is_what_encoding_its_dict_writes(kind, token_ids):
     writer = ChunkWriter(kind, "cmpl-r", 1, "m", "", token_ids, True, False)
-    state = ChoiceState(0, 0)
+    state = ChoiceState(0, 0, streamed=True)
     writer.chunk(state, client_pb2.GenerateResponse(text="a"), [])  # the first chunk (role) is out
     for text, ids in [(' h\u00e9"\\\n\u2028\U0001f600', [5, 6]), ("", [7]), ("x", [])]:
         event = writer.chunk(state, client_pb2.GenerateResponse(text=text), ids)
@@ -260,6 +260,24 @@ def test_a_plain_chunk_written_directly_is_what_encoding_its_dict_writes(kind, t
             + json.dumps(choice, separators=(",", ":"), ensure_ascii=False).encode()
             + writer._tail
         )
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_a_plain_chunk_of_thought_written_directly_is_what_encoding_its_dict_writes(field):
+    writer = ChunkWriter("chat", "chatcmpl-r", 1, "m", "", False, False, False)
+    state = ChoiceState(0, 0, streamed=True, reasoning_field=field)
+    first = client_pb2.GenerateResponse(text="a", begins_in_thought=True)
+    writer.chunk(state, first, state.add(first))  # the first chunk (role) is out
+    for text, delta in [
+        (' h\u00e9"\n', {field: ' h\u00e9"\n'}),
+        ("b</think>\n", {field: "b", "content": "\n"}),
+    ]:
+        response = client_pb2.GenerateResponse(text=text)
+        event = writer.chunk(state, response, state.add(response))
+        choice = {"index": 0, "finish_reason": None, "logprobs": None, "delta": delta}
+        assert event == writer._head + json.dumps(
+            choice, separators=(",", ":"), ensure_ascii=False
+        ).encode() + (writer._tail)
 
 
 async def test_responses_that_arrived_together_go_out_as_one_group():

@@ -1,7 +1,8 @@
-"""A reasoning model's thought apart from its answer (reasoning_content): the split of a whole text, the stream
-agreeing with it however the text is cut, thoughts and tool calls together, where the planner finds a prompt
-opened a thought; and over the real stack (SmolLM2 served with a template that opens a thought when asked) the
-thought split whole and streamed, not split with thinking off or with --no-reasoning-content."""
+"""A reasoning model's thought apart from its answer (`reasoning`, or `reasoning_content`): the split of a whole
+text, the stream agreeing with it however the text is cut, thoughts and tool calls together, where the planner
+finds a prompt opened a thought; and over the real stack (SmolLM2 served with a template that opens a thought
+when asked) the thought split whole and streamed, for each choice; not split with thinking off, for an answer
+held to JSON, or with --reasoning-field none."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ CASES = [
     # (text, the prompt opened a thought, thought, content)
     ("plan\n</think>\n\nHello", True, "plan\n", "\n\nHello"),
     ("<think>\nplan</think>Hello", False, "\nplan", "Hello"),  # the model opens it (Qwen3)
+    ("<think>\nplan</think>Hello", True, "\nplan", "Hello"),  # and again, where the prompt did (R1 may)
+    ("  plan</think>Hello", True, "  plan", "Hello"),
     (" \n<think>plan</think>Hello", False, "plan", "Hello"),  # white space before the tag is not content
     ("still thinking", True, "still thinking", ""),  # cut by max_tokens inside the thought
     ("<think>still", False, "still", ""),
@@ -42,14 +45,14 @@ def test_a_whole_text_splits_into_thought_and_content(text, opened, thought, con
 def test_the_stream_agrees_with_the_whole_however_the_text_is_cut(text, opened, thought, content):
     cuts = [[text[:at], text[at:]] for at in range(len(text) + 1)] + [list(text)]
     for pieces in cuts:
-        stream = ThoughtStream.of(opened)
+        stream = ThoughtStream(opened)
         sent = [stream.feed(piece) for piece in pieces] + [stream.finish()]
         assert "".join(t for t, _ in sent) == (thought or "")
         assert "".join(c for _, c in sent) == content
 
 
 def test_a_thought_is_sent_as_it_comes_less_what_may_end_it():
-    stream = ThoughtStream.of(True)
+    stream = ThoughtStream(True)
     assert stream.feed("Let me see") == ("Let me see", "")
     assert stream.feed(". </th") == (". ", "")  # may be the end tag: held
     assert stream.feed("ink>Hi") == ("", "Hi")
@@ -62,20 +65,23 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_
 
 def test_whole_and_streamed_answers_carry_the_same_thought_and_content():
     pieces = ["I should", " greet.</th", "ink>\n\nHel", "lo!"]
-    result = both(pieces, client_pb2.FINISH_REASON_STOP, reasoning=True, begins_in_thought=True)
-    message = result.answer["message"]
-    assert (message["reasoning_content"], message["content"]) == ("I should greet.", "\n\nHello!")
-    assert (result.thought, result.content) == ("I should greet.", "\n\nHello!")
-    plain = both(pieces, client_pb2.FINISH_REASON_STOP, begins_in_thought=True)  # --no-reasoning-content
-    assert "reasoning_content" not in plain.answer["message"] and plain.thought == ""
+    for field in ("reasoning", "reasoning_content"):
+        result = both(pieces, client_pb2.FINISH_REASON_STOP, reasoning_field=field, begins_in_thought=True)
+        message = result.answer["message"]
+        assert (message[field], message["content"]) == ("I should greet.", "\n\nHello!")
+        assert (result.thought, result.content) == ("I should greet.", "\n\nHello!")
+    plain = both(pieces, client_pb2.FINISH_REASON_STOP, begins_in_thought=True)  # --reasoning-field none
+    assert set(plain.answer["message"]) == {"role", "content"}
     assert plain.answer["message"]["content"] == plain.content == "".join(pieces)
 
 
 def test_a_call_in_the_thought_is_thought_and_one_after_it_a_call():
     pieces = ["Maybe ", CALL[:20], CALL[20:], "? Yes.</think>", "\n", CALL]
-    result = both(pieces, client_pb2.FINISH_REASON_STOP, spec=SPEC, reasoning=True, begins_in_thought=True)
+    result = both(
+        pieces, client_pb2.FINISH_REASON_STOP, spec=SPEC, reasoning_field="reasoning", begins_in_thought=True
+    )
     message = result.answer["message"]
-    assert message["reasoning_content"] == result.thought == f"Maybe {CALL}? Yes."
+    assert message["reasoning"] == result.thought == f"Maybe {CALL}? Yes."
     assert message["content"] is None and result.content == ""  # white space alone before the call
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
     assert [c["function"]["name"] for c in result.calls] == ["get_weather"]
@@ -94,6 +100,8 @@ def test_the_planner_finds_a_prompt_that_opens_a_thought():
     }
     assert found == {True: True, False: False}  # off: the template closes an empty thought
     assert not begins_in_thought(tokenizer, chat_ids(tokenizer, messages, {}))
+    named = [{"role": "user", "content": "What does <think> do? <think>"}]  # the tag in a message opens none
+    assert not begins_in_thought(tokenizer, chat_ids(tokenizer, named, {}))
 
 
 # ---- over the stack ----
@@ -108,13 +116,13 @@ async def _answers(port: int, body: dict) -> tuple[dict, tuple[str, str]]:
             async for line in reply.aiter_lines():
                 if line.startswith("data: {"):
                     delta = json.loads(line[6:])["choices"][0]["delta"]
-                    thought.append(delta.get("reasoning_content") or "")
+                    thought.append(delta.get("reasoning") or "")
                     content.append(delta.get("content") or "")
     return whole, ("".join(thought), "".join(content))
 
 
 @pytest.mark.asyncio(loop_scope="session")
-async def test_a_thought_the_template_opens_is_reasoning_content_whole_and_streamed(templated):
+async def test_a_thought_the_template_opens_is_reasoning_whole_and_streamed(templated):
     from gateway_svc.http_server import start_gateway
 
     body = {
@@ -125,23 +133,28 @@ async def test_a_thought_the_template_opens_is_reasoning_content_whole_and_strea
     }
     thinking = {**body, "chat_template_kwargs": {"enable_thinking": True}}
     whole, streamed = await _answers(templated.gateway.port, thinking)
-    assert whole["reasoning_content"] and whole["content"] == ""  # SmolLM2 never closes the thought
-    assert streamed == (whole["reasoning_content"], "")
+    assert whole["reasoning"] and whole["content"] == ""  # SmolLM2 never closes the thought
+    assert streamed == (whole["reasoning"], "")
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{templated.gateway.port}", timeout=60) as client:
         reply = await client.post(
             "/v1/chat/completions", json={**thinking, "n": 2, "temperature": 1, "seed": 7}
         )
-    assert [bool(c["message"]["reasoning_content"]) for c in reply.json()["choices"]] == [True, True]
+    assert [bool(c["message"]["reasoning"]) for c in reply.json()["choices"]] == [True, True]
     assert [c["message"]["content"] for c in reply.json()["choices"]] == ["", ""]  # each choice begins in it
-    plain = await start_gateway(templated.stack.addr, reasoning_content=False)
+    plain = await start_gateway(templated.stack.addr, reasoning_field=None)
     try:
         raw, raw_streamed = await _answers(plain.port, thinking)
     finally:
         await plain.stop()
-    assert "reasoning_content" not in raw and raw["content"] == whole["reasoning_content"]
+    assert "reasoning" not in raw and raw["content"] == whole["reasoning"]
     assert raw_streamed == ("", raw["content"])
     off, off_streamed = await _answers(
         templated.gateway.port, {**body, "chat_template_kwargs": {"enable_thinking": False}}
     )
-    assert off["reasoning_content"] is None and off["content"]
+    assert off["reasoning"] is None and off["content"]
     assert off_streamed == ("", off["content"])
+    held, held_streamed = await _answers(
+        templated.gateway.port, {**thinking, "response_format": {"type": "json_object"}}
+    )  # held to JSON from its first token, the model writes no thought
+    assert held["reasoning"] is None and held["content"].lstrip().startswith("{")
+    assert held_streamed == ("", held["content"])

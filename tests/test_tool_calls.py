@@ -151,6 +151,8 @@ LLAMA_OSLO = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
         (LLAMA_OSLO.replace("get_weather", "get_time"), None, None),  # no such tool
         (LLAMA_OSLO[:-3], None, None),  # cut by max_tokens
         ('{"city": "Oslo"}', None, None),  # JSON, and no call
+        ('{"name": "get_weather", "description": "x"}', None, None),  # no parameters: not a call
+        (LLAMA_OSLO + LLAMA_OSLO, None, None),  # several without `;` between them
     ],
 )
 def test_llama_3s_bare_json_calls_are_found_where_they_are_the_whole_answer(text, content, cities):
@@ -183,6 +185,15 @@ def test_a_streamed_bare_json_answer_is_held_until_it_is_read_whole():
     pieces = ["\n", LLAMA_OSLO[:12], LLAMA_OSLO[12:]]
     answer, streamed, _, calls, finish = both(pieces, client_pb2.FINISH_REASON_STOP, spec=SPEC)
     assert answer["message"]["content"] is None and streamed == ""
+    assert (
+        _arguments(calls)
+        == _arguments(answer["message"]["tool_calls"])
+        == [("get_weather", {"city": "Oslo"})]
+    )
+    assert finish == answer["finish_reason"] == "tool_calls"
+    after_thought = ["<think>Oslo?</th", "ink>\n", LLAMA_OSLO[:12], LLAMA_OSLO[12:]]  # thoughts left as text
+    answer, streamed, _, calls, finish = both(after_thought, client_pb2.FINISH_REASON_STOP, spec=SPEC)
+    assert answer["message"]["content"] == streamed == "<think>Oslo?</think>\n"
     assert (
         _arguments(calls)
         == _arguments(answer["message"]["tool_calls"])
