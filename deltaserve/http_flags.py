@@ -14,8 +14,8 @@ def _add_reasoning_flag(flags: Flags) -> None:
         default="reasoning",
         choices=(*REASONING_FIELDS, "none"),
         help="the message field a chat answer's thought goes in (<think>...</think>: Qwen3, Qwen3.5, DeepSeek-R1), "
-        "apart from its content: reasoning (vLLM's since 0.11), reasoning_content (DeepSeek's API, vLLM's "
-        "before), or none: all of the text in content, as the model wrote it",
+        "apart from its content: reasoning (vLLM's name now), reasoning_content (DeepSeek's API, vLLM's "
+        "earlier name), or none: all of the text in content, as the model wrote it",
     )
 
 

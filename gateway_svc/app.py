@@ -21,6 +21,7 @@ from gateway_svc.http_errors import ApiError, install_error_handlers
 from gateway_svc.http_metrics import Count, CountResponses
 from gateway_svc.openai_replies import ChoiceState, ChunkWriter, Kind
 from gateway_svc.openai_schema import ChatCompletionBody, CompletionBody, GenerationBody
+from gateway_svc.reasoning import REASONING_FIELDS
 from gateway_svc.relay import (
     ModelCatalog,
     arrived_together,
@@ -303,6 +304,8 @@ def create_app(
         description="OpenAI-compatible chat and text completions over deltaserve's planner, with "
         "conversations (conversation_id) and shared prefixes (shared_prefix); see README's HTTP API.",
     )
+    if reasoning_field not in (None, *REASONING_FIELDS):
+        raise ValueError(f"reasoning_field {reasoning_field!r}: not one of {REASONING_FIELDS} or None")
     app.state.gateway = Gateway(planner, reasoning_field)
     install_error_handlers(app)
     app.include_router(router)

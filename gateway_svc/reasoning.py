@@ -16,8 +16,8 @@ from typing import Literal
 from gateway_svc.tool_calls import tag_begun
 from protos.thought import THOUGHT_END, THOUGHT_OPEN
 
-# The message field (and the delta's) a thought goes in: vLLM's since 0.11 (OpenRouter's too), and DeepSeek's API's
-# (vLLM's before).
+# The message field (and the delta's) a thought goes in: vLLM's name now (OpenRouter's too), and DeepSeek's API's
+# (vLLM's earlier name).
 REASONING_FIELDS = ("reasoning", "reasoning_content")
 
 Phase = Literal["opening", "thought", "answer"]  # opening: the text so far may still be a THOUGHT_OPEN

@@ -90,7 +90,8 @@ class ToolSpec:
             isinstance(c, dict) and {"name", "parameters"} <= set(c) for c in calls
         ):
             return None  # the grammar holds the answer to the schema: not expected
-        return "", [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+        written = _calls([(c["name"], c["parameters"]) for c in calls])
+        return None if written is None else ("", written)
 
 
 _DEFINITIONS = ("$defs", "definitions")
@@ -129,6 +130,15 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
+
+
+def _calls(found: Sequence[tuple[str, Any]]) -> list[dict[str, Any]] | None:
+    """OpenAI's tool_calls of (name, arguments) pairs; None where arguments nest too deep to write back as JSON
+    (read just under the recursion limit)."""
+    try:
+        return [_call(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in found]
+    except RecursionError:
+        return None
 
 
 def _named_call(call: Any) -> tuple[str, Any] | None:
@@ -247,7 +257,8 @@ def parse_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]] |
         found = _bare_calls(text[start:].rstrip()) if text.startswith("{", start) else None
     if found is None or any(name not in spec.parameters for name, _ in found):
         return None
-    return text[:start], [_call(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in found]
+    calls = _calls(found)
+    return None if calls is None else (text[:start], calls)
 
 
 def tag_begun(text: str, tag: str) -> int:

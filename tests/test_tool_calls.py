@@ -181,6 +181,14 @@ def test_a_streamed_call_and_the_whole_answer_agree(pieces, content):
     assert finish == answer["finish_reason"] == "tool_calls"
 
 
+def test_arguments_nested_too_deep_to_write_back_are_no_call():
+    """Read just under the recursion limit, they failed to be written back as JSON text: a 500."""
+    for depth in range(600, 1000):  # the depth that reads and does not write depends on the stack's own
+        nested = "[" * depth + "]" * depth
+        found = parse_calls(f'{{"name": "get_weather", "parameters": {{"a": {nested}}}}}', SPEC)
+        assert found is None or found[1][0]["function"]["name"] == "get_weather"
+
+
 def test_a_streamed_bare_json_answer_is_held_until_it_is_read_whole():
     pieces = ["\n", LLAMA_OSLO[:12], LLAMA_OSLO[12:]]
     answer, streamed, _, calls, finish = both(pieces, client_pb2.FINISH_REASON_STOP, spec=SPEC)
