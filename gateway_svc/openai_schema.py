@@ -27,13 +27,16 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     """One message; `content` as a string or a list of text parts (joined), null for an empty one; an
-    assistant's calls of tools, or the id of the call a tool message answers."""
+    assistant's calls of tools and its thought (as answers give it, under either name), or the id of the call a
+    tool message answers."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     role: Annotated[str, Field(min_length=1)]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_call_id: str | None = None
 
 

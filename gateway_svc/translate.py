@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway_svc.openai_schema import ChatCompletionBody, ChatMessage, CompletionBody, GenerationBody
+from gateway_svc.reasoning import REASONING_FIELDS
 from gateway_svc.tool_calls import ToolSpec
 from planner_svc.client import GenerateOptions
 
@@ -233,7 +234,25 @@ def _message(message: ChatMessage, index: int) -> dict[str, Any]:
         fields["tool_calls"] = message.tool_calls
     if message.tool_call_id:
         fields["tool_call_id"] = message.tool_call_id
+    thought = _thought(message, index)
+    if thought:
+        fields["reasoning"] = thought
     return fields
+
+
+def _thought(message: ChatMessage, index: int) -> str | None:
+    """An assistant message's thought, sent back as `reasoning` or (DeepSeek's name) `reasoning_content`."""
+    given = {name: value for name in REASONING_FIELDS if (value := getattr(message, name)) is not None}
+    if len(set(given.values())) > 1:
+        raise BadField(
+            f"messages.{index}.reasoning", f"messages[{index}]: reasoning and reasoning_content differ"
+        )
+    if given and message.role != "assistant":
+        name = next(iter(given))
+        raise BadField(
+            f"messages.{index}.{name}", f"messages[{index}]: only an assistant's message has a thought"
+        )
+    return next(iter(given.values()), None)
 
 
 def _tools(body: ChatCompletionBody) -> tuple[list[dict[str, Any]] | None, ToolSpec | None]:

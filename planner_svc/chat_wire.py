@@ -10,7 +10,8 @@ from typing import Any
 from protos import client_pb2
 
 _REQUIRED = {"role", "content"}
-_OPTIONAL = {"tool_calls", "tool_call_id"}  # an assistant's calls; the call a tool message answers
+# an assistant's calls and thought; the call a tool message answers
+_OPTIONAL = {"tool_calls", "reasoning", "tool_call_id"}
 
 
 def _json_text(field: str, value: Any) -> str:
@@ -34,8 +35,8 @@ def chat_messages(
     for i, message in enumerate(chat):
         if not isinstance(message, Mapping) or not _REQUIRED <= set(message) <= _REQUIRED | _OPTIONAL:
             raise ValueError(
-                f"chat message {i} must be a dict with 'role' and 'content' (and an assistant's 'tool_calls' or "
-                f"a tool's 'tool_call_id'), got {message!r}"
+                f"chat message {i} must be a dict with 'role' and 'content' (and an assistant's 'tool_calls' and "
+                f"'reasoning', or a tool's 'tool_call_id'), got {message!r}"
             )
         content = message["content"]
         if not isinstance(content, str | None):
@@ -46,6 +47,7 @@ def chat_messages(
                 content=content or "",  # None: an assistant's turn of tool calls alone
                 tool_calls=_json_text(f"chat message {i}'s tool_calls", message.get("tool_calls")),
                 tool_call_id=str(message.get("tool_call_id") or ""),
+                reasoning=str(message.get("reasoning") or ""),
             )
         )
     return client_pb2.ChatMessages(

@@ -62,6 +62,8 @@ def _message(index: int, message: client_pb2.ChatMessage) -> dict[str, Any]:
         fields["tool_calls"] = parse_tool_calls(index, message.tool_calls)
     if message.tool_call_id:
         fields["tool_call_id"] = message.tool_call_id
+    if message.reasoning:
+        fields["reasoning_content"] = message.reasoning  # the name Qwen3's and Qwen3.5's templates read
     return fields
 
 

@@ -233,7 +233,11 @@ def check_generate(request: client_pb2.GenerateRequest, limits: Limits) -> None:
         _check_text_size("text", len(request.text.encode("utf-8")), limits)
     elif kind == "chat":
         texts = [request.chat.tools, request.chat.template_kwargs]
-        texts += [t for m in request.chat.messages for t in (m.role, m.content, m.tool_calls, m.tool_call_id)]
+        texts += [
+            t
+            for m in request.chat.messages
+            for t in (m.role, m.content, m.tool_calls, m.tool_call_id, m.reasoning)
+        ]
         size = sum(len(text.encode("utf-8")) for text in texts)
         _check_text_size("chat", size, limits)
         # a chat template spends a token or more a message

@@ -1,7 +1,8 @@
 """A chat template for the tests of --chat-template, chat_template_kwargs and tools: ChatML as SmolLM2's own
 but without its default system turn, with Qwen3's tools (Hermes' <tool_call> form, tool answers in
 <tool_response>) and Qwen3's switch: an empty thinking block after the assistant's header when a request
-turns thinking off; one opened there (as Qwen3.5's template does) when it turns thinking on."""
+turns thinking off; one opened there (as Qwen3.5's template does) when it turns thinking on; an assistant's
+thought (reasoning_content) before its content."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ TOOLS_TEMPLATE = (
     "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
     "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.reasoning_content %}{{- '\\n<think>\\n' + message.reasoning_content + '\\n</think>\\n' }}{%- endif %}"
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls or [] %}{%- set call = tool_call.function %}"
     '{{- \'\\n<tool_call>\\n{"name": "\' + call.name + \'", "arguments": \' }}'

@@ -11,8 +11,10 @@ import json
 import httpx2 as httpx
 import pytest
 
+from gateway_svc.openai_schema import ChatCompletionBody
 from gateway_svc.reasoning import ThoughtStream, split_thought
 from gateway_svc.tool_calls import ToolSpec
+from gateway_svc.translate import BadField, chat_choices
 from planner_svc.tokenizer import begins_in_thought, chat_ids
 from protos import client_pb2
 from protos.model_files import load_tokenizer
@@ -59,6 +61,7 @@ def test_a_thought_is_sent_as_it_comes_less_what_may_end_it():
     assert stream.feed(" there") == ("", " there")
 
 
+USER = {"role": "user", "content": "Hi"}
 SPEC = ToolSpec({"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}})
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
 
@@ -102,6 +105,23 @@ def test_the_planner_finds_a_prompt_that_opens_a_thought():
     assert not begins_in_thought(tokenizer, chat_ids(tokenizer, messages, {}))
     named = [{"role": "user", "content": "What does <think> do? <think>"}]  # the tag in a message opens none
     assert not begins_in_thought(tokenizer, chat_ids(tokenizer, named, {}))
+
+
+def test_a_thought_sent_back_in_the_history_goes_to_the_planner_under_one_name():
+    thought = "The user greets."
+    for name in ("reasoning", "reasoning_content"):
+        said = {"role": "assistant", "content": "Hello!", name: thought}
+        body = ChatCompletionBody.model_validate({"model": "m", "messages": [USER, said, USER]})
+        [choice] = chat_choices(body, None, "r")
+        assert choice.options.chat[1] == {"role": "assistant", "content": "Hello!", "reasoning": thought}
+    for message, field, says in (
+        ({**USER, "reasoning": "x"}, "messages.0.reasoning", "only an assistant's message has a thought"),
+        ({"role": "assistant", "content": "", "reasoning": "a", "reasoning_content": "b"}, None, "differ"),
+    ):
+        body = ChatCompletionBody.model_validate({"model": "m", "messages": [message]})
+        with pytest.raises(BadField, match=says) as refused:
+            chat_choices(body, None, "r")
+        assert field is None or refused.value.param == field
 
 
 # ---- over the stack ----
@@ -158,3 +178,21 @@ async def test_a_thought_the_template_opens_is_reasoning_whole_and_streamed(temp
     )  # held to JSON from its first token, the model writes no thought
     assert held["reasoning"] is None and held["content"].lstrip().startswith("{")
     assert held_streamed == ("", held["content"])
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_thought_in_the_history_is_rendered_by_the_chat_template(templated):
+    messages = [USER, {"role": "assistant", "content": "Hello!"}, USER]
+    thought = {**messages[1], "reasoning": "The user greets; greet back."}
+    counts = []
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{templated.gateway.port}", timeout=60) as client:
+        for history in (messages, [USER, thought, USER]):
+            body = {"model": templated.model, "messages": history, "max_tokens": 1}
+            counts.append(
+                (await client.post("/v1/chat/completions", json=body)).json()["usage"]["prompt_tokens"]
+            )
+    tokenizer = templated.stack.planner.tokenizer
+    rendered = chat_ids(
+        tokenizer, [USER, {**messages[1], "reasoning_content": thought["reasoning"]}, USER], {}
+    )
+    assert counts[1] == len(rendered) > counts[0]  # given to the template as reasoning_content
