@@ -122,6 +122,7 @@ async def _answer(
     conversation = choices[0].options.conversation_id
     headers = _conversation_header(conversation)
     reasoning_field = gateway.reasoning_field if kind == "chat" else None
+    include_reasoning = not (isinstance(body, ChatCompletionBody) and body.include_reasoning is False)
     states = {
         index: ChoiceState(
             index,
@@ -129,6 +130,7 @@ async def _answer(
             tool_spec=c.tool_spec,
             streamed=bool(body.stream),
             reasoning_field=reasoning_field,
+            include_reasoning=include_reasoning,
         )
         for c in choices
         for index in c.indices()

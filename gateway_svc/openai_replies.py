@@ -41,9 +41,8 @@ class ChoiceState:
     )
     tool_spec: ToolSpec | None = None  # the tools it may call, and whether it must
     streamed: bool = False  # its text goes out as it comes (the streams below hold back what may be a tag)
-    reasoning_field: str | None = (
-        None  # the field a chat's thought goes in, apart from its content (None: not)
-    )
+    reasoning_field: str | None = None  # the field its thought goes in, apart from its content (None: none)
+    include_reasoning: bool = True  # the thought goes out in that field (false: it is dropped)
     begins_in_thought: bool = False  # its text begins inside a thought its prompt opened (its first response)
     call_stream: ToolCallStream | None = field(default=None, init=False)  # streamed: its text, held for calls
     thought_stream: ThoughtStream | None = field(default=None, init=False)  # streamed, with reasoning
@@ -91,7 +90,8 @@ class ChoiceState:
         text = "".join(self.text)
         message: dict[str, Any] = {"role": "assistant"}
         if self.reasoning_field is not None:
-            message[self.reasoning_field], text = split_thought(text, self.begins_in_thought)
+            thought, text = split_thought(text, self.begins_in_thought)
+            message[self.reasoning_field] = thought if self.include_reasoning else None
         parsed = self.tool_spec.find(text) if self.tool_spec is not None else None
         if parsed is None:
             message["content"] = text
@@ -115,7 +115,7 @@ class ChoiceState:
             if last:
                 rest, self.calls = self.call_stream.finish()
                 text += rest
-        return thought, text
+        return (thought if self.include_reasoning else ""), text
 
     @property
     def stop_reason(self) -> str | None:

@@ -27,6 +27,7 @@ def both(
     *,
     spec: ToolSpec | None = None,
     reasoning_field: str | None = None,
+    include_reasoning: bool = True,
     begins_in_thought: bool = False,
 ) -> Both:
     """The whole answer and the stream of a choice whose responses carry `pieces` (the last with `finish`); token
@@ -35,7 +36,14 @@ def both(
         "chat", "chatcmpl-r", 1, "m", "", token_ids=True, include_usage=False, with_logprobs=False
     )
     streamed, whole = (
-        ChoiceState(0, 0, tool_spec=spec, streamed=stream, reasoning_field=reasoning_field)
+        ChoiceState(
+            0,
+            0,
+            tool_spec=spec,
+            streamed=stream,
+            reasoning_field=reasoning_field,
+            include_reasoning=include_reasoning,
+        )
         for stream in (True, False)
     )
     responses = [

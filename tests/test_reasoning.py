@@ -73,6 +73,15 @@ def test_whole_and_streamed_answers_carry_the_same_thought_and_content():
         message = result.answer["message"]
         assert (message[field], message["content"]) == ("I should greet.", "\n\nHello!")
         assert (result.thought, result.content) == ("I should greet.", "\n\nHello!")
+    dropped = both(  # vLLM's include_reasoning: false
+        pieces,
+        client_pb2.FINISH_REASON_STOP,
+        reasoning_field="reasoning",
+        include_reasoning=False,
+        begins_in_thought=True,
+    )
+    assert dropped.answer["message"]["reasoning"] is None and dropped.thought == ""
+    assert dropped.answer["message"]["content"] == dropped.content == "\n\nHello!"
     plain = both(pieces, client_pb2.FINISH_REASON_STOP, begins_in_thought=True)  # --reasoning-field none
     assert set(plain.answer["message"]) == {"role", "content"}
     assert plain.answer["message"]["content"] == plain.content == "".join(pieces)
@@ -155,6 +164,10 @@ async def test_a_thought_the_template_opens_is_reasoning_whole_and_streamed(temp
     whole, streamed = await _answers(templated.gateway.port, thinking)
     assert whole["reasoning"] and whole["content"] == ""  # SmolLM2 never closes the thought
     assert streamed == (whole["reasoning"], "")
+    dropped, dropped_streamed = await _answers(
+        templated.gateway.port, {**thinking, "include_reasoning": False}
+    )
+    assert (dropped["reasoning"], dropped["content"], dropped_streamed) == (None, "", ("", ""))
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{templated.gateway.port}", timeout=60) as client:
         reply = await client.post(
             "/v1/chat/completions", json={**thinking, "n": 2, "temperature": 1, "seed": 7}
