@@ -7,6 +7,7 @@ held to JSON, or with --reasoning-field none."""
 from __future__ import annotations
 
 import json
+import random
 
 import httpx2 as httpx
 import pytest
@@ -209,3 +210,50 @@ async def test_a_thought_in_the_history_is_rendered_by_the_chat_template(templat
         tokenizer, [USER, {**messages[1], "reasoning_content": thought["reasoning"]}, USER], {}
     )
     assert counts[1] == len(rendered) > counts[0]  # given to the template as reasoning_content
+
+
+FRAGMENTS = [
+    "<think>",
+    "</think>",
+    "plan",
+    " ",
+    "\n",
+    "<tool_call>",
+    "</tool_call>",
+    CALL,
+    "{",
+    "}",
+    ";",
+    "é😀",
+    '"x"',
+]
+BARE = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_streamed_and_whole_answers_agree_on_random_texts_cut_at_random(seed):
+    """Texts of tags, calls (tagged and bare), JSON marks and white space, cut into pieces of 1 to 3 characters:
+    the stream's content, thought, calls and finish reason are the whole answer's, whatever the options."""
+    rng = random.Random(seed)
+    for _ in range(100):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randrange(0, 6)))
+        text += rng.choice(["", "</think>", "</think>\n"]) + rng.choice(["", BARE, CALL, f"{BARE}; {BARE}"])
+        pieces, at = [], 0
+        while at < len(text):
+            pieces.append(text[at : (at := at + rng.randrange(1, 4))])
+        pieces = pieces or [""]
+        options = dict(
+            spec=rng.choice([None, SPEC]),
+            reasoning_field=rng.choice([None, "reasoning"]),
+            begins_in_thought=rng.random() < 0.5,
+        )
+        result = both(
+            pieces, rng.choice([client_pb2.FINISH_REASON_STOP, client_pb2.FINISH_REASON_LENGTH]), **options
+        )
+        message = result.answer["message"]
+        assert (message["content"] or "", message.get("reasoning") or "") == (
+            result.content,
+            result.thought,
+        ), text
+        assert [c["function"] for c in message.get("tool_calls", ())] == [c["function"] for c in result.calls]
+        assert result.finish == result.answer["finish_reason"], text
