@@ -58,9 +58,7 @@ class Gateway:
 
     def __init__(self, planner: PlannerClient, reasoning_field: str | None) -> None:
         self.planner = planner
-        self.reasoning_field = (
-            reasoning_field  # where a chat's thought goes, apart from its content (None: not)
-        )
+        self.reasoning_field = reasoning_field  # where a chat's thought goes, apart from its content
         self.models = ModelCatalog(planner)
         self.started = int(time.time())
 

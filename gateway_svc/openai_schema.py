@@ -103,9 +103,7 @@ class ChatCompletionBody(GenerationBody):
     # checks the names)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # function tools, given to the chat template
-    include_reasoning: bool | None = (
-        None  # vLLM's: false leaves the thought out (and still out of the content)
-    )
+    include_reasoning: bool | None = None  # vLLM's: false leaves the thought out (still apart from content)
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: Any = None

@@ -249,6 +249,11 @@ def check_generate(request: client_pb2.GenerateRequest, limits: Limits) -> None:
         for index, message in enumerate(request.chat.messages):
             if not message.role:
                 raise InvalidRequest(f"chat.messages[{index}].role is empty; every chat message needs a role")
+            if message.reasoning and message.role != "assistant":
+                raise InvalidRequest(
+                    f"chat.messages[{index}].reasoning: only an assistant's message has a thought, not a "
+                    f"{message.role!r} one"
+                )
     elif kind == "token_ids":
         size = len(request.token_ids)
         if size % 4:

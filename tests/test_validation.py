@@ -60,6 +60,14 @@ def request(**fields) -> client_pb2.GenerateRequest:
             dict(chat=client_pb2.ChatMessages(messages=[client_pb2.ChatMessage(role="", content="y")])),
             "chat.messages[0].role is empty",
         ),
+        (
+            dict(
+                chat=client_pb2.ChatMessages(
+                    messages=[client_pb2.ChatMessage(role="user", content="y", reasoning="z")]
+                )
+            ),
+            "chat.messages[0].reasoning: only an assistant's message has a thought, not a 'user' one",
+        ),
         (  # empty messages are few bytes, but each is a token or more once templated
             dict(chat=client_pb2.ChatMessages(messages=[client_pb2.ChatMessage(role="u")] * 65)),
             "chat has 65 messages: more than the model's context of 64 tokens could hold",
